@@ -1,0 +1,105 @@
+"""Data configuration dataclasses (no jax import: sweeps expand configs without it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+# Per-feature cardinalities of the Criteo Kaggle display-advertising set (C1..C26), as used by
+# facebookresearch/dlrm and TorchRec. Criteo categoricals are hashed into tables of these sizes.
+CRITEO_KAGGLE_VOCAB_SIZES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+# Criteo Terabyte cardinalities capped at 40M rows (MLPerf DLRM "max_ind_range=40000000").
+CRITEO_TERABYTE_VOCAB_SIZES = (
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyntheticConfig:
+    """Stateless synthetic CTR data with a planted teacher (see ``data/synthetic.py``)."""
+
+    num_dense: int = 13
+    """Number of dense features (standard normal)."""
+    vocab_sizes: tuple[int, ...] = (1000,) * 8
+    """Rows of each sparse feature's table; its length is the number of sparse features F."""
+    max_hotness: tuple[int, ...] = (1,) * 8
+    """Maximum bag size per feature (same length as ``vocab_sizes``)."""
+    pooling: Literal["fixed", "uniform"] = "uniform"
+    """Bag-size distribution: ``fixed`` = always max_hotness; ``uniform`` = uniform on [1, max]."""
+    zipf_exponent: float = 1.1
+    """Id skew: P(rank r) ~ r^-s over a seeded permutation of the rows; 0 gives uniform ids."""
+    teacher_dim: int = 8
+    """Dimension of the teacher's latent vectors."""
+    interaction_order: int = 2
+    """Highest interaction order in the teacher's logit: 1 linear, 2 pairwise, 3 triple-wise."""
+    order_scales: tuple[float, ...] = (1.0, 1.5, 1.0)
+    """Scale of the order-1, order-2 and order-3 terms of the teacher logit."""
+    positive_rate: float = 0.25
+    """Approximate fraction of positive labels (sets the teacher's bias)."""
+    num_eval_examples: int = 65536
+    """Size of the held-out evaluation set (indices disjoint from training)."""
+
+    def __post_init__(self):
+        if len(self.vocab_sizes) != len(self.max_hotness):
+            raise ValueError(
+                f"vocab_sizes has {len(self.vocab_sizes)} entries but max_hotness has "
+                f"{len(self.max_hotness)}"
+            )
+        if not 1 <= self.interaction_order <= 3:
+            raise ValueError(f"interaction_order must be 1, 2 or 3, got {self.interaction_order}")
+        if len(self.order_scales) < self.interaction_order:
+            raise ValueError("order_scales needs one entry per interaction order")
+        if not 0.0 < self.positive_rate < 1.0:
+            raise ValueError(f"positive_rate must be in (0, 1), got {self.positive_rate}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CriteoConfig:
+    """Options of the raw Criteo TSV reader (see ``data/criteo/``)."""
+
+    vocab_sizes: tuple[int, ...] = CRITEO_KAGGLE_VOCAB_SIZES
+    """Hash buckets of C1..C26; bucket 0 of each is reserved for a missing value."""
+    hash_seed: int = 0
+    """Seed of the fixed categorical hash (never Python's ``hash``)."""
+    strict: bool = True
+    """Strict: a malformed row raises naming file, line, column. Lenient: reject and count it."""
+    rejects_path: str = ""
+    """Lenient mode writes rejected rows here ('' = ``<workdir>/criteo_rejects.tsv``)."""
+    max_rows: int = 0
+    """Read at most this many rows per file (0 = all)."""
+
+    def __post_init__(self):
+        if len(self.vocab_sizes) != 26:
+            raise ValueError(f"Criteo has 26 categorical features, got {len(self.vocab_sizes)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Which dataset, where it is, and how it is batched."""
+
+    kind: Literal["synthetic", "frappe", "criteo"] = "synthetic"
+    """Dataset family."""
+    train_path: str = ""
+    """Training file (Frappe: ``train.csv``; Criteo: a raw TSV, optionally .gz). Unused for synthetic."""
+    eval_path: str = ""
+    """Evaluation file of the same format as ``train_path``. Unused for synthetic."""
+    batch_size: int = 256
+    """Global training batch size (split over hosts and the data-parallel mesh axis)."""
+    eval_batch_size: int = 4096
+    """Global evaluation batch size; the last batch is padded with weight-0 examples."""
+    shuffle_seed: int = 0
+    """Seed of the training-order shuffle (a fresh permutation every epoch)."""
+    synthetic: SyntheticConfig = SyntheticConfig()
+    """Synthetic generator settings (kind='synthetic')."""
+    criteo: CriteoConfig = CriteoConfig()
+    """Criteo reader settings (kind='criteo')."""
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.eval_batch_size < 1:
+            raise ValueError("batch sizes must be >= 1")
+        if self.kind != "synthetic" and not self.train_path:
+            raise ValueError(f"data.kind={self.kind!r} needs data.train_path")

@@ -1,0 +1,254 @@
+"""Config machinery: frozen dataclasses, a preset registry, a JSON round trip, a tyro CLI.
+
+No jax import here, so sweeps and launchers can expand configs without it. The JSON round trip
+is hand-written (about 60 lines) because it must rebuild nested frozen dataclasses, tuples and
+literals exactly, with a clear error naming the field on a typo; ``dataclasses.asdict`` only goes
+one way and tyro's own serialisation is YAML of its CLI, not a stable file format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+# ------------------------------------------------------------------------------------------------
+# Shared component configs (models define their own in dlrm/config.py, wukong/config.py).
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DenseOptimConfig:
+    """Optimizer of the dense (MLP) parameters, built with optax."""
+
+    name: Literal["adam", "adamw", "sgd", "adagrad", "lamb", "lars"] = "adam"
+    """Optimizer family."""
+    learning_rate: float = 1e-3
+    """Peak learning rate."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to the peak over this many steps."""
+    decay: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step."""
+    end_lr_fraction: float = 0.0
+    """Final learning rate as a fraction of the peak (cosine/linear decay)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw, lamb, lars)."""
+    b1: float = 0.9
+    """First-moment decay (adam, adamw, lamb); momentum (sgd, lars)."""
+    b2: float = 0.999
+    """Second-moment decay (adam, adamw, lamb)."""
+    eps: float = 1e-8
+    """Numerical epsilon."""
+    grad_clip_norm: float = 0.0
+    """Clip the dense gradients' global norm to this (0 = off)."""
+
+    def __post_init__(self):
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingOptimConfig:
+    """Optimizer of the embedding tables (their own, as in DLRM and TorchRec)."""
+
+    name: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    """``sgd``; ``rowwise_adagrad`` (one accumulator per row, the mean of its squared grads);
+    ``adam`` (dense Adam on the tables, for comparison)."""
+    learning_rate: float = 0.01
+    """Learning rate of the tables."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 over this many steps."""
+    initial_accumulator: float = 0.0
+    """Initial value of the row-wise Adagrad accumulator."""
+    eps: float = 1e-8
+    """Numerical epsilon of row-wise Adagrad / Adam."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh and logical-axis rules (see ``recscale/sharding``)."""
+
+    data_parallel: int = -1
+    """Devices on the ``data`` mesh axis (-1 = all devices)."""
+    rules: Literal["replicated", "row_sharded"] = "row_sharded"
+    """Named rule set: ``row_sharded`` shards table rows over ``data``; ``replicated`` copies them."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The training loop."""
+
+    num_steps: int = 1000
+    """Training steps."""
+    seed: int = 0
+    """Seed of parameter init and of the step keys (``fold_in(key, step)``)."""
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only at the end)."""
+    eval_max_batches: int = 0
+    """Cap on evaluation batches during training (0 = the whole evaluation set)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    max_checkpoints: int = 3
+    """Checkpoints kept."""
+    async_checkpoint: bool = True
+    """Save checkpoints asynchronously (training continues during the write)."""
+    log_every: int = 50
+    """Append train metrics to metrics.jsonl every N steps."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self):
+        if self.num_steps < 0:
+            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Preset registry.
+
+_PRESETS: dict[str, Callable[[], Any]] = {}
+
+
+def register(name: str) -> Callable[[Callable[[], T]], Callable[[], T]]:
+    """Decorator registering a zero-argument preset function under ``name`` (e.g. ``dlrm/tiny``)."""
+
+    def deco(fn: Callable[[], T]) -> Callable[[], T]:
+        if name in _PRESETS:
+            raise ValueError(f"preset {name!r} registered twice")
+        _PRESETS[name] = fn
+        return fn
+
+    return deco
+
+
+def preset_names(prefix: str = "") -> list[str]:
+    return sorted(n for n in _PRESETS if n.startswith(prefix))
+
+
+def get_preset(name: str) -> Any:
+    if name not in _PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(preset_names())}")
+    return _PRESETS[name]()
+
+
+# ------------------------------------------------------------------------------------------------
+# JSON round trip.
+
+
+def to_dict(cfg: Any) -> Any:
+    """Config dataclass -> JSON-able nested dict (tuples become lists)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (tuple, list)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def from_dict(cls: type[T], data: Any, *, path: str = "config") -> T:
+    """Inverse of ``to_dict``; raises naming the field path on unknown or ill-typed fields."""
+    return _build(cls, data, path)
+
+
+def _build(tp: Any, data: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise TypeError(f"{path}: expected an object for {tp.__name__}, got {data!r}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp) if f.init}
+        unknown = set(data) - names
+        if unknown:
+            raise TypeError(f"{path}: unknown field(s) {sorted(unknown)} for {tp.__name__}")
+        kwargs = {k: _build(hints[k], v, f"{path}.{k}") for k, v in data.items()}
+        return tp(**kwargs)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(data, (list, tuple)):
+            raise TypeError(f"{path}: expected a list, got {data!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_build(args[0], v, f"{path}[{i}]") for i, v in enumerate(data))
+        return tuple(_build(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+    if origin is Literal:
+        if data not in typing.get_args(tp):
+            raise ValueError(f"{path}: {data!r} is not one of {typing.get_args(tp)}")
+        return data
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if data is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _build(a, data, path)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise TypeError(f"{path}: {data!r} matches none of {args}: {errors}")
+    if tp is float and isinstance(data, int) and not isinstance(data, bool):
+        return float(data)
+    if tp in (int, float, str, bool) and not isinstance(data, tp):
+        raise TypeError(f"{path}: expected {tp.__name__}, got {data!r}")
+    return data
+
+
+def save_json(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+
+
+def load_json(cls: type[T], path: str | Path) -> T:
+    return from_dict(cls, json.loads(Path(path).read_text()), path=str(path))
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI: ``python -m dlrm.train PRESET --workdir DIR [--train.num-steps 100 ...]``.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunArgs:
+    """Arguments every entry point takes besides the config."""
+
+    workdir: str
+    """Directory of this run: config.json, command.txt, checkpoints, metrics.jsonl."""
+
+
+def parse_preset_cli(
+    prefix: str, argv: list[str] | None = None, *, prog: str = ""
+) -> tuple[str, Any]:
+    """Parses ``PRESET --workdir DIR [overrides]``; returns ``(workdir, config)``.
+
+    The preset is looked up in the registry (``prefix`` is prepended when the name has no ``/``);
+    every config field can then be overridden with tyro's typed flags, e.g. ``--train.num-steps``.
+    """
+    import tyro  # noqa: PLC0415  (entry points only)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = preset_names(prefix)
+    if not argv or argv[0].startswith("-"):
+        usage = f"usage: {prog or 'python -m ' + prefix.rstrip('/') + '.train'} PRESET --workdir DIR [--field.sub value ...]"
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage + "\npresets: " + ", ".join(names))
+            raise SystemExit(0)
+        raise SystemExit(usage + "\npresets: " + ", ".join(names))
+    name = argv[0] if "/" in argv[0] else prefix + argv[0]
+    if name not in names:
+        raise SystemExit(f"unknown preset {argv[0]!r}; known: {', '.join(names)}")
+    default = get_preset(name)
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class _Args:
+        workdir: str
+        """Directory of this run: config.json, command.txt, checkpoints, metrics.jsonl."""
+        config: typing.Annotated[type(default), tyro.conf.arg(name="")] = default  # type: ignore[valid-type]
+
+    args = tyro.cli(_Args, args=argv[1:], prog=f"{prog} {name}".strip())
+    return args.workdir, args.config

@@ -1,0 +1,40 @@
+"""Test setup: 8 simulated CPU devices (set before jax initialises), shared fixtures."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data``; tests using it skip with a reason when it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data folder {SHARED_DATA} is absent (it is not redistributed)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def frappe_dir(shared_data: Path) -> Path:
+    d = shared_data / "frappe"
+    if not (d / "train.csv").is_file():
+        pytest.skip(f"{d}/train.csv is absent")
+    return d
+
+
+@pytest.fixture(scope="session")
+def criteo_sample(shared_data: Path) -> Path:
+    f = shared_data / "criteo_sample" / "train_head1999.tsv"
+    if not f.is_file():
+        pytest.skip(f"{f} is absent")
+    return f
