@@ -244,11 +244,15 @@ def parse_preset_cli(
         raise SystemExit(f"unknown preset {argv[0]!r}; known: {', '.join(names)}")
     default = get_preset(name)
 
-    @dataclasses.dataclass(frozen=True, kw_only=True)
-    class _Args:
-        workdir: str
-        """Directory of this run: config.json, command.txt, checkpoints, metrics.jsonl."""
-        config: typing.Annotated[type(default), tyro.conf.arg(name="")] = default  # type: ignore[valid-type]
-
-    args = tyro.cli(_Args, args=argv[1:], prog=f"{prog} {name}".strip())
+    # Built with make_dataclass because the field type (the preset's class) is only known here.
+    args_cls = dataclasses.make_dataclass(
+        "Args",
+        [
+            ("workdir", str),
+            ("config", typing.Annotated[type(default), tyro.conf.arg(name="")], dataclasses.field(default=default)),
+        ],
+        frozen=True,
+        kw_only=True,
+    )
+    args = tyro.cli(args_cls, args=argv[1:], prog=f"{prog} {name}".strip())
     return args.workdir, args.config

@@ -1,0 +1,62 @@
+"""DLRM configuration (no jax import)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from data.config import DataConfig
+from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, MeshConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DLRMModelConfig:
+    """The DLRM network."""
+
+    embed_dim: int = 16
+    """Embedding dimension D of every table."""
+    bottom_mlp: tuple[int, ...] = (64, 16)
+    """Bottom MLP layer sizes after the dense input (the last must equal embed_dim)."""
+    top_mlp: tuple[int, ...] = (64, 1)
+    """Top MLP layer sizes (the last must be 1: the logit)."""
+    interaction: Literal["dot", "cat"] = "dot"
+    """``dot``: pairwise dot products of the F(+1) vectors; ``cat``: concatenate them."""
+    self_interaction: bool = False
+    """Dot interaction: include each vector's dot with itself (the diagonal)."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """Pooling of multi-hot bags."""
+    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
+    """Table init (see recscale.embeddings.TableSpec)."""
+    embedding_init_scale: float = 0.01
+    """Std of ``normal`` table init."""
+    dropout: float = 0.0
+    """Dropout rate after each hidden layer of the top MLP (training only)."""
+
+    def __post_init__(self):
+        if not self.top_mlp or self.top_mlp[-1] != 1:
+            raise ValueError(f"top_mlp must end in 1 (the logit), got {self.top_mlp}")
+        if self.bottom_mlp and self.interaction == "dot" and self.bottom_mlp[-1] != self.embed_dim:
+            raise ValueError(
+                f"dot interaction needs bottom_mlp[-1] == embed_dim, got {self.bottom_mlp[-1]} vs "
+                f"{self.embed_dim}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DLRMConfig:
+    """A whole DLRM run: model, data, optimizers, loop, mesh."""
+
+    model: DLRMModelConfig = DLRMModelConfig()
+    """The network."""
+    data: DataConfig = DataConfig()
+    """Dataset and batching."""
+    dense_optim: DenseOptimConfig = DenseOptimConfig()
+    """Optimizer of the MLPs."""
+    embedding_optim: EmbeddingOptimConfig = EmbeddingOptimConfig()
+    """Optimizer of the embedding tables."""
+    train: TrainConfig = TrainConfig()
+    """Training loop."""
+    mesh: MeshConfig = MeshConfig()
+    """Device mesh and sharding rules."""

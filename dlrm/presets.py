@@ -1,0 +1,157 @@
+"""Named DLRM presets. Each docstring states its command and the expected result."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from data.config import (
+    CRITEO_KAGGLE_VOCAB_SIZES,
+    CRITEO_TERABYTE_VOCAB_SIZES,
+    CriteoConfig,
+    DataConfig,
+    SyntheticConfig,
+)
+from dlrm.config import DLRMConfig, DLRMModelConfig
+from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, TrainConfig, register
+
+SHARED_FRAPPE = "../shared/data/frappe"
+
+
+@register("dlrm/tiny")
+def tiny() -> DLRMConfig:
+    """Seconds on CPU; for tests, notebooks and dry runs.
+
+    ``python -m dlrm.train dlrm/tiny --workdir runs/tiny`` — 20 steps, AUC above 0.5.
+    """
+    return DLRMConfig(
+        model=DLRMModelConfig(embed_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1)),
+        data=DataConfig(
+            kind="synthetic",
+            batch_size=64,
+            eval_batch_size=256,
+            synthetic=SyntheticConfig(
+                num_dense=4,
+                vocab_sizes=(100, 50, 200, 30),
+                max_hotness=(1, 2, 1, 3),
+                num_eval_examples=1000,
+            ),
+        ),
+        dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
+        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
+        train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
+    )
+
+
+@register("dlrm/synthetic")
+def synthetic() -> DLRMConfig:
+    """The main job of ``make run``: planted-teacher synthetic data, multi-hot, Zipf ids.
+
+    ``python -m dlrm.train dlrm/synthetic --workdir runs/main`` — 600 steps of 1024 in about a
+    minute on 2 CPU cores; eval AUC well above 0.5 (see BENCHMARKS.md for the measured value).
+    """
+    return DLRMConfig(
+        model=DLRMModelConfig(embed_dim=16, bottom_mlp=(64, 32, 16), top_mlp=(128, 64, 1)),
+        data=DataConfig(
+            kind="synthetic",
+            batch_size=1024,
+            eval_batch_size=4096,
+            synthetic=SyntheticConfig(
+                num_dense=13,
+                vocab_sizes=(10000, 5000, 2000, 1000, 500, 200, 100, 50),
+                max_hotness=(3, 1, 5, 1, 2, 1, 1, 4),
+                num_eval_examples=65536,
+            ),
+        ),
+        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
+        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
+        train=TrainConfig(num_steps=600, log_every=50, eval_every=200, eval_max_batches=4, checkpoint_every=200),
+    )
+
+
+@register("dlrm/frappe")
+def frappe() -> DLRMConfig:
+    """Frappe (BARS Frappe_x1) from ``../shared/data/frappe``, BARS-style settings.
+
+    ``python -m dlrm.train dlrm/frappe --workdir runs/frappe`` — validation AUC >= 0.983
+    (published DLRM test AUC 0.9846, BARS 0.9840); time and numbers in BENCHMARKS.md.
+    """
+    return DLRMConfig(
+        model=DLRMModelConfig(
+            embed_dim=10, bottom_mlp=(), top_mlp=(400, 400, 400, 1), interaction="dot",
+            embedding_init="normal", embedding_init_scale=1e-4, dropout=0.2,
+        ),
+        data=DataConfig(
+            kind="frappe",
+            train_path=f"{SHARED_FRAPPE}/train.csv",
+            eval_path=f"{SHARED_FRAPPE}/valid.csv",
+            batch_size=4096,
+            eval_batch_size=8192,
+        ),
+        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3),
+        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-3),
+        train=TrainConfig(num_steps=1000, log_every=50, eval_every=100, checkpoint_every=500),
+    )  # fmt: skip
+
+
+def _criteo(vocab_sizes: tuple[int, ...]) -> DataConfig:
+    return DataConfig(
+        kind="criteo",
+        train_path="data/criteo/train.txt",
+        eval_path="data/criteo/valid.txt",
+        batch_size=128,
+        eval_batch_size=16384,
+        criteo=CriteoConfig(vocab_sizes=vocab_sizes),
+    )
+
+
+@register("dlrm/criteo-kaggle")
+def criteo_kaggle() -> DLRMConfig:
+    """facebookresearch/dlrm's Kaggle config: D=16, bottom 13-512-256-64-16, top 512-256-1,
+    SGD lr 0.1, batch 128. Point ``--data.train-path``/``--data.eval-path`` at the raw TSVs.
+
+    ``python -m dlrm.train dlrm/criteo-kaggle --workdir runs/kaggle --data.train-path ...``
+    (reference DLRM reaches about 0.803 test AUC after one epoch).
+    """
+    return DLRMConfig(
+        model=DLRMModelConfig(embed_dim=16, bottom_mlp=(512, 256, 64, 16), top_mlp=(512, 256, 1)),
+        data=_criteo(CRITEO_KAGGLE_VOCAB_SIZES),
+        dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
+        embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=0.1),
+        train=TrainConfig(num_steps=306_969, log_every=1000, eval_every=0, checkpoint_every=10_000),
+    )
+
+
+@register("dlrm/criteo-terabyte")
+def criteo_terabyte() -> DLRMConfig:
+    """facebookresearch/dlrm's Terabyte config: D=64, bottom 13-512-256-64, top 512-512-256-1,
+    max_ind_range 10M, SGD lr 0.1, batch 2048.
+
+    ``python -m dlrm.train dlrm/criteo-terabyte --workdir runs/tb --data.train-path ...``
+    """
+    vocab = tuple(min(v, 10_000_000) for v in CRITEO_TERABYTE_VOCAB_SIZES)
+    data = dataclasses.replace(_criteo(vocab), batch_size=2048)
+    return DLRMConfig(
+        model=DLRMModelConfig(embed_dim=64, bottom_mlp=(512, 256, 64), top_mlp=(512, 512, 256, 1)),
+        data=data,
+        dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
+        embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=0.1),
+        train=TrainConfig(num_steps=2_000_000, log_every=1000, checkpoint_every=20_000),
+    )
+
+
+@register("dlrm/criteo-mlperf")
+def criteo_mlperf() -> DLRMConfig:
+    """MLPerf DLRM (v1) on Criteo Terabyte: D=128, bottom 13-512-256-128,
+    top 1024-1024-512-256-1, 40M-row cap, batch 65536, SGD with warmup and decay.
+
+    ``python -m dlrm.train dlrm/criteo-mlperf --workdir runs/mlperf --data.train-path ...``
+    (MLPerf target: 0.8025 AUC).
+    """
+    data = dataclasses.replace(_criteo(CRITEO_TERABYTE_VOCAB_SIZES), batch_size=65536)
+    return DLRMConfig(
+        model=DLRMModelConfig(embed_dim=128, bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1)),
+        data=data,
+        dense_optim=DenseOptimConfig(name="sgd", learning_rate=24.0, b1=0.0, warmup_steps=2750, decay="linear"),
+        embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=24.0, warmup_steps=2750),
+        train=TrainConfig(num_steps=64_000, log_every=500, checkpoint_every=5000),
+    )

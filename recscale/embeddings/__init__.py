@@ -1,0 +1,6 @@
+"""Embedding tables, feature routing and pooled lookups (sharding and sparse updates build here)."""
+
+from recscale.embeddings.collection import EmbeddingCollection, EmbeddingTable
+from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature
+
+__all__ = ["EmbeddingCollection", "EmbeddingTable", "FeatureSpec", "TableSpec", "one_table_per_feature"]

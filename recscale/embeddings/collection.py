@@ -1,0 +1,103 @@
+"""EmbeddingCollection: the tables of a model and the pooled lookup of multi-hot bags.
+
+Models call only ``EmbeddingCollection(ids_bfh) -> emb_bfd``. How rows are stored, sharded,
+looked up and updated is this module's business (and the sharded/sparse engine's later), so it
+can change without touching model code.
+
+Dimension glossary: ``B`` batch, ``F`` features, ``H`` bag slots, ``D`` embedding dim,
+``V`` table rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from recscale import sharding
+from recscale.embeddings.spec import FeatureSpec, TableSpec
+
+
+class EmbeddingTable(nnx.Param):
+    """A table's parameter type: optimizers and the trainer select tables by this type."""
+
+
+def _init_table(spec: TableSpec, rows: int, key: jax.Array, dtype) -> jax.Array:
+    if spec.init == "uniform_sqrt_rows":
+        bound = 1.0 / jnp.sqrt(spec.num_rows)
+        table = jax.random.uniform(key, (rows, spec.dim), dtype, -bound, bound)
+    else:
+        table = spec.init_scale * jax.random.normal(key, (rows, spec.dim), dtype)
+    # Padding rows (never looked up) are zero, so they do not change norms or checkpoints.
+    return table.at[spec.num_rows :].set(0)
+
+
+class EmbeddingCollection(nnx.Module):
+    """Tables plus feature->table routing; pooled lookups of ``[B, F, H]`` id bags."""
+
+    def __init__(
+        self,
+        tables: tuple[TableSpec, ...],
+        features: tuple[FeatureSpec, ...],
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+    ):
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table names in {names}")
+        by_name = {t.name: t for t in tables}
+        for f in features:
+            if f.table not in by_name:
+                raise ValueError(f"feature {f.name!r} reads unknown table {f.table!r}")
+        self.table_specs = nnx.static(tuple(tables))
+        self.feature_specs = nnx.static(tuple(features))
+        self.tables = nnx.Dict(
+            {
+                t.name: sharding.param(
+                    EmbeddingTable,
+                    _init_table(t, sharding.padded_rows(t.num_rows), rngs.params(), param_dtype),
+                    "vocab",
+                    "embed",
+                )
+                for t in tables
+            }
+        )
+
+    @property
+    def output_dims(self) -> tuple[int, ...]:
+        by_name = {t.name: t for t in self.table_specs}
+        return tuple(by_name[f.table].dim for f in self.feature_specs)
+
+    def lookup(self, ids_bfh: jax.Array) -> list[jax.Array]:
+        """Pooled embedding of every feature: a list of F arrays ``[B, D_f]``."""
+        if ids_bfh.ndim != 3 or ids_bfh.shape[1] != len(self.feature_specs):
+            raise ValueError(
+                f"ids must be [B, F={len(self.feature_specs)}, H], got shape {ids_bfh.shape}"
+            )
+        out = []
+        for f, feat in enumerate(self.feature_specs):
+            table_vd = self.tables[feat.table][...]
+            ids_bh = ids_bfh[:, f, : feat.max_hotness]
+            valid_bh = ids_bh >= 0
+            safe_bh = jnp.where(valid_bh, ids_bh, 0)
+            # A loop over bag slots: XLA does not fuse gather + sum, and take(...).sum(1) would
+            # materialise a [B, H, D] temporary per feature.
+            pooled_bd = None
+            for h in range(feat.max_hotness):
+                rows_bd = jnp.take(table_vd, safe_bh[:, h], axis=0)
+                rows_bd = jnp.where(valid_bh[:, h, None], rows_bd, 0)
+                pooled_bd = rows_bd if pooled_bd is None else pooled_bd + rows_bd
+            if feat.pooling == "mean":
+                count_b1 = jnp.maximum(valid_bh.sum(axis=1, keepdims=True), 1)
+                pooled_bd = pooled_bd / count_b1.astype(pooled_bd.dtype)
+            out.append(pooled_bd)
+        return out
+
+    def __call__(self, ids_bfh: jax.Array) -> jax.Array:
+        """Pooled embeddings stacked as ``[B, F, D]`` (all tables must share D)."""
+        dims = set(self.output_dims)
+        if len(dims) != 1:
+            raise ValueError(f"stacking needs one embedding dim, tables have {sorted(dims)}; use lookup()")
+        emb_bfd = jnp.stack(self.lookup(ids_bfh), axis=1)
+        return sharding.constrain(emb_bfd, "batch", None, None)

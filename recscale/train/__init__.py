@@ -1,0 +1,1 @@
+"""Training: TrainState, pure steps, the loop, checkpoints."""

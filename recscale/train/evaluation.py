@@ -1,0 +1,55 @@
+"""Checkpoint evaluation: rebuild a run from its workdir, restore parameters, evaluate.
+
+The JSON contract (later tooling depends on it): one object on the last line of stdout with at
+least ``auc``, ``logloss``, ``ne``, ``calibration``, ``num_examples``, ``step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from recscale import config as config_lib
+from recscale import sharding
+from recscale.train.checkpoint import Checkpointer
+from recscale.train.loop import BuildModel, Experiment
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalArgs:
+    """Evaluate a saved run."""
+
+    workdir: str
+    """The run's directory (holds config.json and checkpoints/)."""
+    step: int | None = None
+    """Checkpoint step to evaluate (default: the latest)."""
+    data_path: str | None = None
+    """Evaluate on this file instead of the run's eval set (same format as the run's dataset)."""
+    output: str | None = None
+    """Also write the metrics JSON object to this file."""
+
+
+def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) -> dict:
+    workdir = Path(args.workdir)
+    cfg_path = workdir / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: is {workdir} a recscale run directory?")
+    cfg = config_lib.load_json(config_cls, cfg_path)
+    ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
+    step = args.step if args.step is not None else ckpt.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoints in {ckpt.directory}")
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.activate(mesh, cfg.mesh.rules):
+        exp = Experiment.build(cfg, build_model, eval_path=args.data_path, with_optimizer=False)
+        params, meta = ckpt.restore_params(step, exp.state.params)
+        metrics = exp.evaluate(params)
+    ckpt.close()
+    result: dict[str, Any] = {**metrics, "step": int(meta.get("step", step))}
+    result["data_path"] = args.data_path or cfg.data.eval_path or f"synthetic:{cfg.data.kind}"
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, sort_keys=True) + "\n")
+    return result

@@ -1,0 +1,263 @@
+"""The training loop: mesh once, restore first, jitted pure steps, eval, checkpoints, metrics.
+
+Model families plug in with ``build_model(cfg, schema, rngs) -> nnx.Module`` whose
+``__call__(dense_bn, ids_bfh, *, dropout_key=None)`` returns logits ``[B]``. The config is any
+family config with the fields ``data``, ``dense_optim``, ``embedding_optim``, ``train``, ``mesh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from data.batch import Batch, Schema
+from data.sources import DataSource, make_source
+from recscale import config as config_lib
+from recscale import optim, sharding
+from recscale.embeddings import EmbeddingTable
+from recscale.metrics import EvalAccumulator
+from recscale.train.checkpoint import Checkpointer
+from recscale.train.steps import TrainState, make_eval_step, make_train_step
+
+BuildModel = Callable[[Any, Schema, nnx.Rngs], nnx.Module]
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_labels(params: Any) -> Any:
+    """``"embedding"`` for EmbeddingTable variables, ``"dense"`` for the rest (for optax routing)."""
+    return jax.tree.map(
+        lambda v: "embedding" if isinstance(v, EmbeddingTable) else "dense", params, is_leaf=_is_var
+    )
+
+
+def make_optimizer(cfg: Any):
+    """The combined optimizer: dense optax chain + the tables' own optimizer."""
+    steps = cfg.train.num_steps
+    return optim.combine(
+        optim.dense_optimizer(cfg.dense_optim, steps),
+        optim.embedding_optimizer(cfg.embedding_optim, steps),
+        param_labels,
+    )
+
+
+@dataclasses.dataclass
+class Experiment:
+    """A model, its data and its sharded state, built under an active mesh."""
+
+    cfg: Any
+    source: DataSource
+    graphdef: nnx.GraphDef
+    params_sharding: Any
+    tx: Any
+    state: TrainState
+    state_sharding: Any
+
+    @classmethod
+    def build(
+        cls,
+        cfg: Any,
+        build_model: BuildModel,
+        *,
+        workdir: str | None = None,
+        eval_path: str | None = None,
+        with_optimizer: bool = True,
+    ) -> Experiment:
+        """Builds data source, model, optimizer and a freshly initialised sharded state.
+
+        Must be called inside ``sharding.activate(mesh, rules)``.
+        """
+        mesh = sharding.active_mesh()
+        if mesh is None:
+            raise RuntimeError("Experiment.build needs an active mesh (sharding.activate)")
+        data_size = sharding.axis_size("batch")
+        pcount = jax.process_count()
+        for name, b in (("data.batch_size", cfg.data.batch_size), ("data.eval_batch_size", cfg.data.eval_batch_size)):
+            if b % data_size or b % pcount:
+                raise ValueError(
+                    f"{name}={b} must be divisible by the {data_size} data-parallel devices and "
+                    f"{pcount} processes"
+                )
+        source = make_source(
+            cfg.data,
+            process_index=jax.process_index(),
+            process_count=pcount,
+            eval_path=eval_path,
+            rejects_dir=workdir,
+        )
+        model = build_model(cfg, source.schema, nnx.Rngs(params=cfg.train.seed))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise ValueError(f"model has non-parameter state, unsupported by this trainer: {rest}")
+        params_sharding = sharding.state_shardings(params)
+        params = jax.device_put(params, params_sharding)
+        tx = make_optimizer(cfg) if with_optimizer else None
+        if tx is not None:
+            opt_state = jax.jit(tx.init)(params)
+        else:
+            opt_state = None
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+        state_sharding = jax.tree.map(lambda x: x.sharding, state)
+        return cls(cfg, source, graphdef, params_sharding, tx, state, state_sharding)
+
+    def device_batch(self, batch: Batch) -> Batch:
+        """Host-local numpy batch -> global jax arrays sharded over ``batch``."""
+        return Batch(
+            *(
+                jax.make_array_from_process_local_data(sharding.batch_sharding(np.ndim(x)), np.asarray(x))
+                for x in batch
+            )
+        )
+
+    def evaluate(self, params: Any, *, max_batches: int = 0) -> dict:
+        """Exact metrics over the evaluation set (or its first ``max_batches`` batches)."""
+        eval_step = jax.jit(make_eval_step(self.graphdef))
+        acc = EvalAccumulator()
+        for i, batch in enumerate(self.source.eval_batches()):
+            if max_batches and i >= max_batches:
+                break
+            dbatch = self.device_batch(batch)
+            logits = eval_step(params, dbatch)
+            logits, labels, weights = (
+                np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                for x in (logits, dbatch.labels_b, dbatch.weights_b)
+            )
+            acc.update(logits, labels, weights)
+        return acc.result()
+
+
+def write_run_files(workdir: Path, cfg: Any, argv: list[str] | None) -> None:
+    """``config.json`` (the resolved config) and ``command.txt`` (every invocation, appended)."""
+    if jax.process_index() != 0:
+        return
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_lib.save_json(cfg, workdir / "config.json")
+    cmd = shlex.join([Path(sys.executable).name, *(sys.argv if argv is None else argv)])
+    with open(workdir / "command.txt", "a") as f:
+        f.write(cmd + "\n")
+
+
+class MetricsWriter:
+    """Appends JSON rows to ``<workdir>/metrics.jsonl`` (process 0 only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.enabled = jax.process_index() == 0
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def _progress(enabled: bool, total: int, start: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    prog = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        disable=not enabled or jax.process_index() != 0,
+    )
+    task = prog.add_task("train", total=total, completed=start, info="")
+    return prog, task
+
+
+def _prefetch(source: DataSource, start: int, stop: int) -> Iterator[tuple[int, Batch]]:
+    """Host batches for steps [start, stop), produced one step ahead on a thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        fut = pool.submit(source.train_batch, start) if start < stop else None
+        for step in range(start, stop):
+            batch = fut.result()
+            fut = pool.submit(source.train_batch, step + 1) if step + 1 < stop else None
+            yield step, batch
+
+
+def train(
+    cfg: Any, build_model: BuildModel, workdir: str | Path, *, argv: list[str] | None = None
+) -> dict:
+    """Trains ``cfg`` in ``workdir`` (resuming from its latest checkpoint) and returns final eval."""
+    workdir = Path(workdir)
+    write_run_files(workdir, cfg, argv)
+    mesh = sharding.make_mesh(cfg.mesh)
+    tcfg = cfg.train
+    with sharding.activate(mesh, cfg.mesh.rules):
+        exp = Experiment.build(cfg, build_model, workdir=str(workdir))
+        state = exp.state
+        ckpt = Checkpointer(
+            workdir / "checkpoints", max_to_keep=tcfg.max_checkpoints, async_save=tcfg.async_checkpoint
+        )
+        writer = MetricsWriter(workdir / "metrics.jsonl")
+        latest = ckpt.latest_step()
+        if latest is not None:
+            params, opt_state, meta = ckpt.restore(latest, state.params, state.opt_state)
+            state = TrainState(
+                step=jax.device_put(jnp.asarray(meta["step"], jnp.int32), sharding.replicated()),
+                params=params,
+                opt_state=opt_state,
+            )
+            print(f"restored checkpoint step {latest} from {ckpt.directory}", file=sys.stderr)
+        start = int(state.step)
+
+        train_step = jax.jit(
+            make_train_step(exp.graphdef, exp.tx, tcfg.seed),
+            in_shardings=(exp.state_sharding, None),
+            out_shardings=(exp.state_sharding, None),
+            donate_argnums=(0,),
+        )
+
+        def save(step: int, state: TrainState) -> None:
+            ckpt.save(step, state.params, state.opt_state, {"step": step})
+
+        prog, task = _progress(tcfg.progress, tcfg.num_steps, start)
+        pending: list[dict] = []
+        t_last, step_last = time.perf_counter(), start
+        examples_per_step = cfg.data.batch_size
+        with prog:
+            for step, host_batch in _prefetch(exp.source, start, tcfg.num_steps):
+                state, metrics = train_step(state, exp.device_batch(host_batch))
+                pending.append(metrics)
+                done = step + 1
+                if done % tcfg.log_every == 0 or done == tcfg.num_steps:
+                    rows = jax.device_get(pending)
+                    pending = []
+                    now = time.perf_counter()
+                    eps = (done - step_last) * examples_per_step / max(now - t_last, 1e-9)
+                    t_last, step_last = now, done
+                    row = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+                    if not np.isfinite(row["loss"]):
+                        raise FloatingPointError(f"non-finite training loss {row['loss']} at step {done}")
+                    row.update(step=done, split="train", examples_per_sec=eps)
+                    writer.write(row)
+                    prog.update(task, info=f"loss {row['loss']:.4f}  {eps:,.0f} ex/s")
+                prog.update(task, completed=done)
+                if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps:
+                    ev = exp.evaluate(state.params, max_batches=tcfg.eval_max_batches)
+                    writer.write({"step": done, "split": "eval", **ev})
+                if tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0 and done != tcfg.num_steps:
+                    save(done, state)
+        final_step = int(state.step)
+        if ckpt.latest_step() != final_step:
+            save(final_step, state)
+        ev = exp.evaluate(state.params)
+        writer.write({"step": final_step, "split": "eval", **ev})
+        ckpt.close()
+    return {"step": final_step, **ev}
