@@ -34,25 +34,41 @@ from recscale.train.steps import TrainState, make_eval_step, make_train_step
 BuildModel = Callable[[Any, Schema, nnx.Rngs], nnx.Module]
 
 
-def _is_var(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
+def make_optimizer(cfg: Any, params: Any):
+    """The combined optimizer: dense optax chain + the tables' own optimizer.
 
-
-def param_labels(params: Any) -> Any:
-    """``"embedding"`` for EmbeddingTable variables, ``"dense"`` for the rest (for optax routing)."""
-    return jax.tree.map(
-        lambda v: "embedding" if isinstance(v, EmbeddingTable) else "dense", params, is_leaf=_is_var
-    )
-
-
-def make_optimizer(cfg: Any):
-    """The combined optimizer: dense optax chain + the tables' own optimizer."""
+    Tables are routed by type (``EmbeddingTable``); the label tree is computed once from the
+    typed state, because optax calls a label function on params at init but on grads at update.
+    """
     steps = cfg.train.num_steps
     return optim.combine(
         optim.dense_optimizer(cfg.dense_optim, steps),
         optim.embedding_optimizer(cfg.embedding_optim, steps),
-        param_labels,
+        optim.embedding_labels(params, EmbeddingTable),
     )
+
+
+def opt_state_shardings(abstract_opt_state: Any, params: Any) -> Any:
+    """Shardings of optimizer-state leaves, matched to parameters by shape.
+
+    A leaf shaped like a parameter (Adam moments) takes its sharding; a leaf shaped like a
+    parameter minus its last axis (the row-wise Adagrad accumulator ``[V]`` of a table ``[V, D]``)
+    takes the parameter's spec minus the last axis; anything else, or a shape that several
+    differently sharded parameters share, is replicated.
+    """
+    by_shape: dict[tuple, set] = {}
+    for p in jax.tree.leaves(params):
+        spec = tuple(p.sharding.spec) + (None,) * (p.ndim - len(p.sharding.spec))
+        by_shape.setdefault(tuple(p.shape), set()).add(spec)
+        by_shape.setdefault(tuple(p.shape[:-1]), set()).add(spec[:-1])
+    mesh = sharding.active_mesh()
+
+    def one(leaf):
+        specs = by_shape.get(tuple(leaf.shape), set())
+        spec = next(iter(specs)) if len(specs) == 1 else ()
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+    return jax.tree.map(one, abstract_opt_state)
 
 
 @dataclasses.dataclass
@@ -105,12 +121,15 @@ class Experiment:
             raise ValueError(f"model has non-parameter state, unsupported by this trainer: {rest}")
         params_sharding = sharding.state_shardings(params)
         params = jax.device_put(params, params_sharding)
-        tx = make_optimizer(cfg) if with_optimizer else None
+        tx = make_optimizer(cfg, params) if with_optimizer else None
         if tx is not None:
-            opt_state = jax.jit(tx.init)(params)
+            abstract = jax.eval_shape(tx.init, params)
+            opt_sharding = opt_state_shardings(abstract, params)
+            opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
         else:
             opt_state = None
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+        step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated())
+        state = TrainState(step=step, params=params, opt_state=opt_state)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
         return cls(cfg, source, graphdef, params_sharding, tx, state, state_sharding)
 

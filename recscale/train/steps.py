@@ -35,7 +35,7 @@ def weighted_bce(logits_b: jax.Array, labels_b: jax.Array, weights_b: jax.Array)
 
 
 def _norm(tree: Any) -> jax.Array:
-    return optax.global_norm(tree)
+    return optax.tree.norm(tree)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, seed: int):

@@ -1,0 +1,592 @@
+"""Streaming, validating reader of the raw Criteo TSV (Kaggle Display Advertising / Terabyte).
+
+Format: one example per line, 40 tab-separated columns ``label, I1..I13, C1..C26``; lines end in
+``\\n`` (``\\r\\n`` is accepted and stripped). A UTF-8 byte-order mark before line 1 is stripped.
+Files whose name ends in ``.gz`` are read as gzip (multi-member streams included). Lines are
+numbered from 1 per file; an empty line is a row, and a malformed one (wrong column count), but
+the end of the last line needs no newline.
+
+Validation, per column (anything else is a malformed row):
+  * ``label``: exactly ``0`` or ``1``.
+  * ``I1..I13``: empty (missing) or a base-10 integer ``-?[0-9]+`` in int32 range
+    ``[-2**31, 2**31 - 1]``. Reasons ``non-integer`` / ``out-of-range integer``.
+  * ``C1..C26``: empty (missing) or exactly 8 hex digits, either case. Reason ``bad hex``.
+  * exactly 40 columns. Reason ``wrong column count``.
+  * a gzip stream that ends early or is corrupt. Reason ``truncated gzip``.
+
+Strict mode (``CriteoConfig.strict``) raises :class:`CriteoFormatError` at the first malformed
+row, naming file, 1-based line, column and value (for a truncated gzip: the last good line).
+Lenient mode writes every rejected row to a rejects file and counts it by reason in
+:class:`ReadStats`; nothing is dropped silently, and ``rows_read == rows_kept + rows_rejected``.
+A truncated gzip is one counted reject (its partial last line, possibly empty, is the row), and
+reading of that file stops there; later files are still read.
+
+Rejects file: a TSV with the header ``file, line, reason, column, row``; ``row`` is the
+original line verbatim (without its line ending), so split each record with ``maxsplit=4``.
+
+Categorical hashing (:func:`hash_categorical`): the 8 hex digits are a uint32 value ``v``.
+With ``key = (feature_index << 32) | v`` (unique per feature and value) and the 64-bit splitmix64
+finaliser ``fmix`` (the output mix of splitmix64, a bijection on uint64)::
+
+    s = fmix((seed + 0x9E3779B97F4A7C15) mod 2**64)
+    bucket = 1 + fmix((key + s) mod 2**64) mod (vocab_size - 1)
+
+so valid ids are ``[1, vocab_size)`` and bucket 0 is reserved for a missing (empty) value. With
+``vocab_size == 1`` every value maps to 0. The hash is fixed, seeded and independent of Python's
+``hash`` (and so of ``PYTHONHASHSEED``); it is vectorised in numpy uint64 arithmetic.
+
+Integer transform (:func:`transform_dense`): ``sign(x) * log1p(|x|)`` as float32, missing -> 0.
+Negative values (they occur in I2 of the real data) stay distinguishable from positive ones. The
+facebookresearch/dlrm reference instead clips negatives to 0 and then takes ``log(x + 1)``; for
+``x >= 0`` ours equals theirs.
+
+Speed: each chunk of lines is parsed by a vectorised numpy byte scanner; only rare fields
+(integers longer than 11 characters) are checked per value in Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import IO
+
+import numpy as np
+
+from data.batch import Batch, FeatureInfo, Schema
+from data.config import CriteoConfig
+
+CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))
+"""Names of the 13 integer columns, in file order (axis N of ``dense_bn``)."""
+CRITEO_SPARSE = tuple(f"C{i}" for i in range(1, 27))
+"""Names of the 26 categorical columns, in file order (axis F of ``ids_bfh``)."""
+CRITEO_COLUMNS = ("label", *CRITEO_DENSE, *CRITEO_SPARSE)
+"""All 40 columns of a raw line, in order."""
+
+REJECTS_HEADER = "file\tline\treason\tcolumn\trow\n"
+"""First line of a rejects file."""
+
+# Reasons, in the order used by the parser's reason codes (code = index + 1).
+_REASONS = (
+    "wrong column count",
+    "bad label",
+    "non-integer",
+    "out-of-range integer",
+    "bad hex",
+    "truncated gzip",
+)
+_COUNT, _LABEL, _NONINT, _RANGE, _HEX, _TRUNC = range(1, 7)
+
+_NCOL = 40
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
+_INT_FAST_WIDTH = 11  # "-2147483648" is 11 characters; longer fields take the slow path.
+_INT_RE = re.compile(rb"-?[0-9]+")
+_BOM = b"\xef\xbb\xbf"
+_BLOCK_BYTES = 1 << 22
+_TAB, _NL, _MINUS, _ZERO = 9, 10, ord("-"), ord("0")
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+# ASCII byte -> hex nibble value, -1 for a non-hex byte.
+_HEX_LUT = np.full(256, -1, np.int16)
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX_LUT[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+    _HEX_LUT[_c] = 10 + _i
+# Two ASCII bytes read as a little-endian uint16 -> their byte value, -1 if not both hex.
+_lo, _hi = _HEX_LUT[np.arange(65536) & 0xFF], _HEX_LUT[np.arange(65536) >> 8]
+_HEX_PAIR_LUT = np.where((_lo >= 0) & (_hi >= 0), _lo * 16 + _hi, -1).astype(np.int16)
+del _lo, _hi
+
+
+class CriteoFormatError(ValueError):
+    """A raw Criteo file breaks the format; the message names file, line, column and value."""
+
+    def __init__(self, path: str, line: int, column: str, reason: str, value: bytes, detail: str):
+        self.path = path
+        self.line = line
+        self.column = column
+        self.reason = reason
+        self.value = value
+        super().__init__(f"{path}:{line}: column {column}: {reason} {_show(value)} ({detail})")
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """Counts of one read (accumulated over all files and chunks)."""
+
+    rows_read: int = 0
+    """Rows (lines) read, including rejected ones and a truncated gzip's partial line."""
+    rows_kept: int = 0
+    """Rows that passed validation and were returned."""
+    rows_rejected: int = 0
+    """Rows rejected in lenient mode (written to the rejects file)."""
+    rejects_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Rejected rows per reason (``wrong column count``, ``bad hex``, ...)."""
+    files: list[str] = dataclasses.field(default_factory=list)
+    """Files opened, in order."""
+    rejects_path: str = ""
+    """Where rejected rows were written ('' in strict mode)."""
+
+    def check(self) -> None:
+        """Raises AssertionError unless ``rows_read == rows_kept + rows_rejected`` (and per reason)."""
+        if self.rows_read != self.rows_kept + self.rows_rejected:
+            raise AssertionError(
+                f"rows_read {self.rows_read} != rows_kept {self.rows_kept} + rows_rejected "
+                f"{self.rows_rejected}"
+            )
+        if sum(self.rejects_by_reason.values()) != self.rows_rejected:
+            raise AssertionError(
+                f"rejects_by_reason {self.rejects_by_reason} does not sum to {self.rows_rejected}"
+            )
+
+    def report(self) -> str:
+        """One line for logs, e.g. ``criteo: 1999 rows read = 1990 kept + 9 rejected (...)``."""
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejects_by_reason.items()))
+        where = f" -> {self.rejects_path}" if self.rejects_path else ""
+        return (
+            f"criteo: {self.rows_read} rows read = {self.rows_kept} kept + {self.rows_rejected} "
+            f"rejected ({reasons or 'none'}){where} from {len(self.files)} file(s)"
+        )
+
+    __str__ = report
+
+    def _reject(self, reason: str) -> None:
+        self.rows_rejected += 1
+        self.rejects_by_reason[reason] = self.rejects_by_reason.get(reason, 0) + 1
+
+
+def criteo_schema(vocab_sizes: Sequence[int]) -> Schema:
+    """The schema of Criteo batches: 13 dense features, 26 one-hot features of these sizes."""
+    if len(vocab_sizes) != len(CRITEO_SPARSE):
+        raise ValueError(f"Criteo has 26 categorical features, got {len(vocab_sizes)} vocab sizes")
+    return Schema(
+        dense_names=CRITEO_DENSE,
+        features=tuple(
+            FeatureInfo(name=n, vocab_size=int(v), max_hotness=1)
+            for n, v in zip(CRITEO_SPARSE, vocab_sizes, strict=True)
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------- hashing, transform
+
+
+def _fmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output mix on uint64 arrays (wrapping arithmetic, a bijection)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
+    return z ^ (z >> np.uint64(31))
+
+
+def _seed_offset(seed: int) -> np.uint64:
+    z = (int(seed) + _GOLDEN) & _MASK64
+    return _fmix64(np.array([z], np.uint64))[0]
+
+
+def _hash_u32(
+    values: np.ndarray, missing: np.ndarray, feature_index, vocab_size, seed: int
+) -> np.ndarray:
+    """Buckets of uint32 ``values``; ``feature_index``/``vocab_size`` broadcast against them."""
+    f = np.asarray(feature_index, np.uint64)
+    v = np.asarray(vocab_size, np.int64)
+    if (v < 1).any():
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    key = (f << np.uint64(32)) | values.astype(np.uint64)
+    z = _fmix64(key + _seed_offset(seed))
+    span = np.maximum(v - 1, 1).astype(np.uint64)
+    ids = (np.uint64(1) + z % span).astype(np.int32)
+    return np.where(missing | (v == 1), np.int32(0), ids).astype(np.int32)
+
+
+def _parse_hex_strings(hex_values) -> tuple[np.ndarray, np.ndarray]:
+    vals = [v.encode("ascii", "replace") if isinstance(v, str) else bytes(v) for v in hex_values]
+    out = np.zeros(len(vals), np.uint32)
+    missing = np.zeros(len(vals), bool)
+    for i, s in enumerate(vals):
+        if not s:
+            missing[i] = True
+        elif len(s) != 8 or (_HEX_LUT[np.frombuffer(s, np.uint8)] < 0).any():
+            raise ValueError(f"bad hex {_show(s)} at index {i}: expected 8 hex digits or empty")
+        else:
+            out[i] = int(s, 16)
+    return out, missing
+
+
+def hash_categorical(hex_values, feature_index: int, vocab_size: int, seed: int) -> np.ndarray:
+    """Hashes one categorical feature's values to ids in ``[0, vocab_size)`` (module docstring).
+
+    Args:
+      hex_values: 8-hex-digit strings (str or bytes; '' = missing -> 0), or unsigned integer
+        values (uint32 range; none counts as missing).
+      feature_index: 0-based index of the feature (0 for C1), so equal values of different
+        features hash independently.
+      vocab_size: number of buckets; bucket 0 is reserved for missing values.
+      seed: hash seed.
+
+    Returns:
+      int32 ids, the shape of ``hex_values``.
+    """
+    arr = np.asarray(hex_values)
+    if arr.dtype.kind in "iu":
+        if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+            raise ValueError("integer categorical values must be in uint32 range")
+        return _hash_u32(arr.astype(np.uint32), np.zeros(arr.shape, bool), feature_index,
+                         vocab_size, seed)  # fmt: skip
+    flat, missing = _parse_hex_strings(arr.reshape(-1).tolist())
+    ids = _hash_u32(flat, missing, feature_index, vocab_size, seed)
+    return ids.reshape(arr.shape)
+
+
+def transform_dense(raw: np.ndarray, missing: np.ndarray | None = None) -> np.ndarray:
+    """``sign(x) * log1p(|x|)`` as float32; entries where ``missing`` is True become 0.
+
+    For ``x >= 0`` this equals facebookresearch/dlrm's ``log(x + 1)``; unlike dlrm, negatives
+    are not clipped to 0 (so -1 maps to -log 2, not 0).
+    """
+    x = np.asarray(raw, np.float64)
+    out = np.sign(x) * np.log1p(np.abs(x))
+    if missing is not None:
+        out = np.where(missing, 0.0, out)
+    return out.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- line reading
+
+
+@dataclasses.dataclass
+class _Lines:
+    first_line: int  # 1-based number of lines[0] in its file
+    lines: list[bytes]
+
+
+@dataclasses.dataclass
+class _Truncated:
+    line: int  # 1-based number of the partial (lost) line: last good line + 1
+    fragment: bytes
+    error: str
+
+
+def _open(path: str) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+
+
+def _iter_lines(path: str, chunk_rows: int, max_rows: int) -> Iterator[_Lines | _Truncated]:
+    """Lines of ``path`` (BOM and line endings stripped) in blocks of at most ``chunk_rows``."""
+    pending: list[bytes] = []
+    emitted = 0  # lines already yielded
+    rest = b""
+    at_start = True
+    with _open(path) as f:
+        while True:
+            try:
+                block = f.read1(_BLOCK_BYTES)
+            except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+                if pending:
+                    yield _Lines(emitted + 1, pending)
+                    emitted += len(pending)
+                yield _Truncated(emitted + 1, rest, f"{type(e).__name__}: {e}")
+                return
+            data = rest + block
+            if at_start:
+                if block and len(data) < len(_BOM):
+                    rest = data
+                    continue
+                if data.startswith(_BOM):
+                    data = data[len(_BOM) :]
+                at_start = False
+            if block:
+                parts = data.split(b"\n")
+                rest = parts.pop()
+            else:
+                parts = [data] if data else []
+                rest = b""
+            if b"\r" in data:
+                parts = [p[:-1] if p.endswith(b"\r") else p for p in parts]
+            done = not block
+            if max_rows > 0 and emitted + len(pending) + len(parts) >= max_rows:
+                parts = parts[: max_rows - emitted - len(pending)]
+                done = True
+            pending.extend(parts)
+            while len(pending) >= chunk_rows or (done and pending):
+                out, pending = pending[:chunk_rows], pending[chunk_rows:]
+                yield _Lines(emitted + 1, out)
+                emitted += len(out)
+            if done:
+                return
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+@dataclasses.dataclass
+class _Parsed:
+    kept: np.ndarray  # int64 [m] indices (into the chunk's lines) of valid rows
+    labels: np.ndarray  # uint8 [m]
+    ints: np.ndarray  # int64 [m, 13]
+    int_missing: np.ndarray  # bool [m, 13]
+    cats: np.ndarray  # uint32 [m, 26]
+    cat_missing: np.ndarray  # bool [m, 26]
+    errors: list[tuple[int, int, int, bytes]]  # (line index, column or -1, reason code, value)
+
+
+def _separators(arr: np.ndarray) -> np.ndarray:
+    """Positions of tabs and newlines (uint8 ``b - 9`` wraps below 9, so only 9, 10 are < 2)."""
+    return np.flatnonzero((arr - np.uint8(_TAB)) < 2)
+
+
+def _gather(windows: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """``[..., width]`` bytes from each start (one index per field, not per byte)."""
+    return windows[starts][..., :width]
+
+
+def _parse_lines(lines: list[bytes]) -> _Parsed:
+    """Validates and converts a block of lines (no line endings) with vectorised numpy."""
+    n = len(lines)
+    errors: list[tuple[int, int, int, bytes]] = []
+    buf = b"\n".join(lines) + b"\n"
+    arr = np.frombuffer(buf, np.uint8)
+    seps = _separators(arr)
+    fields_per_line = np.diff(np.flatnonzero(arr[seps] == _NL), prepend=-1)
+    kept = np.arange(n)
+    if (fields_per_line != _NCOL).any():
+        good = fields_per_line == _NCOL
+        for i in np.flatnonzero(~good):
+            errors.append((int(i), -1, _COUNT, b"%d columns" % fields_per_line[i]))
+        kept = np.flatnonzero(good)
+        buf = b"".join(lines[i] + b"\n" for i in kept)
+        arr = np.frombuffer(buf, np.uint8)
+        seps = _separators(arr)
+    m = kept.size
+    # Every field is followed by a separator, so a window of _INT_FAST_WIDTH bytes from any
+    # field start stays inside ``padded``; windows past a field's end are masked by its length.
+    padded = np.concatenate([arr, np.zeros(_INT_FAST_WIDTH, np.uint8)])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, _INT_FAST_WIDTH)
+    ends = seps.reshape(m, _NCOL)
+    starts = np.empty_like(ends)
+    starts.reshape(-1)[1:] = seps[:-1] + 1
+    if m:
+        starts[0, 0] = 0
+    lens = ends - starts
+    code = np.zeros((m, _NCOL), np.int8)
+
+    # label
+    first = padded[starts[:, 0]]
+    code[:, 0] = np.where((lens[:, 0] == 1) & ((first == _ZERO) | (first == _ZERO + 1)), 0, _LABEL)
+    labels = (first - _ZERO).astype(np.uint8)
+
+    # integers: optional '-', then >= 1 digits; Horner over the first 11 characters.
+    s_i, l_i = starts[:, 1:14], lens[:, 1:14]
+    g = _gather(windows, s_i, _INT_FAST_WIDTH)
+    pos = np.arange(_INT_FAST_WIDTH)
+    neg = (l_i > 0) & (g[..., 0] == _MINUS)
+    digit_zone = (pos >= neg[..., None]) & (pos < l_i[..., None])
+    digit = g - np.uint8(_ZERO)  # wraps: a non-digit byte gives a value >= 10
+    chars_ok = (~digit_zone | (digit < 10)).all(-1) & (l_i - neg >= 1)
+    val = np.zeros(l_i.shape, np.int64)
+    for k in range(_INT_FAST_WIDTH):
+        val = np.where(digit_zone[..., k], val * 10 + digit[..., k], val)
+    val = np.where(neg, -val, val)
+    in_range = (val >= _INT_MIN) & (val <= _INT_MAX)
+    int_code = np.where(chars_ok, np.where(in_range, 0, _RANGE), _NONINT)
+    int_code = np.where(l_i == 0, 0, int_code)
+    for r, c in np.argwhere(l_i > _INT_FAST_WIDTH):  # rare: leading zeros or huge numbers
+        s = buf[starts[r, c + 1] : ends[r, c + 1]]
+        if not _INT_RE.fullmatch(s):
+            int_code[r, c] = _NONINT
+        elif _INT_MIN <= int(s) <= _INT_MAX:
+            int_code[r, c], val[r, c] = 0, int(s)
+        else:
+            int_code[r, c] = _RANGE
+    code[:, 1:14] = int_code
+    ints = np.where(l_i == 0, 0, val)
+
+    # categoricals: empty or exactly 8 hex digits
+    s_c, l_c = starts[:, 14:], lens[:, 14:]
+    # 8 bytes per field as one uint64 (an unaligned strided view), decoded 2 bytes at a time.
+    u64 = np.ndarray((padded.size - 7,), dtype="<u8", buffer=padded, strides=(1,))
+    pairs = u64[s_c].view("<u2").reshape(*s_c.shape, 4)
+    byte_vals = _HEX_PAIR_LUT[pairs]  # int16 [m, 26, 4], -1 = not two hex digits
+    present = l_c > 0
+    hex_ok = ~present | ((l_c == 8) & (byte_vals >= 0).all(-1))
+    code[:, 14:] = np.where(hex_ok, 0, _HEX)
+    bv = np.where(hex_ok[..., None] & present[..., None], byte_vals, 0).astype(np.uint32)
+    cats = (bv[..., 0] << 24) | (bv[..., 1] << 16) | (bv[..., 2] << 8) | bv[..., 3]
+
+    bad = (code != 0).any(1)
+    if bad.any():
+        for r in np.flatnonzero(bad):
+            c = int(np.argmax(code[r] != 0))
+            errors.append((int(kept[r]), c, int(code[r, c]), buf[starts[r, c] : ends[r, c]]))
+        errors.sort()
+        ok = ~bad
+        kept, labels, ints = kept[ok], labels[ok], ints[ok]
+        l_i, cats, present = l_i[ok], cats[ok], present[ok]
+    return _Parsed(kept, labels, ints, l_i == 0, cats, ~present, errors)
+
+
+# ----------------------------------------------------------------------------- public readers
+
+
+def _show(value: bytes) -> str:
+    return repr(value.decode("utf-8", "backslashreplace"))
+
+
+_DETAIL = {
+    _COUNT: "expected 40 tab-separated columns: label, I1..I13, C1..C26",
+    _LABEL: "expected exactly '0' or '1'",
+    _NONINT: "expected empty or a base-10 integer",
+    _RANGE: f"expected an integer in int32 range [{_INT_MIN}, {_INT_MAX}]",
+    _HEX: "expected empty or exactly 8 hex digits",
+}
+
+
+def _column_name(c: int) -> str:
+    return "(row)" if c < 0 else CRITEO_COLUMNS[c]
+
+
+def _as_paths(paths) -> list[str]:
+    return [os.fspath(p) for p in ([paths] if isinstance(paths, str | os.PathLike) else paths)]
+
+
+def _rejects_target(cfg: CriteoConfig, rejects_path: str | None) -> str:
+    path = rejects_path if rejects_path is not None else cfg.rejects_path
+    if not cfg.strict and not path:
+        raise ValueError(
+            "lenient Criteo reading (strict=False) needs a rejects file: pass rejects_path= or "
+            "set CriteoConfig.rejects_path"
+        )
+    return path if not cfg.strict else ""
+
+
+def iter_criteo_chunks(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    cfg: CriteoConfig,
+    *,
+    chunk_rows: int = 65536,
+    stats: ReadStats | None = None,
+    rejects_path: str | None = None,
+) -> Iterator[Batch]:
+    """Streams raw Criteo TSV file(s) as Batches of at most ``chunk_rows`` kept rows.
+
+    Batches never span files; a chunk whose rows were all rejected yields nothing. Labels are
+    0/1, ``dense_bn`` is :func:`transform_dense` of I1..I13, ``ids_bfh`` is
+    :func:`hash_categorical` of C1..C26 with ``cfg.vocab_sizes`` and ``cfg.hash_seed`` (shape
+    ``[B, 26, 1]``), weights are 1.
+
+    Args:
+      paths: a file or a list of files (``.gz`` = gzip).
+      cfg: reader options (strict/lenient, hashing, ``max_rows`` per file).
+      chunk_rows: lines parsed per step.
+      stats: if given, counts are accumulated into it as reading proceeds.
+      rejects_path: lenient mode's rejects file; overrides ``cfg.rejects_path``.
+
+    Raises:
+      CriteoFormatError: strict mode, at the first malformed row.
+      ValueError: lenient mode without a rejects file.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    files = _as_paths(paths)
+    stats = stats if stats is not None else ReadStats()
+    rej_path = _rejects_target(cfg, rejects_path)
+    stats.rejects_path = rej_path
+    vocab = np.asarray(cfg.vocab_sizes, np.int64)
+    feat = np.arange(len(CRITEO_SPARSE), dtype=np.uint64)
+    rej = open(rej_path, "wb") if rej_path else None  # noqa: SIM115
+    try:
+        if rej is not None:
+            rej.write(REJECTS_HEADER.encode())
+            rej.flush()
+        for path in files:
+            stats.files.append(path)
+            for block in _iter_lines(path, chunk_rows, cfg.max_rows):
+                if isinstance(block, _Truncated):
+                    stats.rows_read += 1
+                    if rej is None:
+                        raise CriteoFormatError(
+                            path, block.line, "(file)", "truncated gzip", block.fragment,
+                            f"the gzip stream ends early or is corrupt after line "
+                            f"{block.line - 1}, the last good line: {block.error}",
+                        )  # fmt: skip
+                    _write_reject(rej, path, block.line, _TRUNC, "(file)", block.fragment)
+                    stats._reject(_REASONS[_TRUNC - 1])
+                    break
+                p = _parse_lines(block.lines)
+                if p.errors and rej is None:
+                    i, c, r, value = p.errors[0]
+                    raise CriteoFormatError(
+                        path, block.first_line + i, _column_name(c), _REASONS[r - 1], value,
+                        _DETAIL[r],
+                    )  # fmt: skip
+                stats.rows_read += len(block.lines)
+                for i, c, r, _ in p.errors:
+                    _write_reject(
+                        rej, path, block.first_line + i, r, _column_name(c), block.lines[i]
+                    )
+                    stats._reject(_REASONS[r - 1])
+                stats.rows_kept += p.kept.size
+                if p.kept.size == 0:
+                    continue
+                ids = _hash_u32(p.cats, p.cat_missing, feat, vocab, cfg.hash_seed)
+                yield Batch(
+                    dense_bn=transform_dense(p.ints, p.int_missing),
+                    ids_bfh=ids[:, :, None],
+                    labels_b=p.labels.astype(np.float32),
+                    weights_b=np.ones(p.kept.size, np.float32),
+                )
+            if rej is not None:
+                rej.flush()
+    finally:
+        if rej is not None:
+            rej.close()
+
+
+def _write_reject(
+    rej: IO[bytes], path: str, line: int, reason: int, column: str, row: bytes
+) -> None:
+    head = f"{path}\t{line}\t{_REASONS[reason - 1]}\t{column}\t"
+    rej.write(head.encode("utf-8", "surrogateescape") + row + b"\n")  # the row byte for byte
+
+
+def count_criteo_rows(
+    paths: str | os.PathLike | Sequence[str | os.PathLike], cfg: CriteoConfig
+) -> int:
+    """Rows (lines) the reader would read from ``paths`` under ``cfg.max_rows``, unparsed.
+
+    A truncated gzip counts its partial line as one row, as the reader does.
+    """
+    total = 0
+    for path in _as_paths(paths):
+        for block in _iter_lines(path, 65536, cfg.max_rows):
+            total += 1 if isinstance(block, _Truncated) else len(block.lines)
+    return total
+
+
+def read_criteo(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    cfg: CriteoConfig,
+    *,
+    rejects_path: str | None = None,
+    chunk_rows: int = 65536,
+) -> tuple[Batch, ReadStats]:
+    """Reads whole raw Criteo file(s) into one Batch (see :func:`iter_criteo_chunks`).
+
+    Returns:
+      The batch of all kept rows (in file order) and the read's stats (already checked).
+    """
+    stats = ReadStats()
+    chunks = list(
+        iter_criteo_chunks(
+            paths, cfg, chunk_rows=chunk_rows, stats=stats, rejects_path=rejects_path
+        )
+    )
+    stats.check()
+    if not chunks:
+        return criteo_schema(cfg.vocab_sizes).empty_batch(0), stats
+    return Batch(*(np.concatenate(parts) for parts in zip(*chunks, strict=True))), stats

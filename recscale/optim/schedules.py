@@ -1,0 +1,95 @@
+"""Learning-rate schedules and learning-rate-vs-batch-size rules.
+
+Step convention (optax's): a schedule is evaluated at the optimizer's update count *before* it is
+incremented, so the first update uses ``schedule(0)``. With warmup, ``schedule(0) == 0`` (the
+first update is a no-op for SGD-like optimizers), ``schedule(warmup_steps) == peak`` and
+``schedule(total_steps) == end_fraction * peak``; past ``total_steps`` the value stays at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import optax
+
+__all__ = ["learning_rate_schedule", "lr_for_batch_size"]
+
+
+def learning_rate_schedule(
+    peak: float,
+    *,
+    warmup_steps: int,
+    decay: Literal["constant", "cosine", "linear"],
+    total_steps: int,
+    end_fraction: float = 0.0,
+) -> optax.Schedule:
+    """Linear warmup from 0 to ``peak``, then constant, cosine or linear decay.
+
+    Args:
+      peak: Peak learning rate, reached at ``warmup_steps``.
+      warmup_steps: Length of the linear warmup (0 = start at ``peak``).
+      decay: ``constant`` keeps ``peak`` after warmup (``total_steps``/``end_fraction`` unused);
+        ``cosine``/``linear`` decay from ``peak`` at ``warmup_steps`` to ``end_fraction * peak`` at
+        ``total_steps`` and stay there.
+      total_steps: Total training steps.
+      end_fraction: Final learning rate as a fraction of ``peak`` (cosine/linear).
+
+    Returns:
+      An ``optax.Schedule`` (step -> learning rate), jittable.
+
+    Raises:
+      ValueError: on a non-positive peak, negative steps, an unknown decay, or a decaying schedule
+        whose ``total_steps`` does not exceed ``warmup_steps``.
+    """
+    if peak <= 0:
+        raise ValueError(f"peak learning rate must be > 0, got {peak}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if not 0.0 <= end_fraction <= 1.0:
+        raise ValueError(f"end_fraction must be in [0, 1], got {end_fraction}")
+    if decay == "constant":
+        after = optax.constant_schedule(peak)
+    elif decay in ("cosine", "linear"):
+        decay_steps = total_steps - warmup_steps
+        if decay_steps <= 0:
+            raise ValueError(
+                f"{decay} decay needs total_steps ({total_steps}) > warmup_steps ({warmup_steps})"
+            )
+        if decay == "cosine":
+            after = optax.cosine_decay_schedule(peak, decay_steps=decay_steps, alpha=end_fraction)
+        else:
+            after = optax.linear_schedule(peak, peak * end_fraction, transition_steps=decay_steps)
+    else:
+        raise ValueError(f"unknown decay {decay!r}; expected constant, cosine or linear")
+    if warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(0.0, peak, transition_steps=warmup_steps)
+    return optax.join_schedules([warmup, after], boundaries=[warmup_steps])
+
+
+def lr_for_batch_size(
+    base_lr: float, base_batch: int, batch: int, rule: Literal["linear", "sqrt", "none"]
+) -> float:
+    """Scales a learning rate tuned at ``base_batch`` to ``batch``.
+
+    ``linear``: ``base_lr * batch / base_batch`` (Goyal et al. 2017, "Accurate, large minibatch
+    SGD"; for SGD-with-momentum, pair it with warmup). ``sqrt``: ``base_lr * sqrt(batch /
+    base_batch)`` (keeps the update noise scale for adaptive optimizers: Adam-family, LAMB, row-wise
+    Adagrad; cf. Krizhevsky 2014, You et al. 2020 "LAMB"). ``none``: ``base_lr`` unchanged.
+
+    Raises:
+      ValueError: on non-positive inputs or an unknown rule.
+    """
+    if base_lr <= 0 or base_batch <= 0 or batch <= 0:
+        raise ValueError(
+            f"base_lr, base_batch and batch must be > 0, got {base_lr}, {base_batch}, {batch}"
+        )
+    ratio = batch / base_batch
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    if rule == "none":
+        return base_lr
+    raise ValueError(f"unknown rule {rule!r}; expected linear, sqrt or none")

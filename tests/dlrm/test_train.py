@@ -1,0 +1,154 @@
+"""End to end: train, checkpoint, resume bitwise, 1 vs 8 devices, evaluate from a workdir."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import dlrm.presets  # noqa: F401
+from dlrm import evaluate as dlrm_evaluate
+from dlrm.model import build_model
+from recscale import config as config_lib
+from recscale.config import get_preset
+from recscale.train.loop import train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tiny(**train_overrides):
+    cfg = get_preset("dlrm/tiny")
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, progress=False, **train_overrides)
+    )
+
+
+def _rows(workdir, split="train"):
+    return [r for r in map(json.loads, (Path(workdir) / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def _ckpt_params(workdir, step):
+    import orbax.checkpoint as ocp
+
+    path = Path(workdir) / "checkpoints" / str(step) / "params"
+    with ocp.StandardCheckpointer() as c:
+        return c.restore(path.absolute())
+
+
+def test_every_tiny_preset_trains_two_steps(tmp_path):
+    from recscale.config import preset_names
+
+    tiny = [n for n in preset_names() if n.endswith("/tiny")]
+    assert tiny
+    for name in tiny:
+        cfg = get_preset(name)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=2, progress=False, log_every=1))
+        wd = tmp_path / name.replace("/", "_")
+        result = train(cfg, build_model, wd)
+        assert result["step"] == 2
+        assert {"auc", "logloss", "ne", "calibration", "num_examples"} <= set(result)
+        assert result["num_examples"] == cfg.data.synthetic.num_eval_examples
+        losses = [r["loss"] for r in _rows(wd)]
+        assert len(losses) == 2 and all(np.isfinite(losses))
+        assert config_lib.load_json(type(cfg), wd / "config.json") == cfg
+        assert (wd / "command.txt").read_text().strip()
+        assert (wd / "checkpoints" / "2").is_dir()
+
+
+def test_tiny_learns(tmp_path):
+    result = train(_tiny(num_steps=150, log_every=50), build_model, tmp_path / "run")
+    assert result["auc"] > 0.65, result
+
+
+def test_resume_equals_uninterrupted_bitwise_and_differs_from_cold_start(tmp_path):
+    cfg = _tiny(num_steps=8, checkpoint_every=4, log_every=1, max_checkpoints=5, async_checkpoint=True)
+    full = tmp_path / "full"
+    train(cfg, build_model, full)
+    # Interrupt after step 4: keep only checkpoint 4 and the metrics of steps 1..4.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "8")
+    rows = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["split"] == "train" and r["step"] <= 4))
+    train(cfg, build_model, resumed)
+
+    full_losses = {r["step"]: r["loss"] for r in _rows(full)}
+    res_losses = {r["step"]: r["loss"] for r in _rows(resumed)}
+    assert sorted(res_losses) == list(range(1, 9))
+    for s in range(5, 9):
+        assert res_losses[s] == full_losses[s], s  # bitwise
+    a, b = _ckpt_params(full, 8), _ckpt_params(resumed, 8)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # A cold start (what a silently failed restore would give) does not match the resumed run.
+    assert res_losses[5] != full_losses[1]
+    cold = _ckpt_params(full, 4)
+    assert any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(cold), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("rules", ["row_sharded", "replicated"])
+def test_one_device_equals_eight(tmp_path, rules):
+    results = {}
+    for n in (1, 8):
+        cfg = _tiny(num_steps=6, log_every=1)
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data_parallel=n, rules=rules))
+        wd = tmp_path / f"d{n}"
+        train(cfg, build_model, wd)
+        results[n] = ([r["loss"] for r in _rows(wd)], _ckpt_params(wd, 6))
+    np.testing.assert_allclose(results[1][0], results[8][0], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[8][1]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+def test_evaluate_round_trip_from_workdir(tmp_path, capsys):
+    wd = tmp_path / "run"
+    cfg = _tiny(num_steps=6, checkpoint_every=3, log_every=3)
+    final = train(cfg, build_model, wd)
+    capsys.readouterr()
+    out_file = tmp_path / "eval.json"
+    got = dlrm_evaluate.main(["--workdir", str(wd), "--output", str(out_file)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == got == json.loads(out_file.read_text())
+    for key in ("auc", "logloss", "ne", "calibration", "num_examples", "step"):
+        assert got[key] == final[key], key
+    earlier = dlrm_evaluate.main(["--workdir", str(wd), "--step", "3"])
+    assert earlier["step"] == 3 and earlier["auc"] != got["auc"]
+    with pytest.raises(FileNotFoundError, match="step 5"):
+        dlrm_evaluate.main(["--workdir", str(wd), "--step", "5"])
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        dlrm_evaluate.main(["--workdir", str(tmp_path / "nope")])
+
+
+@pytest.mark.slow
+def test_command_line_train_then_evaluate(tmp_path):
+    wd = tmp_path / "cli"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(
+        [sys.executable, "-m", "dlrm.train", "dlrm/tiny", "--workdir", str(wd), "--train.num-steps", "4", "--train.no-progress"],
+        cwd=REPO, check=True, capture_output=True, text=True, env=env,
+    )
+    assert json.loads((wd / "config.json").read_text())["train"]["num_steps"] == 4
+    assert "dlrm/tiny" in (wd / "command.txt").read_text()
+    out = subprocess.run(
+        [sys.executable, "-m", "dlrm.evaluate", "--workdir", str(wd)],
+        cwd=REPO, check=True, capture_output=True, text=True, env=env,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["step"] == 4 and 0.0 <= result["auc"] <= 1.0
+
+
+def test_frappe_short_run_on_real_data(tmp_path, frappe_dir):
+    cfg = get_preset("dlrm/frappe")
+    data = dataclasses.replace(cfg.data, train_path=str(frappe_dir / "train.csv"), eval_path=str(frappe_dir / "valid.csv"))
+    cfg = dataclasses.replace(
+        cfg, data=data, train=dataclasses.replace(cfg.train, num_steps=40, eval_every=0, checkpoint_every=0, progress=False, log_every=20)
+    )
+    result = train(cfg, build_model, tmp_path / "frappe")
+    assert result["num_examples"] == 57_722
+    assert result["auc"] > 0.9, result
