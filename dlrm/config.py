@@ -23,6 +23,10 @@ class DLRMModelConfig:
     """``dot``: pairwise dot products of the F(+1) vectors; ``cat``: concatenate them."""
     self_interaction: bool = False
     """Dot interaction: include each vector's dot with itself (the diagonal)."""
+    dot_concat: Literal["dense", "all"] = "dense"
+    """What the dot products are concatenated with before the top MLP: ``dense`` = the bottom
+    MLP's output (facebookresearch/dlrm); ``all`` = every interacting vector, flattened
+    (FuxiCTR/BARS, whose published Frappe and Criteo DLRM numbers use it)."""
     pooling: Literal["sum", "mean"] = "sum"
     """Pooling of multi-hot bags."""
     embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
@@ -31,6 +35,8 @@ class DLRMModelConfig:
     """Std of ``normal`` table init."""
     dropout: float = 0.0
     """Dropout rate after each hidden layer of the top MLP (training only)."""
+    layer_norm: bool = False
+    """LayerNorm in each hidden layer of the top MLP (Linear -> LayerNorm -> ReLU)."""
 
     def __post_init__(self):
         if not self.top_mlp or self.top_mlp[-1] != 1:

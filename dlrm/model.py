@@ -24,6 +24,8 @@ def interaction_dim(cfg: DLRMModelConfig, num_vectors: int, has_dense: bool) -> 
         return num_vectors * cfg.embed_dim
     n = num_vectors
     pairs = n * (n + 1) // 2 if cfg.self_interaction else n * (n - 1) // 2
+    if cfg.dot_concat == "all":
+        return pairs + n * cfg.embed_dim
     return pairs + (cfg.embed_dim if has_dense else 0)
 
 
@@ -50,7 +52,9 @@ class DLRM(nnx.Module):
         li, lj = np.tril_indices(n, k=0 if cfg.self_interaction else -1)
         self.tril = nnx.static((tuple(int(i) for i in li), tuple(int(j) for j in lj)))
         top_in = interaction_dim(cfg, num_vectors, self.has_dense)
-        self.top = MLP(top_in, cfg.top_mlp, final_relu=False, dropout=cfg.dropout, rngs=rngs)
+        self.top = MLP(
+            top_in, cfg.top_mlp, final_relu=False, dropout=cfg.dropout, layer_norm=cfg.layer_norm, rngs=rngs
+        )
 
     def interact(self, x_bnd: jax.Array) -> jax.Array:
         """Dot: lower triangle of X·Xᵀ per example (``[B, P]``); cat: flatten."""
@@ -71,8 +75,11 @@ class DLRM(nnx.Module):
         else:
             x_bnd = emb_bfd
         inter_bp = self.interact(x_bnd)
-        if self.has_dense and self.cfg.interaction == "dot":
-            inter_bp = jnp.concatenate([dense_bd, inter_bp], axis=1)
+        if self.cfg.interaction == "dot":
+            if self.cfg.dot_concat == "all":
+                inter_bp = jnp.concatenate([x_bnd.reshape(x_bnd.shape[0], -1), inter_bp], axis=1)
+            elif self.has_dense:
+                inter_bp = jnp.concatenate([dense_bd, inter_bp], axis=1)
         inter_bp = sharding.constrain(inter_bp, "batch", None)
         return self.top(inter_bp, dropout_key=dropout_key)[:, 0]
 

@@ -77,7 +77,7 @@ def frappe() -> DLRMConfig:
     """
     return DLRMConfig(
         model=DLRMModelConfig(
-            embed_dim=10, bottom_mlp=(), top_mlp=(400, 400, 400, 1), interaction="dot",
+            embed_dim=10, bottom_mlp=(), top_mlp=(400, 400, 400, 1), interaction="dot", dot_concat="all",
             embedding_init="normal", embedding_init_scale=1e-4, dropout=0.2,
         ),
         data=DataConfig(

@@ -70,6 +70,9 @@ class EmbeddingOptimConfig:
     """Initial value of the row-wise Adagrad accumulator."""
     eps: float = 1e-8
     """Numerical epsilon of row-wise Adagrad / Adam."""
+    l2: float = 0.0
+    """Coupled L2 regularisation of whole tables: adds ``l2 * W`` to the gradient (FuxiCTR's
+    ``embedding_regularizer``); it makes every row's update dense."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

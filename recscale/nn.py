@@ -26,9 +26,24 @@ class Linear(nnx.Module):
         return x @ self.kernel[...] + self.bias[...]
 
 
+class LayerNorm(nnx.Module):
+    """LayerNorm over the last axis with a learned scale and bias."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32):
+        self.scale = sharding.param(nnx.Param, jnp.ones((dim,), param_dtype), "mlp")
+        self.bias = sharding.param(nnx.Param, jnp.zeros((dim,), param_dtype), "mlp")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+
+
 class MLP(nnx.Module):
     """Stack of Linear layers with ReLU between them (and after the last if ``final_relu``).
 
+    With ``layer_norm``, each hidden layer is Linear -> LayerNorm -> ReLU.
     Dropout (rate ``dropout``) follows each hidden ReLU and is active only when a ``dropout_key``
     is passed: randomness is explicit, so a train step is a pure function of (state, batch, key).
     """
@@ -40,12 +55,15 @@ class MLP(nnx.Module):
         *,
         final_relu: bool,
         dropout: float = 0.0,
+        layer_norm: bool = False,
         rngs: nnx.Rngs,
     ):
         if not sizes:
             raise ValueError("MLP needs at least one layer size")
         dims = (in_dim, *sizes)
         self.layers = nnx.List([Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:])])
+        # LayerNorm before the ReLU of each hidden layer (stateless, unlike BatchNorm).
+        self.norms = nnx.List([LayerNorm(b) for b in sizes[:-1]]) if layer_norm else None
         self.final_relu = final_relu
         self.dropout = dropout
 
@@ -54,6 +72,8 @@ class MLP(nnx.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x)
             last = i == n - 1
+            if self.norms is not None and not last:
+                x = self.norms[i](x)
             if not last or self.final_relu:
                 x = jax.nn.relu(x)
             if not last and self.dropout > 0 and dropout_key is not None:

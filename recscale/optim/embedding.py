@@ -170,12 +170,18 @@ def embedding_optimizer(
     """
     lr = embedding_schedule(cfg, total_steps)
     if cfg.name == "sgd":
-        return optax.sgd(lr)
-    if cfg.name == "rowwise_adagrad":
-        return rowwise_adagrad(lr, initial_accumulator=cfg.initial_accumulator, eps=cfg.eps)
-    if cfg.name == "adam":
-        return optax.adam(lr, eps=cfg.eps)
-    raise ValueError(f"unknown embedding optimizer {cfg.name!r}")
+        tx = optax.sgd(lr)
+    elif cfg.name == "rowwise_adagrad":
+        tx = rowwise_adagrad(lr, initial_accumulator=cfg.initial_accumulator, eps=cfg.eps)
+    elif cfg.name == "adam":
+        tx = optax.adam(lr, eps=cfg.eps)
+    else:
+        raise ValueError(f"unknown embedding optimizer {cfg.name!r}")
+    if cfg.l2 > 0:
+        # Coupled L2 on whole tables (the gradient of (l2/2)·||W||² is added before the
+        # optimizer), as FuxiCTR's ``embedding_regularizer``. It touches every row each step.
+        tx = optax.chain(optax.add_decayed_weights(cfg.l2), tx)
+    return tx
 
 
 # ------------------------------------------------------------------------------------------------

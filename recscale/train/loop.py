@@ -225,6 +225,10 @@ def train(
             workdir / "checkpoints", max_to_keep=tcfg.max_checkpoints, async_save=tcfg.async_checkpoint
         )
         writer = MetricsWriter(workdir / "metrics.jsonl")
+        if jax.process_index() == 0 and getattr(exp.source, "stats", None):
+            # Reader counters (rows read / kept / rejected by reason, OOV counts): nothing is
+            # dropped without a count.
+            (workdir / "data_stats.json").write_text(json.dumps(exp.source.stats, indent=2, default=str) + "\n")
         latest = ckpt.latest_step()
         if latest is not None:
             params, opt_state, meta = ckpt.restore(latest, state.params, state.opt_state)

@@ -78,3 +78,12 @@ def test_every_preset_builds(name):
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     emb_rows = sum(f.vocab_size for f in schema.features)
     assert n > emb_rows * cfg.model.embed_dim
+
+
+def test_dot_concat_all_feeds_every_vector_to_the_top_mlp():
+    cfg = DLRMModelConfig(embed_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), dot_concat="all")
+    model = DLRM(cfg, SCHEMA, rngs=nnx.Rngs(0))
+    # 5 vectors (dense + 4 features): 10 pairwise dots + 5 * 4 flattened values.
+    assert model.top.layers[0].kernel[...].shape == (30, 8)
+    logits = model(jnp.ones((2, 3)), jnp.zeros((2, 4, 2), jnp.int32))
+    assert logits.shape == (2,)
