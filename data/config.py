@@ -79,14 +79,22 @@ class CriteoConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Which dataset, where it is, and how it is batched."""
+    """Which dataset, where it is, and how it is batched.
+
+    Frappe and Criteo are read one of two ways. By default (``tfds_data_dir`` empty) the raw
+    files are parsed into memory. With ``tfds_data_dir`` set, training reads a prepared tfds
+    ``array_record`` dataset by random access instead (for sets larger than RAM, such as the full
+    Criteo Kaggle and Terabyte logs); it gives the same batches as the in-memory route for the
+    same files and settings. See ``tfds_data_dir`` for how the files map to tfds splits.
+    """
 
     kind: Literal["synthetic", "frappe", "criteo"] = "synthetic"
     """Dataset family."""
     train_path: str = ""
     """Training file (Frappe: ``train.csv``; Criteo: a raw TSV, optionally .gz). Unused for synthetic."""
     eval_path: str = ""
-    """Evaluation file of the same format as ``train_path``. Unused for synthetic."""
+    """Evaluation file of the same format as ``train_path``. Unused for synthetic; with
+    ``tfds_data_dir`` it picks the eval split and may be empty (see there)."""
     batch_size: int = 256
     """Global training batch size (split over hosts and the data-parallel mesh axis)."""
     eval_batch_size: int = 4096
@@ -97,9 +105,38 @@ class DataConfig:
     """Synthetic generator settings (kind='synthetic')."""
     criteo: CriteoConfig = CriteoConfig()
     """Criteo reader settings (kind='criteo')."""
+    tfds_data_dir: str = ""
+    """Non-empty (frappe, criteo): read a tfds array_record dataset kept under this data_dir.
+
+    The folder of ``train_path`` is the tfds manual dir; the dataset is prepared from it on first
+    use (``download_and_prepare(file_format="array_record")``, which can take an hour for
+    Criteo Kaggle; on several hosts, prepare it once first) and reused afterwards as it is: after
+    the raw files change, delete it to prepare it again. Training reads split ``train``;
+    evaluation reads the prepared split that holds ``eval_path``'s file.
+
+    Frappe (``frappe_bars``): ``train_path`` must be ``<dir>/train.csv``; ``train`` is that
+    file, ``validation`` is ``<dir>/valid.csv`` (required) and ``test`` is ``<dir>/test.csv`` if
+    present. ``eval_path`` may be any of these three files, or empty for ``valid.csv``.
+
+    Criteo (``criteo_raw``, a config named after the files): ``train`` is the file
+    ``train_path``. If ``eval_path`` is empty, ``validation`` is instead the last
+    floor(rows / 7) rows of ``train_path`` and ``train`` the rest (as the builder's ``kaggle``
+    config); if it is another file in the same folder, ``validation`` is that file; if it is
+    ``train_path``, evaluation reads ``train``. Hashing (``criteo.vocab_sizes``,
+    ``criteo.hash_seed``) and ``criteo.max_rows`` are applied when preparing and stored with
+    the dataset: a prepared dataset whose values differ from this config's is an error naming
+    both (use another ``tfds_data_dir``, or delete it). Preparing always reads strictly, so
+    ``criteo.strict=False`` applies only to raw files read in memory (below).
+
+    Any other eval file (an ``eval_path`` outside the dataset, or an explicit eval path such as
+    ``evaluate --data-path``) is read raw into memory, with the dataset's Frappe vocabulary or
+    this config's Criteo hashing.
+    """
 
     def __post_init__(self):
         if self.batch_size < 1 or self.eval_batch_size < 1:
             raise ValueError("batch sizes must be >= 1")
         if self.kind != "synthetic" and not self.train_path:
             raise ValueError(f"data.kind={self.kind!r} needs data.train_path")
+        if self.kind == "synthetic" and self.tfds_data_dir:
+            raise ValueError("data.tfds_data_dir applies to kinds frappe and criteo, not synthetic")

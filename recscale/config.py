@@ -66,6 +66,10 @@ class EmbeddingOptimConfig:
     """Learning rate of the tables."""
     warmup_steps: int = 0
     """Linear warmup from 0 over this many steps."""
+    decay: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step."""
+    end_lr_fraction: float = 0.0
+    """Final learning rate as a fraction of the peak (cosine/linear decay)."""
     initial_accumulator: float = 0.0
     """Initial value of the row-wise Adagrad accumulator."""
     eps: float = 1e-8

@@ -149,12 +149,13 @@ def rowwise_adagrad(
 
 
 def embedding_schedule(cfg: EmbeddingOptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup over ``cfg.warmup_steps`` then constant ``cfg.learning_rate``."""
+    """Linear warmup over ``cfg.warmup_steps`` then ``cfg.decay`` to ``end_lr_fraction``."""
     return learning_rate_schedule(
         cfg.learning_rate,
         warmup_steps=cfg.warmup_steps,
-        decay="constant",
+        decay=cfg.decay,
         total_steps=total_steps,
+        end_fraction=cfg.end_lr_fraction,
     )
 
 
