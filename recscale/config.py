@@ -117,6 +117,17 @@ class TrainConfig:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
 
 
+# Fields that do not change what a run computes (logging, evaluation cadence, checkpoint
+# cadence): a run may resume with them changed, and they stay out of trial identities.
+NON_SEMANTIC_FIELDS = frozenset(
+    {
+        "train.progress", "train.log_every", "train.eval_every", "train.eval_max_batches",
+        "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
+        "data.eval_batch_size", "data.eval_path",
+    }
+)  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------
 # Preset registry.
 

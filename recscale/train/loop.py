@@ -164,10 +164,31 @@ def write_run_files(workdir: Path, cfg: Any, argv: list[str] | None) -> None:
     if jax.process_index() != 0:
         return
     workdir.mkdir(parents=True, exist_ok=True)
-    config_lib.save_json(cfg, workdir / "config.json")
+    cfg_path = workdir / "config.json"
+    if cfg_path.is_file() and (workdir / "checkpoints").is_dir():
+        # Resuming: the checkpoints belong to the saved config; a changed one would silently mix.
+        old = config_lib.to_dict(config_lib.load_json(type(cfg), cfg_path))
+        diffs = _config_diffs(old, config_lib.to_dict(cfg))
+        if diffs:
+            raise ValueError(
+                f"{workdir} holds a run with another config ({'; '.join(diffs)}); resume it with the "
+                "same config or use a new --workdir"
+            )
+    config_lib.save_json(cfg, cfg_path)
     cmd = shlex.join([Path(sys.executable).name, *(sys.argv if argv is None else argv)])
     with open(workdir / "command.txt", "a") as f:
         f.write(cmd + "\n")
+
+
+def _config_diffs(old: Any, new: Any, path: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new)):
+            out += _config_diffs(old.get(k), new.get(k), f"{path}.{k}" if path else k)
+        return out
+    if old == new or path in config_lib.NON_SEMANTIC_FIELDS:
+        return []
+    return [f"{path}: saved {old!r}, now {new!r}"]
 
 
 class MetricsWriter:

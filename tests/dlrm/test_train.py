@@ -152,3 +152,19 @@ def test_frappe_short_run_on_real_data(tmp_path, frappe_dir):
     result = train(cfg, build_model, tmp_path / "frappe")
     assert result["num_examples"] == 57_722
     assert result["auc"] > 0.9, result
+
+
+def test_resuming_with_a_changed_config_is_refused(tmp_path):
+    wd = tmp_path / "run"
+    train(_tiny(num_steps=2), build_model, wd)
+    changed = _tiny(num_steps=2)
+    changed = dataclasses.replace(changed, dense_optim=dataclasses.replace(changed.dense_optim, learning_rate=0.5))
+    with pytest.raises(ValueError, match=r"dense_optim.learning_rate: saved 0.003, now 0.5"):
+        train(changed, build_model, wd)
+
+
+def test_resuming_with_changed_logging_fields_is_allowed(tmp_path):
+    wd = tmp_path / "run"
+    train(_tiny(num_steps=2), build_model, wd)
+    result = train(_tiny(num_steps=2, log_every=1, eval_every=1), build_model, wd)
+    assert result["step"] == 2
