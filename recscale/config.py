@@ -111,6 +111,10 @@ class TrainConfig:
     """Append train metrics to metrics.jsonl every N steps."""
     progress: bool = True
     """Show a progress bar."""
+    init_from: str = ""
+    """Initialise parameters (not optimizer state) from another run's latest checkpoint (its
+    workdir). Used only when this run has no checkpoint of its own: restore order is the run's
+    own latest checkpoint, then ``init_from``, then fresh init."""
 
     def __post_init__(self):
         if self.num_steps < 0:

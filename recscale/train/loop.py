@@ -259,6 +259,16 @@ def train(
                 opt_state=opt_state,
             )
             print(f"restored checkpoint step {latest} from {ckpt.directory}", file=sys.stderr)
+        elif tcfg.init_from:
+            src = Checkpointer(Path(tcfg.init_from) / "checkpoints", async_save=False)
+            src_step = src.latest_step()
+            if src_step is None:
+                raise FileNotFoundError(f"train.init_from: no checkpoints in {src.directory}")
+            params, _ = src.restore_params(src_step, state.params)
+            src.close()
+            state = TrainState(step=state.step, params=params, opt_state=jax.jit(exp.tx.init)(params))
+            state = jax.device_put(state, exp.state_sharding)
+            print(f"initialised parameters from {src.directory} step {src_step}", file=sys.stderr)
         start = int(state.step)
 
         train_step = jax.jit(

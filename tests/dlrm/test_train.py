@@ -168,3 +168,14 @@ def test_resuming_with_changed_logging_fields_is_allowed(tmp_path):
     train(_tiny(num_steps=2), build_model, wd)
     result = train(_tiny(num_steps=2, log_every=1, eval_every=1), build_model, wd)
     assert result["step"] == 2
+
+
+def test_init_from_another_run_restores_its_parameters(tmp_path):
+    a = train(_tiny(num_steps=6), build_model, tmp_path / "a")
+    b = train(_tiny(num_steps=0, init_from=str(tmp_path / "a")), build_model, tmp_path / "b")
+    fresh = train(_tiny(num_steps=0), build_model, tmp_path / "fresh")
+    assert b["step"] == 0
+    assert b["auc"] == a["auc"] and b["logloss"] == a["logloss"]
+    assert fresh["logloss"] != a["logloss"]
+    with pytest.raises(FileNotFoundError, match="init_from"):
+        train(_tiny(num_steps=1, init_from=str(tmp_path / "nope")), build_model, tmp_path / "c")
