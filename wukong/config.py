@@ -1,0 +1,94 @@
+"""Wukong configuration (no jax import).
+
+Field names follow the paper's scaling knobs: ``num_layers`` (l), ``n_fmb`` (n_F), ``n_lcb``
+(n_L), ``fmb_rank`` (k), the FMB MLP's ``fmb_mlp_width`` x ``fmb_mlp_depth``, ``embed_dim`` (d).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from data.config import DataConfig
+from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, MeshConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WukongModelConfig:
+    """The Wukong network: embedding layer, interaction stack of l Wukong layers, top MLP."""
+
+    embed_dim: int = 16
+    """Embedding dimension d of every embedding (sparse tables and dense embeddings)."""
+    num_dense_embeddings: int = -1
+    """Embeddings the dense features are mapped to (dense MLP output reshaped to this many x d);
+    -1 = 1 when the dataset has dense features, else 0."""
+    dense_mlp: tuple[int, ...] = (64,)
+    """Hidden layer sizes of the dense-feature MLP (its output layer of
+    ``num_dense_embeddings * embed_dim`` units is appended)."""
+    num_layers: int = 2
+    """l: Wukong layers in the interaction stack."""
+    n_fmb: int = 8
+    """n_F: embeddings produced by each layer's Factorization Machine Block (0 = no FMB)."""
+    n_lcb: int = 8
+    """n_L: embeddings produced by each layer's Linear Compression Block (0 = no LCB)."""
+    fmb_rank: int = 8
+    """k: rank of the optimized FM, X (Xᵀ Y) with Y of shape [n, k]."""
+    fmb_projection: Literal["learned", "attentive"] = "learned"
+    """Y of the optimized FM: ``learned`` = one [n, k] parameter; ``attentive`` = computed per
+    example from X by an MLP (flatten X -> ``attentive_mlp`` -> n*k -> reshape [n, k])."""
+    attentive_mlp: tuple[int, ...] = (64,)
+    """Hidden layer sizes of the MLP computing an attentive Y (``fmb_projection='attentive'``)."""
+    fmb_mlp_width: int = 64
+    """Width of each hidden layer of the FMB MLP."""
+    fmb_mlp_depth: int = 2
+    """Hidden layers of the FMB MLP (its output layer of n_F * d units is appended)."""
+    top_mlp: tuple[int, ...] = (64, 1)
+    """Top MLP layer sizes on the flattened output of the last layer (the last must be 1)."""
+    layer_norm: Literal["embedding", "flattened"] = "embedding"
+    """The LN of a Wukong layer's output: ``embedding`` normalises each of the n_F + n_L
+    embeddings over its d values (scale and bias of size d); ``flattened`` normalises the whole
+    [(n_F + n_L) * d] layer output at once."""
+    dropout: float = 0.0
+    """Dropout after each hidden layer of the FMB MLPs and the top MLP (training only)."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """Pooling of multi-hot bags."""
+    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
+    """Table init (see recscale.embeddings.TableSpec)."""
+    embedding_init_scale: float = 0.01
+    """Std of ``normal`` table init."""
+
+    def __post_init__(self):
+        if not self.top_mlp or self.top_mlp[-1] != 1:
+            raise ValueError(f"top_mlp must end in 1 (the logit), got {self.top_mlp}")
+        if self.embed_dim < 1:
+            raise ValueError(f"embed_dim must be >= 1, got {self.embed_dim}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.n_fmb < 0 or self.n_lcb < 0 or self.n_fmb + self.n_lcb < 1:
+            raise ValueError(f"need n_fmb, n_lcb >= 0 and n_fmb + n_lcb >= 1, got {self.n_fmb}, {self.n_lcb}")
+        if self.fmb_rank < 1:
+            raise ValueError(f"fmb_rank must be >= 1, got {self.fmb_rank}")
+        if self.fmb_mlp_depth < 0 or (self.fmb_mlp_depth and self.fmb_mlp_width < 1):
+            raise ValueError(f"bad FMB MLP {self.fmb_mlp_depth} x {self.fmb_mlp_width}")
+        if self.num_dense_embeddings < -1:
+            raise ValueError(f"num_dense_embeddings must be >= -1, got {self.num_dense_embeddings}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WukongConfig:
+    """A whole Wukong run: model, data, optimizers, loop, mesh."""
+
+    model: WukongModelConfig = WukongModelConfig()
+    """The network."""
+    data: DataConfig = DataConfig()
+    """Dataset and batching."""
+    dense_optim: DenseOptimConfig = DenseOptimConfig()
+    """Optimizer of the dense parameters (MLPs, FM projections, LCBs, LayerNorms)."""
+    embedding_optim: EmbeddingOptimConfig = EmbeddingOptimConfig()
+    """Optimizer of the embedding tables."""
+    train: TrainConfig = TrainConfig()
+    """Training loop."""
+    mesh: MeshConfig = MeshConfig()
+    """Device mesh and sharding rules."""
