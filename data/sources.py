@@ -61,7 +61,7 @@ class InMemorySource:
     def __init__(
         self,
         schema: Schema,
-        train_rows: Batch,
+        train_rows: Batch | None,
         eval_rows: Batch,
         *,
         batch_size: int,
@@ -77,7 +77,8 @@ class InMemorySource:
           ValueError: rows that break ``schema``, no training rows, or batch sizes not divisible
             by ``process_count``.
         """
-        schema.validate(train_rows, where="training rows")
+        if train_rows is not None:
+            schema.validate(train_rows, where="training rows")
         schema.validate(eval_rows, where="eval rows")
         host_batch_size(eval_batch_size, process_count)
         self.schema = schema
@@ -88,14 +89,17 @@ class InMemorySource:
         self.process_index = process_index
         self.process_count = process_count
         self.stats: dict[str, Any] = dict(stats or {})
-        self.train_indices = train_dataset(
-            train_rows.batch_size,
-            batch_size=batch_size,
-            seed=seed,
-            process_index=process_index,
-            process_count=process_count,
-        )
-        """grain MapDataset: step -> this host's example indices (see ``data.pipeline``)."""
+        self.train_indices = None
+        """grain MapDataset: step -> this host's example indices (see ``data.pipeline``);
+        None for an eval-only source (``train_rows=None``)."""
+        if train_rows is not None:
+            self.train_indices = train_dataset(
+                train_rows.batch_size,
+                batch_size=batch_size,
+                seed=seed,
+                process_index=process_index,
+                process_count=process_count,
+            )
 
     @property
     def num_train_examples(self) -> int:
@@ -106,6 +110,8 @@ class InMemorySource:
         return self.eval_rows.batch_size
 
     def train_batch(self, step: int) -> Batch:
+        if self.train_indices is None:
+            raise RuntimeError("this source was built eval-only (no training rows were read)")
         return gather(self.train_rows, self.train_indices[step])
 
     def eval_batches(self) -> Iterator[Batch]:
@@ -233,16 +239,16 @@ def _eval_path(cfg: DataConfig, eval_path: str | None) -> str:
     return path
 
 
-def _make_frappe(cfg: DataConfig, eval_path: str, **kw) -> InMemorySource:
+def _make_frappe(cfg: DataConfig, eval_path: str, *, eval_only: bool = False, **kw) -> InMemorySource:
     from data.frappe.reader import build_frappe_vocab, frappe_schema, read_frappe
 
-    vocab = build_frappe_vocab(cfg.train_path)
-    train_rows, train_stats = read_frappe(cfg.train_path, vocab)
+    vocab = build_frappe_vocab(cfg.train_path)  # the vocabulary always comes from training
+    train_rows, train_stats = (None, None) if eval_only else read_frappe(cfg.train_path, vocab)
     eval_rows, eval_stats = read_frappe(eval_path, vocab)
     stats = {
         "kind": "frappe",
         "vocab_sizes": list(vocab.vocab_sizes),
-        "train": train_stats.as_dict(),
+        "train": train_stats.as_dict() if train_stats else None,
         "eval": eval_stats.as_dict(),
     }
     return InMemorySource(frappe_schema(vocab), train_rows, eval_rows, stats=stats, **kw)
@@ -263,17 +269,22 @@ def _criteo_rejects(cfg: DataConfig, rejects_dir: str | None) -> tuple[str | Non
     return rejects, eval_rejects
 
 
-def _make_criteo(cfg: DataConfig, eval_path: str, rejects_dir: str | None, **kw) -> InMemorySource:
+def _make_criteo(
+    cfg: DataConfig, eval_path: str, rejects_dir: str | None, *, eval_only: bool = False, **kw
+) -> InMemorySource:
     from data.criteo.reader import criteo_schema, read_criteo
 
     rejects, eval_rejects = _criteo_rejects(cfg, rejects_dir)
-    train_rows, train_stats = read_criteo(cfg.train_path, cfg.criteo, rejects_path=rejects)
+    if eval_only:
+        train_rows = train_stats = None
+    else:
+        train_rows, train_stats = read_criteo(cfg.train_path, cfg.criteo, rejects_path=rejects)
     eval_rows, eval_stats = read_criteo(eval_path, cfg.criteo, rejects_path=eval_rejects)
     stats = {
         "kind": "criteo",
-        "train": dataclasses.asdict(train_stats),
+        "train": dataclasses.asdict(train_stats) if train_stats else None,
         "eval": dataclasses.asdict(eval_stats),
-        "report": f"train {train_stats.report()}; eval {eval_stats.report()}",
+        "report": (f"train {train_stats.report()}; " if train_stats else "") + f"eval {eval_stats.report()}",
     }
     return InMemorySource(
         criteo_schema(cfg.criteo.vocab_sizes), train_rows, eval_rows, stats=stats, **kw
@@ -589,6 +600,7 @@ def make_source(
     process_count: int = 1,
     eval_path: str | None = None,
     rejects_dir: str | None = None,
+    eval_only: bool = False,
 ) -> DataSource:
     """Builds the data source ``cfg`` describes, for host ``process_index`` of ``process_count``.
 
@@ -603,6 +615,8 @@ def make_source(
       rejects_dir: lenient Criteo reading writes rejected rows to
         ``<rejects_dir>/criteo_rejects.tsv`` (train) and ``criteo_rejects.eval.tsv`` (eval)
         unless ``cfg.criteo.rejects_path`` is set (then the eval file is its ``.eval`` sibling).
+      eval_only: do not read training rows (checkpoint evaluation); Frappe still reads the
+        training file's vocabulary. ``train_batch`` then raises.
 
     Returns:
       A :class:`DataSource`; its ``stats`` dict holds the readers' counters for logging.
@@ -612,6 +626,10 @@ def make_source(
         named ``train.csv`` or a prepared Criteo dataset hashed with other parameters.
     """
     if cfg.kind == "synthetic":
+        if eval_path:
+            raise ValueError(
+                f"eval_path {eval_path!r} given for synthetic data, whose eval set is generated"
+            )
         return SyntheticSource(cfg, process_index=process_index, process_count=process_count)
     kw = dict(
         batch_size=cfg.batch_size,
@@ -623,9 +641,9 @@ def make_source(
     if cfg.kind == "frappe":
         if cfg.tfds_data_dir:
             return _make_frappe_tfds(cfg, eval_path, **kw)
-        return _make_frappe(cfg, _eval_path(cfg, eval_path), **kw)
+        return _make_frappe(cfg, _eval_path(cfg, eval_path), eval_only=eval_only, **kw)
     if cfg.kind == "criteo":
         if cfg.tfds_data_dir:
             return _make_criteo_tfds(cfg, eval_path, rejects_dir, **kw)
-        return _make_criteo(cfg, _eval_path(cfg, eval_path), rejects_dir, **kw)
+        return _make_criteo(cfg, _eval_path(cfg, eval_path), rejects_dir, eval_only=eval_only, **kw)
     raise ValueError(f"unknown data.kind {cfg.kind!r}; expected synthetic, frappe or criteo")

@@ -76,10 +76,12 @@ def scale_by_rowwise_adagrad(
             # table's last logical axis from its sharding metadata, since the accumulator has no
             # embedding axis (else nnx.get_partition_spec would give a [V, D] spec to a [V] array).
             acc = init_leaf(path, p[...])
-            names = p.get_metadata("out_sharding", None)
-            if names is not None and len(names) == jnp.ndim(p[...]):
-                return p.replace(acc, out_sharding=tuple(names)[:-1])
-            return p.replace(acc)
+            trimmed = {}
+            for key in ("logical_axes", "out_sharding"):  # recscale's metadata, and flax's
+                names = p.get_metadata(key, None)
+                if names is not None and len(names) == jnp.ndim(p[...]):
+                    trimmed[key] = tuple(names)[:-1]
+            return p.replace(acc, **trimmed)
         if jnp.ndim(p) < 2:
             raise ValueError(
                 f"row-wise Adagrad needs tables of rank >= 2 ([V, D]); "
@@ -106,9 +108,15 @@ def scale_by_rowwise_adagrad(
             u = jnp.where(touched_v[..., None], g32 / denom_v[..., None], 0.0)
             return u.astype(g.dtype)
 
-        acc = jax.tree.map(accumulate, updates, state.sum_of_squares)
-        updates = jax.tree.map(precondition, updates, acc)
-        return updates, RowwiseAdagradState(acc)
+        # Flat leaves: the accumulator's Variables carry trimmed sharding metadata (no embedding
+        # axis), so its treedef differs from the gradients' in metadata though not in layout.
+        g_leaves, g_def = jax.tree.flatten(updates)
+        acc_leaves, acc_def = jax.tree.flatten(state.sum_of_squares)
+        if len(g_leaves) != len(acc_leaves):
+            raise ValueError(f"{len(g_leaves)} gradient leaves but {len(acc_leaves)} accumulators")
+        new_acc = [accumulate(g, a) for g, a in zip(g_leaves, acc_leaves)]
+        new_g = [precondition(g, a) for g, a in zip(g_leaves, new_acc)]
+        return g_def.unflatten(new_g), RowwiseAdagradState(acc_def.unflatten(new_acc))
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -43,8 +43,11 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         raise FileNotFoundError(f"no checkpoints in {ckpt.directory}")
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh.rules):
-        exp = Experiment.build(cfg, build_model, eval_path=args.data_path, with_optimizer=False)
-        params, meta = ckpt.restore_params(step, exp.state.params)
+        exp = Experiment.build(
+            cfg, build_model, eval_path=args.data_path, with_optimizer=False, eval_only=True,
+            workdir=str(workdir),
+        )
+        params, meta = ckpt.restore_params(step, exp.abstract_state.params)
         metrics = exp.evaluate(params)
     ckpt.close()
     result: dict[str, Any] = {**metrics, "step": int(meta.get("step", step))}

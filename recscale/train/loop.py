@@ -8,6 +8,8 @@ family config with the fields ``data``, ``dense_optim``, ``embedding_optim``, ``
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import shlex
 import sys
@@ -48,40 +50,23 @@ def make_optimizer(cfg: Any, params: Any):
     )
 
 
-def opt_state_shardings(abstract_opt_state: Any, params: Any) -> Any:
-    """Shardings of optimizer-state leaves, matched to parameters by shape.
-
-    A leaf shaped like a parameter (Adam moments) takes its sharding; a leaf shaped like a
-    parameter minus its last axis (the row-wise Adagrad accumulator ``[V]`` of a table ``[V, D]``)
-    takes the parameter's spec minus the last axis; anything else, or a shape that several
-    differently sharded parameters share, is replicated.
-    """
-    by_shape: dict[tuple, set] = {}
-    for p in jax.tree.leaves(params):
-        spec = tuple(p.sharding.spec) + (None,) * (p.ndim - len(p.sharding.spec))
-        by_shape.setdefault(tuple(p.shape), set()).add(spec)
-        by_shape.setdefault(tuple(p.shape[:-1]), set()).add(spec[:-1])
-    mesh = sharding.active_mesh()
-
-    def one(leaf):
-        specs = by_shape.get(tuple(leaf.shape), set())
-        spec = next(iter(specs)) if len(specs) == 1 else ()
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-
-    return jax.tree.map(one, abstract_opt_state)
-
-
 @dataclasses.dataclass
 class Experiment:
-    """A model, its data and its sharded state, built under an active mesh."""
+    """A model, its data, its optimizer and the shardings of its state, under an active mesh.
+
+    Nothing is materialised at build time: ``abstract_state`` holds shapes, dtypes and
+    shardings (what a checkpoint restores onto), and ``init_state()`` initialises the state
+    directly into its shardings, so no table ever sits whole on one device.
+    """
 
     cfg: Any
     source: DataSource
     graphdef: nnx.GraphDef
-    params_sharding: Any
     tx: Any
-    state: TrainState
+    abstract_state: TrainState
     state_sharding: Any
+    _init: Callable[[], TrainState]
+    _eval_step: Callable
 
     @classmethod
     def build(
@@ -92,10 +77,12 @@ class Experiment:
         workdir: str | None = None,
         eval_path: str | None = None,
         with_optimizer: bool = True,
+        eval_only: bool = False,
     ) -> Experiment:
-        """Builds data source, model, optimizer and a freshly initialised sharded state.
+        """Builds the data source, the abstract model and optimizer, and the state shardings.
 
-        Must be called inside ``sharding.activate(mesh, rules)``.
+        Must be called inside ``sharding.activate(mesh, rules)``. ``eval_only`` skips reading
+        training rows (checkpoint evaluation).
         """
         mesh = sharding.active_mesh()
         if mesh is None:
@@ -114,24 +101,38 @@ class Experiment:
             process_count=pcount,
             eval_path=eval_path,
             rejects_dir=workdir,
+            eval_only=eval_only,
         )
-        model = build_model(cfg, source.schema, nnx.Rngs(params=cfg.train.seed))
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        if jax.tree.leaves(rest):
-            raise ValueError(f"model has non-parameter state, unsupported by this trainer: {rest}")
-        params_sharding = sharding.state_shardings(params)
-        params = jax.device_put(params, params_sharding)
-        tx = make_optimizer(cfg, params) if with_optimizer else None
-        if tx is not None:
-            abstract = jax.eval_shape(tx.init, params)
-            opt_sharding = opt_state_shardings(abstract, params)
-            opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
-        else:
-            opt_state = None
-        step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated())
-        state = TrainState(step=step, params=params, opt_state=opt_state)
-        state_sharding = jax.tree.map(lambda x: x.sharding, state)
-        return cls(cfg, source, graphdef, params_sharding, tx, state, state_sharding)
+
+        def make_params():
+            model = build_model(cfg, source.schema, nnx.Rngs(params=cfg.train.seed))
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            if jax.tree.leaves(rest):
+                raise ValueError(f"model has non-parameter state, unsupported by this trainer: {rest}")
+            return graphdef, params
+
+        graphdef, abstract_params = nnx.eval_shape(make_params)
+        tx = make_optimizer(cfg, abstract_params) if with_optimizer else None
+        abstract_opt = jax.eval_shape(tx.init, abstract_params) if tx is not None else None
+        state_sharding = TrainState(
+            step=sharding.replicated(),
+            params=sharding.state_shardings(abstract_params),
+            opt_state=sharding.state_shardings(abstract_opt) if tx is not None else None,
+        )
+
+        @functools.partial(jax.jit, out_shardings=state_sharding)
+        def init() -> TrainState:
+            _, params = make_params()
+            opt_state = tx.init(params) if tx is not None else None
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+        abstract_state = jax.eval_shape(init)
+        eval_step = jax.jit(make_eval_step(graphdef))
+        return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step)
+
+    def init_state(self) -> TrainState:
+        """A freshly initialised state, created directly in its shardings."""
+        return self._init()
 
     def device_batch(self, batch: Batch) -> Batch:
         """Host-local numpy batch -> global jax arrays sharded over ``batch``."""
@@ -144,13 +145,13 @@ class Experiment:
 
     def evaluate(self, params: Any, *, max_batches: int = 0) -> dict:
         """Exact metrics over the evaluation set (or its first ``max_batches`` batches)."""
-        eval_step = jax.jit(make_eval_step(self.graphdef))
         acc = EvalAccumulator()
-        for i, batch in enumerate(self.source.eval_batches()):
-            if max_batches and i >= max_batches:
-                break
+        batches = self.source.eval_batches()
+        if max_batches:
+            batches = itertools.islice(batches, max_batches)
+        for batch in batches:
             dbatch = self.device_batch(batch)
-            logits = eval_step(params, dbatch)
+            logits = self._eval_step(params, dbatch)
             logits, labels, weights = (
                 np.asarray(multihost_utils.process_allgather(x, tiled=True))
                 for x in (logits, dbatch.labels_b, dbatch.weights_b)
@@ -241,7 +242,6 @@ def train(
     tcfg = cfg.train
     with sharding.activate(mesh, cfg.mesh.rules):
         exp = Experiment.build(cfg, build_model, workdir=str(workdir))
-        state = exp.state
         ckpt = Checkpointer(
             workdir / "checkpoints", max_to_keep=tcfg.max_checkpoints, async_save=tcfg.async_checkpoint
         )
@@ -250,25 +250,27 @@ def train(
             # Reader counters (rows read / kept / rejected by reason, OOV counts): nothing is
             # dropped without a count.
             (workdir / "data_stats.json").write_text(json.dumps(exp.source.stats, indent=2, default=str) + "\n")
+        # Restore order: this run's latest checkpoint, then another run's parameters, then fresh.
+        abstract = exp.abstract_state
         latest = ckpt.latest_step()
         if latest is not None:
-            params, opt_state, meta = ckpt.restore(latest, state.params, state.opt_state)
-            state = TrainState(
-                step=jax.device_put(jnp.asarray(meta["step"], jnp.int32), sharding.replicated()),
-                params=params,
-                opt_state=opt_state,
-            )
+            params, opt_state, meta = ckpt.restore(latest, abstract.params, abstract.opt_state)
+            step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), sharding.replicated())
+            state = TrainState(step=step, params=params, opt_state=opt_state)
             print(f"restored checkpoint step {latest} from {ckpt.directory}", file=sys.stderr)
         elif tcfg.init_from:
             src = Checkpointer(Path(tcfg.init_from) / "checkpoints", async_save=False)
             src_step = src.latest_step()
             if src_step is None:
                 raise FileNotFoundError(f"train.init_from: no checkpoints in {src.directory}")
-            params, _ = src.restore_params(src_step, state.params)
+            params, _ = src.restore_params(src_step, abstract.params)
             src.close()
-            state = TrainState(step=state.step, params=params, opt_state=jax.jit(exp.tx.init)(params))
-            state = jax.device_put(state, exp.state_sharding)
+            init_opt = jax.jit(exp.tx.init, out_shardings=exp.state_sharding.opt_state)
+            step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated())
+            state = TrainState(step=step, params=params, opt_state=init_opt(params))
             print(f"initialised parameters from {src.directory} step {src_step}", file=sys.stderr)
+        else:
+            state = exp.init_state()
         start = int(state.step)
 
         train_step = jax.jit(
