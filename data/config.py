@@ -100,7 +100,8 @@ class DataConfig:
     eval_batch_size: int = 4096
     """Global evaluation batch size; the last batch is padded with weight-0 examples."""
     shuffle_seed: int = 0
-    """Seed of the training-order shuffle (a fresh permutation every epoch)."""
+    """Seed of the training-order shuffle (a fresh permutation every epoch); for synthetic data
+    it seeds the whole generated dataset (examples and teacher)."""
     synthetic: SyntheticConfig = SyntheticConfig()
     """Synthetic generator settings (kind='synthetic')."""
     criteo: CriteoConfig = CriteoConfig()

@@ -41,10 +41,10 @@ class DLRMModelConfig:
     def __post_init__(self):
         if not self.top_mlp or self.top_mlp[-1] != 1:
             raise ValueError(f"top_mlp must end in 1 (the logit), got {self.top_mlp}")
-        if self.bottom_mlp and self.interaction == "dot" and self.bottom_mlp[-1] != self.embed_dim:
+        if self.bottom_mlp and self.bottom_mlp[-1] != self.embed_dim:
             raise ValueError(
-                f"dot interaction needs bottom_mlp[-1] == embed_dim, got {self.bottom_mlp[-1]} vs "
-                f"{self.embed_dim}"
+                f"bottom_mlp[-1] must equal embed_dim (the dense vector joins the embeddings), got "
+                f"{self.bottom_mlp[-1]} vs {self.embed_dim}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")

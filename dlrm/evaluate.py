@@ -6,19 +6,17 @@ of stdout.
 
 from __future__ import annotations
 
-import json
-
 import tyro
 
 from dlrm.config import DLRMConfig
 from dlrm.model import build_model
-from recscale.train.evaluation import EvalArgs, evaluate_workdir
+from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(EvalArgs, args=argv, prog="python -m dlrm.evaluate")
     result = evaluate_workdir(DLRMConfig, build_model, args)
-    print(json.dumps(result, sort_keys=True))
+    print(json_line(result))
     return result
 
 

@@ -100,8 +100,9 @@ def frappe() -> DLRMConfig:
 def _criteo(vocab_sizes: tuple[int, ...]) -> DataConfig:
     return DataConfig(
         kind="criteo",
-        train_path="data/criteo/train.txt",
-        eval_path="data/criteo/valid.txt",
+        # Placeholders: point --data.train-path / --data.eval-path at the raw Criteo TSVs.
+        train_path="/path/to/criteo/train.txt",
+        eval_path="/path/to/criteo/valid.txt",
         batch_size=128,
         eval_batch_size=16384,
         criteo=CriteoConfig(vocab_sizes=vocab_sizes),
@@ -156,6 +157,6 @@ def criteo_mlperf() -> DLRMConfig:
         model=DLRMModelConfig(embed_dim=128, bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1)),
         data=data,
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=24.0, b1=0.0, warmup_steps=2750, decay="linear"),
-        embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=24.0, warmup_steps=2750),
+        embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=24.0, warmup_steps=2750, decay="linear"),
         train=TrainConfig(num_steps=64_000, log_every=500, checkpoint_every=5000),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import dlrm.presets  # noqa: F401  (registers the presets)
 from dlrm.model import build_model
@@ -11,8 +12,9 @@ from recscale.train.loop import train
 
 
 def main(argv: list[str] | None = None) -> dict:
-    workdir, cfg = parse_preset_cli("dlrm/", argv, prog="python -m dlrm.train")
-    result = train(cfg, build_model, workdir)
+    args = sys.argv[1:] if argv is None else argv
+    workdir, cfg = parse_preset_cli("dlrm/", args, prog="python -m dlrm.train")
+    result = train(cfg, build_model, workdir, argv=["-m", "dlrm.train", *args])
     print(json.dumps(result, sort_keys=True))
     return result
 

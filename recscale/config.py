@@ -119,6 +119,13 @@ class TrainConfig:
     def __post_init__(self):
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+        for name in ("eval_every", "eval_max_batches", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_checkpoints < 1:
+            raise ValueError(f"max_checkpoints must be >= 1, got {self.max_checkpoints}")
 
 
 # Fields that do not change what a run computes (logging, evaluation cadence, checkpoint
@@ -127,7 +134,7 @@ NON_SEMANTIC_FIELDS = frozenset(
     {
         "train.progress", "train.log_every", "train.eval_every", "train.eval_max_batches",
         "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
-        "data.eval_batch_size", "data.eval_path",
+        "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",
     }
 )  # fmt: skip
 
@@ -198,7 +205,7 @@ def _build(tp: Any, data: Any, path: str) -> Any:
             raise TypeError(f"{path}: expected a list, got {data!r}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_build(args[0], v, f"{path}[{i}]") for i, v in enumerate(data))
-        return tuple(_build(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+        return tuple(_build(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data, strict=True)))
     if origin is Literal:
         if data not in typing.get_args(tp):
             raise ValueError(f"{path}: {data!r} is not one of {typing.get_args(tp)}")
@@ -221,6 +228,23 @@ def _build(tp: Any, data: Any, path: str) -> Any:
     if tp in (int, float, str, bool) and not isinstance(data, tp):
         raise TypeError(f"{path}: expected {tp.__name__}, got {data!r}")
     return data
+
+
+def absolute_paths(cfg: T) -> T:
+    """``cfg`` with every non-empty ``*_path``/``*_dir``/``init_from`` field made absolute.
+
+    Runs store absolute paths in ``config.json``, so evaluation works from any directory.
+    """
+    if not dataclasses.is_dataclass(cfg):
+        return cfg
+    changes = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            changes[f.name] = absolute_paths(v)
+        elif isinstance(v, str) and v and (f.name.endswith(("_path", "_dir")) or f.name == "init_from"):
+            changes[f.name] = str(Path(v).expanduser().absolute())
+    return dataclasses.replace(cfg, **changes)
 
 
 def save_json(cfg: Any, path: str | Path) -> None:

@@ -61,7 +61,7 @@ class MLP(nnx.Module):
         if not sizes:
             raise ValueError("MLP needs at least one layer size")
         dims = (in_dim, *sizes)
-        self.layers = nnx.List([Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:])])
+        self.layers = nnx.List([Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:], strict=True)])
         # LayerNorm before the ReLU of each hidden layer (stateless, unlike BatchNorm).
         self.norms = nnx.List([LayerNorm(b) for b in sizes[:-1]]) if layer_norm else None
         self.final_relu = final_relu

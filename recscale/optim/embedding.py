@@ -114,8 +114,8 @@ def scale_by_rowwise_adagrad(
         acc_leaves, acc_def = jax.tree.flatten(state.sum_of_squares)
         if len(g_leaves) != len(acc_leaves):
             raise ValueError(f"{len(g_leaves)} gradient leaves but {len(acc_leaves)} accumulators")
-        new_acc = [accumulate(g, a) for g, a in zip(g_leaves, acc_leaves)]
-        new_g = [precondition(g, a) for g, a in zip(g_leaves, new_acc)]
+        new_acc = [accumulate(g, a) for g, a in zip(g_leaves, acc_leaves, strict=True)]
+        new_g = [precondition(g, a) for g, a in zip(g_leaves, new_acc, strict=True)]
         return g_def.unflatten(new_g), RowwiseAdagradState(acc_def.unflatten(new_acc))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from recscale import config as config_lib
 from recscale import sharding
@@ -31,6 +34,19 @@ class EvalArgs:
     """Also write the metrics JSON object to this file."""
 
 
+def json_line(obj: dict) -> str:
+    """One-line JSON with non-finite floats (a NaN AUC of a single-class set) written as null."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return v
+
+    return json.dumps(clean(obj), sort_keys=True, allow_nan=False)
+
+
 def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) -> dict:
     workdir = Path(args.workdir)
     cfg_path = workdir / "config.json"
@@ -41,7 +57,12 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     step = args.step if args.step is not None else ckpt.latest_step()
     if step is None:
         raise FileNotFoundError(f"no checkpoints in {ckpt.directory}")
-    mesh = sharding.make_mesh(cfg.mesh)
+    # Evaluate on this machine's devices, whatever mesh the run trained on (checkpoints restore
+    # onto any mesh): as many as divide the eval batch.
+    mesh_cfg = dataclasses.replace(
+        cfg.mesh, data_parallel=math.gcd(cfg.data.eval_batch_size, jax.device_count())
+    )
+    mesh = sharding.make_mesh(mesh_cfg)
     with sharding.activate(mesh, cfg.mesh.rules):
         exp = Experiment.build(
             cfg, build_model, eval_path=args.data_path, with_optimizer=False, eval_only=True,
@@ -52,7 +73,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     ckpt.close()
     result: dict[str, Any] = {**metrics, "step": int(meta.get("step", step))}
     result["data_path"] = args.data_path or cfg.data.eval_path or f"synthetic:{cfg.data.kind}"
-    if args.output:
+    if args.output and jax.process_index() == 0:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, sort_keys=True) + "\n")
+        Path(args.output).write_text(json_line(result) + "\n")
     return result

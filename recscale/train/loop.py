@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import shlex
 import sys
 import time
@@ -160,13 +161,19 @@ class Experiment:
         return acc.result()
 
 
+def _has_checkpoints(workdir: Path) -> bool:
+    d = workdir / "checkpoints"
+    return d.is_dir() and any(p.name.isdigit() for p in d.iterdir())
+
+
 def write_run_files(workdir: Path, cfg: Any, argv: list[str] | None) -> None:
-    """``config.json`` (the resolved config) and ``command.txt`` (every invocation, appended)."""
-    if jax.process_index() != 0:
-        return
-    workdir.mkdir(parents=True, exist_ok=True)
+    """``config.json`` (the resolved config) and ``command.txt`` (every invocation, appended).
+
+    When the workdir already holds checkpoints, the saved config must match ``cfg`` except for
+    non-semantic fields (checked on every process, so all of them stop together).
+    """
     cfg_path = workdir / "config.json"
-    if cfg_path.is_file() and (workdir / "checkpoints").is_dir():
+    if cfg_path.is_file() and _has_checkpoints(workdir):
         # Resuming: the checkpoints belong to the saved config; a changed one would silently mix.
         old = config_lib.to_dict(config_lib.load_json(type(cfg), cfg_path))
         diffs = _config_diffs(old, config_lib.to_dict(cfg))
@@ -175,8 +182,12 @@ def write_run_files(workdir: Path, cfg: Any, argv: list[str] | None) -> None:
                 f"{workdir} holds a run with another config ({'; '.join(diffs)}); resume it with the "
                 "same config or use a new --workdir"
             )
+    if jax.process_index() != 0:
+        return
+    workdir.mkdir(parents=True, exist_ok=True)
     config_lib.save_json(cfg, cfg_path)
-    cmd = shlex.join([Path(sys.executable).name, *(sys.argv if argv is None else argv)])
+    args = sys.argv if argv is None else argv
+    cmd = f"cd {shlex.quote(os.getcwd())} && " + shlex.join([Path(sys.executable).name, *args])
     with open(workdir / "command.txt", "a") as f:
         f.write(cmd + "\n")
 
@@ -206,7 +217,13 @@ class MetricsWriter:
 
 
 def _progress(enabled: bool, total: int, start: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     prog = Progress(
         TextColumn("[bold]train"),
@@ -237,6 +254,7 @@ def train(
 ) -> dict:
     """Trains ``cfg`` in ``workdir`` (resuming from its latest checkpoint) and returns final eval."""
     workdir = Path(workdir)
+    cfg = config_lib.absolute_paths(cfg)
     write_run_files(workdir, cfg, argv)
     mesh = sharding.make_mesh(cfg.mesh)
     tcfg = cfg.train

@@ -66,30 +66,41 @@ def test_tiny_learns(tmp_path):
     assert result["auc"] > 0.65, result
 
 
-def test_resume_equals_uninterrupted_bitwise_and_differs_from_cold_start(tmp_path):
+def test_resume_equals_uninterrupted_bitwise_and_differs_from_cold_start(tmp_path, capsys):
     cfg = _tiny(num_steps=8, checkpoint_every=4, log_every=1, max_checkpoints=5, async_checkpoint=True)
     full = tmp_path / "full"
     train(cfg, build_model, full)
-    # Interrupt after step 4: keep only checkpoint 4 and the metrics of steps 1..4.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "8")
-    rows = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["split"] == "train" and r["step"] <= 4))
-    train(cfg, build_model, resumed)
 
-    full_losses = {r["step"]: r["loss"] for r in _rows(full)}
-    res_losses = {r["step"]: r["loss"] for r in _rows(resumed)}
-    assert sorted(res_losses) == list(range(1, 9))
-    for s in range(5, 9):
-        assert res_losses[s] == full_losses[s], s  # bitwise
+    def interrupted_copy(name):
+        # The state a run killed after step 4 leaves: checkpoint 4 and the metrics of steps 1..4.
+        wd = tmp_path / name
+        shutil.copytree(full, wd)
+        shutil.rmtree(wd / "checkpoints" / "8")
+        rows = [r for r in _rows(wd) if r["step"] <= 4]
+        (wd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return wd
+
+    resumed = interrupted_copy("resumed")
+    capsys.readouterr()
+    train(cfg, build_model, resumed)
+    assert "restored checkpoint step 4" in capsys.readouterr().err
+    full_rows, res_rows = _rows(full), _rows(resumed)
+    assert [r["step"] for r in res_rows] == list(range(1, 9))  # resumed at 5: no step twice
+    assert [r["loss"] for r in res_rows] == [r["loss"] for r in full_rows]  # bitwise
     a, b = _ckpt_params(full, 8), _ckpt_params(resumed, 8)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    # A cold start (what a silently failed restore would give) does not match the resumed run.
-    assert res_losses[5] != full_losses[1]
-    cold = _ckpt_params(full, 4)
-    assert any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(cold), jax.tree.leaves(b)))
+
+    # The restored state is what the continuation depends on: swap in checkpoint 4 of a run with
+    # another seed (a different state at the same step), and steps 5..8 no longer match.
+    other = tmp_path / "other_seed"
+    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1)), build_model, other)
+    swapped = interrupted_copy("swapped")
+    shutil.rmtree(swapped / "checkpoints" / "4")
+    shutil.copytree(other / "checkpoints" / "4", swapped / "checkpoints" / "4")
+    train(cfg, build_model, swapped)
+    swapped_losses = [r["loss"] for r in _rows(swapped) if r["step"] > 4]
+    assert all(x != y for x, y in zip(swapped_losses, [r["loss"] for r in full_rows[4:]], strict=True))
 
 
 @pytest.mark.parametrize("rules", ["row_sharded", "replicated"])
