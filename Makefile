@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test install clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every dependency to the versions the suite was last run with, so a new
+# upstream release cannot break a fresh clone (tests turn warnings into errors).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
