@@ -390,13 +390,14 @@ def test_truncated_gzip_lenient_counts_one_reject_and_stops(truncated_gz, tmp_pa
 # ----------------------------------------------------------------------------- tfds builder
 
 
-def test_tfds_builder_matches_reader_without_tensorflow(criteo_sample, sample, tmp_path):
+def test_tfds_builder_matches_reader_without_tensorflow(criteo_files, tmp_path):
     # Preparing and reading array_record must not import TensorFlow (the project does not
     # depend on it). Blocking the import is not an option: etils and tfds probe for it.
     tf_loaded_before = "tensorflow" in sys.modules
     from data.tfds_builders.criteo import CriteoRawConfig, load_criteo_tfds, records_to_batch
 
-    lines = _sample_lines(criteo_sample)
+    lines = _sample_lines(criteo_files.path)
+    whole, _ = read_criteo(criteo_files.path, CFG)
     manual = tmp_path / "manual"
     manual.mkdir()
     _write(manual / "train.txt", lines)
@@ -408,7 +409,7 @@ def test_tfds_builder_matches_reader_without_tensorflow(criteo_sample, sample, t
     got = records_to_batch(
         [*(train[i] for i in range(len(train))), *(valid[i] for i in range(len(valid)))]
     )
-    _assert_batches_equal(got, sample[0])
+    _assert_batches_equal(got, whole)
 
     # File-based validation split and natural file order (day_2 before day_10).
     _write(manual / "day_2", lines[:300])

@@ -1,4 +1,5 @@
-"""Frappe reader (real BARS files when present, tiny hand-written files otherwise) and tfds."""
+"""Frappe reader (real BARS files when present, tiny hand-written files) and the tfds builder
+(on generated files, and on real ones when present)."""
 
 from pathlib import Path
 
@@ -137,8 +138,8 @@ def test_bad_input_names_file_line_column(tmp_path, lines, where, what):
 
 
 @pytest.fixture(scope="module")
-def tfds_frappe(frappe_dir, tmp_path_factory):
-    """A tiny manual dir (first rows of the real files, in tmp only) prepared as array_record."""
+def tfds_frappe(frappe_files, tmp_path_factory):
+    """A tiny manual dir (first rows of the generated or real files) prepared as array_record."""
     tfds = pytest.importorskip("tensorflow_datasets")
     from data.tfds_builders.frappe import FrappeBars
 
@@ -146,7 +147,7 @@ def tfds_frappe(frappe_dir, tmp_path_factory):
     manual = root / "manual"
     manual.mkdir()
     for name, n in (("train.csv", 400), ("valid.csv", 150)):
-        with open(frappe_dir / name) as src:
+        with open(frappe_files.path / name) as src:
             (manual / name).write_text("".join(next(src) for _ in range(n + 1)))
     builder = FrappeBars(data_dir=str(root / "data"), file_format="array_record")
     builder.download_and_prepare(

@@ -174,8 +174,8 @@ def test_in_memory_source_rejects_rows_breaking_schema():
         InMemorySource(schema, bad, train, batch_size=4, eval_batch_size=4, seed=0)
 
 
-def _check_sources(srcs, *, batch: int, eval_batch: int, num_eval: int):
-    """``srcs``: the sources of all hosts of one run."""
+def _check_sources(srcs, *, batch: int, eval_batch: int, num_eval: int) -> Batch:
+    """``srcs``: the sources of all hosts of one run. Returns the eval set's real rows in order."""
     weight = 0.0
     for src in srcs:
         assert isinstance(src, DataSource)
@@ -190,6 +190,25 @@ def _check_sources(srcs, *, batch: int, eval_batch: int, num_eval: int):
             weight += float(b.weights_b.sum())
         assert src.num_eval_examples == num_eval
     assert weight == num_eval
+    return _eval_rows(srcs)
+
+
+def _eval_rows(srcs) -> Batch:
+    """The weight-1 eval rows of all hosts, in global order (batch by batch, host by host)."""
+    parts = []
+    for per_host in zip(*(s.eval_batches() for s in srcs), strict=True):
+        for b in per_host:
+            assert set(np.unique(b.weights_b)) <= {0.0, 1.0}
+            keep = b.weights_b == 1
+            assert keep.all() or not keep[np.argmin(keep) :].any()  # padding only at the end
+            parts.append(Batch(*(f[keep] for f in b)))
+    return Batch(*(np.concatenate(f) for f in zip(*parts, strict=True)))
+
+
+def _assert_same(got: Batch, want: Batch) -> None:
+    for name, a, b in zip(Batch._fields, got, want, strict=True):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_make_source_synthetic():
@@ -201,34 +220,132 @@ def test_make_source_synthetic():
     _check_sources([make_source(cfg)], batch=32, eval_batch=64, num_eval=150)
     hosts = [make_source(cfg, process_index=h, process_count=2) for h in range(2)]
     _check_sources(hosts, batch=32, eval_batch=64, num_eval=150)
+    with pytest.raises(ValueError, match="eval_path '/x.csv' given for synthetic data"):
+        make_source(cfg, eval_path="/x.csv")
 
 
-def test_make_source_frappe(frappe_dir):
+def _frappe_truth(folder):
+    """What the Frappe sources must give, computed from the CSVs with plain numpy: training
+    vocabulary sizes, per-field OOV counts of valid.csv, and its rows as ids (0 = OOV)."""
+    from data.frappe import FRAPPE_FIELDS
+
+    train, valid = (
+        np.loadtxt(folder / name, delimiter=",", skiprows=1, dtype=np.int64, ndmin=2)
+        for name in ("train.csv", "valid.csv")
+    )
+    known = [np.unique(train[:, 1 + f]) for f in range(10)]
+    seen = np.stack([np.isin(valid[:, 1 + f], known[f]) for f in range(10)], axis=1)
+    ids = np.stack([np.searchsorted(known[f], valid[:, 1 + f]) + 1 for f in range(10)], axis=1)
+    rows = Batch(
+        dense_bn=np.zeros((len(valid), 0), np.float32),
+        ids_bfh=np.where(seen, ids, 0).astype(np.int32)[:, :, None],
+        labels_b=valid[:, 0].astype(np.float32),
+        weights_b=np.ones(len(valid), np.float32),
+    )
+    oov = dict(zip(FRAPPE_FIELDS, (~seen).sum(axis=0).tolist(), strict=True))
+    return [len(k) + 1 for k in known], len(train), oov, rows
+
+
+def test_make_source_frappe(frappe_files):
+    folder = frappe_files.path
+    real = frappe_files.kind == "real"
+    batch, eval_batch = (4096, 8192) if real else (64, 32)  # generated: 150 eval rows, 5 batches
     cfg = DataConfig(
-        kind="frappe", train_path=str(frappe_dir / "train.csv"),
-        eval_path=str(frappe_dir / "valid.csv"), batch_size=4096, eval_batch_size=8192,
+        kind="frappe", train_path=str(folder / "train.csv"), eval_path=str(folder / "valid.csv"),
+        batch_size=batch, eval_batch_size=eval_batch,
     )  # fmt: skip
+    vocab_sizes, num_train, oov, valid = _frappe_truth(folder)
     src = make_source(cfg)
-    _check_sources([src], batch=4096, eval_batch=8192, num_eval=57_722)
-    assert [f.vocab_size for f in src.schema.features] == [955, 4083, 8, 8, 3, 4, 3, 10, 81, 234]
-    assert src.stats["train"]["rows_read"] == 202_027 and src.stats["eval"]["oov"]["user"] == 6
+    got = _check_sources([src], batch=batch, eval_batch=eval_batch, num_eval=valid.batch_size)
+    _assert_same(got, valid)  # every eval example once, in file order
+    assert [f.vocab_size for f in src.schema.features] == vocab_sizes
+    assert src.stats["train"]["rows_read"] == num_train and src.stats["eval"]["oov"] == oov
+    assert sum(oov.values()) > 0 and src.stats["train"]["oov"] == dict.fromkeys(oov, 0)
+    if real:
+        assert vocab_sizes == [955, 4083, 8, 8, 3, 4, 3, 10, 81, 234]
+        assert num_train == 202_027 and valid.batch_size == 57_722 and oov["user"] == 6
+    hosts = [make_source(cfg, process_index=h, process_count=2) for h in range(2)]
+    got = _check_sources(hosts, batch=batch, eval_batch=eval_batch, num_eval=valid.batch_size)
+    _assert_same(got, valid)
     with pytest.raises(ValueError, match="needs an eval file"):
         make_source(dataclasses.replace(cfg, eval_path=""))
 
 
-def test_make_source_criteo(criteo_sample, tmp_path):
+def test_make_source_criteo(criteo_files, tmp_path):
     pytest.importorskip("data.criteo.reader")
+    from data.criteo.reader import read_criteo
+
     vocab = (1000,) * 26
+    path = str(criteo_files.path)
     cfg = DataConfig(
-        kind="criteo", train_path=str(criteo_sample), eval_path=str(criteo_sample),
+        kind="criteo", train_path=path, eval_path=path,
         batch_size=128, eval_batch_size=256, criteo=CriteoConfig(vocab_sizes=vocab),
     )  # fmt: skip
     hosts = [make_source(cfg, process_index=h, process_count=2) for h in range(2)]
-    _check_sources(hosts, batch=128, eval_batch=256, num_eval=1999)
+    got = _check_sources(hosts, batch=128, eval_batch=256, num_eval=1999)
+    _assert_same(got, read_criteo(path, cfg.criteo)[0])  # every eval example once, in order
     assert hosts[0].stats["train"]["rows_kept"] == 1999
+    assert "1999 kept + 0 rejected" in hosts[0].stats["report"]
+    assert [f.vocab_size for f in hosts[0].schema.features] == list(vocab)
+    assert hosts[0].schema.dense_names == tuple(f"I{i}" for i in range(1, 14))
 
     lenient = dataclasses.replace(cfg, criteo=CriteoConfig(vocab_sizes=vocab, strict=False))
     src = make_source(lenient, rejects_dir=str(tmp_path))
     assert src.stats["train"]["rejects_path"] == str(tmp_path / "criteo_rejects.tsv")
     assert src.stats["eval"]["rejects_path"] == str(tmp_path / "criteo_rejects.eval.tsv")
     assert (tmp_path / "criteo_rejects.tsv").is_file()
+
+
+# ----------------------------------------------------------------------------- eval_only
+
+
+def _assert_same_eval(got, want) -> None:
+    assert got.schema == want.schema and got.num_eval_examples == want.num_eval_examples
+    g, w = list(got.eval_batches()), list(want.eval_batches())
+    assert len(g) == len(w) > 0
+    for a, b in zip(g, w, strict=True):
+        _assert_same(a, b)
+
+
+def test_make_source_frappe_eval_only_reads_no_training_rows(frappe_files, monkeypatch):
+    import data.frappe.reader as reader
+
+    folder = frappe_files.path
+    cfg = DataConfig(
+        kind="frappe", train_path=str(folder / "train.csv"), eval_path=str(folder / "valid.csv"),
+        batch_size=64, eval_batch_size=64,
+    )  # fmt: skip
+    read, real_read = [], reader.read_frappe
+    monkeypatch.setattr(reader, "read_frappe", lambda p, v: read.append(str(p)) or real_read(p, v))
+    for h, hosts in ((0, 1), (1, 2)):
+        kw = dict(process_index=h, process_count=hosts)
+        read.clear()
+        src = make_source(cfg, eval_only=True, **kw)
+        assert read == [cfg.eval_path]  # the vocabulary is still built from train.csv
+        assert src.stats["train"] is None
+        with pytest.raises(RuntimeError, match="eval-only"):
+            src.train_batch(0)
+        full = make_source(cfg, **kw)
+        assert read == [cfg.eval_path, cfg.train_path, cfg.eval_path]
+        _assert_same_eval(src, full)
+        assert src.stats["eval"] == full.stats["eval"]
+        assert src.stats["vocab_sizes"] == full.stats["vocab_sizes"]
+
+
+def test_make_source_criteo_eval_only_reads_no_training_rows(criteo_files, tmp_path):
+    path = str(criteo_files.path)
+    cfg = DataConfig(
+        kind="criteo", train_path=path, eval_path=path, batch_size=128, eval_batch_size=256,
+        criteo=CriteoConfig(vocab_sizes=(1000,) * 26),
+    )  # fmt: skip
+    # The training file is never opened: a missing one is fine.
+    no_train = dataclasses.replace(cfg, train_path=str(tmp_path / "missing.tsv"))
+    for h, hosts in ((0, 1), (1, 2)):
+        kw = dict(process_index=h, process_count=hosts)
+        src = make_source(no_train, eval_only=True, **kw)
+        assert src.stats["train"] is None and src.stats["report"].startswith("eval ")
+        with pytest.raises(RuntimeError, match="eval-only"):
+            src.train_batch(0)
+        _assert_same_eval(src, make_source(cfg, **kw))
+    with pytest.raises(FileNotFoundError):
+        make_source(no_train)

@@ -1,4 +1,8 @@
-"""make_source over prepared tfds array_record datasets equals the in-memory route, bitwise."""
+"""make_source over prepared tfds array_record datasets equals the in-memory route, bitwise.
+
+Every test runs on generated files (``frappe_files`` / ``criteo_files`` in ``conftest.py``, so
+in CI too) and again on heads of the real files when ``../shared/data`` is present.
+"""
 
 import dataclasses
 import re
@@ -44,13 +48,14 @@ def _head(src: Path, dst: Path, lines: slice) -> Path:
 
 
 @pytest.fixture(scope="module")
-def frappe_cfg(frappe_dir, tmp_path_factory):
-    """Train/valid CSVs of 400/150 real rows (in tmp only) and a config reading them."""
+def frappe_cfg(frappe_files, tmp_path_factory):
+    """Train/valid CSVs of 400/150 rows (in tmp only) and a config reading them."""
     root = tmp_path_factory.mktemp("frappe")
     manual = root / "raw"
     manual.mkdir()
-    _head(frappe_dir / "train.csv", manual / "train.csv", slice(0, 401))  # header + 400 rows
-    _head(frappe_dir / "valid.csv", manual / "valid.csv", slice(0, 151))
+    src = frappe_files.path
+    _head(src / "train.csv", manual / "train.csv", slice(0, 401))  # header + 400 rows
+    _head(src / "valid.csv", manual / "valid.csv", slice(0, 151))
     return DataConfig(
         kind="frappe", train_path=str(manual / "train.csv"), eval_path=str(manual / "valid.csv"),
         batch_size=160, eval_batch_size=64, shuffle_seed=3,
@@ -68,6 +73,9 @@ def test_frappe_tfds_equals_in_memory(frappe_cfg):
     assert (root / "tfds" / "frappe_bars" / "1.0.0").is_dir()
     assert got.stats["tfds"]["eval"] == "split validation"
     assert got.stats["vocab_sizes"] == list(build_frappe_vocab(cfg.train_path).vocab_sizes)
+    # OOV counts of the validation split are those of the in-memory reader (some are unseen).
+    oov = make_source(cfg).stats["eval"]["oov"]
+    assert got.stats["eval"]["oov"] == oov and oov["user"] > 0
     # No eval_path: the validation split.
     _assert_sources_equal(
         make_source(dataclasses.replace(tfds_cfg, eval_path="")), make_source(cfg)
@@ -93,10 +101,10 @@ def test_frappe_tfds_prepared_in_several_shards(frappe_cfg, tmp_path):
     _assert_sources_equal(make_source(tfds_cfg), make_source(cfg), steps=range(6))
 
 
-def test_frappe_tfds_eval_override_reads_raw_file(frappe_cfg, frappe_dir, tmp_path):
+def test_frappe_tfds_eval_override_reads_raw_file(frappe_cfg, frappe_files, tmp_path):
     cfg, root = frappe_cfg
     tfds_cfg = dataclasses.replace(cfg, tfds_data_dir=str(root / "tfds"))
-    other = _head(frappe_dir / "valid.csv", tmp_path / "other.csv", slice(0, 101))
+    other = _head(frappe_files.path / "valid.csv", tmp_path / "other.csv", slice(0, 101))
     got = make_source(tfds_cfg, eval_path=str(other))
     _assert_sources_equal(got, make_source(cfg, eval_path=str(other)))
     assert got.stats["tfds"]["eval"] == f"raw file {other} (in memory)"
@@ -123,13 +131,13 @@ VOCAB = (1000,) * 26  # small tables, so hashing with another seed changes many 
 
 
 @pytest.fixture(scope="module")
-def criteo_cfg(criteo_sample, tmp_path_factory):
+def criteo_cfg(criteo_files, tmp_path_factory):
     """train.tsv = sample rows 0..1199, valid.tsv = rows 1200..1998 (in tmp only)."""
     root = tmp_path_factory.mktemp("criteo")
     manual = root / "raw"
     manual.mkdir()
-    _head(criteo_sample, manual / "train.tsv", slice(0, 1200))
-    _head(criteo_sample, manual / "valid.tsv", slice(1200, None))
+    _head(criteo_files.path, manual / "train.tsv", slice(0, 1200))
+    _head(criteo_files.path, manual / "valid.tsv", slice(1200, None))
     return DataConfig(
         kind="criteo", train_path=str(manual / "train.tsv"), eval_path=str(manual / "valid.tsv"),
         batch_size=128, eval_batch_size=256, shuffle_seed=1,
@@ -182,9 +190,9 @@ def _pad(rows: Batch, cut: int) -> Batch:
     return Batch(*(np.concatenate(f) for f in zip(*parts, strict=True)))
 
 
-def test_criteo_tfds_eval_override_reads_raw_file(criteo_cfg, criteo_sample, tmp_path):
+def test_criteo_tfds_eval_override_reads_raw_file(criteo_cfg, criteo_files, tmp_path):
     cfg, root = criteo_cfg
-    other = _head(criteo_sample, tmp_path / "test.tsv", slice(1500, None))
+    other = _head(criteo_files.path, tmp_path / "test.tsv", slice(1500, None))
     got = make_source(
         dataclasses.replace(cfg, tfds_data_dir=str(root / "tfds")), eval_path=str(other)
     )
