@@ -49,7 +49,9 @@ class WukongModelConfig:
     embeddings over its d values (scale and bias of size d); ``flattened`` normalises the whole
     [(n_F + n_L) * d] layer output at once."""
     dropout: float = 0.0
-    """Dropout after each hidden layer of the FMB MLPs and the top MLP (training only)."""
+    """Dropout after each hidden layer of the top MLP (training only)."""
+    fmb_dropout: float = 0.0
+    """Dropout after each hidden layer of the FMB MLPs (training only)."""
     pooling: Literal["sum", "mean"] = "sum"
     """Pooling of multi-hot bags."""
     embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
@@ -65,15 +67,18 @@ class WukongModelConfig:
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.n_fmb < 0 or self.n_lcb < 0 or self.n_fmb + self.n_lcb < 1:
-            raise ValueError(f"need n_fmb, n_lcb >= 0 and n_fmb + n_lcb >= 1, got {self.n_fmb}, {self.n_lcb}")
+            raise ValueError(
+                f"need n_fmb, n_lcb >= 0 and n_fmb + n_lcb >= 1, got {self.n_fmb}, {self.n_lcb}"
+            )
         if self.fmb_rank < 1:
             raise ValueError(f"fmb_rank must be >= 1, got {self.fmb_rank}")
         if self.fmb_mlp_depth < 0 or (self.fmb_mlp_depth and self.fmb_mlp_width < 1):
             raise ValueError(f"bad FMB MLP {self.fmb_mlp_depth} x {self.fmb_mlp_width}")
         if self.num_dense_embeddings < -1:
             raise ValueError(f"num_dense_embeddings must be >= -1, got {self.num_dense_embeddings}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "fmb_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,201 @@
+"""The Wukong network (Zhang et al., ICML 2024, "Wukong: Towards a Scaling Law for Large-Scale
+Recommendation").
+
+    X_0     = concat(dense embeddings, sparse embeddings)                      [B, E_0, D]
+    X_{i+1} = LN(concat(FMB_i(X_i), LCB_i(X_i)) + residual_i(X_i))             [B, M + C, D]
+    FMB(X)  = reshape(MLP(LN(flatten(X (Xᵀ Y)))))      optimized FM, Y: [E, K] [B, M, D]
+    LCB(X)  = W_L X                                    W_L: [C, E]             [B, C, D]
+    logit   = top MLP(flatten(X_l))                                            [B]
+
+``residual_i`` is the identity when E == M + C and otherwise a linear map over the embedding
+axis (W_R: [M + C, E]). LN is over each embedding's d values by default (``layer_norm``).
+
+Dimension glossary: ``B`` batch, ``N`` dense features, ``F`` sparse features, ``H`` bag slots,
+``D`` embedding dim (d), ``K`` FM rank (k), ``L`` layers (l), ``E`` embeddings entering a layer
+(the paper's n), ``M`` FMB outputs (n_F), ``C`` LCB outputs (n_L), ``O`` = M + C embeddings
+leaving a layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from data.batch import Schema
+from recscale import sharding
+from recscale.embeddings import EmbeddingCollection, one_table_per_feature
+from recscale.nn import MLP, LayerNorm
+from wukong.config import WukongModelConfig
+
+
+def _glorot(rngs: nnx.Rngs, shape: tuple[int, int]) -> jax.Array:
+    # Same scale as recscale.nn.Linear's kernels: N(0, 2 / (fan_in + fan_out)).
+    return (2.0 / sum(shape)) ** 0.5 * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
+    return None if key is None else jax.random.fold_in(key, i)
+
+
+def num_dense_embeddings(cfg: WukongModelConfig, schema: Schema) -> int:
+    """Dense embeddings of X_0 (``num_dense_embeddings``, with -1 resolved from the schema)."""
+    n = cfg.num_dense_embeddings
+    if n == -1:
+        return 1 if schema.num_dense else 0
+    if n > 0 and not schema.num_dense:
+        raise ValueError(f"num_dense_embeddings={n} but the dataset has no dense features")
+    if n == 0 and schema.num_dense:
+        raise ValueError(
+            f"num_dense_embeddings=0 would ignore the dataset's {schema.num_dense} dense features"
+        )
+    return n
+
+
+class FactorizationMachineBlock(nnx.Module):
+    """FMB: optimized FM X (Xᵀ Y) -> flatten -> LN -> MLP -> n_F embeddings."""
+
+    def __init__(self, num_in: int, cfg: WukongModelConfig, *, rngs: nnx.Rngs):
+        self.num_in, self.num_out = num_in, cfg.n_fmb
+        self.rank, self.dim = cfg.fmb_rank, cfg.embed_dim
+        self.attentive = cfg.fmb_projection == "attentive"
+        if self.attentive:
+            self.projection = None
+            self.attention = MLP(
+                num_in * cfg.embed_dim,
+                (*cfg.attentive_mlp, num_in * cfg.fmb_rank),
+                final_relu=False,
+                rngs=rngs,
+            )
+        else:
+            self.projection = sharding.param(
+                nnx.Param, _glorot(rngs, (num_in, cfg.fmb_rank)), "feature", None
+            )
+            self.attention = None
+        self.norm = LayerNorm(num_in * cfg.fmb_rank)
+        self.mlp = MLP(
+            num_in * cfg.fmb_rank,
+            (*(cfg.fmb_mlp_width,) * cfg.fmb_mlp_depth, cfg.n_fmb * cfg.embed_dim),
+            final_relu=False,
+            dropout=cfg.fmb_dropout,
+            rngs=rngs,
+        )
+
+    def projection_y(self, x_bed: jax.Array) -> jax.Array:
+        """Y: ``[E, K]`` (learned) or ``[B, E, K]`` (attentive, a function of each example's X)."""
+        if not self.attentive:
+            return self.projection[...]
+        b = x_bed.shape[0]
+        return self.attention(x_bed.reshape(b, -1)).reshape(b, self.num_in, self.rank)
+
+    def interact(self, x_bed: jax.Array) -> jax.Array:
+        """The optimized FM X (Xᵀ Y): ``[B, E, K]``, never forming the ``[B, E, E]`` X Xᵀ."""
+        y = self.projection_y(x_bed)
+        if y.ndim == 2:
+            xty_bdk = jnp.einsum("bed,ek->bdk", x_bed, y)
+        else:
+            xty_bdk = jnp.einsum("bed,bek->bdk", x_bed, y)
+        return jnp.einsum("bed,bdk->bek", x_bed, xty_bdk)
+
+    def __call__(self, x_bed: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        b = x_bed.shape[0]
+        fm_bek = self.interact(x_bed)
+        h_b_ek = self.norm(fm_bek.reshape(b, -1))
+        out_b_md = self.mlp(h_b_ek, dropout_key=dropout_key)
+        return out_b_md.reshape(b, self.num_out, self.dim)
+
+
+class WukongLayer(nnx.Module):
+    """X -> LN(concat(FMB(X), LCB(X)) + residual(X)): ``[B, E, D] -> [B, M + C, D]``."""
+
+    def __init__(self, num_in: int, cfg: WukongModelConfig, *, rngs: nnx.Rngs):
+        self.num_in, self.num_out = num_in, cfg.n_fmb + cfg.n_lcb
+        self.fmb = FactorizationMachineBlock(num_in, cfg, rngs=rngs) if cfg.n_fmb else None
+        # LCB weight W_L [C, E]: each output embedding is a linear recombination of the inputs.
+        self.lcb = (
+            sharding.param(nnx.Param, _glorot(rngs, (cfg.n_lcb, num_in)), None, "feature")
+            if cfg.n_lcb
+            else None
+        )
+        # The residual is the identity when the embedding count is unchanged, else W_R [O, E].
+        self.residual = (
+            sharding.param(nnx.Param, _glorot(rngs, (self.num_out, num_in)), None, "feature")
+            if num_in != self.num_out
+            else None
+        )
+        self.flat_norm = cfg.layer_norm == "flattened"
+        self.norm = LayerNorm(self.num_out * cfg.embed_dim if self.flat_norm else cfg.embed_dim)
+
+    def __call__(self, x_bed: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        parts = []
+        if self.fmb is not None:
+            parts.append(self.fmb(x_bed, dropout_key=dropout_key))  # [B, M, D]
+        if self.lcb is not None:
+            parts.append(jnp.einsum("ce,bed->bcd", self.lcb[...], x_bed))  # [B, C, D]
+        y_bod = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        if self.residual is None:
+            y_bod = y_bod + x_bed
+        else:
+            y_bod = y_bod + jnp.einsum("oe,bed->bod", self.residual[...], x_bed)
+        if self.flat_norm:
+            b, o, d = y_bod.shape
+            y_bod = self.norm(y_bod.reshape(b, o * d)).reshape(b, o, d)
+        else:
+            y_bod = self.norm(y_bod)
+        return sharding.constrain(y_bod, "batch", None, None)
+
+
+class Wukong(nnx.Module):
+    def __init__(self, cfg: WukongModelConfig, schema: Schema, *, rngs: nnx.Rngs):
+        self.cfg = nnx.static(cfg)
+        tables, features = one_table_per_feature(
+            tuple((f.name, f.vocab_size, f.max_hotness) for f in schema.features),
+            cfg.embed_dim,
+            pooling=cfg.pooling,
+            init=cfg.embedding_init,
+            init_scale=cfg.embedding_init_scale,
+        )
+        self.embeddings = EmbeddingCollection(tables, features, rngs=rngs)
+        self.num_dense_emb = num_dense_embeddings(cfg, schema)
+        if self.num_dense_emb:
+            self.dense = MLP(
+                schema.num_dense,
+                (*cfg.dense_mlp, self.num_dense_emb * cfg.embed_dim),
+                final_relu=False,
+                rngs=rngs,
+            )
+        else:
+            self.dense = None
+        num_in = schema.num_sparse + self.num_dense_emb
+        layers = []
+        for _ in range(cfg.num_layers):
+            layers.append(WukongLayer(num_in, cfg, rngs=rngs))
+            num_in = cfg.n_fmb + cfg.n_lcb
+        self.layers = nnx.List(layers)
+        self.top = MLP(
+            num_in * cfg.embed_dim, cfg.top_mlp, final_relu=False, dropout=cfg.dropout, rngs=rngs
+        )
+
+    def embed(self, dense_bn: jax.Array, ids_bfh: jax.Array) -> jax.Array:
+        """X_0: dense embeddings then one pooled embedding per sparse feature, ``[B, E_0, D]``."""
+        emb_bfd = self.embeddings(ids_bfh)
+        if self.dense is None:
+            return emb_bfd
+        b = dense_bn.shape[0]
+        dense_bnd = self.dense(dense_bn).reshape(b, self.num_dense_emb, self.cfg.embed_dim)
+        return jnp.concatenate([dense_bnd, emb_bfd], axis=1)
+
+    def __call__(
+        self, dense_bn: jax.Array, ids_bfh: jax.Array, *, dropout_key: jax.Array | None = None
+    ) -> jax.Array:
+        """Logits ``[B]``."""
+        x_bed = sharding.constrain(self.embed(dense_bn, ids_bfh), "batch", None, None)
+        for i, layer in enumerate(self.layers):
+            x_bed = layer(x_bed, dropout_key=_fold(dropout_key, i))
+        x_b_ed = sharding.constrain(x_bed.reshape(x_bed.shape[0], -1), "batch", None)
+        return self.top(x_b_ed, dropout_key=_fold(dropout_key, len(self.layers)))[:, 0]
+
+
+def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> Wukong:
+    """Trainer hook: the Wukong of a WukongConfig for a dataset schema."""
+    return Wukong(cfg.model, schema, rngs=rngs)
