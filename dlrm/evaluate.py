@@ -6,18 +6,13 @@ of stdout.
 
 from __future__ import annotations
 
-import tyro
-
 from dlrm.config import DLRMConfig
 from dlrm.model import build_model
-from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
+from recscale.train.cli import evaluate_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = tyro.cli(EvalArgs, args=argv, prog="python -m dlrm.evaluate")
-    result = evaluate_workdir(DLRMConfig, build_model, args)
-    print(json_line(result))
-    return result
+    return evaluate_main("dlrm", DLRMConfig, build_model, argv)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def frappe() -> DLRMConfig:
             eval_batch_size=8192,
         ),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.01),
+        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.02),
         train=TrainConfig(num_steps=2000, log_every=50, eval_every=250, checkpoint_every=500),
     )  # fmt: skip
 

@@ -6,20 +6,13 @@ of stdout.
 
 from __future__ import annotations
 
-import json
-
-import tyro
-
-from recscale.train.evaluation import EvalArgs, evaluate_workdir
+from recscale.train.cli import evaluate_main
 from wukong.config import WukongConfig
 from wukong.model import build_model
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = tyro.cli(EvalArgs, args=argv, prog="python -m wukong.evaluate")
-    result = evaluate_workdir(WukongConfig, build_model, args)
-    print(json.dumps(result, sort_keys=True))
-    return result
+    return evaluate_main("wukong", WukongConfig, build_model, argv)
 
 
 if __name__ == "__main__":
