@@ -52,7 +52,7 @@ def test_lookup_matches_numpy_with_padding_and_shared_tables():
     got = coll.lookup(jnp.asarray(ids))
     np_tables = {k: np.asarray(v[...]) for k, v in coll.tables.items()}
     want = _reference(np_tables, feats, ids)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-7)
     stacked = coll(jnp.asarray(ids))
     assert stacked.shape == (3, 3, 4)
