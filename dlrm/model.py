@@ -14,7 +14,7 @@ from flax import nnx
 from data.batch import Schema
 from dlrm.config import DLRMModelConfig
 from recscale import sharding
-from recscale.embeddings import EmbeddingCollection, one_table_per_feature
+from recscale.embeddings import EmbeddingCollection
 from recscale.nn import MLP
 
 
@@ -32,14 +32,14 @@ def interaction_dim(cfg: DLRMModelConfig, num_vectors: int, has_dense: bool) -> 
 class DLRM(nnx.Module):
     def __init__(self, cfg: DLRMModelConfig, schema: Schema, *, rngs: nnx.Rngs):
         self.cfg = nnx.static(cfg)
-        tables, features = one_table_per_feature(
-            tuple((f.name, f.vocab_size, f.max_hotness) for f in schema.features),
+        self.embeddings = EmbeddingCollection.one_table_per_feature(
+            schema,
             cfg.embed_dim,
             pooling=cfg.pooling,
             init=cfg.embedding_init,
             init_scale=cfg.embedding_init_scale,
+            rngs=rngs,
         )
-        self.embeddings = EmbeddingCollection(tables, features, rngs=rngs)
         self.has_dense = schema.num_dense > 0
         if self.has_dense:
             if not cfg.bottom_mlp:

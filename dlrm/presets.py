@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from data.config import (
-    CRITEO_KAGGLE_VOCAB_SIZES,
-    CRITEO_TERABYTE_VOCAB_SIZES,
-    CriteoConfig,
-    DataConfig,
-    SyntheticConfig,
-)
+from data import presets as data_presets
+from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CRITEO_TERABYTE_VOCAB_SIZES
 from dlrm.config import DLRMConfig, DLRMModelConfig
 from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, TrainConfig, register
-
-SHARED_FRAPPE = "../shared/data/frappe"
 
 
 @register("dlrm/tiny")
@@ -25,17 +16,7 @@ def tiny() -> DLRMConfig:
     """
     return DLRMConfig(
         model=DLRMModelConfig(embed_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1)),
-        data=DataConfig(
-            kind="synthetic",
-            batch_size=64,
-            eval_batch_size=256,
-            synthetic=SyntheticConfig(
-                num_dense=4,
-                vocab_sizes=(100, 50, 200, 30),
-                max_hotness=(1, 2, 1, 3),
-                num_eval_examples=1000,
-            ),
-        ),
+        data=data_presets.tiny_synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
         train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
@@ -51,17 +32,7 @@ def synthetic() -> DLRMConfig:
     """
     return DLRMConfig(
         model=DLRMModelConfig(embed_dim=16, bottom_mlp=(64, 32, 16), top_mlp=(128, 64, 1)),
-        data=DataConfig(
-            kind="synthetic",
-            batch_size=1024,
-            eval_batch_size=4096,
-            synthetic=SyntheticConfig(
-                num_dense=13,
-                vocab_sizes=(10000, 5000, 2000, 1000, 500, 200, 100, 50),
-                max_hotness=(3, 1, 5, 1, 2, 1, 1, 4),
-                num_eval_examples=65536,
-            ),
-        ),
+        data=data_presets.synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
         train=TrainConfig(num_steps=3000, log_every=100, eval_every=1000, eval_max_batches=4, checkpoint_every=1000),
@@ -84,29 +55,11 @@ def frappe() -> DLRMConfig:
             dot_concat="all", embedding_init="normal", embedding_init_scale=0.01,
             dropout=0.2, layer_norm=True,
         ),
-        data=DataConfig(
-            kind="frappe",
-            train_path=f"{SHARED_FRAPPE}/train.csv",
-            eval_path=f"{SHARED_FRAPPE}/valid.csv",
-            batch_size=4096,
-            eval_batch_size=8192,
-        ),
+        data=data_presets.frappe(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
         embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.02),
         train=TrainConfig(num_steps=2000, log_every=50, eval_every=250, checkpoint_every=500),
     )  # fmt: skip
-
-
-def _criteo(vocab_sizes: tuple[int, ...]) -> DataConfig:
-    return DataConfig(
-        kind="criteo",
-        # Placeholders: point --data.train-path / --data.eval-path at the raw Criteo TSVs.
-        train_path="/path/to/criteo/train.txt",
-        eval_path="/path/to/criteo/valid.txt",
-        batch_size=128,
-        eval_batch_size=16384,
-        criteo=CriteoConfig(vocab_sizes=vocab_sizes),
-    )
 
 
 @register("dlrm/criteo-kaggle")
@@ -119,7 +72,7 @@ def criteo_kaggle() -> DLRMConfig:
     """
     return DLRMConfig(
         model=DLRMModelConfig(embed_dim=16, bottom_mlp=(512, 256, 64, 16), top_mlp=(512, 256, 1)),
-        data=_criteo(CRITEO_KAGGLE_VOCAB_SIZES),
+        data=data_presets.criteo(CRITEO_KAGGLE_VOCAB_SIZES, batch_size=128),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=0.1),
         train=TrainConfig(num_steps=306_969, log_every=1000, eval_every=0, checkpoint_every=10_000),
@@ -134,7 +87,7 @@ def criteo_terabyte() -> DLRMConfig:
     ``python -m dlrm.train dlrm/criteo-terabyte --workdir runs/tb --data.train-path ...``
     """
     vocab = tuple(min(v, 10_000_000) for v in CRITEO_TERABYTE_VOCAB_SIZES)
-    data = dataclasses.replace(_criteo(vocab), batch_size=2048)
+    data = data_presets.criteo(vocab, batch_size=2048)
     return DLRMConfig(
         model=DLRMModelConfig(embed_dim=64, bottom_mlp=(512, 256, 64), top_mlp=(512, 512, 256, 1)),
         data=data,
@@ -152,7 +105,7 @@ def criteo_mlperf() -> DLRMConfig:
     ``python -m dlrm.train dlrm/criteo-mlperf --workdir runs/mlperf --data.train-path ...``
     (MLPerf target: 0.8025 AUC).
     """
-    data = dataclasses.replace(_criteo(CRITEO_TERABYTE_VOCAB_SIZES), batch_size=65536)
+    data = data_presets.criteo(CRITEO_TERABYTE_VOCAB_SIZES, batch_size=65536)
     return DLRMConfig(
         model=DLRMModelConfig(embed_dim=128, bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1)),
         data=data,

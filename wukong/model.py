@@ -24,7 +24,7 @@ from flax import nnx
 
 from data.batch import Schema
 from recscale import sharding
-from recscale.embeddings import EmbeddingCollection, one_table_per_feature
+from recscale.embeddings import EmbeddingCollection
 from recscale.nn import MLP, LayerNorm
 from wukong.config import WukongModelConfig
 
@@ -148,14 +148,14 @@ class WukongLayer(nnx.Module):
 class Wukong(nnx.Module):
     def __init__(self, cfg: WukongModelConfig, schema: Schema, *, rngs: nnx.Rngs):
         self.cfg = nnx.static(cfg)
-        tables, features = one_table_per_feature(
-            tuple((f.name, f.vocab_size, f.max_hotness) for f in schema.features),
+        self.embeddings = EmbeddingCollection.one_table_per_feature(
+            schema,
             cfg.embed_dim,
             pooling=cfg.pooling,
             init=cfg.embedding_init,
             init_scale=cfg.embedding_init_scale,
+            rngs=rngs,
         )
-        self.embeddings = EmbeddingCollection(tables, features, rngs=rngs)
         self.num_dense_emb = num_dense_embeddings(cfg, schema)
         if self.num_dense_emb:
             self.dense = MLP(

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from data.config import CRITEO_TERABYTE_VOCAB_SIZES, CriteoConfig, DataConfig, SyntheticConfig
+from data import presets as data_presets
+from data.config import CRITEO_TERABYTE_VOCAB_SIZES
 from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, TrainConfig, register
 from wukong.config import WukongConfig, WukongModelConfig
-
-SHARED_FRAPPE = "../shared/data/frappe"
 
 
 @register("wukong/tiny")
@@ -23,17 +22,7 @@ def tiny() -> WukongConfig:
             embed_dim=8, dense_mlp=(16,), num_layers=2, n_fmb=4, n_lcb=4, fmb_rank=4,
             fmb_mlp_width=16, fmb_mlp_depth=1, top_mlp=(16, 1),
         ),
-        data=DataConfig(
-            kind="synthetic",
-            batch_size=64,
-            eval_batch_size=256,
-            synthetic=SyntheticConfig(
-                num_dense=4,
-                vocab_sizes=(100, 50, 200, 30),
-                max_hotness=(1, 2, 1, 3),
-                num_eval_examples=1000,
-            ),
-        ),
+        data=data_presets.tiny_synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
         train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
@@ -53,17 +42,7 @@ def synthetic() -> WukongConfig:
             embed_dim=16, dense_mlp=(64,), num_layers=2, n_fmb=8, n_lcb=8, fmb_rank=8,
             fmb_mlp_width=128, fmb_mlp_depth=2, top_mlp=(128, 64, 1),
         ),
-        data=DataConfig(
-            kind="synthetic",
-            batch_size=1024,
-            eval_batch_size=4096,
-            synthetic=SyntheticConfig(
-                num_dense=13,
-                vocab_sizes=(10000, 5000, 2000, 1000, 500, 200, 100, 50),
-                max_hotness=(3, 1, 5, 1, 2, 1, 1, 4),
-                num_eval_examples=65536,
-            ),
-        ),
+        data=data_presets.synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
         train=TrainConfig(num_steps=3000, log_every=100, eval_every=1000, eval_max_batches=4, checkpoint_every=1000),
@@ -88,13 +67,7 @@ def frappe() -> WukongConfig:
             fmb_mlp_depth=2, top_mlp=(256, 256, 1), embedding_init="normal",
             embedding_init_scale=0.01, dropout=0.3, fmb_dropout=0.3,
         ),
-        data=DataConfig(
-            kind="frappe",
-            train_path=f"{SHARED_FRAPPE}/train.csv",
-            eval_path=f"{SHARED_FRAPPE}/valid.csv",
-            batch_size=4096,
-            eval_batch_size=8192,
-        ),
+        data=data_presets.frappe(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
         embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.01),  # as measured; dlrm/frappe now uses 0.02
         train=TrainConfig(num_steps=1000, log_every=50, eval_every=250, checkpoint_every=500),
@@ -124,13 +97,9 @@ def criteo_terabyte() -> WukongConfig:
             embed_dim=128, dense_mlp=(512, 256), num_layers=2, n_fmb=8, n_lcb=8, fmb_rank=24,
             fmb_mlp_width=2048, fmb_mlp_depth=3, top_mlp=(1024, 512, 256, 1),
         ),
-        data=DataConfig(
-            kind="criteo",
-            train_path="data/criteo/train.txt",
-            eval_path="data/criteo/valid.txt",
-            batch_size=_TB_BATCH,
+        data=dataclasses.replace(
+            data_presets.criteo(CRITEO_TERABYTE_VOCAB_SIZES, batch_size=_TB_BATCH),
             eval_batch_size=_TB_BATCH,
-            criteo=CriteoConfig(vocab_sizes=CRITEO_TERABYTE_VOCAB_SIZES),
         ),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=_TB_STEPS // 10),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.1, warmup_steps=_TB_STEPS // 10),

@@ -10,12 +10,15 @@ Dimension glossary: ``B`` batch, ``F`` features, ``H`` bag slots, ``D`` embeddin
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from data.batch import Schema
 from recscale import sharding
-from recscale.embeddings.spec import FeatureSpec, TableSpec
+from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature
 
 
 class EmbeddingTable(nnx.Param):
@@ -63,6 +66,27 @@ class EmbeddingCollection(nnx.Module):
                 for t in tables
             }
         )
+
+    @classmethod
+    def one_table_per_feature(
+        cls,
+        schema: Schema,
+        dim: int,
+        *,
+        pooling: Literal["sum", "mean"] = "sum",
+        init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows",
+        init_scale: float = 0.01,
+        rngs: nnx.Rngs,
+    ) -> EmbeddingCollection:
+        """The usual layout: one ``dim``-wide table per sparse feature of ``schema``."""
+        tables, features = one_table_per_feature(
+            tuple((f.name, f.vocab_size, f.max_hotness) for f in schema.features),
+            dim,
+            pooling=pooling,
+            init=init,
+            init_scale=init_scale,
+        )
+        return cls(tables, features, rngs=rngs)
 
     @property
     def output_dims(self) -> tuple[int, ...]:
