@@ -2,7 +2,7 @@
 
 A checkpoint of step ``s`` holds three items: ``params`` and ``opt_state`` (pytrees of arrays,
 restored onto whatever shardings the caller asks for, so a run can resume on another mesh) and
-``meta`` (JSON: step, config fingerprint). Evaluation restores ``params`` alone.
+``meta`` (JSON: the step). Evaluation restores ``params`` alone.
 """
 
 from __future__ import annotations

@@ -140,7 +140,8 @@ def test_bad_input_names_file_line_column(tmp_path, lines, where, what):
 @pytest.fixture(scope="module")
 def tfds_frappe(frappe_files, tmp_path_factory):
     """A tiny manual dir (first rows of the generated or real files) prepared as array_record."""
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds  # a hard dependency: fail, never skip
+
     from data.tfds_builders.frappe import FrappeBars
 
     root = tmp_path_factory.mktemp("frappe_tfds")

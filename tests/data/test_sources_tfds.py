@@ -10,14 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tensorflow_datasets  # noqa: E402,F401  (a hard dependency: fail, never skip)
 
 from data.batch import Batch
 from data.config import CriteoConfig, DataConfig
 from data.criteo.reader import read_criteo
 from data.frappe.reader import build_frappe_vocab, read_frappe
 from data.sources import InMemorySource, RandomAccessSource, make_source
-
-pytest.importorskip("tensorflow_datasets")
 
 
 def _assert_same(got: Batch, want: Batch) -> None:
