@@ -1,0 +1,178 @@
+"""The DCNv2 network: cross layer against NumPy (full and low-rank), structures, presets build."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import baselines.dcnv2.presets  # noqa: F401
+from baselines.dcnv2.config import DCNv2Config, DCNv2ModelConfig
+from baselines.dcnv2.model import CrossLayer, DCNv2, build_model
+from data.batch import FeatureInfo, Schema
+from recscale.config import from_dict, get_preset, preset_names, to_dict
+
+SCHEMA = Schema(
+    dense_names=("a", "b", "c"),
+    features=tuple(
+        FeatureInfo(name=f"f{i}", vocab_size=20 + i, max_hotness=1 + i % 2) for i in range(4)
+    ),
+)
+CFG = DCNv2ModelConfig(embed_dim=4, num_cross_layers=2, deep_mlp=(8, 6))
+IN_DIM = 3 + 4 * 4  # raw dense features + F * D
+
+
+def _x(b=3, i=IN_DIM, seed=0):
+    return np.random.default_rng(seed).normal(size=(b, i)).astype(np.float32)
+
+
+def _perturb_bias(layer, seed=1):
+    # A fresh bias is zero; give it values so the test would catch a dropped or misplaced b.
+    layer.bias[...] = jnp.asarray(np.random.default_rng(seed).normal(size=layer.bias.shape))
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_cross_layer_matches_numpy(rank):
+    layer = CrossLayer(IN_DIM, rank, rngs=nnx.Rngs(0))
+    _perturb_bias(layer)
+    x0, xl = _x(seed=0), _x(seed=1)
+    if rank:
+        assert layer.kernel is None
+        u = np.asarray(layer.u[...]).T  # the paper's U: [I, R]
+        v = np.asarray(layer.v[...])  # the paper's V: [I, R]
+        assert u.shape == v.shape == (IN_DIM, rank)
+        w = u @ v.T  # W = U Vᵀ, acting on column vectors
+    else:
+        w = np.asarray(layer.kernel[...]).T
+        assert w.shape == (IN_DIM, IN_DIM)
+    b = np.asarray(layer.bias[...])
+    # x_{l+1} = x_0 ⊙ (W x_l + b) + x_l, one example (column vector) at a time.
+    want = np.stack([x0[n] * (w @ xl[n] + b) + xl[n] for n in range(3)])
+    got = np.asarray(layer(jnp.asarray(x0), jnp.asarray(xl)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_low_rank_has_fewer_parameters():
+    def count(rank):
+        layer = CrossLayer(IN_DIM, rank, rngs=nnx.Rngs(0))
+        return sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
+
+    assert count(0) == IN_DIM * IN_DIM + IN_DIM
+    assert count(2) == 2 * 2 * IN_DIM + IN_DIM
+
+
+def test_cross_network_matches_numpy():
+    model = DCNv2(CFG, SCHEMA, rngs=nnx.Rngs(0))
+    for layer in model.cross:
+        _perturb_bias(layer)
+    x0 = _x()
+    x = x0
+    for layer in model.cross:
+        w, b = np.asarray(layer.kernel[...]), np.asarray(layer.bias[...])
+        x = x0 * (x @ w + b) + x
+    got = np.asarray(model.cross_network(jnp.asarray(x0)))
+    np.testing.assert_allclose(got, x, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("structure", "num_cross", "deep", "logit_in"),
+    [
+        ("stacked", 2, (8, 6), 6),  # cross -> deep -> logit
+        ("parallel", 2, (8, 6), IN_DIM + 6),  # [cross, deep] -> logit
+        ("stacked", 2, (), IN_DIM),  # cross network only
+        ("parallel", 0, (8, 6), 6),  # deep network only
+    ],
+)
+def test_structures_shapes_and_finite(structure, num_cross, deep, logit_in):
+    cfg = dataclasses.replace(CFG, structure=structure, num_cross_layers=num_cross, deep_mlp=deep)
+    model = DCNv2(cfg, SCHEMA, rngs=nnx.Rngs(0))
+    dense, ids = jnp.ones((6, 3)), jnp.zeros((6, 4, 2), jnp.int32)
+    assert model.embed(dense, ids).shape == (6, IN_DIM)
+    assert len(model.cross) == num_cross
+    assert model.logit.kernel[...].shape == (logit_in, 1)
+    if deep:
+        # Stacked: the deep MLP reads the cross network's output, of x_0's width either way.
+        assert model.deep.layers[0].kernel[...].shape == (IN_DIM, deep[0])
+    logits = model(dense, ids)
+    assert logits.shape == (6,)
+    assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_stacked_and_parallel_differ():
+    dense = jnp.asarray(_x(b=6, i=3))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 20, size=(6, 4, 2)), jnp.int32)
+    a = DCNv2(dataclasses.replace(CFG, structure="stacked"), SCHEMA, rngs=nnx.Rngs(0))
+    b = DCNv2(dataclasses.replace(CFG, structure="parallel"), SCHEMA, rngs=nnx.Rngs(0))
+    assert not np.allclose(np.asarray(a(dense, ids)), np.asarray(b(dense, ids)))
+
+
+def test_dense_features_pass_through_or_mlp():
+    model = DCNv2(CFG, SCHEMA, rngs=nnx.Rngs(0))
+    dense = jnp.asarray(_x(b=2, i=3))
+    ids = jnp.zeros((2, 4, 2), jnp.int32)
+    x0 = np.asarray(model.embed(dense, ids))
+    np.testing.assert_array_equal(x0[:, :3], np.asarray(dense))  # the paper: fed as they are
+    model = DCNv2(dataclasses.replace(CFG, dense_mlp=(7, 5)), SCHEMA, rngs=nnx.Rngs(0))
+    assert model.embed(dense, ids).shape == (2, 5 + 16)
+    no_dense = Schema(dense_names=(), features=SCHEMA.features)
+    model = DCNv2(CFG, no_dense, rngs=nnx.Rngs(0))
+    assert model(jnp.zeros((2, 0)), ids).shape == (2,)
+    with pytest.raises(ValueError, match="no dense features"):
+        DCNv2(dataclasses.replace(CFG, dense_mlp=(4,)), no_dense, rngs=nnx.Rngs(0))
+
+
+def test_dropout_only_with_key():
+    model = DCNv2(dataclasses.replace(CFG, dropout=0.5), SCHEMA, rngs=nnx.Rngs(0))
+    dense, ids = jnp.ones((6, 3)), jnp.zeros((6, 4, 2), jnp.int32)
+    a, b = model(dense, ids), model(dense, ids)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    c = model(dense, ids, dropout_key=jax.random.key(1))
+    assert not np.allclose(np.asarray(a), np.asarray(c))
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="num_cross_layers"):
+        DCNv2ModelConfig(num_cross_layers=0, deep_mlp=())
+    with pytest.raises(ValueError, match="cross_rank"):
+        DCNv2ModelConfig(cross_rank=-1)
+    with pytest.raises(ValueError, match="dropout"):
+        DCNv2ModelConfig(dropout=1.0)
+    with pytest.raises(TypeError):
+        DCNv2ModelConfig(num_cross_layer=3)
+
+
+def _schema(cfg) -> Schema:
+    if cfg.data.kind == "frappe":
+        return Schema(
+            dense_names=(),
+            features=tuple(FeatureInfo(name=f"f{i}", vocab_size=100) for i in range(10)),
+        )
+    from data.synthetic import SyntheticGenerator
+
+    return SyntheticGenerator(cfg.data.synthetic, seed=0).schema
+
+
+DCNV2_PRESETS = preset_names("dcnv2/")
+
+
+def test_preset_names():
+    assert {"dcnv2/tiny", "dcnv2/frappe"} <= set(DCNV2_PRESETS)
+
+
+@pytest.mark.parametrize("name", DCNV2_PRESETS)
+def test_every_preset_builds(name):
+    cfg = get_preset(name)
+    assert isinstance(cfg, DCNv2Config)
+    assert from_dict(DCNv2Config, to_dict(cfg)) == cfg  # what config.json round-trips
+    schema = _schema(cfg)
+    model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    tables = sum(
+        int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model.embeddings, nnx.Param))
+    )
+    # Tables may be padded to a multiple of the devices (row-sharded rules).
+    assert tables >= sum(f.vocab_size for f in schema.features) * cfg.model.embed_dim
+    assert total > tables
+    assert len(model.cross) == cfg.model.num_cross_layers
