@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from data.config import DataConfig
-from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, MeshConfig, TrainConfig
+from recscale.config import ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,18 +50,8 @@ class DLRMModelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DLRMConfig:
-    """A whole DLRM run: model, data, optimizers, loop, mesh."""
+class DLRMConfig(ExperimentConfig):
+    """A whole DLRM run: the network plus the shared data, optimizer, loop and mesh configs."""
 
     model: DLRMModelConfig = DLRMModelConfig()
     """The network."""
-    data: DataConfig = DataConfig()
-    """Dataset and batching."""
-    dense_optim: DenseOptimConfig = DenseOptimConfig()
-    """Optimizer of the MLPs."""
-    embedding_optim: EmbeddingOptimConfig = EmbeddingOptimConfig()
-    """Optimizer of the embedding tables."""
-    train: TrainConfig = TrainConfig()
-    """Training loop."""
-    mesh: MeshConfig = MeshConfig()
-    """Device mesh and sharding rules."""

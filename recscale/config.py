@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from data.config import DataConfig
+
 T = TypeVar("T")
 
 # ------------------------------------------------------------------------------------------------
@@ -137,6 +139,23 @@ NON_SEMANTIC_FIELDS = frozenset(
         "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",
     }
 )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    """What every family's run config holds besides its ``model`` (families subclass this and add
+    a ``model`` field), i.e. what the shared trainer reads."""
+
+    data: DataConfig = DataConfig()
+    """Dataset and batching."""
+    dense_optim: DenseOptimConfig = DenseOptimConfig()
+    """Optimizer of every parameter that is not an embedding table."""
+    embedding_optim: EmbeddingOptimConfig = EmbeddingOptimConfig()
+    """Optimizer of the embedding tables."""
+    train: TrainConfig = TrainConfig()
+    """Training loop."""
+    mesh: MeshConfig = MeshConfig()
+    """Device mesh and sharding rules."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,8 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from data.config import DataConfig
-from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, MeshConfig, TrainConfig
+from recscale.config import ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,18 +81,8 @@ class WukongModelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WukongConfig:
-    """A whole Wukong run: model, data, optimizers, loop, mesh."""
+class WukongConfig(ExperimentConfig):
+    """A whole Wukong run: the network plus the shared data, optimizer, loop and mesh configs."""
 
     model: WukongModelConfig = WukongModelConfig()
     """The network."""
-    data: DataConfig = DataConfig()
-    """Dataset and batching."""
-    dense_optim: DenseOptimConfig = DenseOptimConfig()
-    """Optimizer of the dense parameters (MLPs, FM projections, LCBs, LayerNorms)."""
-    embedding_optim: EmbeddingOptimConfig = EmbeddingOptimConfig()
-    """Optimizer of the embedding tables."""
-    train: TrainConfig = TrainConfig()
-    """Training loop."""
-    mesh: MeshConfig = MeshConfig()
-    """Device mesh and sharding rules."""

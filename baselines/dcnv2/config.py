@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from data.config import DataConfig
-from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, MeshConfig, TrainConfig
+from recscale.config import ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,18 +56,8 @@ class DCNv2ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DCNv2Config:
-    """A whole DCNv2 run: model, data, optimizers, loop, mesh."""
+class DCNv2Config(ExperimentConfig):
+    """A whole DCNv2 run: the network plus the shared data, optimizer, loop and mesh configs."""
 
     model: DCNv2ModelConfig = DCNv2ModelConfig()
     """The network."""
-    data: DataConfig = DataConfig()
-    """Dataset and batching."""
-    dense_optim: DenseOptimConfig = DenseOptimConfig()
-    """Optimizer of the dense parameters (cross layers, MLPs, logit)."""
-    embedding_optim: EmbeddingOptimConfig = EmbeddingOptimConfig()
-    """Optimizer of the embedding tables."""
-    train: TrainConfig = TrainConfig()
-    """Training loop."""
-    mesh: MeshConfig = MeshConfig()
-    """Device mesh and sharding rules."""

@@ -6,19 +6,13 @@ of stdout.
 
 from __future__ import annotations
 
-import tyro
-
 from baselines.dcnv2.config import DCNv2Config
 from baselines.dcnv2.model import build_model
-from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
+from recscale.train.cli import evaluate_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    # recscale.train.cli.evaluate_main would name the program ``python -m dcnv2.evaluate``.
-    args = tyro.cli(EvalArgs, args=argv, prog="python -m baselines.dcnv2.evaluate")
-    result = evaluate_workdir(DCNv2Config, build_model, args)
-    print(json_line(result))
-    return result
+    return evaluate_main("dcnv2", DCNv2Config, build_model, argv, package="baselines.dcnv2")
 
 
 if __name__ == "__main__":
