@@ -90,8 +90,13 @@ class Schema:
             weights_b=np.zeros((batch_size,), np.float32),
         )
 
-    def validate(self, batch: Batch, *, where: str = "batch") -> None:
-        """Raises ValueError naming the feature and value if ``batch`` breaks the format."""
+    def validate(
+        self, batch: Batch, *, where: str = "batch", example_ids: np.ndarray | None = None
+    ) -> None:
+        """Raises ValueError naming the feature and value if ``batch`` breaks the format.
+
+        ``example_ids[i]`` names example ``i`` in the message (e.g. its record index on disk).
+        """
         b = batch.batch_size
         expect = {
             "dense_bn": ((b, self.num_dense), np.float32),
@@ -111,9 +116,10 @@ class Schema:
             bad = (ids < PAD_ID) | (ids >= info.vocab_size)
             if bad.any():
                 row, slot = np.argwhere(bad)[0]
+                example = f"example {int(row)}" if example_ids is None else f"record {int(example_ids[row])}"
                 raise ValueError(
                     f"{where}: feature {info.name!r} (index {f}) has id {int(ids[row, slot])} at "
-                    f"example {int(row)} slot {int(slot)}, outside [0, {info.vocab_size}) and not "
+                    f"{example} slot {int(slot)}, outside [0, {info.vocab_size}) and not "
                     f"the pad id {PAD_ID}"
                 )
             if info.max_hotness < self.max_hotness and (ids[:, info.max_hotness :] != PAD_ID).any():

@@ -173,16 +173,20 @@ class RandomAccessSource:
     def num_eval_examples(self) -> int:
         return self._eval.batch_size if isinstance(self._eval, Batch) else len(self._eval)
 
-    def _fetch(self, records: Sequence[Any] | Batch, indices: np.ndarray) -> Batch:
+    def _fetch(self, records: Sequence[Any] | Batch, indices: np.ndarray, split: str) -> Batch:
         if isinstance(records, Batch):
-            return gather(records, indices)
+            return gather(records, indices)  # validated whole in __init__
         keys = indices.tolist()
         getitems = getattr(records, "__getitems__", None)
         recs = getitems(keys) if getitems is not None else [records[k] for k in keys]
-        return self._to_batch(recs)
+        batch = self._to_batch(recs)
+        # Records come from disk: an out-of-range id would silently read a padding row (or NaN)
+        # inside jit, so every batch is checked and the offending record is named.
+        self.schema.validate(batch, where=f"{split} records", example_ids=indices)
+        return batch
 
     def train_batch(self, step: int) -> Batch:
-        return self._fetch(self._train, self.train_indices[step])
+        return self._fetch(self._train, self.train_indices[step], "train")
 
     def eval_batches(self) -> Iterator[Batch]:
         for indices, num_valid in eval_index_batches(
@@ -191,7 +195,7 @@ class RandomAccessSource:
             process_index=self.process_index,
             process_count=self.process_count,
         ):
-            yield pad_weights(self._fetch(self._eval, indices), num_valid)
+            yield pad_weights(self._fetch(self._eval, indices, "eval"), num_valid)
 
 
 class SyntheticSource:

@@ -8,7 +8,7 @@ import pytest
 from data.batch import Batch, FeatureInfo, Schema
 from data.config import CriteoConfig, DataConfig, SyntheticConfig
 from data.pipeline import eval_index_batches, gather, num_eval_batches, prefetch, train_dataset
-from data.sources import DataSource, InMemorySource, make_source
+from data.sources import DataSource, InMemorySource, RandomAccessSource, make_source
 
 
 def _stream(ds, num_steps: int) -> np.ndarray:
@@ -349,3 +349,24 @@ def test_make_source_criteo_eval_only_reads_no_training_rows(criteo_files, tmp_p
         _assert_same_eval(src, make_source(cfg, **kw))
     with pytest.raises(FileNotFoundError):
         make_source(no_train)
+
+
+def test_random_access_source_names_the_record_with_an_out_of_range_id():
+    schema = Schema(dense_names=(), features=(FeatureInfo(name="f", vocab_size=5),))
+    ids = [0, 1, 2, 3, 4, 5, 6, 7]  # records 5..7 hold ids outside [0, 5)
+
+    def to_batch(recs):
+        n = len(recs)
+        return Batch(
+            dense_bn=np.zeros((n, 0), np.float32),
+            ids_bfh=np.asarray(recs, np.int32).reshape(n, 1, 1),
+            labels_b=np.zeros(n, np.float32),
+            weights_b=np.ones(n, np.float32),
+        )
+
+    src = RandomAccessSource(
+        schema, ids, ids[:5], to_batch=to_batch, batch_size=8, eval_batch_size=4, seed=0
+    )
+    with pytest.raises(ValueError, match=r"train records: feature 'f' .* at record [567] "):
+        src.train_batch(0)
+    assert sum(int(b.weights_b.sum()) for b in src.eval_batches()) == 5  # valid records pass
