@@ -36,6 +36,9 @@ class DLRMModelConfig:
     """Dropout rate after each hidden layer of the top MLP (training only)."""
     layer_norm: bool = False
     """LayerNorm in each hidden layer of the top MLP (Linear -> LayerNorm -> ReLU)."""
+    batch_norm: bool = False
+    """BatchNorm in each hidden layer of the top MLP (Linear -> BatchNorm -> ReLU), FuxiCTR's
+    ``batch_norm``; running statistics are model state, checkpointed with the parameters."""
 
     def __post_init__(self):
         if not self.top_mlp or self.top_mlp[-1] != 1:
@@ -47,6 +50,8 @@ class DLRMModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.layer_norm and self.batch_norm:
+            raise ValueError("choose layer_norm or batch_norm, not both")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

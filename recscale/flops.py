@@ -64,12 +64,21 @@ class ModelCost:
         return self.forward_flops + self.backward_flops
 
 
-def mlp_params(in_dim: int, sizes: Sequence[int], *, layer_norm: bool = False) -> int:
-    """Parameters of ``recscale.nn.MLP``: kernels, biases, and a LayerNorm per hidden layer."""
+def mlp_params(
+    in_dim: int,
+    sizes: Sequence[int],
+    *,
+    layer_norm: bool = False,
+    batch_norm: bool = False,
+    final_relu: bool = False,
+) -> int:
+    """Parameters of ``recscale.nn.MLP``: kernels, biases, and the scale and bias of a LayerNorm
+    or BatchNorm per layer followed by a ReLU (BatchNorm's running statistics are state, not
+    parameters)."""
     dims = (in_dim, *sizes)
     n = sum(a * b + b for a, b in zip(dims[:-1], dims[1:], strict=True))
-    if layer_norm:
-        n += sum(2 * b for b in sizes[:-1])
+    if layer_norm or batch_norm:
+        n += sum(2 * b for b in (sizes if final_relu else sizes[:-1]))
     return n
 
 
@@ -144,7 +153,7 @@ def dlrm_cost(
         parts.append(("interaction", 2.0 * n * n * d))
         pairs = n * (n + 1) // 2 if cfg.self_interaction else n * (n - 1) // 2
         top_in = pairs + (n * d if cfg.dot_concat == "all" else (d if has_dense else 0))
-    params += mlp_params(top_in, cfg.top_mlp, layer_norm=cfg.layer_norm)
+    params += mlp_params(top_in, cfg.top_mlp, layer_norm=cfg.layer_norm, batch_norm=cfg.batch_norm)
     parts.append(("top_mlp", mlp_flops(top_in, cfg.top_mlp)))
     return _cost(params, parts, schema, d, mean_hotness, bytes_per_param)
 
@@ -193,7 +202,7 @@ def wukong_cost(
             fm += 2.0 * (2 * e * d * k)  # XᵀY then X·(XᵀY)
             params += 2 * e * k  # LN over the flattened [E·K]
             fmb = (*(cfg.fmb_mlp_width,) * cfg.fmb_mlp_depth, m * d)
-            params += mlp_params(e * k, fmb)
+            params += mlp_params(e * k, fmb, batch_norm=cfg.batch_norm)
             mlp_ += mlp_flops(e * k, fmb)
         if c:
             params += c * e
@@ -204,7 +213,7 @@ def wukong_cost(
         params += 2 * (o * d if cfg.layer_norm == "flattened" else d)
         e = o
     parts += [("fmb_interaction", fm), ("fmb_mlp", mlp_), ("lcb", lcb), ("residual", res)]
-    params += mlp_params(e * d, cfg.top_mlp)
+    params += mlp_params(e * d, cfg.top_mlp, batch_norm=cfg.batch_norm)
     parts.append(("top_mlp", mlp_flops(e * d, cfg.top_mlp)))
     return _cost(params, parts, schema, d, mean_hotness, bytes_per_param)
 

@@ -1,4 +1,9 @@
-"""Small layers shared by the models (MLPs with logical axes and explicit-key dropout)."""
+"""Small layers shared by the models (MLPs with logical axes and explicit-key dropout).
+
+Training mode is explicit: a layer trains when its caller passes a ``dropout_key`` (dropout
+active, BatchNorm normalising with the batch's statistics and updating its running ones) and
+evaluates otherwise, so a train step is a pure function of (state, batch, key).
+"""
 
 from __future__ import annotations
 
@@ -40,10 +45,43 @@ class LayerNorm(nnx.Module):
         return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
 
 
+class BatchNorm(nnx.Module):
+    """BatchNorm over the batch axis of ``[B, C]`` inputs (torch ``BatchNorm1d`` semantics).
+
+    Training: normalise with the batch mean and biased variance, and update the running
+    statistics (``nnx.BatchStat``, not parameters: the optimizer never sees them) as
+    ``r <- momentum * r + (1 - momentum) * batch`` with the unbiased batch variance, as torch
+    does. Evaluation: normalise with the running statistics. Under a mesh whose batch axis is
+    sharded, the batch mean is a global one (XLA inserts the all-reduce): synchronised BN.
+    """
+
+    def __init__(self, dim: int, *, momentum: float = 0.9, eps: float = 1e-5, param_dtype=jnp.float32):
+        self.scale = sharding.param(nnx.Param, jnp.ones((dim,), param_dtype), "mlp")
+        self.bias = sharding.param(nnx.Param, jnp.zeros((dim,), param_dtype), "mlp")
+        self.mean = sharding.param(nnx.BatchStat, jnp.zeros((dim,), jnp.float32), "mlp")
+        self.var = sharding.param(nnx.BatchStat, jnp.ones((dim,), jnp.float32), "mlp")
+        self.momentum = momentum
+        self.eps = eps
+
+    def __call__(self, x_bc: jax.Array, *, train: bool) -> jax.Array:
+        if train:
+            mean_c = x_bc.mean(0)
+            var_c = jnp.square(x_bc - mean_c).mean(0)
+            n = x_bc.shape[0]
+            unbiased_c = var_c * (n / max(n - 1, 1))
+            m = self.momentum
+            self.mean[...] = m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(mean_c)
+            self.var[...] = m * self.var[...] + (1 - m) * jax.lax.stop_gradient(unbiased_c)
+        else:
+            mean_c, var_c = self.mean[...], self.var[...]
+        return (x_bc - mean_c) * jax.lax.rsqrt(var_c + self.eps) * self.scale[...] + self.bias[...]
+
+
 class MLP(nnx.Module):
     """Stack of Linear layers with ReLU between them (and after the last if ``final_relu``).
 
-    With ``layer_norm``, each hidden layer is Linear -> LayerNorm -> ReLU.
+    With ``layer_norm`` (or ``batch_norm``), each layer followed by a ReLU is Linear -> norm ->
+    ReLU, the order of FuxiCTR's ``MLP_Block``; a linear output layer is never normalised.
     Dropout (rate ``dropout``) follows each hidden ReLU and is active only when a ``dropout_key``
     is passed: randomness is explicit, so a train step is a pure function of (state, batch, key).
     """
@@ -56,14 +94,18 @@ class MLP(nnx.Module):
         final_relu: bool,
         dropout: float = 0.0,
         layer_norm: bool = False,
+        batch_norm: bool = False,
         rngs: nnx.Rngs,
     ):
         if not sizes:
             raise ValueError("MLP needs at least one layer size")
+        if layer_norm and batch_norm:
+            raise ValueError("MLP: choose layer_norm or batch_norm, not both")
         dims = (in_dim, *sizes)
         self.layers = nnx.List([Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:], strict=True)])
-        # LayerNorm before the ReLU of each hidden layer (stateless, unlike BatchNorm).
-        self.norms = nnx.List([LayerNorm(b) for b in sizes[:-1]]) if layer_norm else None
+        norm = LayerNorm if layer_norm else BatchNorm if batch_norm else None
+        normed = sizes if final_relu else sizes[:-1]
+        self.norms = nnx.List([norm(b) for b in normed]) if norm is not None else None
         self.final_relu = final_relu
         self.dropout = dropout
 
@@ -72,8 +114,9 @@ class MLP(nnx.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x)
             last = i == n - 1
-            if self.norms is not None and not last:
-                x = self.norms[i](x)
+            if self.norms is not None and (not last or self.final_relu):
+                norm = self.norms[i]
+                x = norm(x, train=dropout_key is not None) if isinstance(norm, BatchNorm) else norm(x)
             if not last or self.final_relu:
                 x = jax.nn.relu(x)
             if not last and self.dropout > 0 and dropout_key is not None:

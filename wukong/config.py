@@ -51,6 +51,9 @@ class WukongModelConfig:
     """Dropout after each hidden layer of the top MLP (training only)."""
     fmb_dropout: float = 0.0
     """Dropout after each hidden layer of the FMB MLPs (training only)."""
+    batch_norm: bool = False
+    """BatchNorm in each hidden layer of the FMB MLPs and the top MLP (Linear -> BatchNorm ->
+    ReLU, as FuxiCTR's MLPs); the paper's LayerNorms are kept either way."""
     pooling: Literal["sum", "mean"] = "sum"
     """Pooling of multi-hot bags."""
     embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"

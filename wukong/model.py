@@ -78,6 +78,7 @@ class FactorizationMachineBlock(nnx.Module):
             (*(cfg.fmb_mlp_width,) * cfg.fmb_mlp_depth, cfg.n_fmb * cfg.embed_dim),
             final_relu=False,
             dropout=cfg.fmb_dropout,
+            batch_norm=cfg.batch_norm,
             rngs=rngs,
         )
 
@@ -173,7 +174,12 @@ class Wukong(nnx.Module):
             num_in = cfg.n_fmb + cfg.n_lcb
         self.layers = nnx.List(layers)
         self.top = MLP(
-            num_in * cfg.embed_dim, cfg.top_mlp, final_relu=False, dropout=cfg.dropout, rngs=rngs
+            num_in * cfg.embed_dim,
+            cfg.top_mlp,
+            final_relu=False,
+            dropout=cfg.dropout,
+            batch_norm=cfg.batch_norm,
+            rngs=rngs,
         )
 
     def embed(self, dense_bn: jax.Array, ids_bfh: jax.Array) -> jax.Array:

@@ -33,6 +33,8 @@ class DCNv2ModelConfig:
     """Hidden layer sizes of the deep network (ReLU after each); empty = cross network only."""
     dropout: float = 0.0
     """Dropout after each hidden layer of the deep network (training only)."""
+    batch_norm: bool = False
+    """BatchNorm in each hidden layer of the deep network (FuxiCTR's ``batch_norm``)."""
     pooling: Literal["sum", "mean"] = "sum"
     """Pooling of multi-hot bags."""
     embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"

@@ -90,7 +90,10 @@ class DCNv2(nnx.Module):
         # Dropout after every hidden layer, the last included (its output feeds the logit), so
         # the deep network is an MLP with a final ReLU plus one more dropout applied here.
         self.deep = (
-            MLP(self.in_dim, cfg.deep_mlp, final_relu=True, dropout=cfg.dropout, rngs=rngs)
+            MLP(
+                self.in_dim, cfg.deep_mlp, final_relu=True, dropout=cfg.dropout,
+                batch_norm=cfg.batch_norm, rngs=rngs,
+            )
             if cfg.deep_mlp
             else None
         )

@@ -1,8 +1,9 @@
 """Checkpoints with orbax (the only module that imports it).
 
-A checkpoint of step ``s`` holds three items: ``params`` and ``opt_state`` (pytrees of arrays,
-restored onto whatever shardings the caller asks for, so a run can resume on another mesh) and
-``meta`` (JSON: the step). Evaluation restores ``params`` alone.
+A checkpoint of step ``s`` holds the items ``params``, ``opt_state`` and, for models with
+BatchNorm, ``batch_stats`` (pytrees of arrays, restored onto whatever shardings the caller asks
+for, so a run can resume on another mesh) and ``meta`` (JSON: the step). Evaluation restores
+the model's items (``params``, ``batch_stats``) alone. Empty trees are not written.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def _abstract(tree: Any) -> Any:
     )
 
 
+ARRAY_ITEMS = ("params", "opt_state", "batch_stats")
+"""The pytree items a checkpoint may hold (besides ``meta``)."""
+
+
 class Checkpointer:
     """Saves and restores a run's checkpoints under ``<workdir>/checkpoints``."""
 
@@ -34,7 +39,7 @@ class Checkpointer:
                 enable_async_checkpointing=async_save,
                 create=True,
             ),
-            item_names=("params", "opt_state", "meta"),
+            item_names=(*ARRAY_ITEMS, "meta"),
         )
 
     def latest_step(self) -> int | None:
@@ -43,42 +48,31 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def save(self, step: int, params: Any, opt_state: Any, meta: dict, *, force: bool = True) -> None:
-        """Starts saving ``step`` (asynchronously if configured); arrays are copied before return."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=force,
-        )
+    def save(self, step: int, trees: dict[str, Any], meta: dict, *, force: bool = True) -> None:
+        """Starts saving ``step`` (asynchronously if configured); arrays are copied before return.
 
-    def restore(self, step: int, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, dict]:
-        """Restores ``step`` onto the shapes, dtypes and shardings of the ``*_like`` trees."""
+        ``trees`` maps item names (``ARRAY_ITEMS``) to pytrees; empty ones are skipped.
+        """
+        unknown = set(trees) - set(ARRAY_ITEMS)
+        if unknown:
+            raise ValueError(f"unknown checkpoint items {sorted(unknown)}; known: {ARRAY_ITEMS}")
+        items = {k: ocp.args.StandardSave(v) for k, v in trees.items() if jax.tree.leaves(v)}
+        self._manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=force)
+
+    def restore(self, step: int, likes: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+        """Restores the items named in ``likes`` onto the shapes, dtypes and shardings of the trees
+        there (an empty tree comes back as it is, unread). Returns ``(trees, meta)``."""
         self._check_step(step)
+        wanted = {k: v for k, v in likes.items() if jax.tree.leaves(v)}
         out = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(_abstract(params_like)),
-                opt_state=ocp.args.StandardRestore(_abstract(opt_state_like)),
+                **{k: ocp.args.StandardRestore(_abstract(v)) for k, v in wanted.items()},
                 meta=ocp.args.JsonRestore(),
             ),
         )
-        return out["params"], out["opt_state"], dict(out["meta"])
-
-    def restore_params(self, step: int, params_like: Any) -> tuple[Any, dict]:
-        """Restores only the parameters (and meta) of ``step``."""
-        self._check_step(step)
-        out = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(_abstract(params_like)),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
-        return out["params"], dict(out["meta"])
+        trees = {k: (out[k] if k in wanted else v) for k, v in likes.items()}
+        return trees, dict(out["meta"])
 
     def _check_step(self, step: int) -> None:
         steps = self.all_steps()

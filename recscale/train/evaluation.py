@@ -68,8 +68,9 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
             cfg, build_model, eval_path=args.data_path, with_optimizer=False, eval_only=True,
             workdir=str(workdir),
         )
-        params, meta = ckpt.restore_params(step, exp.abstract_state.params)
-        metrics = exp.evaluate(params)
+        abstract = exp.abstract_state
+        trees, meta = ckpt.restore(step, {"params": abstract.params, "batch_stats": abstract.batch_stats})
+        metrics = exp.evaluate(trees["params"], trees["batch_stats"])
     ckpt.close()
     result: dict[str, Any] = {**metrics, "step": int(meta.get("step", step))}
     result["data_path"] = args.data_path or cfg.data.eval_path or f"synthetic:{cfg.data.kind}"

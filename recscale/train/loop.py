@@ -107,25 +107,31 @@ class Experiment:
 
         def make_params():
             model = build_model(cfg, source.schema, nnx.Rngs(params=cfg.train.seed))
-            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            graphdef, params, batch_stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
             if jax.tree.leaves(rest):
-                raise ValueError(f"model has non-parameter state, unsupported by this trainer: {rest}")
-            return graphdef, params
+                raise ValueError(
+                    f"model has state other than nnx.Param and nnx.BatchStat, unsupported by this "
+                    f"trainer (randomness must come from the step's dropout_key): {rest}"
+                )
+            return graphdef, params, batch_stats
 
-        graphdef, abstract_params = nnx.eval_shape(make_params)
+        graphdef, abstract_params, abstract_stats = nnx.eval_shape(make_params)
         tx = make_optimizer(cfg, abstract_params) if with_optimizer else None
         abstract_opt = jax.eval_shape(tx.init, abstract_params) if tx is not None else None
         state_sharding = TrainState(
             step=sharding.replicated(),
             params=sharding.state_shardings(abstract_params),
             opt_state=sharding.state_shardings(abstract_opt) if tx is not None else None,
+            batch_stats=sharding.state_shardings(abstract_stats),
         )
 
         @functools.partial(jax.jit, out_shardings=state_sharding)
         def init() -> TrainState:
-            _, params = make_params()
+            _, params, batch_stats = make_params()
             opt_state = tx.init(params) if tx is not None else None
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+            return TrainState(
+                step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, batch_stats=batch_stats
+            )
 
         abstract_state = jax.eval_shape(init)
         eval_step = jax.jit(make_eval_step(graphdef))
@@ -144,7 +150,7 @@ class Experiment:
             )
         )
 
-    def evaluate(self, params: Any, *, max_batches: int = 0) -> dict:
+    def evaluate(self, params: Any, batch_stats: Any, *, max_batches: int = 0) -> dict:
         """Exact metrics over the evaluation set (or its first ``max_batches`` batches)."""
         acc = EvalAccumulator()
         batches = self.source.eval_batches()
@@ -152,7 +158,7 @@ class Experiment:
             batches = itertools.islice(batches, max_batches)
         for batch in batches:
             dbatch = self.device_batch(batch)
-            logits = self._eval_step(params, dbatch)
+            logits = self._eval_step(params, batch_stats, dbatch)
             logits, labels, weights = (
                 np.asarray(multihost_utils.process_allgather(x, tiled=True))
                 for x in (logits, dbatch.labels_b, dbatch.weights_b)
@@ -272,20 +278,23 @@ def train(
         abstract = exp.abstract_state
         latest = ckpt.latest_step()
         if latest is not None:
-            params, opt_state, meta = ckpt.restore(latest, abstract.params, abstract.opt_state)
+            trees, meta = ckpt.restore(
+                latest,
+                {"params": abstract.params, "opt_state": abstract.opt_state, "batch_stats": abstract.batch_stats},
+            )
             step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), sharding.replicated())
-            state = TrainState(step=step, params=params, opt_state=opt_state)
+            state = TrainState(step=step, **trees)
             print(f"restored checkpoint step {latest} from {ckpt.directory}", file=sys.stderr)
         elif tcfg.init_from:
             src = Checkpointer(Path(tcfg.init_from) / "checkpoints", async_save=False)
             src_step = src.latest_step()
             if src_step is None:
                 raise FileNotFoundError(f"train.init_from: no checkpoints in {src.directory}")
-            params, _ = src.restore_params(src_step, abstract.params)
+            trees, _ = src.restore(src_step, {"params": abstract.params, "batch_stats": abstract.batch_stats})
             src.close()
             init_opt = jax.jit(exp.tx.init, out_shardings=exp.state_sharding.opt_state)
             step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated())
-            state = TrainState(step=step, params=params, opt_state=init_opt(params))
+            state = TrainState(step=step, opt_state=init_opt(trees["params"]), **trees)
             print(f"initialised parameters from {src.directory} step {src_step}", file=sys.stderr)
         else:
             state = exp.init_state()
@@ -299,7 +308,8 @@ def train(
         )
 
         def save(step: int, state: TrainState) -> None:
-            ckpt.save(step, state.params, state.opt_state, {"step": step})
+            trees = {"params": state.params, "opt_state": state.opt_state, "batch_stats": state.batch_stats}
+            ckpt.save(step, trees, {"step": step})
 
         prog, task = _progress(tcfg.progress, tcfg.num_steps, start)
         pending: list[dict] = []
@@ -324,14 +334,14 @@ def train(
                     prog.update(task, info=f"loss {row['loss']:.4f}  {eps:,.0f} ex/s")
                 prog.update(task, completed=done)
                 if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps:
-                    ev = exp.evaluate(state.params, max_batches=tcfg.eval_max_batches)
+                    ev = exp.evaluate(state.params, state.batch_stats, max_batches=tcfg.eval_max_batches)
                     writer.write({"step": done, "split": "eval", **ev})
                 if tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0 and done != tcfg.num_steps:
                     save(done, state)
         final_step = int(state.step)
         if ckpt.latest_step() != final_step:
             save(final_step, state)
-        ev = exp.evaluate(state.params)
+        ev = exp.evaluate(state.params, state.batch_stats)
         writer.write({"step": final_step, "split": "eval", **ev})
         ckpt.close()
     return {"step": final_step, **ev}
