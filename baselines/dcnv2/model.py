@@ -91,8 +91,12 @@ class DCNv2(nnx.Module):
         # the deep network is an MLP with a final ReLU plus one more dropout applied here.
         self.deep = (
             MLP(
-                self.in_dim, cfg.deep_mlp, final_relu=True, dropout=cfg.dropout,
-                batch_norm=cfg.batch_norm, rngs=rngs,
+                self.in_dim,
+                cfg.deep_mlp,
+                final_relu=True,
+                dropout=cfg.dropout,
+                batch_norm=cfg.batch_norm,
+                rngs=rngs,
             )
             if cfg.deep_mlp
             else None

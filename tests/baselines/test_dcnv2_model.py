@@ -186,8 +186,14 @@ FRAPPE = Schema(
 COST_CASES = {
     "dcnv2/tiny": (lambda: get_preset("dcnv2/tiny").model, SCHEMA),
     "dcnv2/frappe-like": (lambda: get_preset("dcnv2/frappe").model, FRAPPE),
-    "dcnv2/stacked-low-rank": (lambda: dataclasses.replace(CFG, structure="stacked", cross_rank=3), SCHEMA),
-    "dcnv2/batch-norm-dense-mlp": (lambda: dataclasses.replace(CFG, batch_norm=True, dense_mlp=(5,)), SCHEMA),
+    "dcnv2/stacked-low-rank": (
+        lambda: dataclasses.replace(CFG, structure="stacked", cross_rank=3),
+        SCHEMA,
+    ),
+    "dcnv2/batch-norm-dense-mlp": (
+        lambda: dataclasses.replace(CFG, batch_norm=True, dense_mlp=(5,)),
+        SCHEMA,
+    ),
     "dcnv2/cross-only": (lambda: dataclasses.replace(CFG, deep_mlp=()), SCHEMA),
 }
 
@@ -219,7 +225,9 @@ def test_forward_flops_match_xla(name):
     want = dcnv2_cost(cfg, schema).forward_flops * 64
     got = xla_forward_flops(DCNv2(cfg, schema, rngs=nnx.Rngs(0)), schema, 64)
     ratio = got / want
-    assert 1.0 <= ratio <= (1.05 if name == "dcnv2/frappe-like" else 1.35), f"{name}: ratio {ratio:.3f}"
+    assert 1.0 <= ratio <= (1.05 if name == "dcnv2/frappe-like" else 1.35), (
+        f"{name}: ratio {ratio:.3f}"
+    )
 
 
 def test_cost_conventions():

@@ -1,0 +1,104 @@
+"""FinalMLP configuration (no jax import).
+
+Field names follow FuxiCTR's ``model_zoo/FinalMLP`` (the authors' reference implementation):
+``mlp1``/``mlp2`` (its ``mlp1_hidden_units``/``mlp2_hidden_units``) and their dropouts,
+``mlp1_batch_norm``/``mlp2_batch_norm``, ``use_fs``, ``fs_hidden_units``,
+``fs1_context``/``fs2_context`` and ``num_heads``; LayerNorm is offered besides BatchNorm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from recscale.config import ExperimentConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FinalMLPModelConfig:
+    """The FinalMLP network: two gated MLP streams over x = [dense, flattened embeddings], fused
+    into one logit by multi-head bilinear aggregation."""
+
+    embed_dim: int = 10
+    """Embedding dimension D of every sparse-feature table (and of the gates' context)."""
+    mlp1: tuple[int, ...] = (64, 64, 64)
+    """Hidden layer sizes of stream 1 (Linear -> [norm] -> ReLU -> dropout each); its last size
+    is the width of o_1, the fusion's first input."""
+    mlp1_dropout: float = 0.0
+    """Dropout after every hidden layer of stream 1, the last included (training only)."""
+    mlp1_batch_norm: bool = False
+    """BatchNorm before the ReLU of every hidden layer of stream 1 (FuxiCTR's
+    ``mlp1_batch_norm``; running statistics are model state, see recscale.nn.BatchNorm)."""
+    mlp1_layer_norm: bool = False
+    """LayerNorm instead, before the ReLU of every hidden layer of stream 1."""
+    mlp2: tuple[int, ...] = (64, 64, 64)
+    """Hidden layer sizes of stream 2; its last size is the width of o_2."""
+    mlp2_dropout: float = 0.0
+    """Dropout after every hidden layer of stream 2, the last included (training only)."""
+    mlp2_batch_norm: bool = False
+    """BatchNorm before the ReLU of every hidden layer of stream 2 (FuxiCTR's
+    ``mlp2_batch_norm``; running statistics are model state, see recscale.nn.BatchNorm)."""
+    mlp2_layer_norm: bool = False
+    """LayerNorm instead, before the ReLU of every hidden layer of stream 2."""
+    use_fs: bool = True
+    """Stream-specific feature selection: stream k reads x ⊙ 2·sigmoid(MLP_k(context_k)) instead
+    of x (False: both streams read x, the paper's DualMLP ablation)."""
+    fs_hidden_units: tuple[int, ...] = (64,)
+    """Hidden layer sizes (ReLU) of each gate MLP before its output layer of width I = |x|;
+    empty = a single linear layer."""
+    fs1_context: tuple[str, ...] = ()
+    """Sparse features (schema names) whose embeddings, flattened, are stream 1's gate context.
+    They are looked up in tables of the gate's own, as in FuxiCTR. Empty: a learned context
+    vector of size D (FuxiCTR's ``fs1_ctx_bias``), the same for every example. Ignored when
+    ``use_fs`` is False."""
+    fs2_context: tuple[str, ...] = ()
+    """Stream 2's gate context, as ``fs1_context``."""
+    num_heads: int = 1
+    """Heads of the bilinear fusion: o_1 and o_2 are split into this many equal chunks, and the
+    bilinear terms o_1hᵀ W_h o_2h are summed over heads; must divide both streams' widths."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """Pooling of multi-hot bags."""
+    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
+    """Table init (see recscale.embeddings.TableSpec), for the main and the context tables."""
+    embedding_init_scale: float = 0.01
+    """Std of ``normal`` table init."""
+
+    def __post_init__(self):
+        if self.embed_dim < 1:
+            raise ValueError(f"embed_dim must be >= 1, got {self.embed_dim}")
+        for name in ("mlp1", "mlp2"):
+            sizes = getattr(self, name)
+            if not sizes:
+                raise ValueError(f"{name} needs at least one hidden layer size")
+            if any(n < 1 for n in sizes):
+                raise ValueError(f"{name} sizes must be >= 1, got {sizes}")
+        if any(n < 1 for n in self.fs_hidden_units):
+            raise ValueError(f"fs_hidden_units must be >= 1, got {self.fs_hidden_units}")
+        for k in (1, 2):
+            if getattr(self, f"mlp{k}_batch_norm") and getattr(self, f"mlp{k}_layer_norm"):
+                raise ValueError(f"stream {k}: choose mlp{k}_batch_norm or mlp{k}_layer_norm")
+        for name in ("mlp1_dropout", "mlp2_dropout"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {rate}")
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        for name in ("mlp1", "mlp2"):
+            width = getattr(self, name)[-1]
+            if width % self.num_heads:
+                raise ValueError(
+                    f"num_heads={self.num_heads} must divide the output width of each stream; "
+                    f"{name}[-1] = {width}"
+                )
+        for name in ("fs1_context", "fs2_context"):
+            ctx = getattr(self, name)
+            if len(set(ctx)) != len(ctx):
+                raise ValueError(f"{name} names a feature twice: {ctx}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FinalMLPConfig(ExperimentConfig):
+    """A whole FinalMLP run: the network plus the shared data, optimizer, loop and mesh configs."""
+
+    model: FinalMLPModelConfig = FinalMLPModelConfig()
+    """The network."""

@@ -1,0 +1,21 @@
+"""``python -m baselines.finalmlp.evaluate --workdir DIR [--step N] [--data-path FILE] [--output FILE]``.
+
+Prints one JSON object (auc, logloss, ne, calibration, num_examples, step, ...) on the last line
+of stdout.
+"""
+
+from __future__ import annotations
+
+from baselines.finalmlp.config import FinalMLPConfig
+from baselines.finalmlp.model import build_model
+from recscale.train.cli import evaluate_main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return evaluate_main(
+        "finalmlp", FinalMLPConfig, build_model, argv, package="baselines.finalmlp"
+    )
+
+
+if __name__ == "__main__":
+    main()

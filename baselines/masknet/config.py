@@ -1,0 +1,81 @@
+"""MaskNet configuration (no jax import).
+
+Field names follow FuxiCTR's MaskNet (``model_type``, ``dnn_hidden_units``, ``parallel_num_blocks``,
+``parallel_block_dim``, ``reduction_ratio``, ``emb_layernorm``, ``net_layernorm``,
+``net_dropout``), so a BARS / FuxiCTR tuned config reads across field by field; ``embed_dim`` is
+the paper's embedding size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from recscale.config import ExperimentConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MaskNetModelConfig:
+    """The MaskNet network: field embeddings, MaskBlocks (serial or parallel), logit."""
+
+    embed_dim: int = 10
+    """Embedding dimension of every field: each sparse feature's table, and each dense feature's
+    learned vector (a dense feature x_j enters as the field x_j · w_j, FuxiCTR's numeric
+    embedding)."""
+    model_type: Literal["serial", "parallel"] = "serial"
+    """``serial``: a stack of MaskBlocks, the first on the feature embeddings, each next one on the
+    previous block's output, then the logit; ``parallel``: ``parallel_num_blocks`` MaskBlocks all
+    on the feature embeddings, concatenated, then an MLP and the logit."""
+    dnn_hidden_units: tuple[int, ...] = (400, 400, 400)
+    """``serial``: the output width of each MaskBlock (one block per entry, so at least one);
+    ``parallel``: the hidden layer sizes of the MLP on the concatenated blocks (empty = the logit
+    reads the concatenation directly)."""
+    parallel_num_blocks: int = 1
+    """``parallel`` only: number of MaskBlocks side by side on the feature embeddings."""
+    parallel_block_dim: int = 64
+    """``parallel`` only: output width of each of those MaskBlocks."""
+    reduction_ratio: float = 1.0
+    """r of the instance-guided mask: its hidden (aggregation) layer has int(r · Z) units, Z the
+    width of the layer it masks (the paper's t / z; FuxiCTR's int(hidden_dim * reduction_ratio))."""
+    emb_layernorm: bool = True
+    """LayerNorm each field's embedding (own scale and bias per field) before the first MaskBlocks
+    mask it; the mask itself always reads the raw embeddings."""
+    net_layernorm: bool = True
+    """LayerNorm after each MaskBlock's (bias-free) linear layer, before its ReLU."""
+    net_dropout: float = 0.0
+    """Dropout after every MaskBlock's ReLU and after each hidden layer of the parallel MLP
+    (training only)."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """Pooling of multi-hot bags."""
+    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
+    """Table init (see recscale.embeddings.TableSpec)."""
+    embedding_init_scale: float = 0.01
+    """Std of ``normal`` table init."""
+
+    def __post_init__(self):
+        if self.embed_dim < 1:
+            raise ValueError(f"embed_dim must be >= 1, got {self.embed_dim}")
+        if self.model_type not in ("serial", "parallel"):
+            raise ValueError(f"model_type must be 'serial' or 'parallel', got {self.model_type!r}")
+        if any(n < 1 for n in self.dnn_hidden_units):
+            raise ValueError(f"dnn_hidden_units must be >= 1, got {self.dnn_hidden_units}")
+        if self.model_type == "serial" and not self.dnn_hidden_units:
+            raise ValueError(
+                "a serial MaskNet needs at least one MaskBlock: dnn_hidden_units is empty"
+            )
+        if self.parallel_num_blocks < 1:
+            raise ValueError(f"parallel_num_blocks must be >= 1, got {self.parallel_num_blocks}")
+        if self.parallel_block_dim < 1:
+            raise ValueError(f"parallel_block_dim must be >= 1, got {self.parallel_block_dim}")
+        if not self.reduction_ratio > 0:
+            raise ValueError(f"reduction_ratio must be > 0, got {self.reduction_ratio}")
+        if not 0.0 <= self.net_dropout < 1.0:
+            raise ValueError(f"net_dropout must be in [0, 1), got {self.net_dropout}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MaskNetConfig(ExperimentConfig):
+    """A whole MaskNet run: the network plus the shared data, optimizer, loop and mesh configs."""
+
+    model: MaskNetModelConfig = MaskNetModelConfig()
+    """The network."""
