@@ -224,7 +224,9 @@ def _build(tp: Any, data: Any, path: str) -> Any:
             raise TypeError(f"{path}: expected a list, got {data!r}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_build(args[0], v, f"{path}[{i}]") for i, v in enumerate(data))
-        return tuple(_build(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data, strict=True)))
+        return tuple(
+            _build(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data, strict=True))
+        )
     if origin is Literal:
         if data not in typing.get_args(tp):
             raise ValueError(f"{path}: {data!r} is not one of {typing.get_args(tp)}")
@@ -261,7 +263,11 @@ def absolute_paths(cfg: T) -> T:
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
             changes[f.name] = absolute_paths(v)
-        elif isinstance(v, str) and v and (f.name.endswith(("_path", "_dir")) or f.name == "init_from"):
+        elif (
+            isinstance(v, str)
+            and v
+            and (f.name.endswith(("_path", "_dir")) or f.name == "init_from")
+        ):
             changes[f.name] = str(Path(v).expanduser().absolute())
     return dataclasses.replace(cfg, **changes)
 
@@ -314,7 +320,11 @@ def parse_preset_cli(
         "Args",
         [
             ("workdir", str),
-            ("config", typing.Annotated[type(default), tyro.conf.arg(name="")], dataclasses.field(default=default)),
+            (
+                "config",
+                typing.Annotated[type(default), tyro.conf.arg(name="")],
+                dataclasses.field(default=default),
+            ),
         ],
         frozen=True,
         kw_only=True,

@@ -21,7 +21,10 @@ class Linear(nnx.Module):
         w_std = (2.0 / (in_dim + out_dim)) ** 0.5
         b_std = (1.0 / out_dim) ** 0.5
         self.kernel = sharding.param(
-            nnx.Param, w_std * jax.random.normal(rngs.params(), (in_dim, out_dim), param_dtype), None, "mlp"
+            nnx.Param,
+            w_std * jax.random.normal(rngs.params(), (in_dim, out_dim), param_dtype),
+            None,
+            "mlp",
         )
         self.bias = sharding.param(
             nnx.Param, b_std * jax.random.normal(rngs.params(), (out_dim,), param_dtype), "mlp"
@@ -55,7 +58,9 @@ class BatchNorm(nnx.Module):
     sharded, the batch mean is a global one (XLA inserts the all-reduce): synchronised BN.
     """
 
-    def __init__(self, dim: int, *, momentum: float = 0.9, eps: float = 1e-5, param_dtype=jnp.float32):
+    def __init__(
+        self, dim: int, *, momentum: float = 0.9, eps: float = 1e-5, param_dtype=jnp.float32
+    ):
         self.scale = sharding.param(nnx.Param, jnp.ones((dim,), param_dtype), "mlp")
         self.bias = sharding.param(nnx.Param, jnp.zeros((dim,), param_dtype), "mlp")
         self.mean = sharding.param(nnx.BatchStat, jnp.zeros((dim,), jnp.float32), "mlp")
@@ -102,7 +107,9 @@ class MLP(nnx.Module):
         if layer_norm and batch_norm:
             raise ValueError("MLP: choose layer_norm or batch_norm, not both")
         dims = (in_dim, *sizes)
-        self.layers = nnx.List([Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:], strict=True)])
+        self.layers = nnx.List(
+            [Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:], strict=True)]
+        )
         norm = LayerNorm if layer_norm else BatchNorm if batch_norm else None
         normed = sizes if final_relu else sizes[:-1]
         self.norms = nnx.List([norm(b) for b in normed]) if norm is not None else None
@@ -116,10 +123,16 @@ class MLP(nnx.Module):
             last = i == n - 1
             if self.norms is not None and (not last or self.final_relu):
                 norm = self.norms[i]
-                x = norm(x, train=dropout_key is not None) if isinstance(norm, BatchNorm) else norm(x)
+                x = (
+                    norm(x, train=dropout_key is not None)
+                    if isinstance(norm, BatchNorm)
+                    else norm(x)
+                )
             if not last or self.final_relu:
                 x = jax.nn.relu(x)
             if not last and self.dropout > 0 and dropout_key is not None:
-                keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, i), 1 - self.dropout, x.shape)
+                keep = jax.random.bernoulli(
+                    jax.random.fold_in(dropout_key, i), 1 - self.dropout, x.shape
+                )
                 x = jnp.where(keep, x / (1 - self.dropout), 0)
         return x

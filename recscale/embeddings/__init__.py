@@ -3,4 +3,10 @@
 from recscale.embeddings.collection import EmbeddingCollection, EmbeddingTable
 from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature
 
-__all__ = ["EmbeddingCollection", "EmbeddingTable", "FeatureSpec", "TableSpec", "one_table_per_feature"]
+__all__ = [
+    "EmbeddingCollection",
+    "EmbeddingTable",
+    "FeatureSpec",
+    "TableSpec",
+    "one_table_per_feature",
+]

@@ -122,6 +122,8 @@ class EmbeddingCollection(nnx.Module):
         """Pooled embeddings stacked as ``[B, F, D]`` (all tables must share D)."""
         dims = set(self.output_dims)
         if len(dims) != 1:
-            raise ValueError(f"stacking needs one embedding dim, tables have {sorted(dims)}; use lookup()")
+            raise ValueError(
+                f"stacking needs one embedding dim, tables have {sorted(dims)}; use lookup()"
+            )
         emb_bfd = jnp.stack(self.lookup(ids_bfh), axis=1)
         return sharding.constrain(emb_bfd, "batch", None, None)

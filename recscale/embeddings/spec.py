@@ -57,5 +57,7 @@ def one_table_per_feature(
         TableSpec(name=n, num_rows=v, dim=dim, init=init, init_scale=init_scale)
         for n, v, _ in features
     )
-    feats = tuple(FeatureSpec(name=n, table=n, max_hotness=h, pooling=pooling) for n, _, h in features)
+    feats = tuple(
+        FeatureSpec(name=n, table=n, max_hotness=h, pooling=pooling) for n, _, h in features
+    )
     return tables, feats

@@ -62,7 +62,9 @@ class _Active:
     rules: Mapping[str, str | None]
 
 
-_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("recscale_mesh", default=None)
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
+    "recscale_mesh", default=None
+)
 
 
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
@@ -123,13 +125,17 @@ def logical_to_spec(
             spec.append(None)
             continue
         if ax not in LOGICAL_AXES:
-            raise ValueError(f"{name}: unknown logical axis {ax!r}; glossary: {sorted(LOGICAL_AXES)}")
+            raise ValueError(
+                f"{name}: unknown logical axis {ax!r}; glossary: {sorted(LOGICAL_AXES)}"
+            )
         mesh_ax = rules.get(ax)
         if mesh_ax is None:
             spec.append(None)
             continue
         if mesh_ax not in mesh.shape:
-            raise ValueError(f"{name}: rule maps {ax!r} to mesh axis {mesh_ax!r}, absent from mesh {dict(mesh.shape)}")
+            raise ValueError(
+                f"{name}: rule maps {ax!r} to mesh axis {mesh_ax!r}, absent from mesh {dict(mesh.shape)}"
+            )
         if mesh_ax in used:
             raise ValueError(f"{name}: mesh axis {mesh_ax!r} used twice in axes {axes}")
         if shape is not None and shape[i] % mesh.shape[mesh_ax]:

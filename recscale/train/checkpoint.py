@@ -19,7 +19,8 @@ import orbax.checkpoint as ocp
 def _abstract(tree: Any) -> Any:
     """ShapeDtypeStructs (with shardings) for every array of ``tree``."""
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        tree,
     )
 
 
@@ -30,7 +31,9 @@ ARRAY_ITEMS = ("params", "opt_state", "batch_stats")
 class Checkpointer:
     """Saves and restores a run's checkpoints under ``<workdir>/checkpoints``."""
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True):
+    def __init__(
+        self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True
+    ):
         self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -57,7 +60,9 @@ class Checkpointer:
         if unknown:
             raise ValueError(f"unknown checkpoint items {sorted(unknown)}; known: {ARRAY_ITEMS}")
         items = {k: ocp.args.StandardSave(v) for k, v in trees.items() if jax.tree.leaves(v)}
-        self._manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=force)
+        self._manager.save(
+            step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=force
+        )
 
     def restore(self, step: int, likes: dict[str, Any]) -> tuple[dict[str, Any], dict]:
         """Restores the items named in ``likes`` onto the shapes, dtypes and shardings of the trees

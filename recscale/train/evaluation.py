@@ -65,11 +65,17 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     mesh = sharding.make_mesh(mesh_cfg)
     with sharding.activate(mesh, cfg.mesh.rules):
         exp = Experiment.build(
-            cfg, build_model, eval_path=args.data_path, with_optimizer=False, eval_only=True,
+            cfg,
+            build_model,
+            eval_path=args.data_path,
+            with_optimizer=False,
+            eval_only=True,
             workdir=str(workdir),
         )
         abstract = exp.abstract_state
-        trees, meta = ckpt.restore(step, {"params": abstract.params, "batch_stats": abstract.batch_stats})
+        trees, meta = ckpt.restore(
+            step, {"params": abstract.params, "batch_stats": abstract.batch_stats}
+        )
         metrics = exp.evaluate(trees["params"], trees["batch_stats"])
     ckpt.close()
     result: dict[str, Any] = {**metrics, "step": int(meta.get("step", step))}

@@ -90,7 +90,10 @@ class Experiment:
             raise RuntimeError("Experiment.build needs an active mesh (sharding.activate)")
         data_size = sharding.axis_size("batch")
         pcount = jax.process_count()
-        for name, b in (("data.batch_size", cfg.data.batch_size), ("data.eval_batch_size", cfg.data.eval_batch_size)):
+        for name, b in (
+            ("data.batch_size", cfg.data.batch_size),
+            ("data.eval_batch_size", cfg.data.eval_batch_size),
+        ):
             if b % data_size or b % pcount:
                 raise ValueError(
                     f"{name}={b} must be divisible by the {data_size} data-parallel devices and "
@@ -130,7 +133,10 @@ class Experiment:
             _, params, batch_stats = make_params()
             opt_state = tx.init(params) if tx is not None else None
             return TrainState(
-                step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, batch_stats=batch_stats
+                step=jnp.zeros((), jnp.int32),
+                params=params,
+                opt_state=opt_state,
+                batch_stats=batch_stats,
             )
 
         abstract_state = jax.eval_shape(init)
@@ -145,7 +151,9 @@ class Experiment:
         """Host-local numpy batch -> global jax arrays sharded over ``batch``."""
         return Batch(
             *(
-                jax.make_array_from_process_local_data(sharding.batch_sharding(np.ndim(x)), np.asarray(x))
+                jax.make_array_from_process_local_data(
+                    sharding.batch_sharding(np.ndim(x)), np.asarray(x)
+                )
                 for x in batch
             )
         )
@@ -267,20 +275,28 @@ def train(
     with sharding.activate(mesh, cfg.mesh.rules):
         exp = Experiment.build(cfg, build_model, workdir=str(workdir))
         ckpt = Checkpointer(
-            workdir / "checkpoints", max_to_keep=tcfg.max_checkpoints, async_save=tcfg.async_checkpoint
+            workdir / "checkpoints",
+            max_to_keep=tcfg.max_checkpoints,
+            async_save=tcfg.async_checkpoint,
         )
         writer = MetricsWriter(workdir / "metrics.jsonl")
         if jax.process_index() == 0 and getattr(exp.source, "stats", None):
             # Reader counters (rows read / kept / rejected by reason, OOV counts): nothing is
             # dropped without a count.
-            (workdir / "data_stats.json").write_text(json.dumps(exp.source.stats, indent=2, default=str) + "\n")
+            (workdir / "data_stats.json").write_text(
+                json.dumps(exp.source.stats, indent=2, default=str) + "\n"
+            )
         # Restore order: this run's latest checkpoint, then another run's parameters, then fresh.
         abstract = exp.abstract_state
         latest = ckpt.latest_step()
         if latest is not None:
             trees, meta = ckpt.restore(
                 latest,
-                {"params": abstract.params, "opt_state": abstract.opt_state, "batch_stats": abstract.batch_stats},
+                {
+                    "params": abstract.params,
+                    "opt_state": abstract.opt_state,
+                    "batch_stats": abstract.batch_stats,
+                },
             )
             step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), sharding.replicated())
             state = TrainState(step=step, **trees)
@@ -290,7 +306,9 @@ def train(
             src_step = src.latest_step()
             if src_step is None:
                 raise FileNotFoundError(f"train.init_from: no checkpoints in {src.directory}")
-            trees, _ = src.restore(src_step, {"params": abstract.params, "batch_stats": abstract.batch_stats})
+            trees, _ = src.restore(
+                src_step, {"params": abstract.params, "batch_stats": abstract.batch_stats}
+            )
             src.close()
             init_opt = jax.jit(exp.tx.init, out_shardings=exp.state_sharding.opt_state)
             step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated())
@@ -308,7 +326,11 @@ def train(
         )
 
         def save(step: int, state: TrainState) -> None:
-            trees = {"params": state.params, "opt_state": state.opt_state, "batch_stats": state.batch_stats}
+            trees = {
+                "params": state.params,
+                "opt_state": state.opt_state,
+                "batch_stats": state.batch_stats,
+            }
             ckpt.save(step, trees, {"step": step})
 
         prog, task = _progress(tcfg.progress, tcfg.num_steps, start)
@@ -328,15 +350,23 @@ def train(
                     t_last, step_last = now, done
                     row = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
                     if not np.isfinite(row["loss"]):
-                        raise FloatingPointError(f"non-finite training loss {row['loss']} at step {done}")
+                        raise FloatingPointError(
+                            f"non-finite training loss {row['loss']} at step {done}"
+                        )
                     row.update(step=done, split="train", examples_per_sec=eps)
                     writer.write(row)
                     prog.update(task, info=f"loss {row['loss']:.4f}  {eps:,.0f} ex/s")
                 prog.update(task, completed=done)
                 if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps:
-                    ev = exp.evaluate(state.params, state.batch_stats, max_batches=tcfg.eval_max_batches)
+                    ev = exp.evaluate(
+                        state.params, state.batch_stats, max_batches=tcfg.eval_max_batches
+                    )
                     writer.write({"step": done, "split": "eval", **ev})
-                if tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0 and done != tcfg.num_steps:
+                if (
+                    tcfg.checkpoint_every
+                    and done % tcfg.checkpoint_every == 0
+                    and done != tcfg.num_steps
+                ):
                     save(done, state)
         final_step = int(state.step)
         if ckpt.latest_step() != final_step:

@@ -65,7 +65,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, se
             "update_norm": _norm(updates),
             "param_norm": _norm(params),
         }
-        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, batch_stats=batch_stats)
+        new = TrainState(
+            step=state.step + 1, params=params, opt_state=opt_state, batch_stats=batch_stats
+        )
         return new, metrics
 
     return train_step
