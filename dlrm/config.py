@@ -53,6 +53,12 @@ class DLRMModelConfig:
         if self.layer_norm and self.batch_norm:
             raise ValueError("choose layer_norm or batch_norm, not both")
 
+    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
+        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
+        from recscale.flops import dlrm_cost
+
+        return dlrm_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DLRMConfig(ExperimentConfig):

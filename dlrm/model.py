@@ -53,8 +53,13 @@ class DLRM(nnx.Module):
         self.tril = nnx.static((tuple(int(i) for i in li), tuple(int(j) for j in lj)))
         top_in = interaction_dim(cfg, num_vectors, self.has_dense)
         self.top = MLP(
-            top_in, cfg.top_mlp, final_relu=False, dropout=cfg.dropout, layer_norm=cfg.layer_norm,
-            batch_norm=cfg.batch_norm, rngs=rngs
+            top_in,
+            cfg.top_mlp,
+            final_relu=False,
+            dropout=cfg.dropout,
+            layer_norm=cfg.layer_norm,
+            batch_norm=cfg.batch_norm,
+            rngs=rngs,
         )
 
     def interact(self, x_bnd: jax.Array) -> jax.Array:

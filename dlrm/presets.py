@@ -35,7 +35,13 @@ def synthetic() -> DLRMConfig:
         data=data_presets.synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(num_steps=3000, log_every=100, eval_every=1000, eval_max_batches=4, checkpoint_every=1000),
+        train=TrainConfig(
+            num_steps=3000,
+            log_every=100,
+            eval_every=1000,
+            eval_max_batches=4,
+            checkpoint_every=1000,
+        ),
     )
 
 
@@ -107,9 +113,15 @@ def criteo_mlperf() -> DLRMConfig:
     """
     data = data_presets.criteo(CRITEO_TERABYTE_VOCAB_SIZES, batch_size=65536)
     return DLRMConfig(
-        model=DLRMModelConfig(embed_dim=128, bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1)),
+        model=DLRMModelConfig(
+            embed_dim=128, bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1)
+        ),
         data=data,
-        dense_optim=DenseOptimConfig(name="sgd", learning_rate=24.0, b1=0.0, warmup_steps=2750, decay="linear"),
-        embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=24.0, warmup_steps=2750, decay="linear"),
+        dense_optim=DenseOptimConfig(
+            name="sgd", learning_rate=24.0, b1=0.0, warmup_steps=2750, decay="linear"
+        ),
+        embedding_optim=EmbeddingOptimConfig(
+            name="sgd", learning_rate=24.0, warmup_steps=2750, decay="linear"
+        ),
         train=TrainConfig(num_steps=64_000, log_every=500, checkpoint_every=5000),
     )

@@ -109,7 +109,7 @@ def _embedding_costs(
     return rows * dim, pooled * dim * bytes_per_param, pooled * dim
 
 
-def _cost(
+def assemble_cost(
     dense_params: int,
     components: list[tuple[str, float]],
     schema: Schema,
@@ -155,7 +155,7 @@ def dlrm_cost(
         top_in = pairs + (n * d if cfg.dot_concat == "all" else (d if has_dense else 0))
     params += mlp_params(top_in, cfg.top_mlp, layer_norm=cfg.layer_norm, batch_norm=cfg.batch_norm)
     parts.append(("top_mlp", mlp_flops(top_in, cfg.top_mlp)))
-    return _cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)
 
 
 def _wukong_dense_embeddings(cfg: Any, schema: Schema) -> int:
@@ -215,7 +215,7 @@ def wukong_cost(
     parts += [("fmb_interaction", fm), ("fmb_mlp", mlp_), ("lcb", lcb), ("residual", res)]
     params += mlp_params(e * d, cfg.top_mlp, batch_norm=cfg.batch_norm)
     parts.append(("top_mlp", mlp_flops(e * d, cfg.top_mlp)))
-    return _cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)
 
 
 def model_cost(
@@ -225,15 +225,15 @@ def model_cost(
     mean_hotness: float | Sequence[float] | None = None,
     bytes_per_param: int = 4,
 ) -> ModelCost:
-    """Costs of a whole run's model (a ``DLRMConfig`` or ``WukongConfig``), by ``cfg.model``'s type.
+    """Costs of a whole run's model: ``cfg.model.cost(schema, ...)``.
 
-    Dispatches on the type's name: ``recscale`` never imports ``dlrm`` or ``wukong``.
+    Every model config of the project (DLRM, Wukong, the baselines) has a ``cost`` method that
+    calls its family's counting function, so ``recscale`` never imports a model package.
     """
-    name = type(cfg.model).__name__
-    fns = {"DLRMModelConfig": dlrm_cost, "WukongModelConfig": wukong_cost}
-    if name not in fns:
-        raise TypeError(f"no cost model for {name}; known: {sorted(fns)}")
-    return fns[name](cfg.model, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+    cost = getattr(cfg.model, "cost", None)
+    if cost is None:
+        raise TypeError(f"no cost model for {type(cfg.model).__name__}: it has no cost() method")
+    return cost(schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
 
 
 def table(costs: dict[str, ModelCost]) -> str:

@@ -82,6 +82,12 @@ class WukongModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
+    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
+        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
+        from recscale.flops import wukong_cost
+
+        return wukong_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WukongConfig(ExperimentConfig):

@@ -56,6 +56,12 @@ class DCNv2ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
+        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
+        from baselines.dcnv2.flops import dcnv2_cost
+
+        return dcnv2_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DCNv2Config(ExperimentConfig):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from data.batch import Schema
-from recscale.flops import ModelCost, _cost, mlp_flops, mlp_params
+from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
 
 
 def dcnv2_cost(
@@ -48,4 +48,4 @@ def dcnv2_cost(
         logit_in = (i if cfg.num_cross_layers else 0) + deep_out
     params += mlp_params(logit_in, (1,))
     parts.append(("logit", mlp_flops(logit_in, (1,))))
-    return _cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)

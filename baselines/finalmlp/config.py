@@ -95,6 +95,14 @@ class FinalMLPModelConfig:
             if len(set(ctx)) != len(ctx):
                 raise ValueError(f"{name} names a feature twice: {ctx}")
 
+    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
+        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
+        from baselines.finalmlp.flops import finalmlp_cost
+
+        return finalmlp_cost(
+            self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
+        )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FinalMLPConfig(ExperimentConfig):

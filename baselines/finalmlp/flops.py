@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from data.batch import Schema
-from recscale.flops import ModelCost, _cost, mlp_flops, mlp_params
+from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
 
 
 def _context_index(schema: Schema, context: tuple[str, ...]) -> list[int]:
@@ -91,4 +91,4 @@ def finalmlp_cost(
                 )
             mean_hotness = [*mean_hotness, *(mean_hotness[f] for f in extra)]
         schema = Schema(dense_names=schema.dense_names, features=features)
-    return _cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)

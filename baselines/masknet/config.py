@@ -72,6 +72,14 @@ class MaskNetModelConfig:
         if not 0.0 <= self.net_dropout < 1.0:
             raise ValueError(f"net_dropout must be in [0, 1), got {self.net_dropout}")
 
+    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
+        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
+        from baselines.masknet.flops import masknet_cost
+
+        return masknet_cost(
+            self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
+        )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MaskNetConfig(ExperimentConfig):

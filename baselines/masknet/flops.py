@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from data.batch import Schema
-from recscale.flops import ModelCost, _cost, mlp_flops, mlp_params
+from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
 
 
 def _aggregation_width(masked_dim: int, reduction_ratio: float) -> int:
@@ -72,4 +72,4 @@ def masknet_cost(
             logit_in = cfg.dnn_hidden_units[-1]
     params += mlp_params(logit_in, (1,))
     parts.append(("logit", mlp_flops(logit_in, (1,))))
-    return _cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)

@@ -213,6 +213,7 @@ def _assert_same(got: Batch, want: Batch) -> None:
 
 def test_make_source_synthetic():
     import data.synthetic  # noqa: F401  (a required module: fail, never skip)
+
     cfg = DataConfig(
         kind="synthetic", batch_size=32, eval_batch_size=64,
         synthetic=SyntheticConfig(num_eval_examples=150),

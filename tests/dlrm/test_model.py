@@ -15,13 +15,17 @@ from recscale.config import get_preset, preset_names
 
 SCHEMA = Schema(
     dense_names=("a", "b", "c"),
-    features=tuple(FeatureInfo(name=f"f{i}", vocab_size=20 + i, max_hotness=1 + i % 2) for i in range(4)),
+    features=tuple(
+        FeatureInfo(name=f"f{i}", vocab_size=20 + i, max_hotness=1 + i % 2) for i in range(4)
+    ),
 )
 
 
 @pytest.mark.parametrize("self_interaction", [False, True])
 def test_dot_interaction_matches_numpy(self_interaction):
-    cfg = DLRMModelConfig(embed_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), self_interaction=self_interaction)
+    cfg = DLRMModelConfig(
+        embed_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), self_interaction=self_interaction
+    )
     model = DLRM(cfg, SCHEMA, rngs=nnx.Rngs(0))
     x = np.random.default_rng(0).normal(size=(3, 5, 4)).astype(np.float32)
     got = np.asarray(model.interact(jnp.asarray(x)))
@@ -56,7 +60,9 @@ def test_dropout_only_with_key():
 
 def test_no_dense_features_uses_embeddings_only():
     schema = Schema(dense_names=(), features=SCHEMA.features)
-    model = DLRM(DLRMModelConfig(embed_dim=4, bottom_mlp=(), top_mlp=(8, 1)), schema, rngs=nnx.Rngs(0))
+    model = DLRM(
+        DLRMModelConfig(embed_dim=4, bottom_mlp=(), top_mlp=(8, 1)), schema, rngs=nnx.Rngs(0)
+    )
     assert model.bottom is None
     assert model(jnp.zeros((2, 0)), jnp.zeros((2, 4, 2), jnp.int32)).shape == (2,)
 
@@ -67,7 +73,10 @@ def test_every_preset_builds(name):
     if cfg.data.kind == "criteo":
         schema = criteo_schema(cfg.data.criteo.vocab_sizes)
     elif cfg.data.kind == "frappe":
-        schema = Schema(dense_names=(), features=tuple(FeatureInfo(name=f"f{i}", vocab_size=100) for i in range(10)))
+        schema = Schema(
+            dense_names=(),
+            features=tuple(FeatureInfo(name=f"f{i}", vocab_size=100) for i in range(10)),
+        )
     else:
         from data.synthetic import SyntheticGenerator
 

@@ -30,7 +30,11 @@ def _tiny(**train_overrides):
 
 
 def _rows(workdir, split="train"):
-    return [r for r in map(json.loads, (Path(workdir) / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+    return [
+        r
+        for r in map(json.loads, (Path(workdir) / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == split
+    ]
 
 
 def _ckpt_params(workdir, step):
@@ -48,7 +52,9 @@ def test_every_tiny_preset_trains_two_steps(tmp_path):
     assert tiny
     for name in tiny:
         cfg = get_preset(name)
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=2, progress=False, log_every=1))
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, num_steps=2, progress=False, log_every=1)
+        )
         wd = tmp_path / name.replace("/", "_")
         result = train(cfg, build_model, wd)
         assert result["step"] == 2
@@ -67,7 +73,9 @@ def test_tiny_learns(tmp_path):
 
 
 def test_resume_equals_uninterrupted_bitwise_and_differs_from_cold_start(tmp_path, capsys):
-    cfg = _tiny(num_steps=8, checkpoint_every=4, log_every=1, max_checkpoints=5, async_checkpoint=True)
+    cfg = _tiny(
+        num_steps=8, checkpoint_every=4, log_every=1, max_checkpoints=5, async_checkpoint=True
+    )
     full = tmp_path / "full"
     train(cfg, build_model, full)
 
@@ -94,13 +102,17 @@ def test_resume_equals_uninterrupted_bitwise_and_differs_from_cold_start(tmp_pat
     # The restored state is what the continuation depends on: swap in checkpoint 4 of a run with
     # another seed (a different state at the same step), and steps 5..8 no longer match.
     other = tmp_path / "other_seed"
-    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1)), build_model, other)
+    train(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1)), build_model, other
+    )
     swapped = interrupted_copy("swapped")
     shutil.rmtree(swapped / "checkpoints" / "4")
     shutil.copytree(other / "checkpoints" / "4", swapped / "checkpoints" / "4")
     train(cfg, build_model, swapped)
     swapped_losses = [r["loss"] for r in _rows(swapped) if r["step"] > 4]
-    assert all(x != y for x, y in zip(swapped_losses, [r["loss"] for r in full_rows[4:]], strict=True))
+    assert all(
+        x != y for x, y in zip(swapped_losses, [r["loss"] for r in full_rows[4:]], strict=True)
+    )
 
 
 @pytest.mark.parametrize("rules", ["row_sharded", "replicated"])
@@ -108,7 +120,9 @@ def test_one_device_equals_eight(tmp_path, rules):
     results = {}
     for n in (1, 8):
         cfg = _tiny(num_steps=6, log_every=1)
-        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data_parallel=n, rules=rules))
+        cfg = dataclasses.replace(
+            cfg, mesh=dataclasses.replace(cfg.mesh, data_parallel=n, rules=rules)
+        )
         wd = tmp_path / f"d{n}"
         train(cfg, build_model, wd)
         results[n] = ([r["loss"] for r in _rows(wd)], _ckpt_params(wd, 6))
@@ -141,14 +155,32 @@ def test_command_line_train_then_evaluate(tmp_path):
     wd = tmp_path / "cli"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run(
-        [sys.executable, "-m", "dlrm.train", "dlrm/tiny", "--workdir", str(wd), "--train.num-steps", "4", "--train.no-progress"],
-        cwd=REPO, check=True, capture_output=True, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "dlrm.train",
+            "dlrm/tiny",
+            "--workdir",
+            str(wd),
+            "--train.num-steps",
+            "4",
+            "--train.no-progress",
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert json.loads((wd / "config.json").read_text())["train"]["num_steps"] == 4
     assert "dlrm/tiny" in (wd / "command.txt").read_text()
     out = subprocess.run(
         [sys.executable, "-m", "dlrm.evaluate", "--workdir", str(wd)],
-        cwd=REPO, check=True, capture_output=True, text=True, env=env,
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["step"] == 4 and 0.0 <= result["auc"] <= 1.0
@@ -156,9 +188,15 @@ def test_command_line_train_then_evaluate(tmp_path):
 
 def test_frappe_short_run_on_real_data(tmp_path, frappe_dir):
     cfg = get_preset("dlrm/frappe")
-    data = dataclasses.replace(cfg.data, train_path=str(frappe_dir / "train.csv"), eval_path=str(frappe_dir / "valid.csv"))
+    data = dataclasses.replace(
+        cfg.data, train_path=str(frappe_dir / "train.csv"), eval_path=str(frappe_dir / "valid.csv")
+    )
     cfg = dataclasses.replace(
-        cfg, data=data, train=dataclasses.replace(cfg.train, num_steps=40, eval_every=0, checkpoint_every=0, progress=False, log_every=20)
+        cfg,
+        data=data,
+        train=dataclasses.replace(
+            cfg.train, num_steps=40, eval_every=0, checkpoint_every=0, progress=False, log_every=20
+        ),
     )
     result = train(cfg, build_model, tmp_path / "frappe")
     assert result["num_examples"] == 57_722
@@ -169,7 +207,9 @@ def test_resuming_with_a_changed_config_is_refused(tmp_path):
     wd = tmp_path / "run"
     train(_tiny(num_steps=2), build_model, wd)
     changed = _tiny(num_steps=2)
-    changed = dataclasses.replace(changed, dense_optim=dataclasses.replace(changed.dense_optim, learning_rate=0.5))
+    changed = dataclasses.replace(
+        changed, dense_optim=dataclasses.replace(changed.dense_optim, learning_rate=0.5)
+    )
     with pytest.raises(ValueError, match=r"dense_optim.learning_rate: saved 0.003, now 0.5"):
         train(changed, build_model, wd)
 

@@ -46,7 +46,12 @@ def test_batch_norm_matches_torch_batchnorm1d_semantics():
 def test_mlp_batch_norm_placement_and_state_kinds():
     mlp = MLP(4, (8, 6, 1), final_relu=False, batch_norm=True, rngs=nnx.Rngs(0))
     stats = nnx.state(mlp, nnx.BatchStat)
-    assert [x.shape for x in jax.tree.leaves(stats)] == [(8,), (8,), (6,), (6,)]  # hidden layers only
+    assert [x.shape for x in jax.tree.leaves(stats)] == [
+        (8,),
+        (8,),
+        (6,),
+        (6,),
+    ]  # hidden layers only
     deep = MLP(4, (8, 6), final_relu=True, batch_norm=True, rngs=nnx.Rngs(0))
     assert len(jax.tree.leaves(nnx.state(deep, nnx.BatchStat))) == 4  # both layers are ReLU layers
     x = jnp.ones((4, 4))
@@ -67,7 +72,11 @@ def _bn_tiny(**train):
 
 
 def _rows(wd):
-    return [r for r in map(json.loads, (Path(wd) / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+    return [
+        r
+        for r in map(json.loads, (Path(wd) / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == "train"
+    ]
 
 
 def test_dlrm_with_batch_norm_checkpoints_resumes_and_evaluates_its_statistics(tmp_path, capsys):
@@ -98,7 +107,10 @@ def test_dlrm_with_batch_norm_checkpoints_resumes_and_evaluates_its_statistics(t
     shutil.copytree(full, stale)
     fresh = train(_bn_tiny(num_steps=0), build_model, tmp_path / "fresh")
     shutil.rmtree(stale / "checkpoints" / "6" / "batch_stats")
-    shutil.copytree(tmp_path / "fresh" / "checkpoints" / "0" / "batch_stats", stale / "checkpoints" / "6" / "batch_stats")
+    shutil.copytree(
+        tmp_path / "fresh" / "checkpoints" / "0" / "batch_stats",
+        stale / "checkpoints" / "6" / "batch_stats",
+    )
     assert fresh["step"] == 0
     assert dlrm_evaluate.main(["--workdir", str(stale)])["logloss"] != final["logloss"]
 

@@ -15,7 +15,13 @@ from recscale.config import from_dict, get_preset, parse_preset_cli, preset_name
 
 def test_every_dlrm_preset_round_trips_through_json(tmp_path):
     names = preset_names("dlrm/")
-    assert {"dlrm/tiny", "dlrm/synthetic", "dlrm/frappe", "dlrm/criteo-kaggle", "dlrm/criteo-terabyte"} <= set(names)
+    assert {
+        "dlrm/tiny",
+        "dlrm/synthetic",
+        "dlrm/frappe",
+        "dlrm/criteo-kaggle",
+        "dlrm/criteo-terabyte",
+    } <= set(names)
     for name in names:
         cfg = get_preset(name)
         path = tmp_path / f"{name.replace('/', '_')}.json"
@@ -53,7 +59,8 @@ def test_bad_literal_and_invariants_raise():
 
 def test_cli_overrides_typed_fields():
     workdir, cfg = parse_preset_cli(
-        "dlrm/", ["tiny", "--workdir", "/tmp/x", "--train.num-steps", "7", "--model.top-mlp", "32", "1"]
+        "dlrm/",
+        ["tiny", "--workdir", "/tmp/x", "--train.num-steps", "7", "--model.top-mlp", "32", "1"],
     )
     assert workdir == "/tmp/x"
     assert cfg.train.num_steps == 7
@@ -83,4 +90,7 @@ def test_project_packages_resolve_inside_the_repo():
     import recscale
 
     for mod in (data, dlrm, recscale):
-        assert config_lib.Path(mod.__file__).resolve().parents[1] == config_lib.Path(__file__).resolve().parents[2]
+        assert (
+            config_lib.Path(mod.__file__).resolve().parents[1]
+            == config_lib.Path(__file__).resolve().parents[2]
+        )

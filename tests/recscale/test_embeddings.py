@@ -29,7 +29,10 @@ def _reference(tables, feats, ids_bfh):
 
 
 def _collection():
-    tables = (TableSpec(name="a", num_rows=10, dim=4), TableSpec(name="b", num_rows=7, dim=4, init="normal", init_scale=0.5))
+    tables = (
+        TableSpec(name="a", num_rows=10, dim=4),
+        TableSpec(name="b", num_rows=7, dim=4, init="normal", init_scale=0.5),
+    )
     feats = (
         FeatureSpec(name="x", table="a", max_hotness=3, pooling="sum"),
         FeatureSpec(name="y", table="b", max_hotness=2, pooling="mean"),
@@ -72,7 +75,11 @@ def test_tables_are_padded_zero_and_typed():
 
 def test_bad_specs_and_shapes_raise():
     with pytest.raises(ValueError, match="unknown table 'c'"):
-        EmbeddingCollection((TableSpec(name="a", num_rows=3, dim=2),), (FeatureSpec(name="x", table="c"),), rngs=nnx.Rngs(0))
+        EmbeddingCollection(
+            (TableSpec(name="a", num_rows=3, dim=2),),
+            (FeatureSpec(name="x", table="c"),),
+            rngs=nnx.Rngs(0),
+        )
     with pytest.raises(ValueError, match="duplicate"):
         EmbeddingCollection((TableSpec(name="a", num_rows=3, dim=2),) * 2, (), rngs=nnx.Rngs(0))
     tables, feats = _collection()

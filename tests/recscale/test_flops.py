@@ -167,6 +167,16 @@ def test_model_cost_dispatches_on_the_model_config():
         flops.model_cost(dataclasses.replace(get_preset("dlrm/tiny"), model=None), SCHEMA)
 
 
+@pytest.mark.parametrize("family", ["dcnv2", "finalmlp", "masknet"])
+def test_model_cost_reaches_the_baselines(family):
+    import importlib
+
+    importlib.import_module(f"baselines.{family}.presets")
+    fn = getattr(importlib.import_module(f"baselines.{family}.flops"), f"{family}_cost")
+    cfg = get_preset(f"{family}/tiny")
+    assert flops.model_cost(cfg, SCHEMA) == fn(cfg.model, SCHEMA)
+
+
 def _criteo_cost(name):
     cfg = get_preset(name)
     return flops.model_cost(cfg, criteo_schema(cfg.data.criteo.vocab_sizes))
