@@ -239,3 +239,20 @@ def test_cost_conventions():
     assert parts["logit"] == 2 * (IN_DIM + 6)  # parallel: cross output and deep output
     low = dict(dcnv2_cost(dataclasses.replace(CFG, cross_rank=3), SCHEMA).components)
     assert low["cross"] == 2 * 4 * IN_DIM * 3
+
+
+def test_criteo_terabyte_preset_matches_the_wukong_papers_table3_dcnv2():
+    import wukong.presets  # noqa: F401
+    from data.criteo.reader import criteo_schema
+
+    cfg = get_preset("dcnv2/criteo-terabyte")
+    schema = criteo_schema(cfg.data.criteo.vocab_sizes)
+    cost = cfg.model.cost(schema)
+    # Paper Table 3 (Criteo): 26,179,364,097 parameters, 262.35 MFLOP/example (training FLOPs).
+    assert abs(cost.params - 26_179_364_097) / 26_179_364_097 < 1e-6
+    assert abs(cost.train_flops / 1e6 - 262.35) / 262.35 < 1e-3
+    # The same data, optimizers and schedule as the paper's Wukong Criteo TB setup.
+    wk = get_preset("wukong/criteo-terabyte")
+    assert (cfg.data, cfg.dense_optim, cfg.embedding_optim, cfg.train) == (
+        wk.data, wk.dense_optim, wk.embedding_optim, wk.train,
+    )  # fmt: skip
