@@ -48,6 +48,14 @@ class LayerNorm(nnx.Module):
         return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
 
 
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout, active only when a ``key`` is passed (a training call)."""
+    if rate <= 0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+    return jnp.where(keep, x / (1 - rate), 0)
+
+
 class BatchNorm(nnx.Module):
     """BatchNorm over the batch axis of ``[B, C]`` inputs (torch ``BatchNorm1d`` semantics).
 
@@ -130,9 +138,6 @@ class MLP(nnx.Module):
                 )
             if not last or self.final_relu:
                 x = jax.nn.relu(x)
-            if not last and self.dropout > 0 and dropout_key is not None:
-                keep = jax.random.bernoulli(
-                    jax.random.fold_in(dropout_key, i), 1 - self.dropout, x.shape
-                )
-                x = jnp.where(keep, x / (1 - self.dropout), 0)
+                if dropout_key is not None:
+                    x = dropout(x, self.dropout, jax.random.fold_in(dropout_key, i))
         return x

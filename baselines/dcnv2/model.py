@@ -128,13 +128,7 @@ class DCNv2(nnx.Module):
 
     def deep_network(self, x_bi: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
         """The deep MLP with dropout after each hidden layer, ``[B, M]``."""
-        h_bm = self.deep(x_bi, dropout_key=dropout_key)
-        rate = self.cfg.dropout
-        if rate > 0 and dropout_key is not None:
-            # The MLP drops after all but its last layer; this is the last layer's dropout.
-            key = jax.random.fold_in(dropout_key, len(self.cfg.deep_mlp) - 1)
-            keep = jax.random.bernoulli(key, 1 - rate, h_bm.shape)
-            h_bm = jnp.where(keep, h_bm / (1 - rate), 0)
+        h_bm = self.deep(x_bi, dropout_key=dropout_key)  # final ReLU: every layer drops
         return sharding.constrain(h_bm, "batch", None)
 
     def __call__(

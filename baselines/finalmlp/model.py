@@ -44,13 +44,6 @@ from recscale.embeddings import EmbeddingCollection
 from recscale.nn import MLP
 
 
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    if rate <= 0 or key is None:
-        return x
-    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
-    return jnp.where(keep, x / (1 - rate), 0)
-
-
 class Stream(nnx.Module):
     """Linear -> [BatchNorm | LayerNorm] -> ReLU -> dropout for every hidden layer, the last
     included."""
@@ -65,8 +58,7 @@ class Stream(nnx.Module):
         layer_norm: bool = False,
         rngs: nnx.Rngs,
     ):
-        # With final_relu, recscale.nn.MLP normalises and activates every layer but drops out
-        # after all but its last; the last layer's dropout is applied here.
+        # final_relu: every layer, the last included, is normalised, activated and dropped out.
         self.mlp = MLP(
             in_dim,
             sizes,
@@ -76,16 +68,11 @@ class Stream(nnx.Module):
             layer_norm=layer_norm,
             rngs=rngs,
         )
-        self.dropout = dropout
-        self.num_layers = len(sizes)
 
     def __call__(self, x_bi: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """``[B, sizes[-1]]``; training mode (dropout, BatchNorm on batch statistics) when a
         ``dropout_key`` is passed."""
-        h_bx = self.mlp(x_bi, dropout_key=dropout_key)
-        # The MLP used fold_in(key, i) for its layers i < L - 1; this is layer L - 1's dropout.
-        key = None if dropout_key is None else jax.random.fold_in(dropout_key, self.num_layers - 1)
-        return sharding.constrain(_dropout(h_bx, self.dropout, key), "batch", None)
+        return sharding.constrain(self.mlp(x_bi, dropout_key=dropout_key), "batch", None)
 
 
 class FeatureGate(nnx.Module):

@@ -31,15 +31,7 @@ from baselines.masknet.config import MaskNetModelConfig
 from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings import EmbeddingCollection
-from recscale.nn import MLP, LayerNorm, Linear
-
-
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout, active only with a key (randomness is explicit, as recscale.nn.MLP)."""
-    if rate <= 0 or key is None:
-        return x
-    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
-    return jnp.where(keep, x / (1 - rate), 0)
+from recscale.nn import MLP, LayerNorm, Linear, dropout
 
 
 def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
@@ -120,7 +112,7 @@ class MaskBlock(nnx.Module):
         h_bo = (self.mask(v_emb_bi) * v_hid_bz) @ self.kernel[...]
         if self.norm is not None:
             h_bo = self.norm(h_bo)
-        return _dropout(jax.nn.relu(h_bo), self.dropout, dropout_key)
+        return dropout(jax.nn.relu(h_bo), self.dropout, dropout_key)
 
 
 def num_fields(schema: Schema) -> int:
@@ -224,9 +216,7 @@ class MaskNet(nnx.Module):
         if self.mlp is None:
             return h
         key = _fold(dropout_key, len(self.blocks))
-        h_bm = self.mlp(h, dropout_key=key)
-        # The MLP drops after all but its last layer; this is the last layer's dropout.
-        h_bm = _dropout(h_bm, self.cfg.net_dropout, _fold(key, len(self.cfg.dnn_hidden_units) - 1))
+        h_bm = self.mlp(h, dropout_key=key)  # final ReLU: every layer drops
         return sharding.constrain(h_bm, "batch", None)
 
     def __call__(
