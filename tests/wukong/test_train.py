@@ -87,3 +87,36 @@ def test_one_device_equals_eight(trained_tiny, tmp_path):
     a, b = _ckpt_params(wd1, 75), _ckpt_params(wd8, 75)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+
+
+def _flat(tree):
+    return {
+        jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+@pytest.mark.parametrize("projection", ["learned", "attentive"])
+def test_static_and_attentive_projection_both_train(tmp_path, projection):
+    cfg = _tiny(num_steps=60, log_every=1, checkpoint_every=0)
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, fmb_projection=projection, batch_norm=True)
+    )
+    init = train(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=0)),
+        build_model,
+        tmp_path / "init",
+    )
+    result = train(cfg, build_model, tmp_path / "run")
+    losses = [r["loss"] for r in _rows(tmp_path / "run")]
+    assert len(losses) == 60 and all(np.isfinite(losses))
+    assert np.mean(losses[-10:]) < np.mean(losses[:10])
+    assert result["logloss"] < init["logloss"]
+    before, after = (
+        _flat(_ckpt_params(tmp_path / "init", 0)),
+        _flat(_ckpt_params(tmp_path / "run", 60)),
+    )
+    # The projection's own parameters (Y, or the MLP that computes it) moved in every layer.
+    names = [
+        k for k in before if ("projection" in k if projection == "learned" else "attention" in k)
+    ]
+    assert names and all(not np.array_equal(before[k], after[k]) for k in names), names
