@@ -22,6 +22,7 @@ from baselines.finalmlp.model import (
 from data.batch import FeatureInfo, Schema
 from data.frappe.reader import FRAPPE_FIELDS
 from recscale.config import from_dict, get_preset, preset_names, to_dict
+from recscale.cost_analysis import xla_forward_flops
 from recscale.embeddings.collection import EmbeddingTable
 from recscale.flops import mlp_flops
 
@@ -406,18 +407,6 @@ def test_frappe_preset_has_the_parameter_count_bars_logs():
     assert finalmlp_cost(get_preset("finalmlp/frappe"), schema).params == 253_392
 
 
-def _xla_flops(cfg, schema, batch):
-    model = FinalMLP(cfg, schema, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    dense = jnp.zeros((batch, schema.num_dense), jnp.float32)
-    ids = jnp.zeros((batch, schema.num_sparse, schema.max_hotness), jnp.int32)
-    fn = jax.jit(lambda p, d, i: nnx.merge(graphdef, p)(d, i))
-    analysis = fn.lower(params, dense, ids).compile().cost_analysis()
-    if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
-        analysis = analysis[0]
-    return float(analysis["flops"])
-
-
 # As tests/recscale/test_flops.py: analytic counts are matmul-only, so analytic <= XLA, and the
 # gap is the elementwise share (gating products, sigmoids, norms, bias adds, ReLUs). A gate
 # with a learned context runs its MLP once per batch, which the per-example count leaves out, so
@@ -447,7 +436,7 @@ def test_forward_flops_match_xla(name):
     batch = 64
     want = finalmlp_cost(cfg, schema).forward_flops * batch
     want += _learned_gate_flops_per_batch(cfg, schema)
-    got = _xla_flops(cfg, schema, batch)
+    got = xla_forward_flops(FinalMLP(cfg, schema, rngs=nnx.Rngs(0)), schema, batch)
     ratio = got / want
     assert 1.0 <= ratio <= XLA_TOLERANCE[name], (
         f"{name}: XLA {got:.4g} vs analytic {want:.4g} (ratio {ratio:.3f})"

@@ -15,6 +15,7 @@ from baselines.masknet.flops import masknet_cost
 from baselines.masknet.model import FieldLayerNorm, MaskBlock, MaskNet, build_model
 from data.batch import FeatureInfo, Schema
 from recscale.config import from_dict, get_preset, preset_names, to_dict
+from recscale.cost_analysis import xla_forward_flops
 from recscale.embeddings.collection import EmbeddingTable
 
 SCHEMA = Schema(
@@ -322,18 +323,6 @@ def test_frappe_preset_dense_parameters_by_hand():
     assert cost.dense_params == blocks + mlp == 517_801
 
 
-def _xla_flops(cfg, schema, batch):
-    model = MaskNet(cfg, schema, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    dense = jnp.zeros((batch, schema.num_dense), jnp.float32)
-    ids = jnp.zeros((batch, schema.num_sparse, schema.max_hotness), jnp.int32)
-    fn = jax.jit(lambda p, d, i: nnx.merge(graphdef, p)(d, i))
-    analysis = fn.lower(params, dense, ids).compile().cost_analysis()
-    if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
-        analysis = analysis[0]
-    return float(analysis["flops"])
-
-
 # The bounds of tests/recscale/test_flops.py: analytic counts are matmul-only, so XLA's count is
 # higher by the elementwise share (mask products, LayerNorms, ReLUs, biases): 1.05 for the
 # matmul-dominated Frappe-sized models, 1.35 for the tiny ones.
@@ -346,7 +335,7 @@ def test_forward_flops_match_xla(name):
     cfg, schema = _case(name)
     batch = 64
     want = masknet_cost(cfg, schema).forward_flops * batch
-    got = _xla_flops(cfg, schema, batch)
+    got = xla_forward_flops(MaskNet(cfg, schema, rngs=nnx.Rngs(0)), schema, batch)
     ratio = got / want
     assert 1.0 <= ratio <= XLA_TOLERANCE.get(name, XLA_TOLERANCE_TINY), (
         f"{name}: XLA {got:.4g} vs analytic {want:.4g} (ratio {ratio:.3f})"

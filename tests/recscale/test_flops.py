@@ -3,7 +3,6 @@
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,6 +15,7 @@ from dlrm.config import DLRMModelConfig
 from dlrm.model import DLRM
 from recscale import flops
 from recscale.config import get_preset
+from recscale.cost_analysis import xla_forward_flops
 from recscale.embeddings.collection import EmbeddingTable
 from wukong.config import WukongModelConfig
 from wukong.model import Wukong
@@ -105,18 +105,6 @@ def test_param_counts_match_the_model(name):
     assert cost.sparse_params == sum(f.vocab_size for f in schema.features) * cfg.embed_dim
 
 
-def _xla_flops(cls, cfg, schema, batch):
-    model = cls(cfg, schema, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    dense = jnp.zeros((batch, schema.num_dense), jnp.float32)
-    ids = jnp.zeros((batch, schema.num_sparse, schema.max_hotness), jnp.int32)
-    fn = jax.jit(lambda p, d, i: nnx.merge(graphdef, p)(d, i))
-    analysis = fn.lower(params, dense, ids).compile().cost_analysis()
-    if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
-        analysis = analysis[0]
-    return float(analysis["flops"])
-
-
 # Analytic counts are matmul-only; XLA also counts bias adds, ReLUs, LayerNorms, the pooling sums
 # and the interaction's gathers, so analytic <= XLA always, and the gap is the elementwise share.
 # Measured XLA/analytic at B=64 (jax 0.10, CPU): 1.02 for the Frappe-sized models (hundreds of
@@ -133,7 +121,7 @@ def test_forward_flops_match_xla(name):
     batch = 64
     cost = _cost(cls, cfg, schema)
     want = cost.forward_flops * batch
-    got = _xla_flops(cls, cfg, schema, batch)
+    got = xla_forward_flops(cls(cfg, schema, rngs=nnx.Rngs(0)), schema, batch)
     ratio = got / want
     assert 1.0 <= ratio <= XLA_TOLERANCE.get(name, XLA_TOLERANCE_TINY), (
         f"{name}: XLA {got:.4g} vs analytic {want:.4g} (ratio {ratio:.3f})"
