@@ -158,20 +158,6 @@ def dlrm_cost(
     return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)
 
 
-def _wukong_dense_embeddings(cfg: Any, schema: Schema) -> int:
-    # Mirrors wukong.model.num_dense_embeddings (which needs jax to import).
-    n = cfg.num_dense_embeddings
-    if n == -1:
-        return 1 if schema.num_dense else 0
-    if n > 0 and not schema.num_dense:
-        raise ValueError(f"num_dense_embeddings={n} but the dataset has no dense features")
-    if n == 0 and schema.num_dense:
-        raise ValueError(
-            f"num_dense_embeddings=0 would ignore the dataset's {schema.num_dense} dense features"
-        )
-    return n
-
-
 def wukong_cost(
     cfg: Any,
     schema: Schema,
@@ -184,7 +170,7 @@ def wukong_cost(
     m, c = cfg.n_fmb, cfg.n_lcb
     o = m + c
     params, parts = 0, []
-    nde = _wukong_dense_embeddings(cfg, schema)
+    nde = cfg.dense_embeddings(schema)
     if nde:
         sizes = (*cfg.dense_mlp, nde * d)
         params += mlp_params(schema.num_dense, sizes)

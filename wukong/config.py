@@ -82,6 +82,19 @@ class WukongModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
+    def dense_embeddings(self, schema) -> int:
+        """Dense embeddings of X_0 (``num_dense_embeddings``, -1 resolved from the schema)."""
+        n = self.num_dense_embeddings
+        if n == -1:
+            return 1 if schema.num_dense else 0
+        if n > 0 and not schema.num_dense:
+            raise ValueError(f"num_dense_embeddings={n} but the dataset has no dense features")
+        if n == 0 and schema.num_dense:
+            raise ValueError(
+                f"num_dense_embeddings=0 would ignore the dataset's {schema.num_dense} dense features"
+            )
+        return n
+
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
         from recscale.flops import wukong_cost

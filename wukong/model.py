@@ -38,20 +38,6 @@ def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, i)
 
 
-def num_dense_embeddings(cfg: WukongModelConfig, schema: Schema) -> int:
-    """Dense embeddings of X_0 (``num_dense_embeddings``, with -1 resolved from the schema)."""
-    n = cfg.num_dense_embeddings
-    if n == -1:
-        return 1 if schema.num_dense else 0
-    if n > 0 and not schema.num_dense:
-        raise ValueError(f"num_dense_embeddings={n} but the dataset has no dense features")
-    if n == 0 and schema.num_dense:
-        raise ValueError(
-            f"num_dense_embeddings=0 would ignore the dataset's {schema.num_dense} dense features"
-        )
-    return n
-
-
 class FactorizationMachineBlock(nnx.Module):
     """FMB: optimized FM X (Xᵀ Y) -> flatten -> LN -> MLP -> n_F embeddings."""
 
@@ -157,7 +143,7 @@ class Wukong(nnx.Module):
             init_scale=cfg.embedding_init_scale,
             rngs=rngs,
         )
-        self.num_dense_emb = num_dense_embeddings(cfg, schema)
+        self.num_dense_emb = cfg.dense_embeddings(schema)
         if self.num_dense_emb:
             self.dense = MLP(
                 schema.num_dense,
