@@ -54,9 +54,13 @@ class FeatureInfo:
 
     def __post_init__(self):
         if self.vocab_size < 1:
-            raise ValueError(f"feature {self.name!r}: vocab_size must be >= 1, got {self.vocab_size}")
+            raise ValueError(
+                f"feature {self.name!r}: vocab_size must be >= 1, got {self.vocab_size}"
+            )
         if self.max_hotness < 1:
-            raise ValueError(f"feature {self.name!r}: max_hotness must be >= 1, got {self.max_hotness}")
+            raise ValueError(
+                f"feature {self.name!r}: max_hotness must be >= 1, got {self.max_hotness}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,7 +120,11 @@ class Schema:
             bad = (ids < PAD_ID) | (ids >= info.vocab_size)
             if bad.any():
                 row, slot = np.argwhere(bad)[0]
-                example = f"example {int(row)}" if example_ids is None else f"record {int(example_ids[row])}"
+                example = (
+                    f"example {int(row)}"
+                    if example_ids is None
+                    else f"record {int(example_ids[row])}"
+                )
                 raise ValueError(
                     f"{where}: feature {info.name!r} (index {f}) has id {int(ids[row, slot])} at "
                     f"{example} slot {int(slot)}, outside [0, {info.vocab_size}) and not "

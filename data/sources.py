@@ -243,7 +243,9 @@ def _eval_path(cfg: DataConfig, eval_path: str | None) -> str:
     return path
 
 
-def _make_frappe(cfg: DataConfig, eval_path: str, *, eval_only: bool = False, **kw) -> InMemorySource:
+def _make_frappe(
+    cfg: DataConfig, eval_path: str, *, eval_only: bool = False, **kw
+) -> InMemorySource:
     from data.frappe.reader import build_frappe_vocab, frappe_schema, read_frappe
 
     vocab = build_frappe_vocab(cfg.train_path)  # the vocabulary always comes from training
@@ -288,7 +290,8 @@ def _make_criteo(
         "kind": "criteo",
         "train": dataclasses.asdict(train_stats) if train_stats else None,
         "eval": dataclasses.asdict(eval_stats),
-        "report": (f"train {train_stats.report()}; " if train_stats else "") + f"eval {eval_stats.report()}",
+        "report": (f"train {train_stats.report()}; " if train_stats else "")
+        + f"eval {eval_stats.report()}",
     }
     return InMemorySource(
         criteo_schema(cfg.criteo.vocab_sizes), train_rows, eval_rows, stats=stats, **kw

@@ -214,6 +214,17 @@ def _alias_table(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(prob, 0.0, 1.0), alias
 
 
+def synthetic_schema(cfg: SyntheticConfig) -> Schema:
+    """Dense features ``d0..``, sparse features ``f0..`` with the config's sizes."""
+    return Schema(
+        dense_names=tuple(f"d{n}" for n in range(cfg.num_dense)),
+        features=tuple(
+            FeatureInfo(name=f"f{f}", vocab_size=int(v), max_hotness=int(h))
+            for f, (v, h) in enumerate(zip(cfg.vocab_sizes, cfg.max_hotness, strict=True))
+        ),
+    )
+
+
 class SyntheticGenerator:
     """Index-based synthetic CTR examples with a planted teacher (see the module docstring).
 
@@ -242,13 +253,7 @@ class SyntheticGenerator:
                 raise ValueError(f"vocab_sizes[{f}] = {v} must be in [1, 2**31) (int32 ids)")
         self.cfg = cfg
         self.seed = int(seed)
-        self.schema = Schema(
-            dense_names=tuple(f"d{n}" for n in range(cfg.num_dense)),
-            features=tuple(
-                FeatureInfo(name=f"f{f}", vocab_size=int(v), max_hotness=int(h))
-                for f, (v, h) in enumerate(zip(cfg.vocab_sizes, cfg.max_hotness, strict=True))
-            ),
-        )
+        self.schema = synthetic_schema(cfg)
         s = self.seed
         num_f, num_n, dim = self.schema.num_sparse, cfg.num_dense, cfg.teacher_dim
         self._vocab = np.array(cfg.vocab_sizes, np.int64)

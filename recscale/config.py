@@ -297,6 +297,7 @@ def parse_preset_cli(
 ) -> tuple[str, Any]:
     """Parses ``PRESET --workdir DIR [overrides]``; returns ``(workdir, config)``.
 
+    ``PRESET`` is a registered name or a ``*.json`` config file (as ``save_json`` writes it).
     The preset is looked up in the registry (``prefix`` is prepended when the name has no ``/``);
     every config field can then be overridden with tyro's typed flags, e.g. ``--train.num-steps``.
     """
@@ -310,10 +311,17 @@ def parse_preset_cli(
             print(usage + "\npresets: " + ", ".join(names))
             raise SystemExit(0)
         raise SystemExit(usage + "\npresets: " + ", ".join(names))
-    name = argv[0] if "/" in argv[0] else prefix + argv[0]
-    if name not in names:
-        raise SystemExit(f"unknown preset {argv[0]!r}; known: {', '.join(names)}")
-    default = get_preset(name)
+    if argv[0].endswith(".json"):
+        # A resolved config file (what sweeps write per trial); the class is the family's.
+        if not names:
+            raise SystemExit(f"no presets registered under {prefix!r}")
+        name = argv[0]
+        default = load_json(type(get_preset(names[0])), argv[0])
+    else:
+        name = argv[0] if "/" in argv[0] else prefix + argv[0]
+        if name not in names:
+            raise SystemExit(f"unknown preset {argv[0]!r}; known: {', '.join(names)}")
+        default = get_preset(name)
 
     # Built with make_dataclass because the field type (the preset's class) is only known here.
     args_cls = dataclasses.make_dataclass(

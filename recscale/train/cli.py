@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 import tyro
 
 from recscale.config import parse_preset_cli
 from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
 from recscale.train.loop import BuildModel, train
+
+DIVERGED_EXIT_CODE = 3
+"""Exit status of a train command whose loss became non-finite (sweeps record DIVERGED, and do
+not retry: the run is deterministic, a retry would diverge again)."""
+
+DISTRIBUTED_ENV = "RECSCALE_DISTRIBUTED"
+"""When set to 1, entry points call ``jax.distributed.initialize()`` first (multi-host TPU/GPU
+trials; with no arguments JAX reads the cluster from SLURM, TPU-VM or ``JAX_*`` variables)."""
+
+
+def maybe_initialize_distributed() -> None:
+    if os.environ.get(DISTRIBUTED_ENV, "") == "1":
+        import jax  # noqa: PLC0415
+
+        jax.distributed.initialize()
 
 
 def train_main(
@@ -22,7 +39,12 @@ def train_main(
     module = f"{package or family}.train"
     args = sys.argv[1:] if argv is None else argv
     workdir, cfg = parse_preset_cli(f"{family}/", args, prog=f"python -m {module}")
-    result = train(cfg, build_model, workdir, argv=["-m", module, *args])
+    maybe_initialize_distributed()
+    try:
+        result = train(cfg, build_model, workdir, argv=["-m", module, *args])
+    except FloatingPointError:
+        traceback.print_exc()
+        raise SystemExit(DIVERGED_EXIT_CODE) from None
     print(json_line(result))
     return result
 
@@ -40,6 +62,7 @@ def evaluate_main(
     Prints one JSON object on the last line of stdout (the contract later tooling reads).
     """
     args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {package or family}.evaluate")
+    maybe_initialize_distributed()
     result = evaluate_workdir(config_cls, build_model, args)
     print(json_line(result))
     return result

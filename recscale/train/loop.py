@@ -206,6 +206,32 @@ def write_run_files(workdir: Path, cfg: Any, argv: list[str] | None) -> None:
         f.write(cmd + "\n")
 
 
+def write_run_info(workdir: Path, start_step: int) -> None:
+    """``run_info.json``: the devices and library versions of every (re)start of the run."""
+    if jax.process_index() != 0:
+        return
+    import importlib.metadata as md  # noqa: PLC0415
+
+    path = workdir / "run_info.json"
+    info = json.loads(path.read_text()) if path.is_file() else {"starts": []}
+    devices = jax.devices()
+    info["starts"].append(
+        {
+            "start_step": start_step,
+            "time": time.time(),
+            "device_kind": devices[0].device_kind,
+            "platform": devices[0].platform,
+            "device_count": len(devices),
+            "process_count": jax.process_count(),
+            "versions": {
+                "python": sys.version.split()[0],
+                **{p: md.version(p) for p in ("jax", "jaxlib", "flax", "optax", "numpy")},
+            },
+        }
+    )
+    path.write_text(json.dumps(info, indent=2) + "\n")
+
+
 def _config_diffs(old: Any, new: Any, path: str = "") -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
@@ -317,6 +343,7 @@ def train(
         else:
             state = exp.init_state()
         start = int(state.step)
+        write_run_info(workdir, start)
 
         train_step = jax.jit(
             make_train_step(exp.graphdef, exp.tx, tcfg.seed),

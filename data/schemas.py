@@ -1,0 +1,25 @@
+"""A dataset's schema from its config, without reading rows or importing grain/jax (sweeps
+size models with it before launching them)."""
+
+from __future__ import annotations
+
+from data.batch import Schema
+from data.config import DataConfig
+
+
+def schema_of(cfg: DataConfig) -> Schema:
+    """The schema ``make_source(cfg)`` would give, without reading any rows (Frappe still reads
+    the training file's vocabulary). Sweeps use it to size models before launching them."""
+    if cfg.kind == "synthetic":
+        from data.synthetic import synthetic_schema
+
+        return synthetic_schema(cfg.synthetic)
+    if cfg.kind == "frappe":
+        from data.frappe.reader import build_frappe_vocab, frappe_schema
+
+        return frappe_schema(build_frappe_vocab(cfg.train_path))
+    if cfg.kind == "criteo":
+        from data.criteo.reader import criteo_schema
+
+        return criteo_schema(cfg.criteo.vocab_sizes)
+    raise ValueError(f"data.kind={cfg.kind!r} has no schema")

@@ -1,0 +1,32 @@
+"""``python -m sweeps._child PROGRAM ARGS...``: exec PROGRAM, killed when its parent dies.
+
+Sets ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux; it survives ``execv``) and then replaces
+itself with the trial's command, so a worker killed with SIGKILL takes its trial down with it
+instead of leaving an orphan that keeps writing into a workdir another worker takes over.
+Elsewhere it just execs (the heartbeat timeout still guards take-overs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def main() -> None:
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    os.execv(sys.argv[1], sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

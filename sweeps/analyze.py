@@ -1,0 +1,364 @@
+"""``python -m sweeps.analyze SWEEP_DIR``: results table, fitted scaling laws, PNG plots.
+
+For each family: the compute-efficient frontier (at each budget, the best final eval metric over
+its rungs, seeds averaged first) is fitted with ``L(C) = a·C^(−b) + c`` (``sweeps.fit``:
+Huber in log space, bootstrap intervals over the frontier trials); the largest budget is held
+out and predicted from the rest; and the IsoFLOP curves (metric vs FLOPs/example at one budget)
+give the compute-optimal model size per budget. Only SUCCESS trials enter fits: DIVERGED and
+FAILED ones are listed and excluded, with the reason logged.
+
+Writes into ``SWEEP_DIR`` (or ``--out``): ``results.csv`` (one row per trial; ``--parquet`` adds
+``results.parquet``), ``analysis.json`` (the fits), ``scaling.png`` and ``isoflop.png``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+import tyro
+
+from sweeps import fit as fit_lib
+from sweeps.store import read_results
+
+log = logging.getLogger("sweeps.analyze")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AnalyzeArgs:
+    sweep_dir: tyro.conf.Positional[str]
+    metric: Literal["", "logloss", "auc"] = ""
+    """Metric to fit (default: the sweep's); AUC is fitted as 1 - AUC."""
+    out: str = ""
+    """Where to write the tables and plots (default: SWEEP_DIR)."""
+    parquet: bool = False
+    """Also write results.parquet (needs pyarrow)."""
+    plots: bool = True
+    n_boot: int = 1000
+    """Bootstrap replicates of each fit."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading.
+
+
+def load_results(sweep_dir: str | Path, *, all_rows: bool = False) -> pd.DataFrame:
+    """The sweep's results as a DataFrame, one row per trial, metrics flattened
+    (``final_logloss``, ``best_auc``, ...). Rows of trials not in the sweep's current
+    ``sweep.json`` (an older code version or spec) are dropped unless ``all_rows``."""
+    root = Path(sweep_dir)
+    res = read_results(root / "results.jsonl")
+    if res.truncated:
+        log.warning("%s: skipped a truncated last line (its trial will be re-run)", root)
+    rows = []
+    for r in res.rows:
+        flat = {k: v for k, v in r.items() if k not in ("final", "best", "config", "versions")}
+        for which in ("final", "best"):
+            for k, v in (r.get(which) or {}).items():
+                if k not in ("split",):
+                    flat[f"{which}_{k}"] = v
+        flat["versions"] = json.dumps(r.get("versions"), sort_keys=True)
+        flat["config"] = json.dumps(r.get("config"), sort_keys=True)
+        rows.append(flat)
+    df = pd.DataFrame(rows)
+    sweep_json = root / "sweep.json"
+    if not all_rows and sweep_json.exists() and len(df):
+        current = set(json.loads(sweep_json.read_text())["trial_ids"])
+        stale = ~df["trial_id"].isin(current)
+        if stale.any():
+            log.warning("%d result rows belong to other versions of the sweep; not analysed",
+                        int(stale.sum()))  # fmt: skip
+            df = df[~stale]
+    return df.reset_index(drop=True)
+
+
+def _quality(df: pd.DataFrame, metric: str, which: str = "final") -> pd.Series:
+    col = f"{which}_{metric}"
+    if col not in df:
+        return pd.Series(np.nan, index=df.index)
+    return 1.0 - df[col] if metric == "auc" else df[col]
+
+
+# ------------------------------------------------------------------------------------------------
+# Analysis.
+
+
+def analyze(df: pd.DataFrame, metric: str, *, n_boot: int = 1000) -> dict[str, Any]:
+    """Fits per family; returns a JSON-able dict (also what ``analysis.json`` holds)."""
+    out: dict[str, Any] = {"metric": metric, "fitted_quantity": _ylabel(metric), "families": {}}
+    if df.empty:
+        return out
+    bad = df[df["status"] != "SUCCESS"]
+    for _, r in bad.iterrows():
+        reason = r["status"]
+        if r["status"] == "DIVERGED" and r.get("diverged_at_step") == r.get("diverged_at_step"):
+            reason += f" (non-finite loss at step {int(r['diverged_at_step'])})"
+        log.warning("excluded from fits: trial %s (%s %s, budget %.3g): %s", r["trial_id"],
+                    r["family"], r["rung"], r["budget"], reason)  # fmt: skip
+    out["excluded"] = [
+        {"trial_id": r["trial_id"], "family": r["family"], "rung": r["rung"],
+         "budget": r["budget"], "status": r["status"]}
+        for _, r in bad.iterrows()
+    ]  # fmt: skip
+    ok = df[df["status"] == "SUCCESS"].copy()
+    ok["y"] = _quality(ok, metric)
+    ok = ok[np.isfinite(ok["y"])]
+    for family, g in ok.groupby("family", sort=True):
+        # Seeds averaged per (budget, rung); compute differs by rounding only.
+        per = g.groupby(["budget", "rung"], as_index=False).agg(
+            y=("y", "mean"), compute=("compute", "mean"), fpe=("flops_per_example", "first"),
+            params_dense=("params_dense", "first"), n=("y", "size"),
+        )  # fmt: skip
+        frontier = per.loc[per.groupby("budget")["y"].idxmin()].sort_values("budget")
+        fam: dict[str, Any] = {
+            "frontier": frontier[["budget", "rung", "compute", "y"]].to_dict("records"),
+        }
+        c, y = frontier["compute"].to_numpy(), frontier["y"].to_numpy()
+        try:
+            law = fit_lib.fit_power_law(c, y, n_boot=n_boot)
+            fam["law"] = law.to_dict()
+            fam["law_str"] = law.law_str()
+            fam["_fit"] = law
+        except ValueError as e:
+            fam["law"] = None
+            fam["reason"] = str(e)
+        fam["holdout"] = fit_lib.holdout_extrapolation(c, y, n_boot=n_boot)
+        iso = []
+        for budget, b in per.groupby("budget"):
+            opt = fit_lib.isoflop_optimum(b["fpe"].to_numpy(), b["y"].to_numpy())
+            iso.append({"budget": float(budget), **_jsonable(opt)})
+        fam["isoflop"] = iso
+        interior = [r for r in iso if r.get("interior")]
+        fam["optimal_size_law"] = _jsonable(
+            fit_lib.fit_optimal_size_law(
+                np.array([r["budget"] for r in interior]), np.array([r["size_opt"] for r in interior])
+            )
+        ) if len(interior) >= 2 else {"reason": f"{len(interior)} budgets with an interior optimum (need 2)"}  # fmt: skip
+        fam["_points"] = per
+        out["families"][family] = fam
+    return out
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _public(analysis: dict) -> dict:
+    """``analysis`` without the private (``_``) entries, JSON-able."""
+    fams = {
+        f: {k: v for k, v in d.items() if not k.startswith("_")}
+        for f, d in analysis["families"].items()
+    }
+    return _jsonable({**analysis, "families": fams})
+
+
+def _ylabel(metric: str) -> str:
+    return "1 - AUC" if metric == "auc" else "eval logloss"
+
+
+# ------------------------------------------------------------------------------------------------
+# Printing and plots.
+
+
+def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console(file=file or sys.stdout, width=150)
+    t = Table(title=f"trials ({len(df)})")
+    for col in ("family", "rung", "budget", "compute", "FLOPs/ex", "steps", f"final {metric}",
+                f"best {metric}", "status", "wall s"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("family", "rung", "status") else "right")
+    for _, r in df.sort_values(["family", "budget", "rung_index"]).iterrows():
+        fin, best = r.get(f"final_{metric}"), r.get(f"best_{metric}")
+        t.add_row(
+            r["family"], r["rung"], f"{r['budget']:.3g}", f"{r['compute']:.3g}",
+            f"{r['flops_per_example']:.3g}", str(r["steps"]), _fmt(fin), _fmt(best), r["status"],
+            f"{r['wall_time_s']:.0f}",
+        )  # fmt: skip
+    console.print(t)
+    laws = Table(title=f"scaling laws: {_ylabel(metric)} = c + a'·(C/C0)^-b on the frontier")
+    for col in ("family", "law", "b [95% CI]", "c [95% CI]", "dL per decade", "holdout error"):
+        laws.add_column(col)
+    for fam, d in analysis["families"].items():
+        law = d.get("law")
+        if not law:
+            laws.add_row(fam, d.get("reason", "no fit"), "", "", "", "")
+            continue
+        iv = law["intervals"]
+        h = d["holdout"]
+        hold = (f"{h['rel_error'] * 100:+.2f}% at C={h['holdout_compute']:.3g}"
+                if h.get("rel_error") is not None else h.get("reason", ""))  # fmt: skip
+        laws.add_row(
+            fam, d["law_str"],
+            f"{law['b']:.3f} [{iv['b'][0]:.3f}, {iv['b'][1]:.3f}]",
+            f"{law['c']:.4f} [{iv['c'][0]:.4f}, {iv['c'][1]:.4f}]",
+            f"{law['slope_per_decade']:+.4f}", hold,
+        )  # fmt: skip
+    console.print(laws)
+    for fam, d in analysis["families"].items():
+        parts = []
+        for r in d["isoflop"]:
+            tag = "" if r.get("interior") else " (edge)"
+            parts.append(f"C={r['budget']:.2g}: {r['size_opt']:.3g}{tag}")
+        console.print(f"IsoFLOP optimum FLOPs/example, {fam}: " + "; ".join(parts))
+        osl = d["optimal_size_law"]
+        if "alpha" in osl:
+            console.print(f"  optimal size ~ C^{osl['alpha']:.2f}")
+
+
+def _fmt(v) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4f}"
+
+
+def plot(
+    analysis: dict, out_dir: Path, metric: str, *, reference: float | None = None
+) -> list[Path]:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fams = analysis["families"]
+    colors = {f: f"C{i}" for i, f in enumerate(fams)}
+    paths = []
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for fam, d in fams.items():
+        pts, col = d["_points"], colors[fam]
+        ax.scatter(pts["compute"], pts["y"], s=14, color=col, alpha=0.35)
+        fr = pd.DataFrame(d["frontier"])
+        ax.scatter(fr["compute"], fr["y"], s=40, color=col, label=f"{fam} (frontier)", zorder=3)
+        law = d.get("_fit")
+        if law is not None:
+            cs = np.geomspace(fr["compute"].min() / 1.5, fr["compute"].max() * 3, 200)
+            lo, hi = law.band(cs, 0.95)
+            ax.plot(cs, law.predict(cs), color=col, lw=1.5,
+                    label=f"{fam}: b={law.b:.2f}, c={law.c:.3f}")  # fmt: skip
+            ax.fill_between(cs, lo, hi, color=col, alpha=0.15, lw=0)
+        h = d.get("holdout") or {}
+        if h.get("predicted") is not None:
+            ax.scatter([h["holdout_compute"]], [h["predicted"]], marker="x", s=60, color=col,
+                       zorder=4)  # fmt: skip
+    if reference is not None:
+        ax.axhline(reference, color="k", ls=":", lw=1, label="Bayes-optimal (planted teacher)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute C (FLOPs)")
+    ax.set_ylabel(_ylabel(metric))
+    ax.set_title("quality vs compute (x: holdout prediction of the largest budget)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / "scaling.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(fams), figsize=(4.5 * len(fams), 4), squeeze=False)
+    for ax, (fam, d) in zip(axes[0], fams.items(), strict=True):
+        pts = d["_points"]
+        budgets = sorted(pts["budget"].unique())
+        cmap = plt.get_cmap("viridis")
+        for i, (b, iso) in enumerate(zip(budgets, d["isoflop"], strict=True)):
+            g = pts[pts["budget"] == b].sort_values("fpe")
+            col = cmap(i / max(len(budgets) - 1, 1))
+            ax.plot(g["fpe"], g["y"], "o", color=col, label=f"C={b:.2g}")
+            coef = iso.get("coef")
+            if coef is not None:
+                xs = np.geomspace(g["fpe"].min(), g["fpe"].max(), 50)
+                ax.plot(xs, np.polyval(coef, np.log10(xs)), "-", color=col, lw=1)
+            if iso.get("size_opt") is not None:
+                ax.plot([iso["size_opt"]], [iso["loss_opt"]], "*", ms=12, color=col,
+                        mec="k" if iso.get("interior") else col)  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_title(f"{fam}: IsoFLOP curves")
+        ax.set_xlabel("model size: training FLOPs per example")
+        ax.set_ylabel(_ylabel(metric))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "isoflop.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def bayes_reference(sweep_dir: Path, metric: str) -> float | None:
+    """The planted teacher's own eval metric, when every trial reads one synthetic dataset."""
+    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    datas = {
+        json.dumps(d, sort_keys=True)
+        for d in [_trial_data(sweep_dir, t) for t in sweep["trial_ids"]]
+        if d
+    }
+    if len(datas) != 1:
+        return None
+    data = json.loads(datas.pop())
+    if data["kind"] != "synthetic":
+        return None
+    from data.config import SyntheticConfig  # noqa: PLC0415
+    from data.synthetic import EVAL_INDEX_OFFSET, SyntheticGenerator  # noqa: PLC0415
+    from recscale import config as config_lib  # noqa: PLC0415
+
+    cfg = config_lib.from_dict(SyntheticConfig, data["synthetic"])
+    gen = SyntheticGenerator(cfg, data.get("shuffle_seed", 0))
+    idx = EVAL_INDEX_OFFSET + np.arange(cfg.num_eval_examples, dtype=np.int64)
+    z = gen.teacher_logits(idx)
+    yb = gen.examples(idx).labels_b
+    if metric == "auc":
+        from recscale.metrics import EvalAccumulator  # noqa: PLC0415
+
+        acc = EvalAccumulator()
+        acc.update(z, yb, np.ones_like(yb))
+        return 1.0 - acc.result()["auc"]
+    return float(np.mean(np.logaddexp(0.0, z) - yb * z))
+
+
+def _trial_data(sweep_dir: Path, tid: str) -> dict | None:
+    p = sweep_dir / "trials" / tid / "trial.json"
+    return json.loads(p.read_text())["config"]["data"] if p.exists() else None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = tyro.cli(AnalyzeArgs, args=argv, prog="python -m sweeps.analyze")
+    root = Path(args.sweep_dir)
+    if not (root / "results.jsonl").exists():
+        raise SystemExit(f"{root}: no results.jsonl (launch the sweep first)")
+    sweep = json.loads((root / "sweep.json").read_text()) if (root / "sweep.json").exists() else {}
+    metric = args.metric or sweep.get("metric", "logloss")
+    out_dir = Path(args.out) if args.out else root
+    out_dir.mkdir(parents=True, exist_ok=True)
+    df = load_results(root)
+    df.to_csv(out_dir / "results.csv", index=False)
+    if args.parquet:
+        df.to_parquet(out_dir / "results.parquet", index=False)
+    analysis = analyze(df, metric, n_boot=args.n_boot)
+    ref = bayes_reference(root, metric) if sweep else None
+    analysis["bayes_reference"] = ref
+    print_report(df, analysis, metric)
+    if ref is not None:
+        print(f"Bayes-optimal {_ylabel(metric)} of the planted teacher on the eval set: {ref:.4f}")
+    if args.plots and analysis["families"]:
+        for p in plot(analysis, out_dir, metric, reference=ref):
+            print(f"wrote {p}")
+    public = _public(analysis)
+    (out_dir / "analysis.json").write_text(json.dumps(public, indent=2, default=str) + "\n")
+    return public
+
+
+if __name__ == "__main__":
+    main()

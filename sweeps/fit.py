@@ -1,0 +1,408 @@
+"""Scaling-law fits for compute sweeps: L(C) = a·C^(−b) + c with bootstrap intervals; IsoFLOP optima.
+
+L is a loss (lower is better, e.g. eval logloss), C training FLOPs. numpy and scipy only (no jax),
+so a sweep's results can be fitted on a laptop.
+
+Shapes: ``R`` independent problems solved together (bootstrap replicates, datasets or both), ``N``
+points (trials) per problem, ``K`` query computes, ``Q`` named quantities, ``P = 3`` parameters.
+
+Fit. Huber regression in log space, r_i = log L_i − log(a_norm·(C_i/C0)^(−b) + c), C0 = min(C),
+a = a_norm·C0^b. The solver works in θ = (log a_norm, log b, logit(c / min L)), so a > 0, b > 0 and
+0 < c < min(L) hold without bounds and steps stay well scaled. It is a hand-written, vectorised
+Levenberg–Marquardt (IRLS weights) that solves R problems per call: scipy's ``least_squares`` does
+one per call, too slow for 1000 replicates × many datasets; on one problem both reach the same
+optimum. Starts: for b on a grid, a and c by weighted linear least squares; LM runs from the best
+and the second-best local minimum of that profile and keeps the lower objective.
+
+Huber scale (``huber_delta=None``): δ = 1.345·σ̂, σ̂ = 1.4826·MAD·√(N/(N−3)) of the residuals of a
+least-squares fit (MAD under-reads σ by about that factor with 3 fitted parameters), floored at
+1e-4 (0.01% of the loss, below the seed-to-seed noise of any real metric; it only binds on exact
+synthetic data), then re-estimated twice from Huber fits at the current δ: one 1.5× outlier among
+16 points bends the least-squares fit enough to inflate its MAD 5–8× (so Huber barely helped); on
+clean data δ ≈ 1.3σ in every round. Bootstrap replicates reuse the full-data δ.
+
+Intervals: pairs (case) bootstrap over trials (replicates with < 3 distinct computes redrawn) and
+t-expanded percentile intervals: tails at Φ(∓t), t the Student-t critical value on N − 3 degrees
+of freedom instead of the normal one (Hesterberg's small-sample expansion; 2.5% → 1.54% at N = 16).
+Chosen by simulation with this solver: coverage of nominal 95% intervals for a_norm / b / c, 16
+points over 3 decades, 400 replicates, log-normal noise σ:
+
+    case (a_norm, b, c, σ)                percentile      t-percentile    BCa
+    0.3, 0.3, 0.3, 0.02 (2000 datasets)
+      pairs                               .922 .947 .942  .944 .966 .958  .937 .950 .947 †
+      residual (leverage-adjusted)        .912 .911 .913  .936 .936 .940  .911 .922 .926 †
+    4 others (600 datasets each), pairs   .927 – .952     .945 – .973     .81 – .96 †
+                            residual      —               .918 – .970     —
+
+(others: 0.5, 0.3, 0.1, 0.02 | 0.3, 0.3, 0.3, 0.04 | 0.3, 0.5, 0.3, 0.02 | 0.3, 0.1, 0.3, 0.02;
+Monte Carlo s.e. 0.005 and 0.009; † earlier run, δ from the least-squares fit alone.)
+Plain percentile intervals are too narrow at N ≈ 16. BCa drops to 0.81–0.87 at b = 0.1, where a
+quarter of the replicates sit at the c → 0 boundary and throw off its bias and acceleration terms.
+Residual resampling has the right spread (bootstrap s.d. 1.0× the estimates' true s.d., intervals
+1.1× their central 95% range, against 1.2× and 1.3× for pairs) but dipped to 0.92 and assumes one
+noise level at every compute and an exact power law; pairs never went below 0.93, so the price of
+its honesty is intervals ~20% wider. The remaining a_norm miss is one-sided (the estimator's upward
+bias, which percentile intervals keep). Intervals of a and of derived quantities come from the
+same samples; ``band`` likewise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from scipy import special, stats
+
+_B_GRID = np.geomspace(0.02, 2.0, 12)  # starting exponents; scaling laws sit well inside
+_SIGMA_FLOOR = 1e-4
+_LEAST_SQUARES = 1e6  # a Huber δ this large is plain least squares (log residuals are ≪ 1)
+_NAMES = ("a", "a_norm", "b", "c", "slope_per_decade", "reducible_drop_per_decade")
+
+
+def _check_values(compute, loss) -> tuple[np.ndarray, np.ndarray]:
+    """Float arrays compute [N], loss [..., N]; ValueError naming the first bad index."""
+    compute, loss = np.asarray(compute, dtype=float), np.asarray(loss, dtype=float)
+    if compute.ndim != 1 or loss.shape[-1:] != compute.shape:
+        raise ValueError(f"need compute [N] and loss [..., N]; got {compute.shape}, {loss.shape}")
+    for name, arr in (("compute", compute), ("loss", loss)):
+        bad = np.argwhere(~(np.isfinite(arr) & (arr > 0)))
+        if bad.size:
+            at = ", ".join(str(i) for i in bad[0])
+            raise ValueError(f"{name}[{at}] = {arr[tuple(bad[0])]:g}: must be finite and > 0")
+    return compute, loss
+
+
+# --- the batched solver; rows are independent problems -------------------------------------------
+
+
+def _params(theta_rp: np.ndarray, m_r: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(a_norm, b, c) [R] each from solver coordinates θ; m = min(L) of each row."""
+    return np.exp(theta_rp[:, 0]), np.exp(theta_rp[:, 1]), m_r * special.expit(theta_rp[:, 2])
+
+
+def _residuals(theta_rp, lx_rn, y_rn, m_r, jac: bool = False):
+    """Log residuals r [R, N] (y = log L, lx = log(C/C0)), and ∂log(pred)/∂θ [R, N, P] if jac."""
+    a, b, c = _params(theta_rp, m_r)
+    t_rn = a[:, None] * np.exp(-b[:, None] * lx_rn)
+    pred_rn = t_rn + c[:, None]
+    r_rn = y_rn - np.log(pred_rn)
+    if not jac:
+        return r_rn
+    dc_rn = np.broadcast_to((c * (1 - special.expit(theta_rp[:, 2])))[:, None], t_rn.shape)
+    return r_rn, np.stack([t_rn, -b[:, None] * lx_rn * t_rn, dc_rn], -1) / pred_rn[..., None]
+
+
+def _huber(r, delta):
+    ar = np.abs(r)
+    return np.where(ar <= delta, 0.5 * r * r, delta * (ar - 0.5 * delta))
+
+
+def _objective(theta_rp, lx_rn, y_rn, m_r, delta_r) -> np.ndarray:
+    return _huber(_residuals(theta_rp, lx_rn, y_rn, m_r), delta_r[:, None]).sum(-1)
+
+
+def _levenberg_marquardt(theta_rp, lx_rn, y_rn, m_r, delta_r, max_iter: int = 100):
+    """Minimise every row's Huber objective; returns (θ [R, P], objective [R]).
+
+    IRLS Gauss–Newton steps (weights min(1, δ/|r|)) with per-row Marquardt damping; a row stops
+    once its step is below 1e-10 relative or its damping explodes, and only moving rows are
+    computed. Its fixed point is the Huber stationarity condition Jᵀψ(r) = 0, as in scipy.
+    """
+    theta_rp = theta_rp.copy()
+    obj_r = _objective(theta_rp, lx_rn, y_rn, m_r, delta_r)
+    lam_r = np.full(len(theta_rp), 1e-3)
+    act = np.arange(len(theta_rp))
+    for _ in range(max_iter):
+        if act.size == 0:
+            break
+        th, lx, y, m, d = theta_rp[act], lx_rn[act], y_rn[act], m_r[act], delta_r[act]
+        r, jac = _residuals(th, lx, y, m, jac=True)
+        w = np.minimum(1.0, d[:, None] / np.maximum(np.abs(r), 1e-300))
+        jw_apn = (jac * w[..., None]).transpose(0, 2, 1)
+        hess = jw_apn @ jac
+        grad = (jw_apn @ r[..., None])[..., 0]
+        damp = lam_r[act, None] * np.diagonal(hess, axis1=1, axis2=2) + 1e-12
+        step = np.linalg.solve(hess + damp[:, :, None] * np.eye(3), grad[..., None])[..., 0]
+        new_obj = _objective(th + step, lx, y, m, d)
+        ok = new_obj <= obj_r[act]  # NaN/inf trial points count as rejected
+        theta_rp[act[ok]] = th[ok] + step[ok]
+        obj_r[act[ok]] = new_obj[ok]
+        lam_r[act] = np.where(ok, lam_r[act] / 3, lam_r[act] * 4)
+        done = np.abs(step).max(-1) <= 1e-10 * (1 + np.abs(th).max(-1))
+        act = act[~(done | (lam_r[act] > 1e10))]
+    return theta_rp, obj_r
+
+
+def _starts(lx_rn, y_rn, m_r, delta_r):
+    """θ at the best local minimum of the objective over _B_GRID [R, P], plus (rows, θ) of the
+    second-best local minimum where one exists. a, c given b: linear least squares of L on
+    (x^−b, 1) weighted by 1/L² (first-order log space), c clipped into (0, min L)."""
+    L_rn = np.exp(y_rn)
+    w_rn = 1 / L_rn**2
+    thetas, objs = [], []
+    for b in _B_GRID:
+        z = np.exp(-b * lx_rn)
+        s0, s1, s2 = w_rn.sum(-1), (w_rn * z).sum(-1), (w_rn * z * z).sum(-1)
+        t0, t1 = (w_rn * L_rn).sum(-1), (w_rn * z * L_rn).sum(-1)
+        a = (s0 * t1 - s1 * t0) / np.maximum(s0 * s2 - s1 * s1, 1e-300)
+        c = np.clip((t0 - a * s1) / s0, 1e-3 * m_r, (1 - 1e-3) * m_r)
+        a = np.maximum((w_rn * z * (L_rn - c[:, None])).sum(-1) / s2, 1e-6 * m_r)
+        th = np.stack([np.log(a), np.full_like(a, np.log(b)), special.logit(c / m_r)], -1)
+        thetas.append(th)
+        obj = _objective(th, lx_rn, y_rn, m_r, delta_r)
+        objs.append(np.where(np.isnan(obj), np.inf, obj))  # argmin would pick a NaN
+    theta_rgp, obj_rg = np.stack(thetas, 1), np.stack(objs, 1)
+    best = obj_rg.argmin(-1)
+    pad = np.pad(obj_rg, ((0, 0), (1, 1)), constant_values=np.inf)
+    local = (obj_rg <= pad[:, :-2]) & (obj_rg <= pad[:, 2:])
+    other = np.where(local & (np.arange(len(_B_GRID)) != best[:, None]), obj_rg, np.inf)
+    rows = np.flatnonzero(np.isfinite(other.min(-1)))
+    rows_all = np.arange(len(obj_rg))
+    return theta_rgp[rows_all, best], rows, theta_rgp[rows, other[rows].argmin(-1)]
+
+
+def _solve(lx_rn, y_rn, delta_r) -> np.ndarray:
+    """Huber fits of R problems at once: lx, y [R, N], δ [R] → (a_norm, b, c) [R, P]."""
+    r = len(y_rn)
+    m_r = np.exp(y_rn).min(-1)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        th0, rows2, th2 = _starts(lx_rn, y_rn, m_r, delta_r)
+        idx = np.concatenate([np.arange(r), rows2])
+        th, obj = _levenberg_marquardt(
+            np.concatenate([th0, th2]), lx_rn[idx], y_rn[idx], m_r[idx], delta_r[idx]
+        )
+    better = obj[r:] < obj[rows2]
+    th[rows2[better]] = th[r:][better]
+    return np.stack(_params(th[:r], m_r), -1)
+
+
+def _huber_scale(lx_rn, y_rn, rounds: int = 3) -> np.ndarray:
+    """Data-driven δ [R] (see module docstring)."""
+    n = y_rn.shape[-1]
+    delta_r = np.full(len(y_rn), _LEAST_SQUARES)
+    for _ in range(rounds):
+        p = _solve(lx_rn, y_rn, delta_r)
+        r = y_rn - np.log(p[:, :1] * np.exp(-p[:, 1:2] * lx_rn) + p[:, 2:])
+        mad = np.median(np.abs(r - np.median(r, -1, keepdims=True)), -1)
+        delta_r = 1.345 * np.maximum(1.4826 * mad * np.sqrt(n / max(n - 3, 1)), _SIGMA_FLOOR)
+    return delta_r
+
+
+# --- intervals -----------------------------------------------------------------------------------
+
+
+def _quantities(p_rp: np.ndarray, c0: float, lx_max: float) -> np.ndarray:
+    """The _NAMES quantities [R, Q] of parameter rows (a_norm, b, c) [R, P]."""
+    a_norm, b, c = p_rp.T
+    with np.errstate(over="ignore"):
+        a = a_norm * np.exp(b * np.log(c0))
+    slope = -np.log(10) * b * a_norm * np.exp(-b * lx_max)  # dL/dlog10(C) at the largest C
+    return np.stack([a, a_norm, b, c, slope, 1 - 10.0 ** (-b)], -1)
+
+
+def _interval(boot_rq: np.ndarray, level: float, df: int) -> tuple[np.ndarray, np.ndarray]:
+    """t-expanded percentile interval (lo [Q], hi [Q]) from bootstrap values [R, Q]: the tails
+    are Φ(∓t_df) instead of (1 ∓ level)/2 (2.5% → 1.54% at df = 13)."""
+    tail = stats.norm.cdf(-stats.t.ppf(0.5 + level / 2, df))
+    lo, hi = np.quantile(boot_rq, [tail, 1 - tail], axis=0)
+    return lo, hi
+
+
+def _pair_indices(rng, compute: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Trial indices [*shape, N] drawn with replacement; draws with < 3 distinct computes redrawn."""
+    n = compute.size
+    idx = rng.integers(0, n, size=(*shape, n))
+    while (bad := (np.diff(np.sort(compute[idx], -1), axis=-1) > 0).sum(-1) < 2).any():
+        idx[bad] = rng.integers(0, n, size=(int(bad.sum()), n))
+    return idx
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class PowerLawFit:
+    """L(C) = a·C^(−b) + c = a_norm·(C/c0)^(−b) + c, fitted with bootstrap intervals."""
+
+    a: float
+    """Coefficient in original compute units (a_norm·c0^b)."""
+    a_norm: float
+    """Coefficient at compute scale C/c0: reducible loss at the smallest compute."""
+    b: float
+    """Exponent (> 0)."""
+    c: float
+    """Irreducible loss, 0 ≤ c < min(L)."""
+    c0: float
+    """Compute normaliser: the smallest compute fitted."""
+    compute_max: float
+    """Largest compute fitted; slope_per_decade is evaluated there."""
+    huber_delta: float
+    """Huber scale δ, in log-loss units."""
+    n_points: int
+    """Trials fitted (N)."""
+    ci: float
+    """Level of ``intervals`` and the default level of ``band``."""
+    slope_per_decade: float
+    """dL/dlog10(C) at compute_max, in loss units (negative)."""
+    reducible_drop_per_decade: float
+    """1 − 10^(−b): fraction of the reducible loss L − c removed by 10× compute."""
+    intervals: dict[str, tuple[float, float]]
+    """Name → (lo, hi) for a, a_norm, b, c, slope_per_decade, reducible_drop_per_decade."""
+    samples: np.ndarray = dataclasses.field(repr=False)
+    """Bootstrap parameters [R, 3]: (a_norm, b, c), e.g. to draw curves."""
+
+    def _curve(self, p_rp: np.ndarray, compute) -> np.ndarray:
+        x_k = np.atleast_1d(np.asarray(compute, dtype=float)) / self.c0
+        return p_rp[:, :1] * x_k ** -p_rp[:, 1:2] + p_rp[:, 2:]
+
+    def predict(self, compute) -> np.ndarray:
+        """Fitted loss [K] at compute (scalar or [K])."""
+        return self._curve(np.array([[self.a_norm, self.b, self.c]]), compute)[0]
+
+    def band(self, compute, level: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Pointwise (lo [K], hi [K]) interval of the fitted curve, same method as ``intervals``."""
+        level = self.ci if level is None else level
+        return _interval(self._curve(self.samples, compute), level, max(self.n_points - 3, 1))
+
+    def law_str(self) -> str:
+        """E.g. ``L(C) = 0.4412 + 0.0213·(C/1.2e12)^-0.231``."""
+        mant, _, exp = f"{self.c0:.2g}".partition("e")
+        c0 = f"{mant}e{int(exp)}" if exp else mant
+        return f"L(C) = {self.c:.4f} + {self.a_norm:.4g}·(C/{c0})^-{self.b:.3f}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (no bootstrap arrays)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.pop("samples")
+        d["intervals"] = {k: [float(v) for v in lh] for k, lh in self.intervals.items()}
+        d["n_boot"], d["law"] = len(self.samples), self.law_str()
+        return d
+
+
+def fit_power_law_many(
+    compute, losses, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95, huber_delta=None
+) -> list[PowerLawFit]:
+    """``fit_power_law`` for D datasets sharing one compute grid [N] (losses [D, N]).
+
+    Every dataset's fit and bootstrap replicates go through one batched solve, so a coverage
+    simulation over hundreds of datasets takes seconds.
+    """
+    compute, losses = _check_values(compute, np.atleast_2d(losses))
+    if (k := np.unique(compute).size) < 3:
+        raise ValueError(f"need at least 3 distinct compute values to fit a, b, c; got {k}")
+    if n_boot < 2 or not 0 < ci < 1:
+        raise ValueError(f"need n_boot >= 2 and 0 < ci < 1; got {n_boot}, {ci}")
+    (d, n), c0 = losses.shape, float(compute.min())
+    lx_n, y_dn = np.log(compute / c0), np.log(losses)
+    lx_dn = np.broadcast_to(lx_n, (d, n))
+    delta_d = _huber_scale(lx_dn, y_dn) if huber_delta is None else np.full(d, float(huber_delta))
+    est_dp = _solve(lx_dn, y_dn, delta_d)
+    idx = _pair_indices(np.random.default_rng(seed), compute, (d, n_boot))  # [D, R, N]
+    y_boot = np.take_along_axis(y_dn[:, None, :], idx, -1).reshape(-1, n)
+    boot_rp = _solve(lx_n[idx].reshape(-1, n), y_boot, np.repeat(delta_d, n_boot))
+    q_est_dq = _quantities(est_dp, c0, float(lx_n.max()))
+    q_boot_rdq = _quantities(boot_rp, c0, float(lx_n.max())).reshape(d, n_boot, -1).swapaxes(0, 1)
+    lo_dq, hi_dq = _interval(q_boot_rdq, ci, max(n - 3, 1))
+    boot_drp = boot_rp.reshape(d, n_boot, 3)
+    return [
+        PowerLawFit(
+            **dict(zip(_NAMES, q_est_dq[k].tolist(), strict=True)),
+            c0=c0, compute_max=float(compute.max()), huber_delta=float(delta_d[k]), n_points=n,
+            ci=ci, samples=boot_drp[k],
+            intervals={nm: (float(lo_dq[k, i]), float(hi_dq[k, i])) for i, nm in enumerate(_NAMES)},
+        )
+        for k in range(d)
+    ]  # fmt: skip
+
+
+def fit_power_law(
+    compute, loss, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95, huber_delta=None
+) -> PowerLawFit:
+    """Robust fit of L(C) = a·C^(−b) + c with bootstrap intervals (see the module docstring).
+
+    Args:
+      compute: training FLOPs of each trial [N] (repeats, e.g. seeds, allowed; ≥ 3 distinct).
+      loss: loss of each trial [N], finite and > 0.
+      n_boot: bootstrap replicates R (pairs resampling over trials).
+      seed: seed of the resampling.
+      ci: level of the intervals.
+      huber_delta: Huber scale in log-loss units; None for the data-driven default.
+
+    Raises:
+      ValueError: a non-finite or non-positive value (the index is named), or < 3 distinct C.
+    """
+    compute, loss = _check_values(compute, loss)  # errors name loss[i], not loss[0, i]
+    return fit_power_law_many(
+        compute, loss[None], n_boot=n_boot, seed=seed, ci=ci,
+        huber_delta=huber_delta,
+    )[0]  # fmt: skip
+
+
+def holdout_extrapolation(compute, loss, **fit_kwargs) -> dict[str, Any]:
+    """Fit without the largest compute's trials, predict it, compare with their mean loss.
+
+    ``interval`` is the band of the fitted mean curve, so it ignores the held-out trials' own noise.
+    With < 3 distinct computes left, the prediction fields are None and ``reason`` says why.
+    """
+    compute, loss = _check_values(compute, loss)
+    top = float(compute.max())
+    held = compute == top
+    out: dict[str, Any] = {"holdout_compute": top, "observed": float(loss[held].mean())}
+    out |= dict.fromkeys(("predicted", "abs_error", "rel_error", "interval", "inside_interval"))
+    out["fit"] = None
+    if (left := np.unique(compute[~held]).size) < 3:
+        out["reason"] = f"{left} distinct compute values below the held-out {top:.3g}; need 3"
+        return out
+    fit = fit_power_law(compute[~held], loss[~held], **fit_kwargs)
+    pred = float(fit.predict(top)[0])
+    lo, hi = (float(v[0]) for v in fit.band(top))
+    out |= {"predicted": pred, "abs_error": abs(pred - out["observed"]), "interval": (lo, hi)}
+    out |= {"rel_error": abs(pred - out["observed"]) / out["observed"], "fit": fit.to_dict()}
+    out["inside_interval"] = bool(lo <= out["observed"] <= hi)
+    return out
+
+
+def isoflop_optimum(size, loss) -> dict[str, Any]:
+    """Loss-minimising model size at one compute budget: quadratic in u = log10(size).
+
+    Returns size_opt, loss_opt, coef ([q2, q1, q0] of loss ≈ q2·u² + q1·u + q0), interior (vertex
+    strictly inside the sampled sizes and q2 > 0) and, when not interior, a reason; size_opt is then
+    the sampled size with the lowest loss. Fewer than 3 distinct sizes: coef None and a reason.
+    """
+    size, loss = np.asarray(size, dtype=float), np.asarray(loss, dtype=float)
+    if size.shape != loss.shape or size.ndim != 1 or not np.all(np.isfinite(loss)):
+        raise ValueError(
+            f"need finite size and loss of equal shape [N]; got {size.shape}, {loss.shape}"
+        )
+    if not np.all(np.isfinite(size) & (size > 0)):
+        raise ValueError(f"sizes must be finite and > 0; got {size.tolist()}")
+    i = int(loss.argmin())
+    best = {"size_opt": float(size[i]), "loss_opt": float(loss[i]), "interior": False}
+    if (k := np.unique(size).size) < 3:
+        return best | {"coef": None, "reason": f"{k} distinct sizes; a quadratic needs 3"}
+    u = np.log10(size)
+    coef = np.polyfit(u, loss, 2)
+    best["coef"] = coef.tolist()
+    if coef[0] <= 0:
+        return best | {"reason": f"curvature {coef[0]:.3g} <= 0: the fit has no minimum"}
+    u_opt = -coef[1] / (2 * coef[0])
+    if not u.min() < u_opt < u.max():
+        return best | {"reason": f"fitted minimum at size {10**u_opt:.3g} outside sampled range"}
+    opt = {"size_opt": float(10**u_opt), "loss_opt": float(np.polyval(coef, u_opt))}
+    return best | opt | {"interior": True}
+
+
+def fit_optimal_size_law(budgets, sizes_opt) -> dict[str, Any]:
+    """size_opt = coefficient·C^alpha by least squares in log-log.
+
+    NaN sizes (budgets without an interior optimum) are skipped; ≥ 2 distinct budgets must remain,
+    else alpha and coefficient are None and ``reason`` says why.
+    """
+    budgets, sizes_opt = np.asarray(budgets, dtype=float), np.asarray(sizes_opt, dtype=float)
+    keep = np.isfinite(sizes_opt)
+    budgets, sizes_opt = budgets[keep], sizes_opt[keep]
+    if np.any(~np.isfinite(budgets) | (budgets <= 0) | (sizes_opt <= 0)):
+        raise ValueError("budgets and sizes must be finite and > 0")
+    out: dict[str, Any] = {"alpha": None, "coefficient": None, "n_points": int(keep.sum())}
+    if (k := np.unique(budgets).size) < 2:
+        return out | {"reason": f"{k} distinct budgets; need 2"}
+    alpha, log_coef = np.polyfit(np.log10(budgets), np.log10(sizes_opt), 1)
+    return out | {"alpha": float(alpha), "coefficient": float(10**log_coef)}

@@ -1,0 +1,213 @@
+"""``python -m sweeps.launch SPEC [--backend local|ray|slurm] [--max-parallel N] [--dry-run]``.
+
+Resolves the spec (a module path such as ``sweeps.specs.showcase`` or a ``.py`` file defining
+``SPEC``), writes the sweep directory, and runs every unfinished trial through the family's
+normal train command. Idempotent: a relaunch skips finished trials, takes over trials whose
+worker died (their heartbeat went stale) and resumes them from their own checkpoints, and
+retries FAILED trials up to ``max_retries``; any number of launchers may run on one sweep.
+
+Backends (every one runs :func:`sweeps.runner.run_worker` loops that pull trials from the
+sweep directory, so they need a filesystem all workers share):
+
+* ``local``: ``--max-parallel`` worker threads here, each running one trial subprocess at a time.
+* ``ray``: ``--max-parallel`` Ray tasks on the cluster at ``--ray-address`` (``auto`` for the
+  one this node belongs to; empty starts a local one), ``--ray-cpus-per-trial`` CPUs each.
+* ``slurm``: ``--max-parallel`` submitit jobs with the hardware preset's SLURM resources
+  (``--slurm-partition``); ``--submitit-cluster local`` runs them as local processes instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+import tpu_gpu_configs
+from recscale import config as config_lib
+from sweeps.runner import WorkerOptions, new_owner, run_worker
+from sweeps.spec import Resolution, SweepSpec, Trial, load_spec, resolve
+from sweeps.store import SweepStore
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchArgs:
+    spec: Annotated[str, tyro.conf.Positional]
+    """Sweep spec: ``package.module`` or ``path/to/spec.py`` defining ``SPEC``."""
+    sweep_dir: str = ""
+    """Sweep directory (default ``runs/sweeps/<spec name>``)."""
+    backend: Literal["local", "ray", "slurm"] = "local"
+    max_parallel: int = 1
+    """Trials running at once (worker threads, Ray tasks or SLURM jobs)."""
+    dry_run: bool = False
+    """Print the resolved trials and their statuses; run nothing (no jax import)."""
+    hardware: str = ""
+    """``tpu_gpu_configs`` preset (default: the spec's)."""
+    heartbeat: float = 10.0
+    """Seconds between heartbeats of a running trial."""
+    stale_after: float = 60.0
+    """Seconds without a heartbeat after which a trial's worker counts as dead."""
+    wait: bool = True
+    """Wait for trials other launchers are running (and take them over if they die)."""
+    ray_address: str = ""
+    ray_cpus_per_trial: float = 1.0
+    submitit_cluster: Literal["slurm", "local", "debug"] = "slurm"
+    slurm_partition: str = ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = tyro.cli(LaunchArgs, args=argv, prog="python -m sweeps.launch")
+    spec = load_spec(args.spec)
+    if args.hardware:
+        spec = dataclasses.replace(spec, hardware=args.hardware)
+    hw = tpu_gpu_configs.get(spec.hardware)
+    sweep_dir = Path(args.sweep_dir or f"runs/sweeps/{spec.name}").absolute()
+    res = resolve(spec)
+    store = SweepStore(sweep_dir, stale_after=args.stale_after)
+    if args.dry_run:
+        print_plan(spec, res, store)
+        return 0
+    write_sweep(store, spec, res)
+    opts = WorkerOptions(
+        heartbeat_s=args.heartbeat,
+        stale_after_s=args.stale_after,
+        max_retries=spec.max_retries,
+        wait=args.wait,
+        env=hw.trial_env(),
+        command_prefix=hw.command_prefix,
+        sweep=spec.name,
+        code_version=res.code_version,
+        data_fingerprints=res.data_fingerprints,
+        metric=spec.metric,
+    )
+    trials = [t.to_dict() for t in res.trials]
+    n = max(args.max_parallel, 1)
+    print(f"sweep {spec.name}: {len(trials)} trials in {sweep_dir} ({args.backend}, {n} at once)",
+          file=sys.stderr)  # fmt: skip
+    if args.backend == "local":
+        counts = _run_local(str(sweep_dir), trials, opts, n)
+    elif args.backend == "ray":
+        counts = _run_ray(str(sweep_dir), trials, opts, n, args)
+    else:
+        counts = _run_submitit(str(sweep_dir), trials, opts, n, args, hw)
+    rows = {r["trial_id"]: r for r in store.results()}
+    statuses = [store.status(t.trial_id, rows) for t in res.trials]
+    summary = {s: statuses.count(s) for s in sorted(set(statuses))}
+    print(json.dumps({"sweep_dir": str(sweep_dir), "statuses": summary, "workers": counts}))
+    return 0 if all(s in ("SUCCESS", "DIVERGED") for s in statuses) else 1
+
+
+def write_sweep(store: SweepStore, spec: SweepSpec, res: Resolution) -> None:
+    """``sweep.json`` and each trial's ``trial.json`` + ``config.json`` (idempotent)."""
+    with store.lock():
+        summary = {
+            "name": spec.name,
+            "metric": spec.metric,
+            "code_version": res.code_version,
+            "data_fingerprints": res.data_fingerprints,
+            "trial_ids": [t.trial_id for t in res.trials],
+            "skipped": list(res.skipped),
+            "spec": config_lib.to_dict(spec),
+        }
+        (store.root / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        for t in res.trials:
+            tdir = store.trial_dir(t.trial_id)
+            tdir.mkdir(parents=True, exist_ok=True)
+            if not (tdir / "trial.json").exists():
+                (tdir / "trial.json").write_text(json.dumps(t.to_dict(), indent=2) + "\n")
+                (tdir / "config.json").write_text(
+                    json.dumps(t.config, indent=2, sort_keys=True) + "\n"
+                )
+
+
+def print_plan(spec: SweepSpec, res: Resolution, store: SweepStore) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    rows = {r["trial_id"]: r for r in store.results()}
+    table = Table(title=f"sweep {spec.name} ({len(res.trials)} trials, code {res.code_version})")
+    for col in ("trial", "family", "rung", "budget", "FLOPs/ex", "steps", "examples", "lr",
+                "dense params", "status"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("trial", "family", "rung") else "right")
+    for t in res.trials:
+        table.add_row(
+            t.trial_id, t.family, t.rung, f"{t.budget:.3g}", f"{t.flops_per_example:.3g}",
+            str(t.steps), f"{t.examples:,}", f"{t.config['dense_optim']['learning_rate']:.3g}",
+            f"{t.params_dense:,}", store.status(t.trial_id, rows),
+        )  # fmt: skip
+    console = Console(width=160)
+    console.print(table)
+    for s in res.skipped:
+        console.print(f"skipped: {s}")
+
+
+def _run_local(sweep_dir: str, trials: list[dict], opts: WorkerOptions, n: int) -> list[dict]:
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futs = [pool.submit(run_worker, sweep_dir, trials, opts, new_owner(), stop)
+                for _ in range(n)]  # fmt: skip
+        try:
+            return [f.result() for f in futs]
+        except KeyboardInterrupt:
+            stop.set()  # workers kill their trials and release the claims
+            raise
+
+
+def _run_ray(sweep_dir, trials, opts, n, args) -> list[dict]:
+    import ray  # noqa: PLC0415
+
+    ray.init(address=args.ray_address or None, include_dashboard=False, log_to_driver=False)
+    try:
+        remote = ray.remote(num_cpus=args.ray_cpus_per_trial, max_retries=0)(_ray_worker)
+        refs = [remote.remote(sweep_dir, trials, opts, i) for i in range(n)]
+        return ray.get(refs)
+    finally:
+        ray.shutdown()
+
+
+def _ray_worker(sweep_dir: str, trials: list[dict], opts: WorkerOptions, i: int) -> dict:
+    return run_worker(sweep_dir, trials, opts, new_owner(f"ray{i}"))
+
+
+def _submitit_worker(sweep_dir: str, trials: list[dict], opts: WorkerOptions, i: int) -> dict:
+    return run_worker(sweep_dir, trials, opts, new_owner(f"slurm{i}"))
+
+
+def _run_submitit(sweep_dir, trials, opts, n, args, hw) -> list[dict]:
+    import submitit  # noqa: PLC0415
+
+    executor = submitit.AutoExecutor(
+        folder=str(Path(sweep_dir) / "submitit" / "%j"), cluster=args.submitit_cluster
+    )
+    params = dict(hw.slurm)
+    if args.submitit_cluster == "slurm":
+        if args.slurm_partition:
+            params["slurm_partition"] = args.slurm_partition
+        executor.update_parameters(name=f"sweep-{Path(sweep_dir).name}", **params)
+    else:  # local/debug executors take only the generic parameters
+        generic = {k: v for k, v in params.items() if k in ("timeout_min", "nodes",
+                   "tasks_per_node", "cpus_per_task", "gpus_per_node")}  # fmt: skip
+        executor.update_parameters(**generic)
+    jobs = [executor.submit(_submitit_worker, sweep_dir, trials, opts, i) for i in range(n)]
+    print(f"submitted {[j.job_id for j in jobs]}", file=sys.stderr)
+    if not args.wait:
+        return []
+    return [j.result() for j in jobs]
+
+
+def trials_of(sweep_dir: str | Path) -> list[Trial]:
+    """The trials a sweep directory was launched with (from ``sweep.json`` order)."""
+    root = Path(sweep_dir)
+    ids = json.loads((root / "sweep.json").read_text())["trial_ids"]
+    return [
+        Trial.from_dict(json.loads((root / "trials" / i / "trial.json").read_text())) for i in ids
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Workers: claim a trial, run its train command as a subprocess, record the outcome, repeat.
+
+Every backend runs the same :func:`run_worker` loop — as threads of the launcher (local), as
+Ray tasks, or as SLURM jobs through submitit — so the claim/heartbeat/retry logic is written
+once and every backend is idempotent and resumable in the same way.
+
+A trial's subprocess is started through ``python -m sweeps._child`` which asks the kernel
+(``prctl(PR_SET_PDEATHSIG)``, Linux) to SIGKILL it when its worker dies, so a ``kill -9`` of a
+launcher never leaves an orphan training into a workdir another launcher will take over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sweeps.spec import FLOPS_CONVENTION, Trial
+from sweeps.store import SweepStore
+
+DIVERGED_EXIT_CODE = 3  # recscale.train.cli.DIVERGED_EXIT_CODE (not imported: that pulls jax)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerOptions:
+    heartbeat_s: float = 10.0
+    """Seconds between heartbeats of a running trial's claim."""
+    stale_after_s: float = 60.0
+    """A claim whose heartbeat is older than this belongs to a dead worker."""
+    max_retries: int = 1
+    """Retries of a FAILED trial before its FAILED row is final."""
+    wait: bool = True
+    """Keep polling while other workers run the remaining trials (to take over dead ones)."""
+    poll_s: float = 2.0
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Extra environment of trial processes (XLA flags, RECSCALE_DISTRIBUTED, ...)."""
+    command_prefix: tuple[str, ...] = ()
+    """Prepended to the trial command (e.g. ``srun --ntasks-per-node=1`` for multi-host)."""
+    sweep: str = ""
+    code_version: str = ""
+    data_fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
+    metric: str = "logloss"
+
+
+def new_owner(prefix: str = "local") -> str:
+    return f"{prefix}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def run_worker(
+    sweep_dir: str,
+    trials: list[dict],
+    opts: WorkerOptions,
+    owner: str = "",
+    stop: threading.Event | None = None,
+) -> dict[str, int]:
+    """Claims and runs trials until every one is finished (or, without ``opts.wait``, until
+    none is left to claim). Returns counts of what this worker did."""
+    owner = owner or new_owner()
+    store = SweepStore(sweep_dir, stale_after=opts.stale_after_s)
+    todo = [Trial.from_dict(t) if isinstance(t, dict) else t for t in trials]
+    done: dict[str, int] = {"ran": 0, "success": 0, "failed": 0, "diverged": 0, "retry": 0}
+    while not (stop and stop.is_set()):
+        finished = store.finished_ids()
+        remaining = [t for t in todo if t.trial_id not in finished]
+        if not remaining:
+            break
+        claimed = None
+        for t in remaining:
+            if not store.claim(t.trial_id, owner):
+                continue
+            attempts = store.attempts(t.trial_id)
+            if len(attempts) > opts.max_retries:
+                # Its last attempt failed but that worker died before writing the FAILED row.
+                row = result_row(store, t, "FAILED", attempts, opts,
+                                 error=attempts[-1].get("error_tail", ""))  # fmt: skip
+                store.append_result(row)
+                store.release(t.trial_id, owner)
+                continue
+            claimed = t
+            break
+        if claimed is None:
+            if not opts.wait:
+                break
+            time.sleep(opts.poll_s)
+            continue
+        outcome = run_trial(store, claimed, owner, opts, stop)
+        done["ran"] += 1
+        done[outcome] = done.get(outcome, 0) + 1
+    return done
+
+
+def run_trial(
+    store: SweepStore,
+    trial: Trial,
+    owner: str,
+    opts: WorkerOptions,
+    stop: threading.Event | None = None,
+) -> str:
+    """Runs one claimed trial to an outcome: success, diverged, failed, retry, lost or stopped."""
+    tdir = store.trial_dir(trial.trial_id)
+    workdir = store.workdir(trial.trial_id)
+    cfg_path = tdir / "config.json"
+    cmd = [*opts.command_prefix, sys.executable, "-m", "sweeps._child", sys.executable]
+    cmd += trial.train_command(cfg_path, workdir)
+    env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    lost = threading.Event()
+    with open(tdir / "train.log", "ab") as log:
+        log.write(f"\n=== {owner} {time.ctime()}: {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+        exited = threading.Event()
+
+        def beat():
+            while not exited.wait(opts.heartbeat_s):
+                if not store.heartbeat(trial.trial_id, owner):
+                    lost.set()  # another worker took it over: stop writing into its workdir
+                    _kill(proc)
+                    return
+                if stop is not None and stop.is_set():
+                    _kill(proc)
+                    return
+
+        hb = threading.Thread(target=beat, daemon=True)
+        hb.start()
+        try:
+            rc = proc.wait()
+        except BaseException:
+            _kill(proc)
+            store.release(trial.trial_id, owner)
+            raise
+        finally:
+            exited.set()
+        hb.join()
+    duration = time.time() - t0
+    if lost.is_set():
+        store.log_event({"event": "claim_lost", "trial_id": trial.trial_id, "owner": owner})
+        return "lost"
+    if stop is not None and stop.is_set():
+        store.release(trial.trial_id, owner)
+        return "stopped"
+    tail = _log_tail(tdir / "train.log")
+    attempt = {"owner": owner, "exit_code": rc, "duration_s": round(duration, 2),
+               "start": t0, "error_tail": tail if rc else ""}  # fmt: skip
+    store.record_attempt(trial.trial_id, attempt)
+    attempts = store.attempts(trial.trial_id)
+    if rc == 0:
+        row = result_row(store, trial, "SUCCESS", attempts, opts)
+        outcome = "success"
+    elif rc == DIVERGED_EXIT_CODE:
+        row = result_row(store, trial, "DIVERGED", attempts, opts, error=tail)
+        outcome = "diverged"
+    elif len(attempts) <= opts.max_retries:
+        store.log_event({"event": "retry", "trial_id": trial.trial_id, "exit_code": rc,
+                         "attempt": len(attempts)})  # fmt: skip
+        store.release(trial.trial_id, owner)
+        return "retry"
+    else:
+        row = result_row(store, trial, "FAILED", attempts, opts, error=tail)
+        outcome = "failed"
+    store.append_result(row)
+    store.release(trial.trial_id, owner)
+    return outcome
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _log_tail(path: Path, n: int = 4000) -> str:
+    data = path.read_bytes()[-n:]
+    return data.decode(errors="replace")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # metrics.jsonl of a killed attempt may end in a partial line
+    return rows
+
+
+def result_row(
+    store: SweepStore,
+    trial: Trial,
+    status: str,
+    attempts: list[dict],
+    opts: WorkerOptions,
+    *,
+    error: str = "",
+) -> dict[str, Any]:
+    """The results.jsonl row of a finished trial."""
+    workdir = store.workdir(trial.trial_id)
+    evals = [r for r in _jsonl(workdir / "metrics.jsonl") if r.get("split") == "eval"]
+    final = evals[-1] if evals and evals[-1].get("step") == trial.steps else None
+    higher_better = opts.metric == "auc"
+    scored = [r for r in evals if r.get(opts.metric) is not None]
+    best = (max if higher_better else min)(scored, key=lambda r: r[opts.metric]) if scored else None
+    info = json.loads((workdir / "run_info.json").read_text()) if (
+        workdir / "run_info.json").exists() else {"starts": []}  # fmt: skip
+    starts = info["starts"]
+    last = starts[-1] if starts else {}
+    diverged_at = None
+    m = re.search(r"non-finite training loss \S+ at step (\d+)", error)
+    if m:
+        diverged_at = int(m.group(1))
+    code = opts.code_version
+    return {
+        "trial_id": trial.trial_id,
+        "sweep": opts.sweep,
+        "status": status,
+        "family": trial.family,
+        "rung": trial.rung,
+        "rung_index": trial.rung_index,
+        "budget": trial.budget,
+        "compute": trial.compute,
+        "flops_per_example": trial.flops_per_example,
+        "flops_convention": FLOPS_CONVENTION,
+        "examples": trial.examples,
+        "steps": trial.steps,
+        "batch_size": trial.batch_size,
+        "learning_rate": trial.config["dense_optim"]["learning_rate"],
+        "embedding_learning_rate": trial.config["embedding_optim"]["learning_rate"],
+        "params_dense": trial.params_dense,
+        "params_sparse": trial.params_sparse,
+        "seed": trial.seed,
+        "final": final,
+        "best": best,
+        "diverged_at_step": diverged_at,
+        "error": error,
+        "attempts": len(attempts),
+        "resumed_from_step": max((s["start_step"] for s in starts), default=0),
+        "wall_time_s": round(sum(a.get("duration_s", 0.0) for a in attempts), 2),
+        "device_kind": last.get("device_kind"),
+        "device_count": last.get("device_count"),
+        "process_count": last.get("process_count"),
+        "versions": last.get("versions"),
+        "code_version": code,
+        "git_sha": code.split("+", 1)[1].split(".")[0] if "+" in code else None,
+        "data_fingerprint": opts.data_fingerprints.get(trial.family),
+        "finished_at": time.time(),
+        "config": trial.config,
+    }

@@ -1,0 +1,457 @@
+"""Sweep specs: families, compute budgets and model-size ladders, resolved into concrete trials.
+
+No jax import: a spec is expanded (and ``--dry-run`` printed) on a login node in a second.
+
+A **sweep** is a set of model families, a list of compute budgets ``C`` (training FLOPs) and,
+per family, a **ladder** of model sizes (rungs, smallest first). Each (family, budget, rung,
+seed) resolves to one concrete **trial**:
+
+* FLOPs per example ``f`` = the rung's analytic training FLOPs (``ModelCost.train_flops``:
+  forward + backward matmul FLOPs, 2 per multiply-add, see ``recscale/flops.py``);
+* examples = ``C / f``; steps = ``round(examples / global_batch)`` (at least ``min_steps``, else
+  the pair is skipped with a reason); the trial's actual compute ``steps * batch * f`` is what
+  fits use;
+* learning rates from the batch-size rule (:class:`BatchRule`), warmup a fraction of the steps.
+
+Which rungs run at a budget (``sizes_per_budget``): ``0`` runs every rung at every budget (a
+full IsoFLOP grid); ``k > 0`` runs ``k`` consecutive rungs on a diagonal that climbs the ladder
+as the budget grows (the first budget gets rungs ``0..k-1``, the last ``n-k..n-1``), which
+still gives ``k``-point IsoFLOP curves at every budget at a fraction of the cost.
+
+**Trial identity** is a hash of the canonical resolved config minus
+``recscale.config.NON_SEMANTIC_FIELDS`` (logging, eval and checkpoint cadence, output paths),
+plus the family, the code version and a data fingerprint: changing a hyperparameter makes a new
+trial, changing where or how often it logs does not.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+import tpu_gpu_configs
+from data.config import DataConfig
+from recscale import __version__
+from recscale import config as config_lib
+
+FLOPS_CONVENTION = (
+    "train: analytic forward+backward matmul FLOPs per example, 2 per multiply-add, "
+    "backward = 2x forward plus the embedding scatter (recscale.flops)"
+)
+
+# ------------------------------------------------------------------------------------------------
+# Ladders.
+
+
+@dataclasses.dataclass(frozen=True)
+class Rung:
+    """One model size: a name and the model-config fields it sets on the family's base preset."""
+
+    name: str
+    model: dict[str, Any]
+
+
+def wukong_ladder(rows: tuple[tuple[int, int, int, int, int, int], ...], prefix: str = "w"):
+    """Wukong rungs from ``(l, n_F, n_L, k, FMB MLP depth, FMB MLP width)`` rows, as the
+    paper's Table 5 grows them: layers first, then n_F/n_L and k, then the FMB MLP width."""
+    return tuple(
+        Rung(
+            f"{prefix}{i + 1}",
+            dict(num_layers=nl_, n_fmb=nf, n_lcb=nl, fmb_rank=k, fmb_mlp_depth=dep, fmb_mlp_width=w),
+        )
+        for i, (nl_, nf, nl, k, dep, w) in enumerate(rows)
+    )
+
+
+def dlrm_ladder(rows: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], prefix="d"):
+    """DLRM rungs from ``(embed_dim, bottom MLP, top MLP)`` rows (MLP widths and embedding
+    dim; the bottom MLP must end in ``embed_dim``, the top MLP in 1)."""
+    return tuple(
+        Rung(f"{prefix}{i + 1}", dict(embed_dim=d, bottom_mlp=bot, top_mlp=top))
+        for i, (d, bot, top) in enumerate(rows)
+    )
+
+
+def dcnv2_ladder(rows: tuple[tuple[int, int, tuple[int, ...]], ...], prefix: str = "c"):
+    """DCNv2 rungs from ``(cross layers, cross rank, deep MLP)`` rows (cross depth and MLP)."""
+    return tuple(
+        Rung(f"{prefix}{i + 1}", dict(num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
+        for i, (n, r, mlp) in enumerate(rows)
+    )
+
+
+# The paper's Table 5 (arXiv 2403.02545v4), for accelerator sweeps on Criteo-scale data.
+WUKONG_TABLE5_LADDER = wukong_ladder(
+    (
+        (2, 8, 8, 24, 3, 2048),
+        (4, 32, 32, 24, 3, 2048),
+        (8, 32, 32, 24, 3, 2048),
+        (8, 48, 48, 48, 3, 4096),
+        (8, 96, 96, 96, 3, 8192),
+        (8, 96, 96, 96, 3, 16384),
+        (8, 192, 192, 192, 3, 16384),
+    ),
+    prefix="table5-",
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Spec.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchRule:
+    """Learning rate as a function of the global batch, from the base preset's tuned values.
+
+    ``lr(B) = lr_base * (B / B_base) ** power`` with ``B_base`` the base preset's batch. The
+    power is 0.5 (square-root rule) for adaptive optimizers (Adam, AdamW, LAMB, Adagrad and
+    row-wise Adagrad; Malladi et al. 2022, "On the SDEs and scaling rules for adaptive gradient
+    algorithms") and 1 (linear rule; Goyal et al. 2017) for SGD and LARS, unless set here.
+    """
+
+    dense_power: float | None = None
+    """Exponent for the dense optimizer (None = by optimizer name)."""
+    embedding_power: float | None = None
+    """Exponent for the embedding optimizer (None = by optimizer name)."""
+    warmup_fraction: float = 0.05
+    """Linear warmup over this fraction of the trial's steps (both optimizers)."""
+
+    @staticmethod
+    def default_power(optimizer: str) -> float:
+        return 1.0 if optimizer in ("sgd", "lars") else 0.5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FamilySpec:
+    """One model family of a sweep."""
+
+    family: str
+    """Preset prefix, e.g. ``wukong``."""
+    package: str
+    """Module path of the family's package (its ``train``/``evaluate`` entry points)."""
+    preset: str
+    """Base preset: data, optimizers and every model field a rung does not set."""
+    ladder: tuple[Rung, ...]
+    """Model sizes, smallest first."""
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Config fields set on the base preset for every trial, by dotted path
+    (``{"model.top_mlp": (64, 1), "dense_optim.decay": "cosine"}``); rungs set theirs after."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SweepSpec:
+    """A whole sweep (see the module docstring for how it resolves into trials)."""
+
+    name: str
+    families: tuple[FamilySpec, ...]
+    budgets: tuple[float, ...]
+    """Compute budgets in training FLOPs (per trial, all examples)."""
+    sizes_per_budget: int = 0
+    """Rungs per budget: 0 = every rung (IsoFLOP grid); k = k rungs on a climbing diagonal."""
+    seeds: tuple[int, ...] = (0,)
+    data: DataConfig | None = None
+    """Dataset of every trial (None = each base preset's own)."""
+    batch_size: int = 0
+    """Global batch of every trial (0 = each base preset's own)."""
+    batch_rule: BatchRule = BatchRule()
+    min_steps: int = 20
+    """(budget, rung) pairs with fewer steps are skipped (reported by ``--dry-run``)."""
+    evals_per_trial: int = 4
+    """Evaluations during a trial (for the best-eval metric); the last is at the final step."""
+    eval_max_batches: int = 0
+    """Cap on eval batches of the intermediate evaluations (0 = all); the final one uses all."""
+    checkpoints_per_trial: int = 4
+    """Checkpoints during a trial: a killed or preempted trial resumes from the last one."""
+    max_retries: int = 1
+    """A FAILED trial (non-zero exit, not a divergence) is retried this many times."""
+    metric: Literal["logloss", "auc"] = "logloss"
+    """The quality metric fits use (AUC is fitted as 1 - AUC, so lower is better for both)."""
+    hardware: str = "cpu-local"
+    """``tpu_gpu_configs`` preset the trials run on (mesh, XLA flags, SLURM resources)."""
+    code_version: str = "auto"
+    """Part of every trial id: ``auto`` = package version + git commit (+ hash of uncommitted
+    changes to tracked files)."""
+
+    def __post_init__(self):
+        if not self.families:
+            raise ValueError("a sweep needs at least one family")
+        if not self.budgets or any(not (b > 0 and math.isfinite(b)) for b in self.budgets):
+            raise ValueError(f"budgets must be positive and finite, got {self.budgets}")
+        if list(self.budgets) != sorted(set(self.budgets)):
+            raise ValueError(f"budgets must be strictly increasing, got {self.budgets}")
+        for fam in self.families:
+            if not fam.ladder:
+                raise ValueError(f"family {fam.family}: empty ladder")
+            if self.sizes_per_budget > len(fam.ladder):
+                raise ValueError(
+                    f"sizes_per_budget={self.sizes_per_budget} > {len(fam.ladder)} rungs of "
+                    f"family {fam.family}"
+                )
+
+
+# ------------------------------------------------------------------------------------------------
+# Trials.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trial:
+    """One concrete run of a sweep."""
+
+    trial_id: str
+    family: str
+    package: str
+    rung: str
+    rung_index: int
+    budget: float
+    """The budget this trial was resolved for."""
+    seed: int
+    config: dict[str, Any]
+    """The full resolved config (``recscale.config.to_dict`` form)."""
+    flops_per_example: float
+    examples: int
+    steps: int
+    batch_size: int
+    params_dense: int
+    params_sparse: int
+
+    @property
+    def compute(self) -> float:
+        """The trial's actual training FLOPs (steps x batch x FLOPs per example)."""
+        return self.flops_per_example * self.examples
+
+    def train_command(self, config_path: str | Path, workdir: str | Path) -> list[str]:
+        """The normal train command of the family, on this trial's config file."""
+        return ["-m", f"{self.package}.train", str(config_path), "--workdir", str(workdir)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trial:
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    trials: tuple[Trial, ...]
+    skipped: tuple[str, ...]
+    """(family, budget, rung) pairs not run, with the reason."""
+    code_version: str
+    data_fingerprints: dict[str, str]
+
+
+def resolve(spec: SweepSpec) -> Resolution:
+    """Expands ``spec`` into its trials (deterministic order: family, budget, rung, seed)."""
+    from data.schemas import schema_of  # noqa: PLC0415  (numpy only)
+
+    code_version = current_code_version() if spec.code_version == "auto" else spec.code_version
+    trials: list[Trial] = []
+    skipped: list[str] = []
+    seen: dict[str, Trial] = {}
+    fingerprints: dict[str, str] = {}
+    for fam in spec.families:
+        importlib.import_module(f"{fam.package}.presets")  # registers the family's presets
+        base = _override(config_lib.get_preset(fam.preset), fam.overrides, fam.family)
+        data = spec.data if spec.data is not None else base.data
+        batch = (
+            spec.batch_size or tpu_gpu_configs.get(spec.hardware).global_batch or data.batch_size
+        )
+        data = dataclasses.replace(data, batch_size=batch)
+        schema = schema_of(data)
+        data_fp = data_fingerprint(data)
+        fingerprints[fam.family] = data_fp
+        base_batch = base.data.batch_size
+        n_rungs, n_budgets = len(fam.ladder), len(spec.budgets)
+        for bi, budget in enumerate(spec.budgets):
+            k = spec.sizes_per_budget or n_rungs
+            lo = round(bi * (n_rungs - k) / max(n_budgets - 1, 1))
+            for ri in range(lo, lo + k):
+                rung = fam.ladder[ri]
+                try:
+                    model = dataclasses.replace(base.model, **rung.model)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"family {fam.family}, rung {rung.name}: {e}") from e
+                cost = model.cost(schema)
+                fpe = float(cost.train_flops)
+                steps = round(budget / fpe / batch)
+                where = f"{fam.family} budget {budget:.3g} rung {rung.name}"
+                if steps < spec.min_steps:
+                    skipped.append(f"{where}: {steps} steps < min_steps={spec.min_steps}")
+                    continue
+                for seed in spec.seeds:
+                    cfg = _trial_config(spec, base, model, data, steps, seed, base_batch)
+                    cdict = config_lib.to_dict(cfg)
+                    tid = trial_id(fam.family, cdict, code_version, data_fp)
+                    if tid in seen:  # two budgets rounding to the same run: one trial
+                        skipped.append(f"{where} seed {seed}: same run as {seen[tid].rung} "
+                                       f"at budget {seen[tid].budget:.3g}")  # fmt: skip
+                        continue
+                    t = Trial(
+                        trial_id=tid, family=fam.family, package=fam.package, rung=rung.name,
+                        rung_index=ri, budget=float(budget), seed=seed, config=cdict,
+                        flops_per_example=fpe, examples=steps * batch, steps=steps,
+                        batch_size=batch, params_dense=int(cost.dense_params),
+                        params_sparse=int(cost.sparse_params),
+                    )  # fmt: skip
+                    seen[tid] = t
+                    trials.append(t)
+    return Resolution(tuple(trials), tuple(skipped), code_version, fingerprints)
+
+
+def _override(cfg: Any, overrides: dict[str, Any], family: str) -> Any:
+    """``cfg`` with dotted-path fields replaced (validated by the config classes)."""
+    if not overrides:
+        return cfg
+    d = config_lib.to_dict(cfg)
+    for dotted, value in overrides.items():
+        node = d
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            if not isinstance(node.get(p), dict):
+                raise ValueError(f"family {family}: override {dotted!r}: no config section {p!r}")
+            node = node[p]
+        if leaf not in node:
+            raise ValueError(f"family {family}: override {dotted!r}: no field {leaf!r}")
+        node[leaf] = config_lib.to_dict(value)
+    return config_lib.from_dict(type(cfg), d, path=f"{family} overrides")
+
+
+def _trial_config(spec, base, model, data, steps, seed, base_batch):
+    rule = spec.batch_rule
+    ratio = data.batch_size / base_batch
+    dpow = rule.dense_power if rule.dense_power is not None else rule.default_power(
+        base.dense_optim.name)  # fmt: skip
+    epow = rule.embedding_power if rule.embedding_power is not None else rule.default_power(
+        base.embedding_optim.name)  # fmt: skip
+    warmup = round(rule.warmup_fraction * steps)
+    evals = max(spec.evals_per_trial, 1)
+    ckpts = max(spec.checkpoints_per_trial, 1)
+    return dataclasses.replace(
+        base,
+        model=model,
+        data=data,
+        dense_optim=dataclasses.replace(
+            base.dense_optim,
+            learning_rate=base.dense_optim.learning_rate * ratio**dpow,
+            warmup_steps=warmup,
+        ),
+        embedding_optim=dataclasses.replace(
+            base.embedding_optim,
+            learning_rate=base.embedding_optim.learning_rate * ratio**epow,
+            warmup_steps=warmup,
+        ),
+        train=dataclasses.replace(
+            base.train,
+            num_steps=steps,
+            seed=seed,
+            eval_every=max(steps // evals, 1) if evals > 1 else 0,
+            eval_max_batches=spec.eval_max_batches,
+            checkpoint_every=max(steps // ckpts, 1),
+            log_every=max(min(steps // 20, 100), 1),
+            progress=False,
+            init_from="",
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Identity.
+
+
+def semantic_config(cdict: dict[str, Any]) -> dict[str, Any]:
+    """``cdict`` without the non-semantic fields (logging, eval/checkpoint cadence, paths)."""
+    out = copy.deepcopy(cdict)
+    for dotted in config_lib.NON_SEMANTIC_FIELDS:
+        node = out
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    # Where the data files are is not what they are: the data fingerprint covers content.
+    for key in ("train_path", "eval_path", "tfds_data_dir"):
+        out.get("data", {}).pop(key, None)
+    return out
+
+
+def trial_id(family: str, cdict: dict[str, Any], code_version: str, data_fp: str) -> str:
+    """16 hex digits of SHA-256 over the canonical JSON of the semantic config and context."""
+    blob = json.dumps(
+        {"family": family, "config": semantic_config(cdict), "code": code_version, "data": data_fp},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def data_fingerprint(data: DataConfig) -> str:
+    """What the data is: the synthetic generator's config, or each file's size and the SHA-256
+    of its first and last MiB (cheap on 100 GB files; a changed file almost surely changes it)."""
+    if data.kind == "synthetic":
+        blob = json.dumps(config_lib.to_dict(data.synthetic), sort_keys=True)
+        return "synthetic:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for path in (data.train_path, data.eval_path):
+        if not path:
+            continue
+        p = Path(path).expanduser()
+        if not p.is_file():
+            h.update(f"missing:{p.name}".encode())  # resolvable for a dry run; training fails
+            continue
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), os.SEEK_END)
+                h.update(f.read(1 << 20))
+    return f"{data.kind}:" + h.hexdigest()[:16]
+
+
+def current_code_version() -> str:
+    """``<version>+<git sha>[.dirty-<hash of the diff of tracked files>]``, or the version alone
+    outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
+        ).stdout
+
+    try:
+        sha = git("rev-parse", "HEAD").strip()
+        diff = git("diff", "HEAD", "--", ".")
+    except (OSError, subprocess.CalledProcessError):
+        return __version__
+    version = f"{__version__}+{sha[:12]}"
+    if diff:
+        version += ".dirty-" + hashlib.sha256(diff.encode()).hexdigest()[:8]
+    return version
+
+
+def load_spec(ref: str) -> SweepSpec:
+    """A spec from ``module.path`` or ``path/to/file.py``: its ``SPEC`` or ``spec()``."""
+    if ref.endswith(".py"):
+        path = Path(ref).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"sweep spec file {ref} not found")
+        spec = importlib.util.spec_from_file_location(f"_sweep_spec_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(ref)
+    obj = getattr(module, "SPEC", None)
+    if obj is None and callable(getattr(module, "spec", None)):
+        obj = module.spec()
+    if not isinstance(obj, SweepSpec):
+        raise TypeError(f"{ref} defines no SPEC (a sweeps.spec.SweepSpec) or spec() returning one")
+    return obj

@@ -1,0 +1,1 @@
+"""Ready-made sweep specs: ``tiny`` (tests, notebooks), ``showcase`` (``make run``)."""

@@ -1,0 +1,236 @@
+"""The sweep launcher end to end: real train subprocesses on dlrm/tiny, killed and relaunched.
+
+Each trial is a real ``python -m dlrm.train`` run (a few seconds: jax import and compilation
+dominate), so these tests are marked slow; CI still runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sweeps.store import SweepStore, read_results
+
+pytestmark = pytest.mark.slow
+
+# dlrm/tiny rung d1 costs 1,732 training FLOPs per example; at batch 64 one step is 110,848.
+STEP_FLOPS_D1 = 1732 * 64
+
+
+def write_spec(path: Path, *, budgets, name="t", overrides=None, max_retries=1, ckpts=2) -> Path:
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder
+
+            SPEC = SweepSpec(
+                name={name!r},
+                families=(
+                    FamilySpec(
+                        family="dlrm", package="dlrm", preset="dlrm/tiny",
+                        ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
+                        overrides={overrides or {}!r},
+                    ),
+                ),
+                budgets={tuple(budgets)!r},
+                min_steps=5,
+                evals_per_trial=2,
+                checkpoints_per_trial={ckpts},
+                max_retries={max_retries},
+                code_version="test",
+            )
+            """
+        )
+    )
+    return path
+
+
+def launch_cmd(spec: Path, sweep_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "sweeps.launch", str(spec), "--sweep-dir", str(sweep_dir),
+            "--heartbeat", "0.5", "--stale-after", "4", *extra]  # fmt: skip
+
+
+def run_launch(spec: Path, sweep_dir: Path, *extra: str, timeout=300) -> dict:
+    proc = subprocess.run(
+        launch_cmd(spec, sweep_dir, *extra), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rows(sweep_dir: Path) -> list[dict]:
+    return read_results(sweep_dir / "results.jsonl").rows
+
+
+def wait_for(pred, timeout=120.0, poll=0.05):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if pred():
+            return True
+        time.sleep(poll)
+    raise TimeoutError("condition not reached")
+
+
+def test_dry_run_lists_trials_without_running(tmp_path):
+    spec = write_spec(tmp_path / "spec.py", budgets=[20 * STEP_FLOPS_D1, 40 * STEP_FLOPS_D1])
+    out = subprocess.run(launch_cmd(spec, tmp_path / "sw", "--dry-run"), capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert out.count("PENDING") == 2 and " 20 " in out and " 40 " in out
+    assert not (tmp_path / "sw" / "results.jsonl").exists()
+
+
+def test_kill9_then_relaunch_gives_exactly_n_rows(tmp_path):
+    n = 3
+    spec = write_spec(tmp_path / "spec.py", budgets=[s * STEP_FLOPS_D1 for s in (20, 30, 40)])
+    sweep = tmp_path / "sw"
+    proc = subprocess.Popen(launch_cmd(spec, sweep), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    wait_for(lambda: len(rows(sweep)) >= 1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    k = len(rows(sweep))
+    assert 1 <= k < n
+    # The trial that was running died with its launcher (PR_SET_PDEATHSIG), claim left behind.
+    summary = run_launch(spec, sweep)
+    got = rows(sweep)
+    ids = [r["trial_id"] for r in got]
+    assert len(got) == n and len(set(ids)) == n, ids
+    assert summary["statuses"] == {"SUCCESS": n}
+    events = [json.loads(x) for x in (sweep / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "takeover" for e in events)  # the dead launcher's claim
+
+
+def test_two_concurrent_launchers_run_each_trial_once(tmp_path):
+    n = 4
+    spec = write_spec(tmp_path / "spec.py", budgets=[s * STEP_FLOPS_D1 for s in (10, 15, 20, 25)])
+    sweep = tmp_path / "sw"
+    procs = [subprocess.Popen(launch_cmd(spec, sweep), stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for _ in range(2)]  # fmt: skip
+    outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+    got = rows(sweep)
+    assert sorted(r["trial_id"] for r in got) == sorted({r["trial_id"] for r in got})
+    assert len(got) == n
+    store = SweepStore(sweep)
+    for r in got:
+        assert len(store.attempts(r["trial_id"])) == 1  # run once, by one launcher
+        log = (store.trial_dir(r["trial_id"]) / "train.log").read_text()
+        assert log.count("=== ") == 1
+    ran = [w["ran"] for o in outs for w in o["workers"]]
+    assert sum(ran) == n
+
+
+def test_trial_killed_mid_run_resumes_from_its_checkpoint(tmp_path):
+    steps = 3000
+    spec = write_spec(tmp_path / "spec.py", budgets=[steps * STEP_FLOPS_D1], ckpts=6)
+    sweep = tmp_path / "sw"
+    proc = subprocess.Popen(launch_cmd(spec, sweep), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+
+    def checkpointed():
+        return any(p.name.isdigit() for p in sweep.glob("trials/*/run/checkpoints/*"))
+
+    wait_for(checkpointed)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert rows(sweep) == []
+    run_launch(spec, sweep)
+    (row,) = rows(sweep)
+    assert row["status"] == "SUCCESS"
+    assert row["resumed_from_step"] > 0  # restored, not restarted
+    assert row["final"]["step"] == steps
+
+
+def test_diverged_and_failed_trials_are_recorded(tmp_path):
+    sweep = tmp_path / "sw"
+    diverge = write_spec(
+        tmp_path / "diverge.py", budgets=[20 * STEP_FLOPS_D1], name="d",
+        overrides={"dense_optim.name": "sgd", "dense_optim.learning_rate": 1e30,
+                   "embedding_optim.name": "sgd", "embedding_optim.learning_rate": 1e30},
+    )  # fmt: skip
+    run_launch(diverge, sweep)
+    (row,) = rows(sweep)
+    assert row["status"] == "DIVERGED" and row["attempts"] == 1  # deterministic: no retry
+    assert row["diverged_at_step"] is not None and "non-finite" in row["error"]
+
+    fail = write_spec(
+        tmp_path / "fail.py", budgets=[20 * STEP_FLOPS_D1], name="f", max_retries=1,
+        overrides={"train.init_from": str(tmp_path / "no_such_run")},
+    )  # fmt: skip
+    sweep2 = tmp_path / "sw2"
+    summary = run_launch(fail, sweep2)
+    (row,) = rows(sweep2)
+    assert row["status"] == "FAILED" and row["attempts"] == 2  # first try + one retry
+    assert "FileNotFoundError" in row["error"] and "no_such_run" in row["error"]
+    assert summary["statuses"] == {"FAILED": 1}
+    # A relaunch does not run a finished trial again.
+    run_launch(fail, sweep2)
+    assert len(rows(sweep2)) == 1 and len(SweepStore(sweep2).attempts(row["trial_id"])) == 2
+
+
+def test_ray_backend_on_a_local_cluster(tmp_path):
+    ray_bin = Path(sys.executable).with_name("ray")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    port = "6391"
+    start = subprocess.run(
+        [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
+        sweep = tmp_path / "sw"
+        summary = run_launch(spec, sweep, "--backend", "ray", "--max-parallel", "2",
+                             "--ray-address", f"127.0.0.1:{port}")  # fmt: skip
+        assert summary["statuses"] == {"SUCCESS": 2}
+        got = rows(sweep)
+        assert len(got) == 2
+        owners = {a["owner"] for r in got for a in SweepStore(sweep).attempts(r["trial_id"])}
+        assert all(o.startswith("ray") for o in owners)
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env,
+                       timeout=120)  # fmt: skip
+
+
+def test_slurm_backend_with_submitits_local_executor(tmp_path):
+    spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
+    sweep = tmp_path / "sw"
+    summary = run_launch(spec, sweep, "--backend", "slurm", "--submitit-cluster", "local",
+                         "--max-parallel", "2")  # fmt: skip
+    assert summary["statuses"] == {"SUCCESS": 2}
+    got = rows(sweep)
+    owners = {a["owner"] for r in got for a in SweepStore(sweep).attempts(r["trial_id"])}
+    assert all(o.startswith("slurm") for o in owners)
+    assert any((sweep / "submitit").iterdir())  # submitit's own job folders
+
+
+def test_results_rows_carry_what_fits_and_audits_need(tmp_path):
+    spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1])
+    sweep = tmp_path / "sw"
+    run_launch(spec, sweep)
+    (row,) = rows(sweep)
+    for key in ("trial_id", "config", "budget", "compute", "flops_per_example",
+                "flops_convention", "examples", "params_dense", "params_sparse", "final", "best",
+                "wall_time_s", "device_kind", "device_count", "seed", "code_version",
+                "versions", "status", "data_fingerprint"):  # fmt: skip
+        assert row.get(key) is not None, key
+    assert row["examples"] == 10 * 64 and row["compute"] == pytest.approx(10 * STEP_FLOPS_D1)
+    assert row["final"]["step"] == 10 and row["best"]["logloss"] <= row["final"]["logloss"]
+    assert row["versions"]["jax"]
+    # The trial's workdir is a normal run: the evaluate command works on it.
+    wd = SweepStore(sweep).workdir(row["trial_id"])
+    ev = subprocess.run([sys.executable, "-m", "dlrm.evaluate", "--workdir", str(wd)],
+                        capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert json.loads(ev.strip().splitlines()[-1])["logloss"] == pytest.approx(
+        row["final"]["logloss"], abs=1e-6
+    )
+    shutil.rmtree(sweep)

@@ -1,0 +1,149 @@
+"""Sweep specs: resolution into trials, the batch-size rule, and trial identity."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+import pytest
+
+from sweeps import spec as spec_lib
+from sweeps.spec import BatchRule, FamilySpec, SweepSpec, dlrm_ladder, resolve, wukong_ladder
+
+DLRM = FamilySpec(
+    family="dlrm",
+    package="dlrm",
+    preset="dlrm/tiny",
+    ladder=dlrm_ladder(((4, (8, 4), (8, 1)), (8, (16, 8), (16, 1)), (8, (32, 8), (32, 1)))),
+)
+
+
+def make_spec(**kw) -> SweepSpec:
+    return SweepSpec(**{"name": "t", "families": (DLRM,), "budgets": (2e7, 6e7, 2e8),
+                        "min_steps": 5, "code_version": "test", **kw})  # fmt: skip
+
+
+def test_budget_resolves_to_examples_and_steps():
+    res = resolve(make_spec())
+    assert len(res.trials) == 9  # full IsoFLOP grid: 3 budgets x 3 rungs
+    for t in res.trials:
+        assert t.steps == round(t.budget / t.flops_per_example / t.batch_size)
+        assert t.examples == t.steps * t.batch_size
+        assert t.compute == pytest.approx(t.budget, rel=0.5 / t.steps + 1e-9)
+        assert t.config["train"]["num_steps"] == t.steps
+        # flops/example is the analytic training cost of the rung's model
+        from data.config import DataConfig
+        from data.schemas import schema_of
+        from dlrm.config import DLRMModelConfig
+        from recscale import config as config_lib
+
+        model = config_lib.from_dict(DLRMModelConfig, t.config["model"])
+        schema = schema_of(config_lib.from_dict(DataConfig, t.config["data"]))
+        assert t.flops_per_example == model.cost(schema).train_flops
+
+
+def test_diagonal_grid_climbs_the_ladder():
+    res = resolve(make_spec(sizes_per_budget=2))
+    by_budget = {}
+    for t in res.trials:
+        by_budget.setdefault(t.budget, []).append(t.rung_index)
+    assert by_budget == {2e7: [0, 1], 6e7: [1, 2], 2e8: [1, 2]} or by_budget == {
+        2e7: [0, 1], 6e7: [0, 1], 2e8: [1, 2]}  # round() of 0.5  # fmt: skip
+
+
+def test_too_few_steps_are_skipped_with_a_reason():
+    res = resolve(make_spec(min_steps=200))
+    assert res.skipped and all("min_steps=200" in s for s in res.skipped)
+    assert all(t.steps >= 200 for t in res.trials)
+
+
+def test_learning_rate_follows_the_batch_rule():
+    base = resolve(make_spec()).trials[0]  # dlrm/tiny's own batch (64)
+    big = resolve(make_spec(batch_size=256)).trials[0]
+    # Adam and row-wise Adagrad: square-root rule.
+    assert big.config["dense_optim"]["learning_rate"] == pytest.approx(
+        base.config["dense_optim"]["learning_rate"] * 2
+    )
+    assert big.config["embedding_optim"]["learning_rate"] == pytest.approx(
+        base.config["embedding_optim"]["learning_rate"] * 2
+    )
+    lin = resolve(make_spec(batch_size=256, batch_rule=BatchRule(dense_power=1.0))).trials[0]
+    assert lin.config["dense_optim"]["learning_rate"] == pytest.approx(
+        base.config["dense_optim"]["learning_rate"] * 4
+    )
+    assert BatchRule.default_power("sgd") == 1.0 and BatchRule.default_power("adam") == 0.5
+    t = big
+    assert t.config["dense_optim"]["warmup_steps"] == round(0.05 * t.steps)
+
+
+def test_identity_ignores_non_semantic_fields_only():
+    (t,) = resolve(make_spec(budgets=(2e7,), sizes_per_budget=1)).trials
+    cfg = t.config
+    same = {**cfg, "train": {**cfg["train"], "log_every": 7, "eval_every": 3, "progress": True,
+                             "checkpoint_every": 11}}  # fmt: skip
+    assert spec_lib.trial_id("dlrm", same, "test", "fp") == spec_lib.trial_id(
+        "dlrm", cfg, "test", "fp"
+    )
+    changed = {**cfg, "dense_optim": {**cfg["dense_optim"], "learning_rate": 0.1234}}
+    assert spec_lib.trial_id("dlrm", changed, "test", "fp") != spec_lib.trial_id(
+        "dlrm", cfg, "test", "fp"
+    )
+    assert spec_lib.trial_id("dlrm", cfg, "other-code", "fp") != spec_lib.trial_id(
+        "dlrm", cfg, "test", "fp"
+    )
+    assert spec_lib.trial_id("dlrm", cfg, "test", "fp2") != spec_lib.trial_id(
+        "dlrm", cfg, "test", "fp"
+    )
+    # the spec's own knobs that are cadence only do not change ids either
+    a = resolve(make_spec(evals_per_trial=2, checkpoints_per_trial=2)).trials
+    b = resolve(make_spec(evals_per_trial=5, checkpoints_per_trial=3)).trials
+    assert [x.trial_id for x in a] == [x.trial_id for x in b]
+    c = resolve(make_spec(seeds=(1,))).trials
+    assert not {x.trial_id for x in a} & {x.trial_id for x in c}
+
+
+def test_data_fingerprint_tracks_file_content(tmp_path):
+    from data.config import DataConfig
+
+    f = tmp_path / "train.csv"
+    f.write_text("a,b\n1,2\n")
+    cfg = DataConfig(kind="frappe", train_path=str(f), eval_path=str(f))
+    fp = spec_lib.data_fingerprint(cfg)
+    f.write_text("a,b\n1,3\n")
+    assert spec_lib.data_fingerprint(cfg) != fp
+
+
+def test_overrides_and_wukong_ladder():
+    fam = FamilySpec(
+        family="wukong", package="wukong", preset="wukong/tiny",
+        ladder=wukong_ladder(((1, 2, 2, 2, 1, 8), (2, 4, 4, 4, 1, 16))),
+        overrides={"model.top_mlp": (8, 1), "dense_optim.decay": "cosine"},
+    )  # fmt: skip
+    res = resolve(make_spec(families=(fam,), budgets=(1e8,)))
+    assert [t.rung for t in res.trials] == ["w1", "w2"]
+    assert all(t.config["model"]["top_mlp"] == [8, 1] for t in res.trials)
+    assert res.trials[1].config["model"]["num_layers"] == 2
+    bad = dataclasses.replace(fam, overrides={"model.no_such_field": 1})
+    with pytest.raises(ValueError, match="no_such_field"):
+        resolve(make_spec(families=(bad,)))
+
+
+def test_bad_specs_are_rejected():
+    with pytest.raises(ValueError, match="increasing"):
+        make_spec(budgets=(2e8, 2e7))
+    with pytest.raises(ValueError, match="positive"):
+        make_spec(budgets=(math.inf,))
+    with pytest.raises(ValueError, match="sizes_per_budget"):
+        make_spec(sizes_per_budget=4)
+
+
+def test_specs_resolve_without_jax():
+    code = (
+        "import sys; from sweeps.spec import load_spec, resolve; import sweeps.launch;"
+        "[resolve(load_spec(m)) for m in ('sweeps.specs.showcase', 'sweeps.specs.tiny')];"
+        "bad = [m for m in ('jax', 'flax', 'grain', 'optax') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,156 @@
+"""Hardware presets: how a trial runs on a machine type (no jax import).
+
+A :class:`LaunchPreset` says what a sweep's trials need from the cluster and the runtime:
+hosts and devices, the mesh, the per-device batch, XLA flags and environment, the SLURM
+resources submitit asks for, and the prefix that starts one process per host. Multi-host
+trials set ``RECSCALE_DISTRIBUTED=1``, which makes the train command call
+``jax.distributed.initialize()`` with no arguments: JAX then reads the coordinator, process
+count and process id from SLURM (``srun``), from the TPU VM metadata, or from ``JAX_*``
+variables.
+
+Use one in a sweep spec (``SweepSpec.hardware``) or on the command line
+(``python -m sweeps.launch SPEC --hardware gpu-h100x8``). The XLA flags are the documented ones
+for each platform (JAX GPU performance tips; the Cloud TPU performance guide); the per-device
+batches are starting points, to be tuned per model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchPreset:
+    name: str
+    description: str
+    platform: Literal["cpu", "gpu", "tpu"]
+    num_hosts: int = 1
+    devices_per_host: int = 1
+    per_device_batch: int = 0
+    """Per-device batch (global = per_device_batch * devices); 0 = the spec's or preset's."""
+    xla_flags: tuple[str, ...] = ()
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    slurm: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """submitit ``update_parameters`` keywords for one trial worker (nodes, gpus_per_node, ...)."""
+    command_prefix: tuple[str, ...] = ()
+    """Prepended to each trial command: starts one process per host (e.g. ``srun``)."""
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device_batch * self.num_devices
+
+    @property
+    def distributed(self) -> bool:
+        return self.num_hosts > 1
+
+    def trial_env(self) -> dict[str, str]:
+        """Environment of a trial process."""
+        env = dict(self.env)
+        if self.xla_flags:
+            env["XLA_FLAGS"] = " ".join(self.xla_flags)
+        if self.distributed:
+            env["RECSCALE_DISTRIBUTED"] = "1"
+        return env
+
+
+_GPU_FLAGS = (
+    # JAX's GPU performance tips: overlap collectives with compute, latency-hiding scheduler.
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_triton_gemm=false",
+    "--xla_gpu_enable_command_buffer=",
+)
+_TPU_ENV = {
+    # Cloud TPU guide: larger async-collective fusion for data-parallel gradient reductions.
+    "LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_collective_fusion=true "
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_overlap_compute_collective_tc=true",
+}
+
+PRESETS: dict[str, LaunchPreset] = {
+    p.name: p
+    for p in (
+        LaunchPreset(
+            name="cpu-local",
+            description="This machine's CPU, one process, one device (the default; CI, make run).",
+            platform="cpu",
+            slurm={"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 2, "timeout_min": 60},
+        ),
+        LaunchPreset(
+            name="gpu-h100x1",
+            description="One H100 80GB.",
+            platform="gpu",
+            devices_per_host=1,
+            per_device_batch=8192,
+            xla_flags=_GPU_FLAGS,
+            slurm={
+                "nodes": 1,
+                "tasks_per_node": 1,
+                "gpus_per_node": 1,
+                "cpus_per_task": 16,
+                "timeout_min": 240,
+            },
+        ),  # fmt: skip
+        LaunchPreset(
+            name="gpu-h100x8",
+            description="One 8x H100 host (DGX/HGX); data-parallel mesh over the 8 GPUs.",
+            platform="gpu",
+            devices_per_host=8,
+            per_device_batch=8192,
+            xla_flags=_GPU_FLAGS,
+            slurm={
+                "nodes": 1,
+                "tasks_per_node": 1,
+                "gpus_per_node": 8,
+                "cpus_per_task": 96,
+                "timeout_min": 720,
+            },
+        ),  # fmt: skip
+        LaunchPreset(
+            name="gpu-h100x8-4nodes",
+            description="4 hosts x 8 H100 over InfiniBand: srun starts one process per host, "
+            "each calls jax.distributed.initialize() (SLURM auto-detection).",
+            platform="gpu",
+            num_hosts=4,
+            devices_per_host=8,
+            per_device_batch=8192,
+            xla_flags=_GPU_FLAGS,
+            slurm={
+                "nodes": 4,
+                "tasks_per_node": 1,
+                "gpus_per_node": 8,
+                "cpus_per_task": 96,
+                "timeout_min": 720,
+            },
+            command_prefix=("srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"),
+        ),  # fmt: skip
+        LaunchPreset(
+            name="tpu-v5p-32",
+            description="TPU v5p-32 slice: 4 hosts x 4 chips; run the worker with the trial "
+            "command on every host (gcloud ... ssh --worker=all).",
+            platform="tpu",
+            num_hosts=4,
+            devices_per_host=4,
+            per_device_batch=16384,
+            env=_TPU_ENV,
+        ),
+        LaunchPreset(
+            name="tpu-v6e-8",
+            description="TPU v6e-8 (Trillium), one host x 8 chips.",
+            platform="tpu",
+            devices_per_host=8,
+            per_device_batch=8192,
+            env=_TPU_ENV,
+        ),
+    )
+}
+
+
+def get(name: str) -> LaunchPreset:
+    if name not in PRESETS:
+        raise KeyError(f"unknown hardware preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
