@@ -16,11 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# Main job: train dlrm/synthetic on the embedded synthetic generator, evaluate, print metrics JSON.
+# Main job: the showcase scaling sweep (Wukong vs DLRM vs DCNv2 over 1.5 decades of compute on
+# the embedded planted-teacher generator), then the fitted laws and plots in runs/showcase/.
+# Resumable: an interrupted `make run` continues where it stopped.
 run: $(STAMP)
-	rm -rf runs/main
-	$(BIN)/python -m dlrm.train dlrm/synthetic --workdir runs/main
-	$(BIN)/python -m dlrm.evaluate --workdir runs/main --output runs/main/eval.json
+	$(BIN)/python -m sweeps.launch sweeps.specs.showcase --sweep-dir runs/showcase --max-parallel 2
+	$(BIN)/python -m sweeps.analyze runs/showcase
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -78,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         stale_after_s=args.stale_after,
         max_retries=spec.max_retries,
         wait=args.wait,
-        env=hw.trial_env(),
+        env={
+            # Rungs recur across budgets: their init and eval programs compile once per sweep.
+            "JAX_COMPILATION_CACHE_DIR": str(sweep_dir / "jax_cache"),
+            **hw.trial_env(),
+        },
         command_prefix=hw.command_prefix,
         sweep=spec.name,
         code_version=res.code_version,
