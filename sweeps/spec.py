@@ -165,6 +165,10 @@ class SweepSpec:
     batch_rule: BatchRule = BatchRule()
     min_steps: int = 20
     """(budget, rung) pairs with fewer steps are skipped (reported by ``--dry-run``)."""
+    max_steps: int = 0
+    """(budget, rung) pairs with more steps are skipped (0 = no limit). With
+    ``sizes_per_budget=0`` the two bounds make the classic IsoFLOP design: at each budget, every
+    model size whose run length is feasible."""
     evals_per_trial: int = 4
     """Evaluations during a trial (for the best-eval metric); the last is at the final step."""
     eval_max_batches: int = 0
@@ -286,6 +290,9 @@ def resolve(spec: SweepSpec) -> Resolution:
                 where = f"{fam.family} budget {budget:.3g} rung {rung.name}"
                 if steps < spec.min_steps:
                     skipped.append(f"{where}: {steps} steps < min_steps={spec.min_steps}")
+                    continue
+                if spec.max_steps and steps > spec.max_steps:
+                    skipped.append(f"{where}: {steps} steps > max_steps={spec.max_steps}")
                     continue
                 for seed in spec.seeds:
                     cfg = _trial_config(spec, base, model, data, steps, seed, base_batch)

@@ -3,17 +3,21 @@
 The data's teacher logit has first-, second- and third-order terms (``interaction_order=3``,
 see ``data/synthetic.py``), so a model that builds higher-order crosses (Wukong's stacked FM
 blocks, DCNv2's cross layers) has something to find that DLRM's pairwise dot products do not.
-Five budgets span 1.5 decades of training FLOPs; at each, three rungs of each family's ladder
-(a climbing diagonal), so every budget has a 3-point IsoFLOP curve.
+
+Design (an IsoFLOP grid): five budgets over 1.5 decades of training FLOPs; each family has a
+ladder of five sizes about 3x apart in training FLOPs per example; at each budget every size
+whose run is between 100 and 5,000 steps of 1,024 examples is trained (``min_steps`` /
+``max_steps``), so each budget has a 3-4 point IsoFLOP curve and the frontier (best size per
+budget) is what the scaling law is fitted to.
 
 ``python -m sweeps.launch sweeps.specs.showcase --max-parallel 2`` then
-``python -m sweeps.analyze runs/sweeps/showcase``.
+``python -m sweeps.analyze runs/sweeps/showcase`` (``make run`` does both).
 """
 
 from __future__ import annotations
 
 from data.config import DataConfig, SyntheticConfig
-from sweeps.spec import FamilySpec, SweepSpec, dcnv2_ladder, dlrm_ladder, wukong_ladder
+from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder
 
 DATA = DataConfig(
     kind="synthetic",
@@ -38,21 +42,28 @@ SCHEDULE = {
     "dense_optim.end_lr_fraction": 0.1,
 }
 
+
+def _wukong(name, d, layers, n, k, depth, width, dense, top):
+    return Rung(
+        name,
+        dict(embed_dim=d, num_layers=layers, n_fmb=n, n_lcb=n, fmb_rank=k, fmb_mlp_depth=depth,
+             fmb_mlp_width=width, dense_mlp=dense, top_mlp=top),
+    )  # fmt: skip
+
+
 WUKONG = FamilySpec(
     family="wukong",
     package="wukong",
     preset="wukong/synthetic",
-    overrides={"model.dense_mlp": (32,), "model.top_mlp": (64, 1), **SCHEDULE},
-    # (l, n_F, n_L, k, FMB MLP depth, width): layers first, then n_F/n_L/k, then MLP width.
-    ladder=wukong_ladder(
-        (
-            (1, 2, 2, 2, 1, 16),
-            (1, 4, 4, 4, 1, 32),
-            (2, 4, 4, 4, 1, 32),
-            (2, 8, 8, 8, 1, 64),
-            (3, 8, 8, 8, 2, 64),
-            (3, 16, 16, 16, 2, 128),
-        )
+    overrides=SCHEDULE,
+    # As the paper's Table 5 grows it: layers first, then n_F = n_L and k, then the FMB MLP;
+    # the two smallest rungs also shrink d and the small MLPs to reach DLRM's smallest cost.
+    ladder=(
+        _wukong("w1", 8, 1, 2, 2, 1, 16, (16,), (16, 1)),  # 1.2e4 FLOPs/example
+        _wukong("w2", 8, 1, 4, 4, 1, 32, (16,), (32, 1)),  # 3.6e4
+        _wukong("w3", 16, 2, 4, 4, 1, 32, (32,), (64, 1)),  # 1.2e5
+        _wukong("w4", 16, 2, 8, 8, 1, 64, (32,), (64, 1)),  # 3.5e5
+        _wukong("w5", 16, 3, 8, 8, 2, 128, (32,), (64, 1)),  # 1.05e6
     ),
 )
 DLRM = FamilySpec(
@@ -63,12 +74,11 @@ DLRM = FamilySpec(
     # (embedding dim, bottom MLP, top MLP).
     ladder=dlrm_ladder(
         (
-            (4, (16, 4), (16, 1)),
-            (8, (32, 8), (32, 1)),
-            (8, (64, 8), (64, 32, 1)),
-            (16, (64, 16), (128, 64, 1)),
-            (16, (128, 16), (256, 128, 1)),
-            (32, (256, 32), (512, 256, 1)),
+            (4, (16, 4), (16, 1)),  # 7.1e3
+            (8, (32, 8), (64, 1)),  # 2.4e4
+            (8, (64, 8), (128, 64, 1)),  # 9.4e4
+            (16, (128, 16), (256, 128, 1)),  # 3.0e5
+            (16, (256, 128, 16), (512, 256, 1)),  # 1.2e6
         )
     ),
 )
@@ -77,15 +87,17 @@ DCNV2 = FamilySpec(
     package="baselines.dcnv2",
     preset="dcnv2/synthetic",
     overrides=SCHEDULE,
-    # (cross layers, cross rank (0 = full), deep MLP).
-    ladder=dcnv2_ladder(
-        (
-            (1, 4, (16,)),
-            (1, 8, (32,)),
-            (2, 8, (64, 32)),
-            (2, 16, (128, 64)),
-            (3, 16, (256, 128)),
-            (3, 32, (512, 256)),
+    # (embedding dim, cross layers, cross rank, deep MLP): cross depth and MLP grow together.
+    ladder=tuple(
+        Rung(f"c{i + 1}", dict(embed_dim=d, num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
+        for i, (d, n, r, mlp) in enumerate(
+            (
+                (8, 1, 4, (16,)),  # 1.1e4
+                (8, 2, 8, (64, 32)),  # 5.5e4
+                (16, 2, 16, (128, 64)),  # 2.1e5
+                (16, 3, 16, (256, 128)),  # 4.9e5
+                (16, 3, 32, (512, 256)),  # 1.4e6
+            )
         )
     ),
 )
@@ -95,8 +107,9 @@ SPEC = SweepSpec(
     families=(WUKONG, DLRM, DCNV2),
     data=DATA,
     budgets=tuple(1e10 * 10 ** (1.5 * i / 4) for i in range(5)),
-    sizes_per_budget=3,
-    min_steps=50,
+    sizes_per_budget=0,
+    min_steps=100,
+    max_steps=5000,
     evals_per_trial=4,
     eval_max_batches=1,
     checkpoints_per_trial=2,
