@@ -245,7 +245,7 @@ def plot(
         ax.scatter(fr["compute"], fr["y"], s=40, color=col, label=f"{fam} (frontier)", zorder=3)
         law = d.get("_fit")
         if law is not None:
-            cs = np.geomspace(fr["compute"].min() / 1.5, fr["compute"].max() * 3, 200)
+            cs = np.geomspace(fr["compute"].min(), fr["compute"].max() * 3, 200)
             lo, hi = law.band(cs, 0.95)
             ax.plot(cs, law.predict(cs), color=col, lw=1.5,
                     label=f"{fam}: b={law.b:.2f}, c={law.c:.3f}")  # fmt: skip
@@ -256,6 +256,11 @@ def plot(
                        zorder=4)  # fmt: skip
     if reference is not None:
         ax.axhline(reference, color="k", ls=":", lw=1, label="Bayes-optimal (planted teacher)")
+    # Bands of a 5-point fit can be wide where it extrapolates: frame the data, not the band.
+    ys = np.concatenate([d["_points"]["y"].to_numpy() for d in fams.values()])
+    lo_y = min(ys.min(), reference if reference is not None else ys.min())
+    pad = 0.08 * (ys.max() - lo_y)
+    ax.set_ylim(lo_y - pad, ys.max() + pad)
     ax.set_xscale("log")
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel(_ylabel(metric))

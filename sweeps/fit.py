@@ -205,7 +205,8 @@ def _interval(boot_rq: np.ndarray, level: float, df: int) -> tuple[np.ndarray, n
     """t-expanded percentile interval (lo [Q], hi [Q]) from bootstrap values [R, Q]: the tails
     are Φ(∓t_df) instead of (1 ∓ level)/2 (2.5% → 1.54% at df = 13)."""
     tail = stats.norm.cdf(-stats.t.ppf(0.5 + level / 2, df))
-    lo, hi = np.quantile(boot_rq, [tail, 1 - tail], axis=0)
+    with np.errstate(invalid="ignore"):  # interpolating between +inf samples (a = a_norm·C0^b)
+        lo, hi = np.quantile(boot_rq, [tail, 1 - tail], axis=0)
     return lo, hi
 
 
@@ -251,7 +252,8 @@ class PowerLawFit:
 
     def _curve(self, p_rp: np.ndarray, compute) -> np.ndarray:
         x_k = np.atleast_1d(np.asarray(compute, dtype=float)) / self.c0
-        return p_rp[:, :1] * x_k ** -p_rp[:, 1:2] + p_rp[:, 2:]
+        with np.errstate(over="ignore"):  # a steep bootstrap curve below C0 may reach +inf
+            return p_rp[:, :1] * x_k ** -p_rp[:, 1:2] + p_rp[:, 2:]
 
     def predict(self, compute) -> np.ndarray:
         """Fitted loss [K] at compute (scalar or [K])."""
