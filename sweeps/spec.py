@@ -66,7 +66,9 @@ def wukong_ladder(rows: tuple[tuple[int, int, int, int, int, int], ...], prefix:
     return tuple(
         Rung(
             f"{prefix}{i + 1}",
-            dict(num_layers=nl_, n_fmb=nf, n_lcb=nl, fmb_rank=k, fmb_mlp_depth=dep, fmb_mlp_width=w),
+            dict(
+                num_layers=nl_, n_fmb=nf, n_lcb=nl, fmb_rank=k, fmb_mlp_depth=dep, fmb_mlp_width=w
+            ),
         )
         for i, (nl_, nf, nl, k, dep, w) in enumerate(rows)
     )
@@ -266,8 +268,10 @@ def resolve(spec: SweepSpec) -> Resolution:
         importlib.import_module(f"{fam.package}.presets")  # registers the family's presets
         base = _override(config_lib.get_preset(fam.preset), fam.overrides, fam.family)
         data = spec.data if spec.data is not None else base.data
-        batch = (
-            spec.batch_size or tpu_gpu_configs.get(spec.hardware).global_batch or data.batch_size
+        hw = tpu_gpu_configs.get(spec.hardware)
+        batch = spec.batch_size or hw.global_batch or data.batch_size
+        base = dataclasses.replace(
+            base, mesh=dataclasses.replace(base.mesh, data_parallel=hw.data_parallel)
         )
         data = dataclasses.replace(data, batch_size=batch)
         schema = schema_of(data)

@@ -29,6 +29,8 @@ class LaunchPreset:
     devices_per_host: int = 1
     per_device_batch: int = 0
     """Per-device batch (global = per_device_batch * devices); 0 = the spec's or preset's."""
+    data_parallel: int = -1
+    """Devices on the mesh's ``data`` axis (``MeshConfig.data_parallel``; -1 = all of them)."""
     xla_flags: tuple[str, ...] = ()
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     slurm: dict[str, Any] = dataclasses.field(default_factory=dict)

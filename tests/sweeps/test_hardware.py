@@ -1,0 +1,53 @@
+"""Hardware presets, and the train command's multi-host start."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import tpu_gpu_configs
+from recscale.train import cli
+from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder, resolve
+
+
+def test_presets_are_consistent():
+    for name, p in tpu_gpu_configs.PRESETS.items():
+        assert p.name == name and p.num_devices >= 1
+        env = p.trial_env()
+        assert ("RECSCALE_DISTRIBUTED" in env) == (p.num_hosts > 1)
+        if p.xla_flags:
+            assert env["XLA_FLAGS"].split() == list(p.xla_flags)
+        if p.slurm and p.num_hosts > 1:
+            assert p.slurm["nodes"] == p.num_hosts and p.command_prefix[0] == "srun"
+    with pytest.raises(KeyError, match="known: "):
+        tpu_gpu_configs.get("gpu-nonexistent")
+
+
+def test_hardware_sets_the_global_batch_and_mesh():
+    fam = FamilySpec(family="dlrm", package="dlrm", preset="dlrm/tiny",
+                     ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)))  # fmt: skip
+    spec = SweepSpec(name="t", families=(fam,), budgets=(1e12,), code_version="x",
+                     hardware="gpu-h100x8")  # fmt: skip
+    (t,) = resolve(spec).trials
+    hw = tpu_gpu_configs.get("gpu-h100x8")
+    assert t.batch_size == hw.per_device_batch * 8 == t.config["data"]["batch_size"]
+    assert t.config["mesh"]["data_parallel"] == -1
+    # a preset's mesh is not part of the trial's identity (same run on another mesh)
+    (cpu,) = resolve(
+        dataclasses.replace(spec, hardware="cpu-local", batch_size=t.batch_size)
+    ).trials
+    assert cpu.trial_id == t.trial_id
+
+
+def test_distributed_env_initialises_jax_distributed(monkeypatch):
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.delenv(cli.DISTRIBUTED_ENV, raising=False)
+    cli.maybe_initialize_distributed()
+    assert calls == []
+    monkeypatch.setenv(cli.DISTRIBUTED_ENV, "1")
+    cli.maybe_initialize_distributed()
+    assert calls == [((), {})]  # no arguments: JAX reads SLURM / TPU / JAX_* settings
