@@ -122,7 +122,7 @@ for family, d in result["families"].items():
     if law:
         print("   b 95% CI", np.round(law["intervals"]["b"], 3),
               " dL/decade", round(law["slope_per_decade"], 4))  # fmt: skip
-    print("   holdout:", d["holdout"].get("reason") or f"{d['holdout']['rel_error']:+.2%}")
+    print("   holdout:", d["holdout"].get("reason") or f"{d['holdout']['rel_error']:.2%}")
 
 # %% [markdown]
 # The fitting functions also work on any arrays, e.g. to check a law on synthetic points:

@@ -193,7 +193,14 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
         )  # fmt: skip
     console.print(t)
     laws = Table(title=f"scaling laws: {_ylabel(metric)} = c + a'·(C/C0)^-b on the frontier")
-    for col in ("family", "law", "b [95% CI]", "c [95% CI]", "dL per decade", "holdout error"):
+    for col in (
+        "family",
+        "law",
+        "b [95% CI]",
+        "c [95% CI]",
+        "dL per decade",
+        "largest budget held out: error, predicted for observed",
+    ):
         laws.add_column(col)
     for fam, d in analysis["families"].items():
         law = d.get("law")
@@ -202,8 +209,11 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
             continue
         iv = law["intervals"]
         h = d["holdout"]
-        hold = (f"{h['rel_error'] * 100:+.2f}% at C={h['holdout_compute']:.3g}"
-                if h.get("rel_error") is not None else h.get("reason", ""))  # fmt: skip
+        hold = (
+            f"{h['rel_error']:.2%}: {h['predicted']:.4f} for {h['observed']:.4f}"
+            if h.get("rel_error") is not None
+            else h.get("reason", "")
+        )
         laws.add_row(
             fam, d["law_str"],
             f"{law['b']:.3f} [{iv['b'][0]:.3f}, {iv['b'][1]:.3f}]",
