@@ -369,7 +369,6 @@ def _trial_config(spec, base, model, data, steps, seed, base_batch):
             checkpoint_every=max(steps // ckpts, 1),
             log_every=max(min(steps // 20, 100), 1),
             progress=False,
-            init_from="",
         ),
     )
 

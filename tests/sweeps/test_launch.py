@@ -59,10 +59,11 @@ def launch_cmd(spec: Path, sweep_dir: Path, *extra: str) -> list[str]:
             "--heartbeat", "0.5", "--stale-after", "4", *extra]  # fmt: skip
 
 
-def run_launch(spec: Path, sweep_dir: Path, *extra: str, timeout=300) -> dict:
+def run_launch(spec: Path, sweep_dir: Path, *extra: str, timeout=300, env=None) -> dict:
     proc = subprocess.run(
-        launch_cmd(spec, sweep_dir, *extra), capture_output=True, text=True, timeout=timeout
-    )
+        launch_cmd(spec, sweep_dir, *extra), capture_output=True, text=True, timeout=timeout,
+        env=env,
+    )  # fmt: skip
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -178,7 +179,9 @@ def test_diverged_and_failed_trials_are_recorded(tmp_path):
 
 def test_ray_backend_on_a_local_cluster(tmp_path):
     ray_bin = Path(sys.executable).with_name("ray")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # A throwaway cluster on this machine: no usage stats, and no token auth (Ray 2.5x enables
+    # it by default; a real cluster's token reaches the launcher through ~/.ray/auth_token).
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     port = "6391"
     start = subprocess.run(
         [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
@@ -190,7 +193,7 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
         spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
         sweep = tmp_path / "sw"
         summary = run_launch(spec, sweep, "--backend", "ray", "--max-parallel", "2",
-                             "--ray-address", f"127.0.0.1:{port}")  # fmt: skip
+                             "--ray-address", f"127.0.0.1:{port}", env=env)  # fmt: skip
         assert summary["statuses"] == {"SUCCESS": 2}
         got = rows(sweep)
         assert len(got) == 2
