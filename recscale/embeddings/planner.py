@@ -1,0 +1,383 @@
+"""Embedding sharding planner: a sharding type and placement per table, within device memory,
+minimising the slowest device's estimated step time. No jax import.
+
+Sharding types (``N`` devices, ``H`` devices per host):
+
+* ``data_parallel``: the table on every device; lookups local; the table's (sparse) gradient is
+  all-gathered every step.
+* ``table_wise``: the whole table on one device; ids sent to it and pooled vectors back
+  (all-to-all).
+* ``column_wise``: the columns split into ``k`` slices on ``k`` devices, each a table-wise shard
+  of width ``D/k``.
+* ``row_wise``: rows split over all ``N`` devices; every device pools its rows for the whole
+  batch, partial sums are reduce-scattered (forward) and all-gathered (backward).
+* ``table_row_wise``: rows split over the ``H`` devices of one host (row-wise traffic stays on
+  the fast intra-host links).
+* ``table_column_wise``: column slices placed on devices as table-wise shards (``column_wise``
+  with ``k`` chosen per table; the two names are kept for TorchRec users).
+
+Cost model (per training step; ``B`` global batch, ``P`` mean ids per bag, ``D`` width of the
+shard, ``b`` bytes per element, ``c`` bytes per communicated element), in the spirit of
+TorchRec's ``EmbeddingPerfEstimator`` and NeuroShard's cost features. For a shard holding a
+fraction ``f`` of the table's lookups:
+
+* lookup bytes = ``f·B·P·D·b`` forward, ``2×`` that backward + update (read the gradient rows,
+  read-modify-write the rows and their optimizer state);
+* communication bytes: table-/column-wise: ids in (``4·B·P·f``) + pooled vectors out and their
+  gradients back (``2·B·D·c``); row-wise: reduce-scatter + all-gather of the partial sums
+  (``2·B·D·c·(n-1)/n`` over its group of ``n``); data-parallel: all-gather of the touched rows'
+  gradients (``B·P·D·c·(N-1)/N``);
+* compute = ``3·f·B·P·D`` FLOPs (pool, scatter, update).
+
+time = lookup / memory_bandwidth + comm / link bandwidth + compute / FLOP/s, each term scaled by
+the ``CostModel``'s calibration factors (``CostModel.calibrated`` fits the lookup factor from
+measured lookup times). Row-wise load follows the id skew: with a Zipf exponent ``s`` the hottest
+row alone takes ``p_0 = 1/H_{V,s}`` of the lookups, so the busiest of ``n`` row shards sees
+``p_0 + (1 - p_0)/n`` of them (rows are spread by a permutation, so only single hot rows
+concentrate).
+
+Memory per shard = rows × D × b (storage) + optimizer state (row-wise Adagrad: 4 bytes per row;
+Adam: 8 bytes per element; SGD: none), within ``memory_fraction`` of device memory.
+
+Search: greedy placement, largest estimated cost first, each table taking the candidate
+(sharding type and devices, shards going to the least-loaded devices that have room) that
+minimises the resulting maximum device time, then total time; repeated for each cap on
+column splits (1, 2, 4, 8, ...: the grid over column splits of NeuroShard) and the best plan
+kept. A table that fits no candidate raises, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import numpy as np
+
+from tpu_gpu_configs.profiles import HardwareProfile
+
+ShardingType = Literal[
+    "data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise"
+]
+OPTIMIZER_STATE_BYTES = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
+"""(bytes per row, bytes per element) of optimizer state."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlannerTable:
+    """What the planner needs to know of a table."""
+
+    name: str
+    num_rows: int
+    dim: int
+    bytes_per_element: int = 4
+    pooling_factor: float = 1.0
+    """Mean ids per example (bag size) of the features reading this table."""
+    zipf_exponent: float = 0.0
+    """Id-frequency skew (0 = uniform)."""
+    optimizer: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    allowed: tuple[ShardingType, ...] = ()
+    """Sharding types the planner may choose (empty = all); one entry pins the table by hand."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Calibration factors multiplying the analytic terms (1 = the profile's peak numbers)."""
+
+    lookup: float = 1.0
+    comm: float = 1.0
+    compute: float = 1.0
+    comm_bytes_per_element: int = 4
+    """4 = fp32 exchanges; 2 = bf16/fp16 communication."""
+
+    def calibrated(self, bytes_read, seconds, profile: HardwareProfile) -> CostModel:
+        """The lookup factor fitted (least squares through the origin) to measured lookup
+        times ``seconds`` of lookups reading ``bytes_read``: factor = measured / peak time."""
+        x = np.asarray(bytes_read, float) / profile.memory_bandwidth
+        y = np.asarray(seconds, float)
+        if x.size == 0 or np.any(x <= 0) or np.any(y <= 0):
+            raise ValueError("calibration needs positive bytes and times")
+        return dataclasses.replace(self, lookup=float(x @ y / (x @ x)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    device: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    memory_bytes: float
+    time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    table: str
+    sharding: ShardingType
+    shards: tuple[Shard, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    tables: tuple[TablePlan, ...]
+    device_time_s: np.ndarray
+    """Estimated time per step of each device [N]."""
+    device_memory_bytes: np.ndarray
+    """Memory of each device's shards [N]."""
+    memory_limit_bytes: float
+
+    @property
+    def max_time_s(self) -> float:
+        return float(self.device_time_s.max())
+
+    def by_table(self) -> dict[str, TablePlan]:
+        return {t.table: t for t in self.tables}
+
+    def render(self, max_rows: int = 50) -> str:
+        """The plan as a readable table (rich), plus per-device load."""
+        import io  # noqa: PLC0415
+
+        from rich.console import Console  # noqa: PLC0415
+        from rich.table import Table  # noqa: PLC0415
+
+        t = Table(title=f"embedding plan: {len(self.tables)} tables on {self.device_time_s.size} "
+                        f"devices, slowest device {self.max_time_s * 1e3:.3f} ms/step")  # fmt: skip
+        for col in ("table", "sharding", "shards", "devices", "memory/shard", "time/shard"):
+            t.add_column(col)
+        for tp in self.tables[:max_rows]:
+            devs = sorted({s.device for s in tp.shards})
+            dev_s = ",".join(map(str, devs)) if len(devs) <= 8 else f"{len(devs)} devices"
+            t.add_row(tp.table, tp.sharding, str(len(tp.shards)), dev_s,
+                      _bytes(max(s.memory_bytes for s in tp.shards)),
+                      f"{max(s.time_s for s in tp.shards) * 1e6:.1f} us")  # fmt: skip
+        buf = io.StringIO()
+        console = Console(file=buf, width=120)
+        console.print(t)
+        mem = self.device_memory_bytes
+        console.print(
+            f"device memory: max {_bytes(mem.max())} of {_bytes(self.memory_limit_bytes)}, "
+            f"min {_bytes(mem.min())}; device time: max {self.max_time_s * 1e6:.1f} us, "
+            f"mean {self.device_time_s.mean() * 1e6:.1f} us"
+        )
+        return buf.getvalue()
+
+
+def _bytes(x: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    sharding: ShardingType
+    n_shards: int
+    group: Literal["any", "all", "host"]
+    """``any``: shards go to the least-loaded devices; ``all``: one per device; ``host``: one
+    per device of the least-loaded host."""
+    shard_memory: float
+    shard_time: float
+    shard_rows: int
+    shard_cols: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _hot_fraction(num_rows: int, s: float) -> float:
+    """p_0: the hottest row's share of the lookups under Zipf(s) over ``num_rows`` rows (the
+    first 10,000 terms of the harmonic sum exactly, the rest by its integral)."""
+    if s <= 0:
+        return 1.0 / num_rows
+    head = min(num_rows, 10_000)
+    h = float(np.sum(np.arange(1, head + 1, dtype=float) ** -s))
+    if num_rows > head:
+        a, b = head + 0.5, num_rows + 0.5
+        h += math.log(b / a) if s == 1 else (b ** (1 - s) - a ** (1 - s)) / (1 - s)
+    return 1.0 / h
+
+
+def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, batch: int,
+                max_col_splits: int) -> list[_Candidate]:  # fmt: skip
+    b, c = t.bytes_per_element, cm.comm_bytes_per_element
+    row_b, elem_b = OPTIMIZER_STATE_BYTES[t.optimizer]
+    lookups = batch * t.pooling_factor
+
+    def memory(rows: int, cols: int) -> float:
+        return rows * cols * (b + elem_b) + rows * row_b
+
+    def time(frac: float, cols: int, comm: float, link: float) -> float:
+        look = 3 * frac * lookups * cols * b / hw.memory_bandwidth * cm.lookup
+        flops = 3 * frac * lookups * cols / hw.flops * cm.compute
+        return look + flops + comm / link * cm.comm
+
+    out = []
+    allowed = set(t.allowed) or set(ShardingType.__args__)
+    hot = _hot_fraction(t.num_rows, t.zipf_exponent)
+    if "data_parallel" in allowed and n > 1:
+        comm = lookups * t.dim * c * (n - 1) / n
+        # every device pools its own examples: 1/n of the batch's lookups
+        out.append(_Candidate("data_parallel", n, "all", memory(t.num_rows, t.dim),
+                              time(1 / n, t.dim, comm, hw.interconnect_bandwidth),
+                              t.num_rows, t.dim))  # fmt: skip
+    elif "data_parallel" in allowed:
+        out.append(_Candidate("data_parallel", 1, "all", memory(t.num_rows, t.dim),
+                              time(1, t.dim, 0, hw.interconnect_bandwidth), t.num_rows, t.dim))  # fmt: skip
+    if "table_wise" in allowed:
+        comm = 4 * lookups + 2 * batch * t.dim * c
+        out.append(_Candidate("table_wise", 1, "any", memory(t.num_rows, t.dim),
+                              time(1, t.dim, comm, hw.interconnect_bandwidth),
+                              t.num_rows, t.dim))  # fmt: skip
+    for kind in ("column_wise", "table_column_wise"):
+        if kind not in allowed:
+            continue
+        k = 2
+        while k <= min(max_col_splits, n) and t.dim % k == 0 and t.dim // k >= 4:
+            cols = t.dim // k
+            comm = 4 * lookups + 2 * batch * cols * c
+            out.append(_Candidate(kind, k, "any", memory(t.num_rows, cols),
+                                  time(1, cols, comm, hw.interconnect_bandwidth),
+                                  t.num_rows, cols))  # fmt: skip
+            k *= 2
+    for kind, m, group, link in (
+        ("row_wise", n, "all", hw.interconnect_bandwidth if n <= hw.devices_per_host
+         else min(hw.interconnect_bandwidth, hw.cross_host_bandwidth)),
+        ("table_row_wise", min(hw.devices_per_host, n), "host", hw.interconnect_bandwidth),
+    ):  # fmt: skip
+        if kind not in allowed or m < 2:
+            continue
+        rows = math.ceil(t.num_rows / m)
+        frac = min(1.0, hot + (1 - hot) / m)  # the busiest shard
+        comm = 2 * batch * t.dim * c * (m - 1) / m + 4 * lookups * frac
+        out.append(_Candidate(kind, m, group, memory(rows, t.dim),
+                              time(frac, t.dim, comm, link), rows, t.dim))  # fmt: skip
+    return out
+
+
+def plan(
+    tables: list[PlannerTable] | tuple[PlannerTable, ...],
+    profile: HardwareProfile,
+    num_devices: int,
+    *,
+    batch_size: int,
+    cost_model: CostModel = CostModel(),
+    memory_fraction: float = 0.8,
+) -> Plan:
+    """Plans ``tables`` on ``num_devices`` devices of ``profile`` (see the module docstring)."""
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError("table names must be unique")
+    limit = profile.memory_bytes * memory_fraction
+    best, error = None, None
+    caps = [1]
+    while caps[-1] * 2 <= min(num_devices, max((t.dim for t in tables), default=1)):
+        caps.append(caps[-1] * 2)
+    for cap in caps:
+        try:
+            load, mem, choices = _greedy(
+                tables, profile, num_devices, batch_size, cost_model, limit, cap
+            )
+        except _NoPlacement as e:  # e.g. a table pinned to column_wise, at cap 1
+            error = e
+            continue
+        key = (float(load.max()), float(load.sum()))
+        if best is None or key < best[0]:
+            best = (key, load, mem, choices)
+    if best is None:
+        raise ValueError(str(error)) from None
+    _, load, mem, choices = best
+    out = tuple(
+        TablePlan(t.name, choices[t.name][0].sharding, _shards(t, *choices[t.name])) for t in tables
+    )
+    return Plan(out, load, mem, limit)
+
+
+class _NoPlacement(ValueError):
+    pass
+
+
+def round_robin(tables, profile: HardwareProfile, num_devices: int, *, batch_size: int,
+                cost_model: CostModel = CostModel(), memory_fraction: float = 0.8) -> Plan:  # fmt: skip
+    """The baseline: table ``i`` table-wise on device ``i mod N`` (memory is not checked)."""
+    load = np.zeros(num_devices)
+    mem = np.zeros(num_devices)
+    out = []
+    for i, t in enumerate(tables):
+        (cand,) = _candidates(dataclasses.replace(t, allowed=("table_wise",)), num_devices,
+                              profile, cost_model, batch_size, 1)  # fmt: skip
+        d = i % num_devices
+        load[d] += cand.shard_time
+        mem[d] += cand.shard_memory
+        out.append(TablePlan(t.name, "table_wise", (Shard(d, (0, t.num_rows), (0, t.dim),
+                                                          cand.shard_memory, cand.shard_time),)))  # fmt: skip
+    return Plan(tuple(out), load, mem, profile.memory_bytes * memory_fraction)
+
+
+def _greedy(tables, hw, n, batch, cm, limit, cap) -> Plan:
+    load = np.zeros(n)
+    mem = np.zeros(n)
+    hosts = max(n // hw.devices_per_host, 1) if n % hw.devices_per_host == 0 else 1
+    host_size = n // hosts
+    cands = {t.name: _candidates(t, n, hw, cm, batch, cap) for t in tables}
+    for t in tables:
+        if not cands[t.name]:
+            raise _NoPlacement(f"table {t.name!r}: no allowed sharding type applies on {n} devices")
+    order = sorted(tables, key=lambda t: -min(c.shard_time * c.n_shards for c in cands[t.name]))
+    choices = {}
+    for t in order:
+        choice = None
+        current = load.max()
+        for c in cands[t.name]:
+            devs = _devices(c, load, mem, limit, n, host_size)
+            if devs is None:
+                continue
+            key = (max(current, load[devs].max() + c.shard_time), c.shard_time * c.n_shards)
+            if choice is None or key < choice[0]:
+                choice = (key, c, devs)
+        if choice is None:
+            need = min(c.shard_memory for c in cands[t.name])
+            raise _NoPlacement(
+                f"table {t.name!r} ({t.num_rows:,} rows x {t.dim}) does not fit: its smallest "
+                f"shard needs {_bytes(need)}, the freest device has {_bytes(limit - mem.min())} "
+                f"of {_bytes(limit)} left (add devices, shard rows, or use a smaller dtype)"
+            )
+        _, c, devs = choice
+        load[devs] += c.shard_time
+        mem[devs] += c.shard_memory
+        choices[t.name] = (c, devs)
+    return load, mem, choices
+
+
+def _devices(c: _Candidate, load, mem, limit, n, host_size) -> np.ndarray | None:
+    fits = mem + c.shard_memory <= limit
+    if c.group == "all":
+        return np.arange(n) if fits.all() else None
+    if c.group == "host":
+        host_load = load.reshape(-1, host_size).max(1)
+        host_fits = fits.reshape(-1, host_size).all(1)
+        if not host_fits.any():
+            return None
+        h = int(np.argmin(np.where(host_fits, host_load, np.inf)))
+        return np.arange(h * host_size, (h + 1) * host_size)
+    ok = np.flatnonzero(fits)
+    if ok.size < c.n_shards:
+        return None
+    return (
+        ok[np.argpartition(load[ok], c.n_shards - 1)[: c.n_shards]] if ok.size > c.n_shards else ok
+    )
+
+
+def _shards(t: PlannerTable, c: _Candidate, devs: np.ndarray) -> tuple[Shard, ...]:
+    out = []
+    for i, d in enumerate(devs.tolist()):
+        if c.sharding in ("row_wise", "table_row_wise"):
+            rows = (min(i * c.shard_rows, t.num_rows), min((i + 1) * c.shard_rows, t.num_rows))
+            cols = (0, t.dim)
+        elif c.sharding in ("column_wise", "table_column_wise"):
+            rows, cols = (0, t.num_rows), (i * c.shard_cols, (i + 1) * c.shard_cols)
+        else:
+            rows, cols = (0, t.num_rows), (0, t.dim)
+        out.append(Shard(int(d), rows, cols, c.shard_memory, c.shard_time))
+    return tuple(out)

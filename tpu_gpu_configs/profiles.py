@@ -1,0 +1,74 @@
+"""Hardware profiles for the embedding planner: per-device memory, bandwidths and FLOP/s.
+
+A literal table of vendor spec-sheet numbers (peak, per chip / GPU), except ``cpu-2core``, which
+is this repository's 2-core CI-class VM as measured (matmul and memory stream). Peaks are
+upper bounds: the planner's cost model is calibrated from measured lookup times
+(``recscale.embeddings.planner.CostModel.calibrated``) before its absolute numbers mean seconds;
+its *ranking* of plans only needs the ratios between these.
+
+Sources: Google Cloud TPU system-architecture pages (v4, v5e, v5p, v6e/Trillium: HBM capacity
+and bandwidth, ICI bandwidth per chip, bf16 peak); NVIDIA A100/H100/H200 SXM datasheets (HBM,
+NVLink per GPU, dense bf16 peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    name: str
+    memory_bytes: float
+    """Device memory (HBM, or host RAM for the CPU profile)."""
+    memory_bandwidth: float
+    """Bytes/s between device memory and compute."""
+    interconnect_bandwidth: float
+    """Bytes/s one device can send to its peers (ICI / NVLink; memory copy for the CPU)."""
+    flops: float
+    """Peak FLOP/s (dense bf16 for accelerators, float32 for the CPU)."""
+    devices_per_host: int
+    """Devices sharing a host (the group a table-row-wise shard spans)."""
+    cross_host_bandwidth: float
+    """Bytes/s per device between hosts (DCN / InfiniBand)."""
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    p.name: p
+    for p in (
+        HardwareProfile(name="tpu-v4", memory_bytes=32 * GiB, memory_bandwidth=1.2e12,
+                        interconnect_bandwidth=2.7e11, flops=275e12, devices_per_host=4,
+                        cross_host_bandwidth=2.7e11),
+        HardwareProfile(name="tpu-v5e", memory_bytes=16 * GiB, memory_bandwidth=8.19e11,
+                        interconnect_bandwidth=2.0e11, flops=197e12, devices_per_host=8,
+                        cross_host_bandwidth=2.0e11),
+        HardwareProfile(name="tpu-v5p", memory_bytes=95 * GiB, memory_bandwidth=2.765e12,
+                        interconnect_bandwidth=6.0e11, flops=459e12, devices_per_host=4,
+                        cross_host_bandwidth=6.0e11),
+        HardwareProfile(name="tpu-v6e", memory_bytes=32 * GiB, memory_bandwidth=1.64e12,
+                        interconnect_bandwidth=4.48e11, flops=918e12, devices_per_host=8,
+                        cross_host_bandwidth=4.48e11),
+        HardwareProfile(name="gpu-a100", memory_bytes=80 * GiB, memory_bandwidth=2.039e12,
+                        interconnect_bandwidth=3.0e11, flops=312e12, devices_per_host=8,
+                        cross_host_bandwidth=2.5e10),
+        HardwareProfile(name="gpu-h100", memory_bytes=80 * GiB, memory_bandwidth=3.35e12,
+                        interconnect_bandwidth=4.5e11, flops=989e12, devices_per_host=8,
+                        cross_host_bandwidth=5.0e10),
+        HardwareProfile(name="gpu-h200", memory_bytes=141 * GiB, memory_bandwidth=4.8e12,
+                        interconnect_bandwidth=4.5e11, flops=989e12, devices_per_host=8,
+                        cross_host_bandwidth=5.0e10),
+        # Measured on the CI-class VM: float32 matmul 120-150 GFLOP/s on both cores, memory
+        # streams 16-29 GB/s; "devices" are simulated CPU devices sharing that memory.
+        HardwareProfile(name="cpu-2core", memory_bytes=24 * GiB, memory_bandwidth=2.0e10,
+                        interconnect_bandwidth=2.0e10, flops=1.3e11, devices_per_host=8,
+                        cross_host_bandwidth=1.25e9),
+    )
+}  # fmt: skip
+
+
+def get_profile(name: str) -> HardwareProfile:
+    if name not in PROFILES:
+        raise KeyError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(PROFILES))}")
+    return PROFILES[name]
