@@ -1,4 +1,4 @@
-"""``python -m sweeps._child PROGRAM ARGS...``: exec PROGRAM, killed when its parent dies.
+"""``python -m sweeps._child PARENT_PID PROGRAM ARGS...``: exec PROGRAM, killed when PARENT dies.
 
 Sets ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux; it survives ``execv``) and then replaces
 itself with the trial's command, so a worker killed with SIGKILL takes its trial down with it
@@ -18,14 +18,14 @@ _PR_SET_PDEATHSIG = 1
 
 
 def main() -> None:
-    parent = os.getppid()
+    parent = int(sys.argv[1])  # the worker's pid, passed in: getppid() here could already be 1
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the parent died before prctl took effect
+        if os.getppid() != parent:  # the worker died before prctl took effect
             os._exit(1)
-    os.execv(sys.argv[1], sys.argv[1:])
+    os.execvp(sys.argv[2], sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -109,7 +109,14 @@ def analyze(df: pd.DataFrame, metric: str, *, n_boot: int = 1000) -> dict[str, A
     ]  # fmt: skip
     ok = df[df["status"] == "SUCCESS"].copy()
     ok["y"] = _quality(ok, metric)
-    ok = ok[np.isfinite(ok["y"])]
+    missing = ok[~np.isfinite(ok["y"].astype(float))]
+    for _, r in missing.iterrows():
+        log.warning("excluded from fits: trial %s (%s %s, budget %.3g): no finite final %s",
+                    r["trial_id"], r["family"], r["rung"], r["budget"], metric)  # fmt: skip
+        out["excluded"].append({"trial_id": r["trial_id"], "family": r["family"],
+                                "rung": r["rung"], "budget": r["budget"],
+                                "status": f"SUCCESS without a finite final {metric}"})  # fmt: skip
+    ok = ok[np.isfinite(ok["y"].astype(float))]
     for family, g in ok.groupby("family", sort=True):
         # Seeds averaged per (budget, rung); compute differs by rounding only.
         per = g.groupby(["budget", "rung"], as_index=False).agg(
@@ -129,7 +136,10 @@ def analyze(df: pd.DataFrame, metric: str, *, n_boot: int = 1000) -> dict[str, A
         except ValueError as e:
             fam["law"] = None
             fam["reason"] = str(e)
-        fam["holdout"] = fit_lib.holdout_extrapolation(c, y, n_boot=n_boot)
+        try:
+            fam["holdout"] = fit_lib.holdout_extrapolation(c, y, n_boot=n_boot)
+        except ValueError as e:  # e.g. a zero loss (1 - AUC = 0) has no log
+            fam["holdout"] = {"reason": str(e)}
         iso = []
         for budget, b in per.groupby("budget"):
             opt = fit_lib.isoflop_optimum(b["fpe"].to_numpy(), b["y"].to_numpy())

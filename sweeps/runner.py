@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -64,6 +65,10 @@ def run_worker(
 ) -> dict[str, int]:
     """Claims and runs trials until every one is finished (or, without ``opts.wait``, until
     none is left to claim). Returns counts of what this worker did."""
+    if int(os.environ.get("SLURM_PROCID", "0")) != 0:
+        # A multi-node SLURM job runs this function in every task: rank 0 claims trials and
+        # starts each one on all the job's nodes (the preset's srun prefix); the others idle.
+        return {"ran": 0}
     owner = owner or new_owner()
     store = SweepStore(sweep_dir, stale_after=opts.stale_after_s)
     todo = [Trial.from_dict(t) if isinstance(t, dict) else t for t in trials]
@@ -78,11 +83,11 @@ def run_worker(
             if not store.claim(t.trial_id, owner):
                 continue
             attempts = store.attempts(t.trial_id)
-            if len(attempts) > opts.max_retries:
-                # Its last attempt failed but that worker died before writing the FAILED row.
-                row = result_row(store, t, "FAILED", attempts, opts,
-                                 error=attempts[-1].get("error_tail", ""))  # fmt: skip
-                store.append_result(row)
+            status = _settled_status(attempts, opts.max_retries)
+            if status is not None:
+                # Its last attempt settled it, but that worker died before writing the row.
+                error = attempts[-1].get("error_tail", "") if status != "SUCCESS" else ""
+                store.append_result(result_row(store, t, status, attempts, opts, error=error))
                 store.release(t.trial_id, owner)
                 continue
             claimed = t
@@ -98,6 +103,19 @@ def run_worker(
     return done
 
 
+def _settled_status(attempts: list[dict], max_retries: int) -> str | None:
+    """The final status the recorded attempts already imply, or None (run it again)."""
+    if not attempts:
+        return None
+    last = attempts[-1].get("exit_code")
+    if last == 0:
+        return "SUCCESS"
+    if last == DIVERGED_EXIT_CODE:
+        return "DIVERGED"
+    failed = sum(1 for a in attempts if a.get("exit_code") not in (0, DIVERGED_EXIT_CODE))
+    return "FAILED" if failed > max_retries else None
+
+
 def run_trial(
     store: SweepStore,
     trial: Trial,
@@ -109,7 +127,9 @@ def run_trial(
     tdir = store.trial_dir(trial.trial_id)
     workdir = store.workdir(trial.trial_id)
     cfg_path = tdir / "config.json"
-    cmd = [*opts.command_prefix, sys.executable, "-m", "sweeps._child", sys.executable]
+    # The trampoline goes first, so a prefix (srun) is what dies with this worker.
+    cmd = [sys.executable, "-m", "sweeps._child", str(os.getpid()), *opts.command_prefix,
+           sys.executable]  # fmt: skip
     cmd += trial.train_command(cfg_path, workdir)
     env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
@@ -162,7 +182,7 @@ def run_trial(
     elif rc == DIVERGED_EXIT_CODE:
         row = result_row(store, trial, "DIVERGED", attempts, opts, error=tail)
         outcome = "diverged"
-    elif len(attempts) <= opts.max_retries:
+    elif _settled_status(attempts, opts.max_retries) is None:
         store.log_event({"event": "retry", "trial_id": trial.trial_id, "exit_code": rc,
                          "attempt": len(attempts)})  # fmt: skip
         store.release(trial.trial_id, owner)
@@ -199,6 +219,13 @@ def _jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _finite(row: dict) -> dict:
+    """Non-finite metrics (e.g. AUC of a one-class eval set) become None: JSON has no NaN."""
+    return {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()
+    }
+
+
 def result_row(
     store: SweepStore,
     trial: Trial,
@@ -210,7 +237,7 @@ def result_row(
 ) -> dict[str, Any]:
     """The results.jsonl row of a finished trial."""
     workdir = store.workdir(trial.trial_id)
-    evals = [r for r in _jsonl(workdir / "metrics.jsonl") if r.get("split") == "eval"]
+    evals = [_finite(r) for r in _jsonl(workdir / "metrics.jsonl") if r.get("split") == "eval"]
     final = evals[-1] if evals and evals[-1].get("step") == trial.steps else None
     higher_better = opts.metric == "auc"
     scored = [r for r in evals if r.get(opts.metric) is not None]

@@ -128,12 +128,15 @@ PRESETS: dict[str, LaunchPreset] = {
                 "cpus_per_task": 96,
                 "timeout_min": 720,
             },
-            command_prefix=("srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"),
+            # --overlap: the trial's step shares the worker job's allocation (Slurm >= 20.11).
+            command_prefix=("srun", "--overlap", "--ntasks-per-node=1", "--kill-on-bad-exit=1"),
         ),  # fmt: skip
         LaunchPreset(
             name="tpu-v5p-32",
-            description="TPU v5p-32 slice: 4 hosts x 4 chips; run the worker with the trial "
-            "command on every host (gcloud ... ssh --worker=all).",
+            description="TPU v5p-32 slice: 4 hosts x 4 chips. Run ONE worker (on host 0); "
+            "each trial must start on all 4 hosts, which needs a command_prefix that does so "
+            "for your slice (e.g. a wrapper around gcloud ... ssh --worker=all); not automated "
+            "or tested here.",
             platform="tpu",
             num_hosts=4,
             devices_per_host=4,

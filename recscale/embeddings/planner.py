@@ -272,7 +272,8 @@ def plan(
     limit = profile.memory_bytes * memory_fraction
     best, error = None, None
     caps = [1]
-    while caps[-1] * 2 <= min(num_devices, max((t.dim for t in tables), default=1)):
+    # Column slices are at least 4 wide, so caps beyond max(D) / 4 give the same candidates.
+    while caps[-1] * 2 <= min(num_devices, max((t.dim // 4 for t in tables), default=1)):
         caps.append(caps[-1] * 2)
     for cap in caps:
         try:
@@ -318,8 +319,6 @@ def round_robin(tables, profile: HardwareProfile, num_devices: int, *, batch_siz
 def _greedy(tables, hw, n, batch, cm, limit, cap) -> Plan:
     load = np.zeros(n)
     mem = np.zeros(n)
-    hosts = max(n // hw.devices_per_host, 1) if n % hw.devices_per_host == 0 else 1
-    host_size = n // hosts
     cands = {t.name: _candidates(t, n, hw, cm, batch, cap) for t in tables}
     for t in tables:
         if not cands[t.name]:
@@ -330,7 +329,7 @@ def _greedy(tables, hw, n, batch, cm, limit, cap) -> Plan:
         choice = None
         current = load.max()
         for c in cands[t.name]:
-            devs = _devices(c, load, mem, limit, n, host_size)
+            devs = _devices(c, load, mem, limit, n)
             if devs is None:
                 continue
             key = (max(current, load[devs].max() + c.shard_time), c.shard_time * c.n_shards)
@@ -350,13 +349,17 @@ def _greedy(tables, hw, n, batch, cm, limit, cap) -> Plan:
     return load, mem, choices
 
 
-def _devices(c: _Candidate, load, mem, limit, n, host_size) -> np.ndarray | None:
+def _devices(c: _Candidate, load, mem, limit, n) -> np.ndarray | None:
     fits = mem + c.shard_memory <= limit
     if c.group == "all":
         return np.arange(n) if fits.all() else None
     if c.group == "host":
-        host_load = load.reshape(-1, host_size).max(1)
-        host_fits = fits.reshape(-1, host_size).all(1)
+        # Hosts are consecutive blocks of n_shards (= devices per host) devices; a remainder
+        # of fewer devices than a host holds is not a host.
+        host_size = c.n_shards
+        whole = (n // host_size) * host_size
+        host_load = load[:whole].reshape(-1, host_size).max(1)
+        host_fits = fits[:whole].reshape(-1, host_size).all(1)
         if not host_fits.any():
             return None
         h = int(np.argmin(np.where(host_fits, host_load, np.inf)))

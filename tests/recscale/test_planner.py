@@ -128,3 +128,15 @@ def test_render_and_profiles():
         assert p.memory_bytes > 0 and p.memory_bandwidth > 0 and p.flops > 0
     assert {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "gpu-a100", "gpu-h100", "gpu-h200",
             "cpu-2core"} <= set(PROFILES)  # fmt: skip
+
+
+def test_table_row_wise_spans_one_host_even_with_a_partial_host():
+    # 12 H100s = one host of 8 plus 4: the row shards go to 8 distinct devices of one host.
+    t = PlannerTable(name="t", num_rows=1000, dim=16, allowed=("table_row_wise",))
+    p = plan([t], H100, 12, batch_size=4096)
+    (tp,) = p.tables
+    devs = [s.device for s in tp.shards]
+    assert len(devs) == 8 and sorted(devs) == list(range(8))
+    assert all(s.rows[1] > s.rows[0] for s in tp.shards)
+    assert sum(s.rows[1] - s.rows[0] for s in tp.shards) == 1000
+    assert p.device_memory_bytes[8:].sum() == 0.0

@@ -1,0 +1,73 @@
+"""Worker bookkeeping without training: settled attempts, non-finite metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sweeps.runner import WorkerOptions, run_worker
+from sweeps.spec import Trial
+from sweeps.store import SweepStore
+
+
+def fake_trial(tid="t1", steps=10) -> Trial:
+    return Trial(
+        trial_id=tid, family="dlrm", package="dlrm", rung="d1", rung_index=0, budget=1e9,
+        seed=0, flops_per_example=1e3, examples=steps * 64, steps=steps, batch_size=64,
+        params_dense=10, params_sparse=100,
+        config={"dense_optim": {"learning_rate": 1e-3}, "embedding_optim": {"learning_rate": 0.05}},
+    )  # fmt: skip
+
+
+def setup(tmp_path, attempts, evals=()):
+    store = SweepStore(tmp_path)
+    t = fake_trial()
+    run = store.workdir(t.trial_id)
+    run.mkdir(parents=True)
+    for a in attempts:
+        store.record_attempt(t.trial_id, a)
+    with open(run / "metrics.jsonl", "w") as f:
+        for e in evals:
+            f.write(json.dumps({"split": "eval", **e}).replace("NaN", "NaN") + "\n")
+    return store, t
+
+
+@pytest.mark.parametrize(
+    ("attempts", "status"),
+    [
+        ([{"exit_code": 0, "duration_s": 1.0}], "SUCCESS"),
+        ([{"exit_code": 3, "duration_s": 1.0, "error_tail": "non-finite training loss nan at step 4"}], "DIVERGED"),
+        ([{"exit_code": 1, "duration_s": 1.0, "error_tail": "boom"}] * 2, "FAILED"),
+    ],
+)  # fmt: skip
+def test_a_settled_trial_whose_worker_died_gets_its_row_without_rerunning(
+    tmp_path, attempts, status
+):
+    # The last attempt finished (and was recorded), but its worker died before the row.
+    store, t = setup(tmp_path, attempts, evals=[{"step": 10, "logloss": 0.5, "auc": 0.7}])
+    counts = run_worker(str(tmp_path), [t.to_dict()], WorkerOptions(max_retries=1, wait=False))
+    assert counts["ran"] == 0  # nothing re-run
+    (row,) = store.results()
+    assert row["status"] == status and row["attempts"] == len(attempts)
+    if status == "DIVERGED":
+        assert row["diverged_at_step"] == 4
+
+
+def test_one_failure_within_the_retry_budget_is_not_settled(tmp_path):
+    store, t = setup(tmp_path, [{"exit_code": 1, "duration_s": 1.0, "error_tail": "boom"}])
+    from sweeps.runner import _settled_status
+
+    assert _settled_status(store.attempts(t.trial_id), max_retries=1) is None
+    assert _settled_status(store.attempts(t.trial_id), max_retries=0) == "FAILED"
+
+
+def test_non_finite_metrics_become_null(tmp_path):
+    # One-class eval sets give AUC NaN; JSON rows cannot hold NaN, so it is recorded as null.
+    store, t = setup(tmp_path, [{"exit_code": 0, "duration_s": 1.0}],
+                     evals=[{"step": 5, "logloss": 0.6, "auc": float("nan")},
+                            {"step": 10, "logloss": 0.5, "auc": float("nan")}])  # fmt: skip
+    run_worker(str(tmp_path), [t.to_dict()], WorkerOptions(wait=False))
+    (row,) = store.results()
+    assert row["final"]["auc"] is None and row["final"]["logloss"] == 0.5
+    assert row["best"]["step"] == 10
