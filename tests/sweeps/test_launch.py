@@ -12,10 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
+import portpicker
 import pytest
 
 from sweeps.store import SweepStore, read_results
@@ -72,6 +74,22 @@ def rows(sweep_dir: Path) -> list[dict]:
     return read_results(sweep_dir / "results.jsonl").rows
 
 
+def trial_processes(sweep: Path) -> list[int]:
+    """Pids of live trial processes of ``sweep`` (Linux /proc)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+                state = (p / "stat").read_text().split()[2]
+            except OSError:
+                continue
+            # trial commands only (python -m dlrm.train <sweep>/trials/...), not the launcher
+            if str(sweep).encode() in cmd and b"sweeps.launch" not in cmd and state != "Z":
+                pids.append(int(p.name))
+    return pids
+
+
 def wait_for(pred, timeout=120.0, poll=0.05):
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -96,11 +114,13 @@ def test_kill9_then_relaunch_gives_exactly_n_rows(tmp_path):
     proc = subprocess.Popen(launch_cmd(spec, sweep), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     wait_for(lambda: len(rows(sweep)) >= 1)
+    wait_for(lambda: trial_processes(sweep))  # the next trial is running
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     k = len(rows(sweep))
     assert 1 <= k < n
-    # The trial that was running died with its launcher (PR_SET_PDEATHSIG), claim left behind.
+    # The running trial dies with its launcher (PR_SET_PDEATHSIG) at once, not when it ends.
+    wait_for(lambda: not trial_processes(sweep), timeout=2)
     summary = run_launch(spec, sweep)
     got = rows(sweep)
     ids = [r["trial_id"] for r in got]
@@ -182,10 +202,12 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
     # A throwaway cluster on this machine: no usage stats, and no token auth (Ray 2.5x enables
     # it by default; a real cluster's token reaches the launcher through ~/.ray/auth_token).
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    port = "6391"
+    port = str(portpicker.pick_unused_port())
+    # Its own short temp dir (Ray's socket paths must stay under 107 characters).
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     start = subprocess.run(
         [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
-         "--include-dashboard=false", "--disable-usage-stats"],
+         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert start.returncode == 0, start.stderr[-2000:]
@@ -202,6 +224,7 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env,
                        timeout=120)  # fmt: skip
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_slurm_backend_with_submitits_local_executor(tmp_path):
