@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_s=args.heartbeat,
         stale_after_s=args.stale_after,
         max_retries=spec.max_retries,
+        timeout_s=spec.trial_timeout_s,
+        max_takeovers=spec.max_takeovers,
         wait=args.wait,
         env={
             # Rungs recur across budgets: their init and eval programs compile once per sweep.

@@ -29,6 +29,10 @@ from sweeps.spec import FLOPS_CONVENTION, Trial
 from sweeps.store import SweepStore
 
 DIVERGED_EXIT_CODE = 3  # recscale.train.cli.DIVERGED_EXIT_CODE (not imported: that pulls jax)
+TIMEOUT_EXIT_CODE = -1000
+"""Recorded exit code of an attempt the worker killed for exceeding ``timeout_s``."""
+TAKEOVER = "takeover"
+"""Recorded exit code of an attempt whose worker died (found stale and taken over)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +43,12 @@ class WorkerOptions:
     """A claim whose heartbeat is older than this belongs to a dead worker."""
     max_retries: int = 1
     """Retries of a FAILED trial before its FAILED row is final."""
+    timeout_s: float = 0.0
+    """Wall-clock limit of one attempt (0 = none); an attempt over it is killed and counts as
+    a failure."""
+    max_takeovers: int = 3
+    """A trial whose workers died this many times (their heartbeats went stale) is FAILED: it
+    probably kills its host (out of memory) or outlives its allocation."""
     wait: bool = True
     """Keep polling while other workers run the remaining trials (to take over dead ones)."""
     poll_s: float = 2.0
@@ -80,10 +90,15 @@ def run_worker(
             break
         claimed = None
         for t in remaining:
-            if not store.claim(t.trial_id, owner):
+            kind = store.claim(t.trial_id, owner)
+            if not kind:
                 continue
+            if kind == "takeover":
+                store.record_attempt(t.trial_id, {"owner": owner, "exit_code": TAKEOVER,
+                                                  "duration_s": 0.0, "start": time.time(),
+                                                  "error_tail": "its worker died"})  # fmt: skip
             attempts = store.attempts(t.trial_id)
-            status = _settled_status(attempts, opts.max_retries)
+            status = _settled_status(attempts, opts.max_retries, opts.max_takeovers)
             if status is not None:
                 # Its last attempt settled it, but that worker died before writing the row.
                 error = attempts[-1].get("error_tail", "") if status != "SUCCESS" else ""
@@ -103,7 +118,7 @@ def run_worker(
     return done
 
 
-def _settled_status(attempts: list[dict], max_retries: int) -> str | None:
+def _settled_status(attempts: list[dict], max_retries: int, max_takeovers: int = 3) -> str | None:
     """The final status the recorded attempts already imply, or None (run it again)."""
     if not attempts:
         return None
@@ -112,7 +127,10 @@ def _settled_status(attempts: list[dict], max_retries: int) -> str | None:
         return "SUCCESS"
     if last == DIVERGED_EXIT_CODE:
         return "DIVERGED"
-    failed = sum(1 for a in attempts if a.get("exit_code") not in (0, DIVERGED_EXIT_CODE))
+    takeovers = sum(1 for a in attempts if a.get("exit_code") == TAKEOVER)
+    if takeovers > max_takeovers:
+        return "FAILED"
+    failed = sum(1 for a in attempts if a.get("exit_code") not in (0, DIVERGED_EXIT_CODE, TAKEOVER))
     return "FAILED" if failed > max_retries else None
 
 
@@ -134,6 +152,7 @@ def run_trial(
     env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
     lost = threading.Event()
+    timed_out = threading.Event()
     with open(tdir / "train.log", "ab") as log:
         log.write(f"\n=== {owner} {time.ctime()}: {' '.join(cmd)}\n".encode())
         log.flush()
@@ -150,6 +169,10 @@ def run_trial(
                     _kill(proc)
                     return
                 if stop is not None and stop.is_set():
+                    _kill(proc)
+                    return
+                if opts.timeout_s and time.time() - t0 > opts.timeout_s:
+                    timed_out.set()
                     _kill(proc)
                     return
 
@@ -172,6 +195,9 @@ def run_trial(
         store.release(trial.trial_id, owner)
         return "stopped"
     tail = _log_tail(tdir / "train.log")
+    if timed_out.is_set():
+        tail += f"\nkilled by the sweep: attempt exceeded timeout_s={opts.timeout_s:g}"
+        rc = TIMEOUT_EXIT_CODE
     attempt = {"owner": owner, "exit_code": rc, "duration_s": round(duration, 2),
                "start": t0, "error_tail": tail if rc else ""}  # fmt: skip
     store.record_attempt(trial.trial_id, attempt)
@@ -182,7 +208,7 @@ def run_trial(
     elif rc == DIVERGED_EXIT_CODE:
         row = result_row(store, trial, "DIVERGED", attempts, opts, error=tail)
         outcome = "diverged"
-    elif _settled_status(attempts, opts.max_retries) is None:
+    elif _settled_status(attempts, opts.max_retries, opts.max_takeovers) is None:
         store.log_event({"event": "retry", "trial_id": trial.trial_id, "exit_code": rc,
                          "attempt": len(attempts)})  # fmt: skip
         store.release(trial.trial_id, owner)

@@ -179,6 +179,10 @@ class SweepSpec:
     """Checkpoints during a trial: a killed or preempted trial resumes from the last one."""
     max_retries: int = 1
     """A FAILED trial (non-zero exit, not a divergence) is retried this many times."""
+    trial_timeout_s: float = 0.0
+    """Wall-clock limit of one attempt of a trial (0 = none): killed, it counts as a failure."""
+    max_takeovers: int = 3
+    """A trial whose worker died more often than this (e.g. it kills its host) is FAILED."""
     metric: Literal["logloss", "auc"] = "logloss"
     """The quality metric fits use (AUC is fitted as 1 - AUC, so lower is better for both)."""
     hardware: str = "cpu-local"

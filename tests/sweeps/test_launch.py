@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 STEP_FLOPS_D1 = 1732 * 64
 
 
-def write_spec(path: Path, *, budgets, name="t", overrides=None, max_retries=1, ckpts=2) -> Path:
+def write_spec(path: Path, *, budgets, name="t", overrides=None, max_retries=1, ckpts=2,
+               timeout=0.0) -> Path:  # fmt: skip
     path.write_text(
         textwrap.dedent(
             f"""
@@ -48,6 +49,7 @@ def write_spec(path: Path, *, budgets, name="t", overrides=None, max_retries=1, 
                 evals_per_trial=2,
                 checkpoints_per_trial={ckpts},
                 max_retries={max_retries},
+                trial_timeout_s={timeout},
                 code_version="test",
             )
             """
@@ -260,3 +262,16 @@ def test_results_rows_carry_what_fits_and_audits_need(tmp_path):
         row["final"]["logloss"], abs=1e-6
     )
     shutil.rmtree(sweep)
+
+
+def test_an_attempt_over_its_timeout_is_killed_and_counted(tmp_path):
+    spec = write_spec(tmp_path / "spec.py", budgets=[20000 * STEP_FLOPS_D1], max_retries=0,
+                      timeout=3.0)  # fmt: skip
+    sweep = tmp_path / "sw"
+    t0 = time.time()
+    summary = run_launch(spec, sweep)
+    assert time.time() - t0 < 60  # 20,000 steps would take minutes
+    (row,) = rows(sweep)
+    assert row["status"] == "FAILED" and "timeout_s=3" in row["error"]
+    assert summary["statuses"] == {"FAILED": 1}
+    assert not trial_processes(sweep)

@@ -71,3 +71,13 @@ def test_non_finite_metrics_become_null(tmp_path):
     (row,) = store.results()
     assert row["final"]["auc"] is None and row["final"]["logloss"] == 0.5
     assert row["best"]["step"] == 10
+
+
+def test_a_trial_that_keeps_killing_its_worker_is_failed(tmp_path):
+    from sweeps.runner import TAKEOVER, _settled_status
+
+    lost = {"exit_code": TAKEOVER, "duration_s": 0.0, "error_tail": "its worker died"}
+    assert _settled_status([lost] * 3, max_retries=1, max_takeovers=3) is None
+    assert _settled_status([lost] * 4, max_retries=1, max_takeovers=3) == "FAILED"
+    # takeovers are not failures of the trial itself: they do not use up retries
+    assert _settled_status([lost, lost, {"exit_code": 1}], max_retries=1) is None
