@@ -31,7 +31,7 @@ import tyro
 import tpu_gpu_configs
 from recscale import config as config_lib
 from sweeps.runner import WorkerOptions, new_owner, run_worker
-from sweeps.spec import Resolution, SweepSpec, Trial, load_spec, resolve
+from sweeps.spec import Resolution, SweepSpec, load_spec, resolve
 from sweeps.store import SweepStore
 
 
@@ -204,15 +204,6 @@ def _run_submitit(sweep_dir, trials, opts, n, args, hw) -> list[dict]:
     if not args.wait:
         return []
     return [j.result() for j in jobs]
-
-
-def trials_of(sweep_dir: str | Path) -> list[Trial]:
-    """The trials a sweep directory was launched with (from ``sweep.json`` order)."""
-    root = Path(sweep_dir)
-    ids = json.loads((root / "sweep.json").read_text())["trial_ids"]
-    return [
-        Trial.from_dict(json.loads((root / "trials" / i / "trial.json").read_text())) for i in ids
-    ]
 
 
 if __name__ == "__main__":

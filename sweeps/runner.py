@@ -25,10 +25,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from recscale.train import DIVERGED_EXIT_CODE
 from sweeps.spec import FLOPS_CONVENTION, Trial
 from sweeps.store import SweepStore
 
-DIVERGED_EXIT_CODE = 3  # recscale.train.cli.DIVERGED_EXIT_CODE (not imported: that pulls jax)
 TIMEOUT_EXIT_CODE = -1000
 """Recorded exit code of an attempt the worker killed for exceeding ``timeout_s``."""
 TAKEOVER = "takeover"

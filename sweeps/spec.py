@@ -42,6 +42,7 @@ import tpu_gpu_configs
 from data.config import DataConfig
 from recscale import __version__
 from recscale import config as config_lib
+from wukong.presets import TABLE5
 
 FLOPS_CONVENTION = (
     "train: analytic forward+backward matmul FLOPs per example, 2 per multiply-add, "
@@ -91,19 +92,9 @@ def dcnv2_ladder(rows: tuple[tuple[int, int, tuple[int, ...]], ...], prefix: str
     )
 
 
-# The paper's Table 5 (arXiv 2403.02545v4), for accelerator sweeps on Criteo-scale data.
-WUKONG_TABLE5_LADDER = wukong_ladder(
-    (
-        (2, 8, 8, 24, 3, 2048),
-        (4, 32, 32, 24, 3, 2048),
-        (8, 32, 32, 24, 3, 2048),
-        (8, 48, 48, 48, 3, 4096),
-        (8, 96, 96, 96, 3, 8192),
-        (8, 96, 96, 96, 3, 16384),
-        (8, 192, 192, 192, 3, 16384),
-    ),
-    prefix="table5-",
-)
+# The paper's Table 5 (arXiv 2403.02545v4; rows kept in wukong/presets.py), for accelerator
+# sweeps on Criteo-scale data.
+WUKONG_TABLE5_LADDER = wukong_ladder(TABLE5, prefix="table5-")
 
 
 # ------------------------------------------------------------------------------------------------

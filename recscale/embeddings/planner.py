@@ -214,15 +214,12 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
     out = []
     allowed = set(t.allowed) or set(ShardingType.__args__)
     hot = _hot_fraction(t.num_rows, t.zipf_exponent)
-    if "data_parallel" in allowed and n > 1:
+    if "data_parallel" in allowed:
         comm = lookups * t.dim * c * (n - 1) / n
         # every device pools its own examples: 1/n of the batch's lookups
         out.append(_Candidate("data_parallel", n, "all", memory(t.num_rows, t.dim),
                               time(1 / n, t.dim, comm, hw.interconnect_bandwidth),
                               t.num_rows, t.dim))  # fmt: skip
-    elif "data_parallel" in allowed:
-        out.append(_Candidate("data_parallel", 1, "all", memory(t.num_rows, t.dim),
-                              time(1, t.dim, 0, hw.interconnect_bandwidth), t.num_rows, t.dim))  # fmt: skip
     if "table_wise" in allowed:
         comm = 4 * lookups + 2 * batch * t.dim * c
         out.append(_Candidate("table_wise", 1, "any", memory(t.num_rows, t.dim),

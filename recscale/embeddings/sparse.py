@@ -32,12 +32,17 @@ def unique_rows(
 ) -> tuple[jax.Array, jax.Array]:
     """Distinct ids of ``ids`` (any shape, ``PAD_ID`` = no id) and the ids remapped to them.
 
+    Ids must lie in ``[0, num_rows)`` (the data layer validates them against the schema); one
+    beyond would read zeros and have its update dropped.
+
     Returns:
       ``uids [U]``: the distinct valid ids in increasing order, then ``num_rows`` (an out-of-range
       row, dropped by the scatters) in the unused slots; ``local`` (the shape of ``ids``): each
       id's index into ``uids``, ``PAD_ID`` where ``ids`` is padding.
     """
     size = ids.size if size is None else size
+    if size < ids.size:  # fewer slots than ids could drop distinct ids without a trace
+        raise ValueError(f"size={size} < {ids.size} ids: every batch's distinct ids must fit")
     flat = ids.reshape(-1)
     valid = flat >= 0
     keyed = jnp.where(valid, flat, num_rows)  # padding sorts last and lands on the fill value

@@ -9,12 +9,9 @@ import traceback
 import tyro
 
 from recscale.config import parse_preset_cli
+from recscale.train import DIVERGED_EXIT_CODE
 from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
 from recscale.train.loop import BuildModel, train
-
-DIVERGED_EXIT_CODE = 3
-"""Exit status of a train command whose loss became non-finite (sweeps record DIVERGED, and do
-not retry: the run is deterministic, a retry would diverge again)."""
 
 DISTRIBUTED_ENV = "RECSCALE_DISTRIBUTED"
 """When set to 1, entry points call ``jax.distributed.initialize()`` first (multi-host TPU/GPU

@@ -44,6 +44,8 @@ def test_unique_rows_maps_ids_and_pads():
     sub = gather_rows(table, uids)
     np.testing.assert_array_equal(sub[:2], table[jnp.array([3, 7])])
     np.testing.assert_array_equal(sub[2:], 0.0)
+    with pytest.raises(ValueError, match="size=5 < 6 ids"):
+        unique_rows(ids, num_rows=10, size=5)
 
 
 @pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad"])

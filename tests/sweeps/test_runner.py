@@ -29,7 +29,7 @@ def setup(tmp_path, attempts, evals=()):
         store.record_attempt(t.trial_id, a)
     with open(run / "metrics.jsonl", "w") as f:
         for e in evals:
-            f.write(json.dumps({"split": "eval", **e}).replace("NaN", "NaN") + "\n")
+            f.write(json.dumps({"split": "eval", **e}) + "\n")
     return store, t
 
 
