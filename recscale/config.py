@@ -92,6 +92,51 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingShardingConfig:
+    """The sharded embedding engine (``recscale.embeddings.engine``): how tables are laid out
+    over the mesh and updated. Models are unchanged whichever is chosen."""
+
+    sharding: str = "off"
+    """``off``: one array per table, sharded by ``mesh.rules``, updated by the dense optax
+    optimizers (the reference path). ``auto``: the engine, with a plan from
+    ``recscale.embeddings.planner``. A sharding type (``data_parallel``, ``table_wise``,
+    ``row_wise``, ``column_wise``, ``table_row_wise``, ``table_column_wise``): the engine with
+    every table pinned to it (placement still from the planner). The engine updates only the
+    rows a batch touches (sparse SGD, row-wise Adagrad, lazy Adam)."""
+    per_table: tuple[str, ...] = ()
+    """Per-table pins ``TABLE=TYPE`` (e.g. ``C1=row_wise``), over ``sharding``'s choice."""
+    profile: str = ""
+    """Hardware profile the planner costs plans with (``tpu_gpu_configs.profiles``); empty:
+    ``cpu-2core`` on CPU, ``gpu-h100`` on GPU, ``tpu-v5p`` on TPU."""
+    host_size: int = 0
+    """Devices per host for ``table_row_wise`` / ``table_column_wise`` (0: the profile's)."""
+    storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Table storage; lookups and updates compute in float32."""
+    comm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the pooled embeddings (and their gradients) in the all-to-all exchanges."""
+
+    def __post_init__(self):
+        types = (
+            "data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
+            "table_column_wise",
+        )  # fmt: skip
+        if self.sharding not in ("off", "auto", *types):
+            raise ValueError(
+                f"embeddings.sharding={self.sharding!r}: expected off, auto or one of {types}"
+            )
+        for item in self.per_table:
+            name, sep, kind = item.partition("=")
+            if not sep or not name or kind not in types:
+                raise ValueError(
+                    f"embeddings.per_table entry {item!r}: expected TABLE=TYPE, TYPE one of {types}"
+                )
+        if self.per_table and self.sharding == "off":
+            raise ValueError("embeddings.per_table needs the engine (sharding auto or a type)")
+        if self.host_size < 0:
+            raise ValueError(f"embeddings.host_size must be >= 0, got {self.host_size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The training loop."""
 
@@ -156,6 +201,8 @@ class ExperimentConfig:
     """Training loop."""
     mesh: MeshConfig = MeshConfig()
     """Device mesh and sharding rules."""
+    embeddings: EmbeddingShardingConfig = EmbeddingShardingConfig()
+    """The embedding engine: table sharding and sparse updates."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,10 +14,12 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from data.batch import Schema
 from recscale import sharding
+from recscale.embeddings import engine
 from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature
 
 
@@ -55,6 +57,30 @@ class EmbeddingCollection(nnx.Module):
                 raise ValueError(f"feature {f.name!r} reads unknown table {f.table!r}")
         self.table_specs = nnx.static(tuple(tables))
         self.feature_specs = nnx.static(tuple(features))
+        spec = sharding.active_engine()
+        if spec is not None:
+            # The sharded engine: tables cut into shards and packed into per-width buffers.
+            mesh = sharding.active_mesh()
+            n = int(mesh.shape[sharding.DATA_AXIS])
+            self.layout = nnx.static(engine.build_layout(tuple(tables), tuple(features), n, spec))
+            values = [
+                _init_table(t, engine.generated_rows(t.num_rows), rngs.params(), param_dtype)[
+                    : t.num_rows
+                ]
+                for t in tables
+            ]
+            index = {t.name: i for i, t in enumerate(tables)}
+            buffers = engine.init_buffers(self.layout, values, [index[f.table] for f in features])
+            self.buffers = nnx.Dict(
+                {
+                    bl.key: sharding.param(
+                        EmbeddingTable, buffers[bl.key], None if bl.replicated else "shard", None
+                    )
+                    for bl in self.layout.buffers
+                }
+            )
+            return
+        self.layout = nnx.static(None)
         self.tables = nnx.Dict(
             {
                 t.name: sharding.param(
@@ -99,6 +125,12 @@ class EmbeddingCollection(nnx.Module):
             raise ValueError(
                 f"ids must be [B, F={len(self.feature_specs)}, H], got shape {ids_bfh.shape}"
             )
+        if self.layout is not None:
+            flat_bd = engine.lookup(
+                self, self.layout, {k: v[...] for k, v in self.buffers.items()}, ids_bfh
+            )
+            offsets = np.cumsum((0,) + self.layout.feature_dims)
+            return [flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
         out = []
         for f, feat in enumerate(self.feature_specs):
             table_vd = self.tables[feat.table][...]

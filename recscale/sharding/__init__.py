@@ -33,6 +33,7 @@ LOGICAL_AXES = {
     "mlp": "hidden units of an MLP layer",
     "table": "stacked tables (T)",
     "layers": "stacked layers (L)",
+    "shard": "device blocks of the embedding engine's buffers (one block per device)",
 }
 
 DATA_AXIS = "data"
@@ -42,12 +43,12 @@ RULE_SETS: dict[str, dict[str, str | None]] = {
     # Pure data parallelism: every parameter replicated, batches split over `data`.
     "replicated": {
         "batch": DATA_AXIS, "feature": None, "embed": None, "vocab": None,
-        "mlp": None, "table": None, "layers": None,
+        "mlp": None, "table": None, "layers": None, "shard": DATA_AXIS,
     },
     # Data-parallel dense part, embedding-table rows sharded over the same devices.
     "row_sharded": {
         "batch": DATA_AXIS, "feature": None, "embed": None, "vocab": DATA_AXIS,
-        "mlp": None, "table": None, "layers": None,
+        "mlp": None, "table": None, "layers": None, "shard": DATA_AXIS,
     },
 }  # fmt: skip
 
@@ -60,6 +61,7 @@ ROW_PAD_MULTIPLE = 64
 class _Active:
     mesh: Mesh
     rules: Mapping[str, str | None]
+    engine: Any = None
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
@@ -85,13 +87,19 @@ def get_rules(name: str) -> dict[str, str | None]:
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: str | Mapping[str, str | None]) -> Iterator[None]:
-    """Makes ``mesh`` and ``rules`` the ones models and the trainer resolve against."""
+def activate(
+    mesh: Mesh, rules: str | Mapping[str, str | None], *, engine: Any = None
+) -> Iterator[None]:
+    """Makes ``mesh`` and ``rules`` the ones models and the trainer resolve against.
+
+    ``engine``: an ``recscale.embeddings.engine.EngineSpec`` (or None: every table one array,
+    laid out by ``rules``); embedding collections built inside read it.
+    """
     rules = get_rules(rules) if isinstance(rules, str) else dict(rules)
     unknown = set(rules) - set(LOGICAL_AXES)
     if unknown:
         raise ValueError(f"rule set names unknown logical axes {sorted(unknown)}")
-    token = _ACTIVE.set(_Active(mesh, rules))
+    token = _ACTIVE.set(_Active(mesh, rules, engine))
     try:
         yield
     finally:
@@ -101,6 +109,12 @@ def activate(mesh: Mesh, rules: str | Mapping[str, str | None]) -> Iterator[None
 def active_mesh() -> Mesh | None:
     a = _ACTIVE.get()
     return a.mesh if a else None
+
+
+def active_engine() -> Any:
+    """The active embedding-engine spec (None: the engine is off)."""
+    a = _ACTIVE.get()
+    return a.engine if a else None
 
 
 def logical_to_spec(

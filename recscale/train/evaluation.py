@@ -16,6 +16,7 @@ import jax
 
 from recscale import config as config_lib
 from recscale import sharding
+from recscale.embeddings import engine
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.loop import BuildModel, Experiment
 
@@ -59,11 +60,19 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         raise FileNotFoundError(f"no checkpoints in {ckpt.directory}")
     # Evaluate on this machine's devices, whatever mesh the run trained on (checkpoints restore
     # onto any mesh): as many as divide the eval batch.
-    mesh_cfg = dataclasses.replace(
-        cfg.mesh, data_parallel=math.gcd(cfg.data.eval_batch_size, jax.device_count())
-    )
-    mesh = sharding.make_mesh(mesh_cfg)
-    with sharding.activate(mesh, cfg.mesh.rules):
+    n = math.gcd(cfg.data.eval_batch_size, jax.device_count())
+    spec = engine.EngineSpec.from_config(cfg)
+    if spec is not None:
+        # The engine's buffers are laid out for the training mesh: restore onto as many devices.
+        n = cfg.mesh.data_parallel
+        n = _trained_device_count(workdir) if n == -1 else n
+        if n > jax.device_count():
+            raise ValueError(
+                f"{workdir} was trained with the embedding engine on {n} devices; its table "
+                f"buffers restore only onto {n} devices and this process has {jax.device_count()}"
+            )
+    mesh = sharding.make_mesh(dataclasses.replace(cfg.mesh, data_parallel=n))
+    with sharding.activate(mesh, cfg.mesh.rules, engine=spec):
         exp = Experiment.build(
             cfg,
             build_model,
@@ -84,3 +93,12 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json_line(result) + "\n")
     return result
+
+
+def _trained_device_count(workdir: Path) -> int:
+    info = workdir / "run_info.json"
+    if not info.is_file():
+        raise FileNotFoundError(
+            f"{info} is missing: cannot tell the mesh the engine's buffers need"
+        )
+    return int(json.loads(info.read_text())["starts"][-1]["device_count"])

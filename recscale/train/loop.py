@@ -29,21 +29,36 @@ from data.batch import Batch, Schema
 from data.sources import DataSource, make_source
 from recscale import config as config_lib
 from recscale import optim, sharding
-from recscale.embeddings import EmbeddingTable
+from recscale.embeddings import EmbeddingTable, engine
 from recscale.metrics import EvalAccumulator
 from recscale.train.checkpoint import Checkpointer
-from recscale.train.steps import TrainState, make_eval_step, make_train_step
+from recscale.train.steps import (
+    SparseOptimizer,
+    TrainState,
+    make_eval_step,
+    make_sparse_train_step,
+    make_train_step,
+)
 
 BuildModel = Callable[[Any, Schema, nnx.Rngs], nnx.Module]
 
 
 def make_optimizer(cfg: Any, params: Any):
-    """The combined optimizer: dense optax chain + the tables' own optimizer.
+    """The combined optimizer: dense optax chain + the tables' own optimizer (the engine's
+    sparse updates when the embedding engine is active).
 
     Tables are routed by type (``EmbeddingTable``); the label tree is computed once from the
     typed state, because optax calls a label function on params at init but on grads at update.
     """
     steps = cfg.train.num_steps
+    if sharding.active_engine() is not None:
+        e = cfg.embedding_optim
+        return SparseOptimizer(
+            dense=optim.dense_optimizer(cfg.dense_optim, steps),
+            embedding_lr=optim.embedding_schedule(e, steps),
+            rule=engine.UpdateRule(e.name, eps=e.eps),
+            initial_accumulator=e.initial_accumulator,
+        )
     return optim.combine(
         optim.dense_optimizer(cfg.dense_optim, steps),
         optim.embedding_optimizer(cfg.embedding_optim, steps),
@@ -298,7 +313,7 @@ def train(
     write_run_files(workdir, cfg, argv)
     mesh = sharding.make_mesh(cfg.mesh)
     tcfg = cfg.train
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)):
         exp = Experiment.build(cfg, build_model, workdir=str(workdir))
         ckpt = Checkpointer(
             workdir / "checkpoints",
@@ -345,8 +360,11 @@ def train(
         start = int(state.step)
         write_run_info(workdir, start)
 
+        make_step = (
+            make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
+        )
         train_step = jax.jit(
-            make_train_step(exp.graphdef, exp.tx, tcfg.seed),
+            make_step(exp.graphdef, exp.tx, tcfg.seed),
             in_shardings=(exp.state_sharding, None),
             out_shardings=(exp.state_sharding, None),
             donate_argnums=(0,),

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ import optax
 from flax import nnx, struct
 
 from data.batch import Batch
+from recscale.embeddings import EmbeddingTable, engine
 
 
 @struct.dataclass
@@ -71,6 +73,109 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, se
         return new, metrics
 
     return train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseOptimizer:
+    """The optimizer of a model whose tables live in the embedding engine: ``dense`` (optax) on
+    every other parameter, the engine's sparse row updates on the table buffers.
+
+    ``init(params)`` gives ``{"dense": optax state of the dense parameters, "embedding":
+    {buffer path: {"acc" | "m" | "v": state}}}``.
+    """
+
+    dense: optax.GradientTransformation
+    embedding_lr: optax.Schedule
+    rule: engine.UpdateRule
+    initial_accumulator: float = 0.0
+
+    def init(self, params: Any) -> dict:
+        emb, dense = nnx.split_state(params, EmbeddingTable, ...)
+        out = {}
+        for path, var in nnx.to_flat_state(emb):
+            out[_buffer_path(path)] = engine.init_opt_state_for(
+                var, self.rule.optimizer, self.initial_accumulator
+            )
+        return {"dense": self.dense.init(dense), "embedding": out}
+
+
+def _buffer_path(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: int):
+    """The train step of an engine-backed model: gradients with respect to the rows each batch
+    looks up (the engine's deltas), never a whole table; tables updated in place."""
+    base_key = jax.random.key(seed)
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        dropout_key = jax.random.fold_in(base_key, state.step)
+        emb, dense = nnx.split_state(state.params, EmbeddingTable, ...)
+
+        def forward(dense_params, deltas):
+            model = nnx.merge(graphdef, emb, dense_params, state.batch_stats, copy=True)
+            with engine.step_context(model, deltas) as ctx:
+                logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=dropout_key)
+            return logits_b, model, ctx
+
+        shapes = {}
+
+        def discover(dense_params):
+            _, _, ctx = forward(dense_params, None)
+            shapes.update(ctx.shapes)
+            return 0.0
+
+        jax.eval_shape(discover, dense)
+        deltas = {ck: {bk: _zeros(sds) for bk, sds in per.items()} for ck, per in shapes.items()}
+
+        def loss_fn(dense_params, deltas):
+            logits_b, model, ctx = forward(dense_params, deltas)
+            loss = weighted_bce(logits_b, batch.labels_b, batch.weights_b)
+            return loss, (nnx.state(model, nnx.BatchStat), ctx.uids)
+
+        (loss, (batch_stats, uids)), (g_dense, g_delta) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True
+        )(dense, deltas)
+        updates, dense_state = tx.dense.update(g_dense, state.opt_state["dense"], dense)
+        dense = optax.apply_updates(dense, updates)
+
+        lr = tx.embedding_lr(state.step)
+        model = nnx.merge(graphdef, state.params, state.batch_stats, copy=True)
+        emb_state, emb_sq = {}, []
+        for ck, coll in engine.engine_collections(model).items():
+            for bl in coll.layout.buffers:
+                path = "/".join(p for p in (ck, "buffers", bl.key) if p)
+                var = coll.buffers[bl.key]
+                buf, st, sq = engine.apply_update(
+                    coll.layout, bl, var[...], state.opt_state["embedding"][path],
+                    uids[ck][bl.key], g_delta[ck][bl.key], lr, state.step, tx.rule,
+                )  # fmt: skip
+                var.value = buf
+                emb_state[path] = st
+                emb_sq.append(sq)
+        nnx.update(model, dense, batch_stats)
+        params = nnx.state(model, nnx.Param)
+        metrics = {
+            "loss": loss,
+            "grad_norm": _norm((g_dense, g_delta)),
+            "update_norm": jnp.sqrt(jnp.square(_norm(updates)) + sum(emb_sq)),
+            # The tables' norm would read every table every step; the dense part is cheap.
+            "dense_param_norm": _norm(dense),
+        }
+        new = TrainState(
+            step=state.step + 1,
+            params=params,
+            opt_state={"dense": dense_state, "embedding": emb_state},
+            batch_stats=batch_stats,
+        )
+        return new, metrics
+
+    return train_step
+
+
+def _zeros(sds: jax.ShapeDtypeStruct) -> jax.Array:
+    z = jnp.zeros(sds.shape, sds.dtype)
+    return z if sds.sharding is None else jax.lax.with_sharding_constraint(z, sds.sharding)
 
 
 def make_eval_step(graphdef: nnx.GraphDef):

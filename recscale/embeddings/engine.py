@@ -1,0 +1,605 @@
+"""The sharded embedding engine: tables laid out over the mesh by a plan, pooled lookups with
+``shard_map`` collectives, and sparse in-place updates of the rows a batch touches.
+
+Layout. A plan (``recscale.embeddings.planner``) cuts every table into shards ``(device, rows,
+columns)``. Shards of equal width and storage dtype share one **buffer**: a ``[N·R, w]`` array
+sharded over the mesh's ``data`` axis, whose device block ``d`` (rows ``[d·R, (d+1)·R)``) holds
+that device's shards one after another (each at an ``offset``). That one layout expresses every
+sharding type: table-wise is one shard on one device, row-wise a row range on every device,
+column-wise a column range on each of ``k`` devices, the hybrids the same within a host's
+devices. Data-parallel tables live in a replicated ``[R, w]`` buffer instead. Each device's
+shards are its **slots** (padded to the same count ``S`` on every device, as SPMD needs).
+
+Lookup (forward), per sharded buffer, inside ``shard_map`` on every device:
+
+1. all-gather the batch's ids (``[B, F, H]``; each device holds ``B/N`` examples);
+2. for each slot, the ids that fall in its row range become buffer rows; their distinct rows
+   (``uids [S, U]``, ``U = B·H``) are gathered once into the **sub-buffer** ``[S, U, w]``;
+3. bags are pooled from the sub-buffer, giving each slot's partial output for the whole batch
+   ``[S, B, w]`` (a row-wise shard's partial sum, a column-wise shard's columns);
+4. an ``all_to_all`` sends every example's partial outputs to the device that holds the example
+   (optionally in bf16/fp16), and a static gather-and-sum assembles ``[B/N, ΣD]`` (row-wise
+   partial sums are added here: the reduce-scatter of TorchRec's row-wise sharding).
+
+Data-parallel tables are looked up under plain ``jax.jit`` shardings: distinct rows over the
+global batch, pooling of each device's own examples, gradients all-reduced by XLA.
+
+Sparse updates. The train step never differentiates with respect to a buffer. Each lookup adds
+a zero **delta** to its sub-buffer (``stop_gradient(sub) + delta``) and the step takes the
+gradient with respect to the deltas: exactly the touched rows' gradients, duplicate ids already
+combined by the transpose of the gather. :func:`apply_update` then updates those rows in place
+(buffers donated; ``mode="drop"`` skips the padding slots): SGD, row-wise Adagrad (FBGEMM's
+``EXACT_ROWWISE_ADAGRAD``; a column-wise table's per-row sum of squares is summed over its
+column shards with a ``psum``, so it equals the unsharded update) and lazy Adam (moments and
+rows of touched rows only, bias correction by the global step, as TF's LazyAdam).
+
+Dimension glossary: ``N`` devices, ``B`` global batch, ``F`` features, ``H`` bag slots, ``S``
+slots per device, ``U = B·H`` distinct-row bound of a slot, ``R`` rows per device block, ``w``
+a buffer's width, ``ΣD`` the features' total width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from recscale import sharding
+from recscale.embeddings import planner as planner_lib
+from recscale.embeddings.spec import FeatureSpec, TableSpec
+from tpu_gpu_configs.profiles import get_profile
+
+AXIS = sharding.DATA_AXIS
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+COLUMN_TYPES = ("column_wise", "table_column_wise")
+
+
+class EngineOptState(nnx.Variable):
+    """Optimizer state of an engine buffer (row-wise Adagrad accumulators, Adam moments)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What embedding collections need to lay their tables out (set by the trainer)."""
+
+    sharding: str
+    per_table: tuple[str, ...]
+    profile: str
+    host_size: int
+    storage_dtype: str
+    comm_dtype: str
+    optimizer: str
+    batch_size: int
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> EngineSpec | None:
+        """The spec of an experiment config (None when ``embeddings.sharding`` is ``off``)."""
+        e = cfg.embeddings
+        if e.sharding == "off":
+            return None
+        if cfg.embedding_optim.l2 > 0:
+            raise ValueError(
+                f"embedding_optim.l2={cfg.embedding_optim.l2}: coupled L2 touches every row each "
+                "step, which the sparse engine does not do; set embeddings.sharding=off or l2=0"
+            )
+        return cls(e.sharding, tuple(e.per_table), e.profile, e.host_size, e.storage_dtype,
+                   e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+    """One buffer: its shape, and per device (outer) and slot (inner) what each slot holds."""
+
+    key: str
+    width: int
+    dtype: str
+    replicated: bool
+    rows: int
+    """R: rows per device block (replicated: rows of the buffer)."""
+    feature: tuple[tuple[int, ...], ...]
+    row_start: tuple[tuple[int, ...], ...]
+    row_count: tuple[tuple[int, ...], ...]
+    """Rows of the shard (0: a padding slot)."""
+    offset: tuple[tuple[int, ...], ...]
+    col_start: tuple[tuple[int, ...], ...]
+    table_dim: tuple[tuple[int, ...], ...]
+    cw_group: tuple[tuple[int, ...], ...]
+    """Index of the slot's table among column-split tables (``num_cw_groups``: not split)."""
+
+    def arr(self, name: str) -> np.ndarray:
+        return np.asarray(getattr(self, name), np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    num_devices: int
+    buffers: tuple[BufferLayout, ...]
+    feature_dims: tuple[int, ...]
+    feature_hotness: tuple[int, ...]
+    feature_pooling: tuple[str, ...]
+    num_cw_groups: int
+    comm_dtype: str
+    plan_text: str
+
+    def buffer(self, key: str) -> BufferLayout:
+        return next(b for b in self.buffers if b.key == key)
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning.
+
+
+def default_profile() -> str:
+    platform = jax.devices()[0].platform
+    return {"gpu": "gpu-h100", "tpu": "tpu-v5p"}.get(platform, "cpu-2core")
+
+
+def build_layout(
+    tables: tuple[TableSpec, ...], features: tuple[FeatureSpec, ...], num_devices: int,
+    spec: EngineSpec,
+) -> Layout:  # fmt: skip
+    """Plans ``tables`` on ``num_devices`` devices and lays the shards out in buffers."""
+    by_table: dict[str, list[int]] = {t.name: [] for t in tables}
+    for i, f in enumerate(features):
+        by_table[f.table].append(i)
+    for name, fs in by_table.items():
+        if len(fs) != 1:
+            raise ValueError(
+                f"embedding engine: table {name!r} is read by {len(fs)} features; the engine "
+                "needs exactly one feature per table (set embeddings.sharding=off for shared or "
+                "unused tables)"
+            )
+    pins = dict(item.split("=", 1) for item in spec.per_table)
+    unknown = set(pins) - set(by_table)
+    if unknown:
+        raise ValueError(f"embeddings.per_table names unknown tables {sorted(unknown)}")
+    profile = get_profile(spec.profile or default_profile())
+    if spec.host_size:
+        profile = dataclasses.replace(profile, devices_per_host=spec.host_size)
+    itemsize = jnp.dtype(DTYPES[spec.storage_dtype]).itemsize
+    default = () if spec.sharding == "auto" else (spec.sharding,)
+    hot = {f.table: f.max_hotness for f in features}
+    ptables = [
+        planner_lib.PlannerTable(
+            name=t.name, num_rows=t.num_rows, dim=t.dim, bytes_per_element=itemsize,
+            pooling_factor=float(hot[t.name]), optimizer=spec.optimizer,
+            allowed=(pins[t.name],) if t.name in pins else default,
+        )
+        for t in tables
+    ]  # fmt: skip
+    plan = planner_lib.plan(ptables, profile, num_devices, batch_size=spec.batch_size)
+    table_plans = plan.by_table()
+    cw_tables = [t.name for t in tables if table_plans[t.name].sharding in COLUMN_TYPES]
+    cw_index = {name: i for i, name in enumerate(cw_tables)}
+    # groups: key -> per device list of (feature, row_start, row_count, col_start, dim, cw)
+    groups: dict[tuple[int, bool], list[list[tuple]]] = {}
+    for t in tables:
+        tp = table_plans[t.name]
+        (f,) = by_table[t.name]
+        replicated = tp.sharding == "data_parallel"
+        shards = tp.shards[:1] if replicated else tp.shards
+        for sh in shards:
+            r0, r1 = sh.rows
+            c0, c1 = sh.cols[0], min(sh.cols[1], t.dim)
+            if r1 <= r0 or c1 <= c0:
+                continue
+            devs = groups.setdefault((c1 - c0, replicated), [[] for _ in range(num_devices)])
+            cw = cw_index.get(t.name, len(cw_tables))
+            devs[0 if replicated else sh.device].append((f, r0, r1 - r0, c0, t.dim, cw))
+    buffers = []
+    for (width, replicated), devs in sorted(groups.items()):
+        if replicated:
+            devs = devs[:1]
+        num_slots = max(len(d) for d in devs)
+        fields: dict[str, list[list[int]]] = {
+            k: [] for k in ("feature", "row_start", "row_count", "offset", "col_start",
+                            "table_dim", "cw_group")
+        }  # fmt: skip
+        rows = 1
+        for slots in devs:
+            off, per = 0, {k: [] for k in fields}
+            for f, r0, count, c0, dim, cw in slots:
+                for k, v in zip(fields, (f, r0, count, off, c0, dim, cw), strict=True):
+                    per[k].append(v)
+                off += count
+            for _ in range(num_slots - len(slots)):  # padding slots: no rows
+                for k, v in zip(fields, (0, 0, 0, off, 0, 1, len(cw_tables)), strict=True):
+                    per[k].append(v)
+            rows = max(rows, off)
+            for k in fields:
+                fields[k].append(tuple(per[k]))
+        rows = -(-rows // 8) * 8
+        kind = "replicated" if replicated else "sharded"
+        buffers.append(
+            BufferLayout(
+                key=f"{kind}_w{width}_{spec.storage_dtype}", width=width,
+                dtype=spec.storage_dtype, replicated=replicated, rows=rows,
+                **{k: tuple(v) for k, v in fields.items()},
+            )
+        )  # fmt: skip
+    return Layout(
+        num_devices=num_devices,
+        buffers=tuple(buffers),
+        feature_dims=tuple(next(t.dim for t in tables if t.name == f.table) for f in features),
+        feature_hotness=tuple(f.max_hotness for f in features),
+        feature_pooling=tuple(f.pooling for f in features),
+        num_cw_groups=len(cw_tables),
+        comm_dtype=spec.comm_dtype,
+        plan_text=plan.render(),
+    )
+
+
+def init_buffers(layout: Layout, tables: list[jax.Array], table_of_feature: list[int]):
+    """Buffers holding ``tables`` (``[V_t, D_t]`` arrays) as the layout places them."""
+    out = {}
+    for bl in layout.buffers:
+        n_blocks = 1 if bl.replicated else layout.num_devices
+        buf = jnp.zeros((n_blocks * bl.rows, bl.width), DTYPES[bl.dtype])
+        for d in range(n_blocks):
+            for s in range(len(bl.feature[d])):
+                count = bl.row_count[d][s]
+                if not count:
+                    continue
+                t = tables[table_of_feature[bl.feature[d][s]]]
+                r0, c0 = bl.row_start[d][s], bl.col_start[d][s]
+                piece = t[r0 : r0 + count, c0 : c0 + bl.width].astype(buf.dtype)
+                buf = jax.lax.dynamic_update_slice(buf, piece, (d * bl.rows + bl.offset[d][s], 0))
+        out[bl.key] = buf
+    return out
+
+
+def export_tables(layout: Layout, buffers: dict, tables: tuple[TableSpec, ...],
+                  features: tuple[FeatureSpec, ...]) -> dict[str, np.ndarray]:  # fmt: skip
+    """The tables ``{name: [V, D]}`` reassembled from the buffers (host numpy)."""
+    out = {t.name: np.zeros((t.num_rows, t.dim), np.float32) for t in tables}
+    for bl in layout.buffers:
+        buf = np.asarray(jax.device_get(buffers[bl.key]), np.float32)
+        for d in range(1 if bl.replicated else layout.num_devices):
+            for s in range(len(bl.feature[d])):
+                count = bl.row_count[d][s]
+                if count:
+                    name = features[bl.feature[d][s]].table
+                    r0, c0, base = bl.row_start[d][s], bl.col_start[d][s], d * bl.rows
+                    rows = buf[base + bl.offset[d][s] : base + bl.offset[d][s] + count]
+                    out[name][r0 : r0 + count, c0 : c0 + bl.width] = rows
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Building blocks.
+
+
+def batched_unique(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Array]:
+    """Distinct keys of every row of ``keys [S, N]`` (``sentinel`` = none, the largest key).
+
+    Returns ``uids [S, N]`` (each row's distinct keys in increasing order, then ``sentinel``)
+    and ``inv [S, N]`` (each key's index into its row of ``uids``). One sort per call.
+    """
+    s, n = keys_sn.shape
+    iota = jax.lax.broadcasted_iota(jnp.int32, (s, n), 1)
+    sorted_k, perm = jax.lax.sort((keys_sn, iota), dimension=1, num_keys=1)
+    new = jnp.concatenate([jnp.ones((s, 1), bool), sorted_k[:, 1:] != sorted_k[:, :-1]], axis=1)
+    pos = jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1
+    rows = jax.lax.broadcasted_iota(jnp.int32, (s, n), 0)
+    uids = jnp.full((s, n), sentinel, keys_sn.dtype).at[rows, pos].set(sorted_k)
+    inv = jnp.zeros((s, n), jnp.int32).at[rows, perm].set(pos)
+    return uids, inv
+
+
+def _pool(sub_sud: jax.Array, inv_sbh: jax.Array, ok_sbh: jax.Array) -> jax.Array:
+    """``[S, B, w]``: bags pooled (summed) from the sub-buffer. A loop over bag slots: XLA
+    does not fuse gather + sum, and one gather of all slots would materialise ``[S, B, H, w]``."""
+    out = None
+    for h in range(inv_sbh.shape[2]):
+        rows = jnp.take_along_axis(sub_sud, inv_sbh[:, :, h, None], axis=1)
+        rows = jnp.where(ok_sbh[:, :, h, None], rows, 0)
+        out = rows if out is None else out + rows
+    return out
+
+
+def _assemble(layout: Layout, parts: list[tuple[jax.Array, BufferLayout, bool]]) -> jax.Array:
+    """``[B, ΣD]`` from every buffer's received partial outputs ``[K, B, w]`` (rows in
+    (source device, slot) order; ``True`` for a replicated buffer's ``[S, B, w]``): a static
+    gather per contributor, summed (row-wise shards contribute several)."""
+    feat_off = np.concatenate([[0], np.cumsum(layout.feature_dims)])
+    total = int(feat_off[-1])
+    flat, sources = [], [[] for _ in range(total)]
+    col = 0
+    for x, bl, replicated in parts:
+        k, b, w = x.shape
+        flat.append(jnp.transpose(x, (1, 0, 2)).reshape(b, k * w))
+        blocks = [0] if replicated else range(layout.num_devices)
+        row = 0
+        for d in blocks:
+            for s in range(len(bl.feature[d])):
+                if bl.row_count[d][s]:
+                    start = feat_off[bl.feature[d][s]] + bl.col_start[d][s]
+                    for j in range(w):
+                        sources[start + j].append(col + row * w + j)
+                row += 1
+        col += k * w
+    zero_col = col
+    big = jnp.concatenate(flat + [jnp.zeros((flat[0].shape[0], 1), flat[0].dtype)], axis=1)
+    depth = max(len(s) for s in sources)
+    out = None
+    for i in range(depth):
+        idx = np.array([s[i] if i < len(s) else zero_col for s in sources], np.int32)
+        term = big[:, idx]
+        out = term if out is None else out + term
+    return out
+
+
+def _hotness_mask(layout: Layout, ids_bfh: jax.Array) -> jax.Array:
+    """Ids beyond a feature's ``max_hotness`` become padding (-1)."""
+    h = ids_bfh.shape[2]
+    keep = np.arange(h)[None, :] < np.asarray(layout.feature_hotness)[:, None]  # [F, H]
+    if keep.all():
+        return ids_bfh
+    return jnp.where(keep[None], ids_bfh, -1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Lookup.
+
+
+@dataclasses.dataclass
+class _StepContext:
+    deltas: dict | None  # id(collection) -> {buffer key: delta}
+    paths: dict  # id(collection) -> path key
+    uids: dict = dataclasses.field(default_factory=dict)
+    shapes: dict = dataclasses.field(default_factory=dict)
+
+
+_STEP: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar(
+    "recscale_engine_step", default=None
+)
+
+
+def _path_key(path: tuple) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+@contextlib.contextmanager
+def step_context(model: nnx.Module, deltas: dict | None) -> Iterator[_StepContext]:
+    """Within it, engine collections of ``model`` add ``deltas[path][key]`` to their
+    sub-buffers and record their ``uids`` (``deltas=None``: only record the deltas' shapes)."""
+    paths = {}
+    for path, m in nnx.iter_modules(model):
+        if getattr(m, "layout", None) is not None:
+            paths[id(m)] = _path_key(path)
+    ctx = _StepContext(deltas=deltas, paths=paths)
+    token = _STEP.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _STEP.reset(token)
+
+
+def engine_collections(model: nnx.Module) -> dict[str, Any]:
+    """``{path key: collection}`` of the engine-backed embedding collections of ``model``."""
+    return {
+        _path_key(path): m
+        for path, m in nnx.iter_modules(model)
+        if getattr(m, "layout", None) is not None
+    }
+
+
+def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> jax.Array:
+    """Pooled embeddings ``[B, ΣD]`` of the features of ``layout`` (see the module docstring)."""
+    ctx = _STEP.get()
+    key = ctx.paths.get(id(module)) if ctx is not None else None
+    deltas = None
+    if key is not None:
+        if key in ctx.uids or key in ctx.shapes:
+            raise RuntimeError(
+                f"embedding collection {key!r} was called twice in one train step; the sparse "
+                "engine supports one lookup per collection per step"
+            )
+        deltas = ctx.deltas[key] if ctx.deltas is not None else None
+    ids_bfh = _hotness_mask(layout, ids_bfh)
+    mesh = sharding.active_mesh()
+    parts, uids, shapes = [], {}, {}
+    for bl in layout.buffers:
+        delta = None if deltas is None else deltas[bl.key]
+        if bl.replicated:
+            x, u = _lookup_replicated(bl, buffers[bl.key], ids_bfh, delta, mesh)
+        else:
+            x, u = _lookup_sharded(layout, bl, buffers[bl.key], ids_bfh, delta, mesh)
+        parts.append((x, bl, bl.replicated))
+        uids[bl.key] = u
+        shapes[bl.key] = jax.ShapeDtypeStruct(
+            (*u.shape, bl.width), jnp.float32,
+            sharding=None if mesh is None else NamedSharding(
+                mesh, P() if bl.replicated else P(AXIS)),
+        )  # fmt: skip
+    if key is not None:
+        if ctx.deltas is None:
+            ctx.shapes[key] = shapes
+        else:
+            ctx.uids[key] = uids
+    out = _assemble(layout, parts)
+    mean = [i for i, p in enumerate(layout.feature_pooling) if p == "mean"]
+    if mean:
+        counts = jnp.maximum((ids_bfh >= 0).sum(axis=2), 1).astype(out.dtype)  # [B, F]
+        scale = jnp.repeat(counts, np.asarray(layout.feature_dims), axis=1,
+                           total_repeat_length=out.shape[1])  # fmt: skip
+        is_mean = np.repeat(
+            np.array([p == "mean" for p in layout.feature_pooling]), layout.feature_dims
+        )
+        out = jnp.where(is_mean[None], out / scale, out)
+    return out
+
+
+def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh):
+    feat = bl.arr("feature")[0]
+    offset = bl.arr("offset")[0]
+    ids_sbh = jnp.transpose(ids_bfh[:, feat, :], (1, 0, 2))
+    ok = ids_sbh >= 0
+    s, b, h = ids_sbh.shape
+    keys = jnp.where(ok, offset[:, None, None] + ids_sbh, bl.rows)
+    uids, inv = batched_unique(keys.reshape(s, b * h), bl.rows)
+    inv = inv.reshape(s, b, h)
+    if mesh is not None:  # pool each device's own examples
+        inv = jax.lax.with_sharding_constraint(inv, NamedSharding(mesh, P(None, AXIS, None)))
+    sub = buf.at[uids].get(mode="fill", fill_value=0).astype(jnp.float32)
+    if delta is not None:
+        sub = jax.lax.stop_gradient(sub) + delta
+    return _pool(sub, inv, ok), uids
+
+
+def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh):
+    if mesh is None:
+        raise RuntimeError("a sharded embedding buffer needs an active mesh (sharding.activate)")
+    comm = DTYPES[layout.comm_dtype]
+    rows = bl.rows
+
+    def body(buf_rw, ids_l, feat, row_start, row_count, offset, *maybe_delta):
+        ids = jax.lax.all_gather(ids_l, AXIS, axis=0, tiled=True)  # [B, F, H]
+        feat, row_start, row_count, offset = feat[0], row_start[0], row_count[0], offset[0]
+        ids_sbh = jnp.transpose(jnp.take(ids, feat, axis=1), (1, 0, 2))
+        local = ids_sbh - row_start[:, None, None]
+        ok = (ids_sbh >= 0) & (local >= 0) & (local < row_count[:, None, None])
+        keys = jnp.where(ok, offset[:, None, None] + local, rows)
+        s, b, h = ids_sbh.shape
+        uids, inv = batched_unique(keys.reshape(s, b * h), rows)
+        sub = buf_rw.at[uids].get(mode="fill", fill_value=0).astype(jnp.float32)
+        if maybe_delta:
+            sub = jax.lax.stop_gradient(sub) + maybe_delta[0]
+        pooled = _pool(sub, inv.reshape(s, b, h), ok).astype(comm)  # [S, B, w]
+        recv = jax.lax.all_to_all(pooled, AXIS, split_axis=1, concat_axis=0, tiled=True)
+        return recv.astype(jnp.float32), uids
+
+    slot_arrays = [jnp.asarray(bl.arr(k)) for k in ("feature", "row_start", "row_count", "offset")]
+    args = [buf, ids_bfh, *slot_arrays] + ([delta] if delta is not None else [])
+    in_specs = (P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS)) + (
+        (P(AXIS),) if delta is not None else ()
+    )
+    recv, uids = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS))
+    )(*args)
+    return recv, uids
+
+
+# ------------------------------------------------------------------------------------------------
+# Sparse updates.
+
+
+def init_opt_state_for(buffer: nnx.Variable, optimizer: str, initial_accumulator: float) -> dict:
+    """Optimizer state of one buffer Variable, as Variables carrying the buffer's sharding."""
+    shape = buffer[...].shape
+    ax = (buffer.get_metadata().get("logical_axes") or (None,))[0]
+    if optimizer == "sgd":
+        return {}
+    if optimizer == "rowwise_adagrad":
+        acc = jnp.full(shape[:1], initial_accumulator, jnp.float32)
+        return {"acc": EngineOptState(acc, logical_axes=(ax,))}
+    if optimizer == "adam":
+        return {
+            m: EngineOptState(jnp.zeros(shape, jnp.float32), logical_axes=(ax, None))
+            for m in ("m", "v")
+        }
+    raise ValueError(f"unknown embedding optimizer {optimizer!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRule:
+    optimizer: str
+    eps: float = 1e-8
+    b1: float = 0.9
+    b2: float = 0.999
+
+
+def apply_update(
+    layout: Layout, bl: BufferLayout, buf, state: dict, uids, grad, lr, step, rule: UpdateRule
+):
+    """Updates the rows ``uids`` of ``buf`` with their gradients ``grad``; returns
+    ``(buf, state, sum of squared updates)``."""
+    values = {k: v[...] for k, v in state.items()}
+    names = sorted(values)
+    slot = {k: jnp.asarray(bl.arr(k)) for k in ("cw_group", "table_dim")}
+    groups = layout.num_cw_groups
+
+    def body(buf_rw, uids_su, g_suw, cw, tdim, lr, step, *vals):
+        st = dict(zip(names, vals, strict=True))
+        new_buf, new_st, sq = _update_rows(
+            buf_rw, st, uids_su, g_suw, cw[0], tdim[0], lr, step, rule,
+            groups if not bl.replicated else 0,
+        )  # fmt: skip
+        if not bl.replicated:
+            sq = jax.lax.psum(sq, AXIS)
+        return new_buf, tuple(new_st[k] for k in names), sq
+
+    if bl.replicated:
+        new_buf, new_vals, sq = body(buf, uids, grad, slot["cw_group"], slot["table_dim"], lr,
+                                     step, *(values[k] for k in names))  # fmt: skip
+    else:
+        specs = {"acc": P(AXIS), "m": P(AXIS, None), "v": P(AXIS, None)}
+        new_buf, new_vals, sq = jax.shard_map(
+            body,
+            mesh=sharding.active_mesh(),
+            in_specs=(P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
+                      *(specs[k] for k in names)),
+            out_specs=(P(AXIS, None), tuple(specs[k] for k in names), P()),
+        )(buf, uids, grad, slot["cw_group"], slot["table_dim"], lr, step,
+          *(values[k] for k in names))  # fmt: skip
+    new_state = {k: state[k].replace(v) for k, v in zip(names, new_vals, strict=True)}
+    return new_buf, new_state, sq
+
+
+def _update_rows(buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRule, groups: int):
+    s, u, w = g_suw.shape
+    flat_u = uids_su.reshape(-1)
+    g = g_suw.astype(jnp.float32)
+    if rule.optimizer == "sgd":
+        upd = -lr * g
+        new_st = st
+    elif rule.optimizer == "rowwise_adagrad":
+        sq_su = jnp.sum(jnp.square(g), axis=-1)
+        nz_su = jnp.any(g != 0, axis=-1).astype(jnp.float32)
+        if groups:
+            # A column-split table's row statistic spans all its column shards (other devices).
+            tot = jnp.zeros((groups + 1, u), jnp.float32).at[cw_s].add(sq_su)
+            nzt = jnp.zeros((groups + 1, u), jnp.float32).at[cw_s].add(nz_su)
+            tot, nzt = jax.lax.psum((tot, nzt), AXIS)
+            split = (cw_s < groups)[:, None]
+            sq_su = jnp.where(split, tot[cw_s], sq_su)
+            nz_su = jnp.where(split, nzt[cw_s], nz_su)
+        mean_su = sq_su / tdim_s[:, None].astype(jnp.float32)
+        acc_su = st["acc"].at[uids_su].get(mode="fill", fill_value=0) + mean_su
+        touched = nz_su > 0
+        denom = jnp.where(touched, jnp.sqrt(acc_su) + rule.eps, 1.0)
+        upd = jnp.where(touched[..., None], g / denom[..., None], 0.0) * -lr
+        new_st = {"acc": st["acc"].at[flat_u].set(acc_su.reshape(-1), mode="drop")}
+    elif rule.optimizer == "adam":
+        t = (step + 1).astype(jnp.float32)
+        m = rule.b1 * st["m"].at[uids_su].get(mode="fill", fill_value=0) + (1 - rule.b1) * g
+        v = rule.b2 * st["v"].at[uids_su].get(mode="fill", fill_value=0) + (1 - rule.b2) * g * g
+        m_hat = m / (1 - rule.b1**t)
+        v_hat = v / (1 - rule.b2**t)
+        upd = -lr * m_hat / (jnp.sqrt(v_hat) + rule.eps)
+        new_st = {
+            "m": st["m"].at[flat_u].set(m.reshape(-1, w), mode="drop"),
+            "v": st["v"].at[flat_u].set(v.reshape(-1, w), mode="drop"),
+        }
+    else:
+        raise ValueError(f"unknown embedding optimizer {rule.optimizer!r}")
+    valid = (uids_su < buf.shape[0])[..., None]
+    sq = jnp.sum(jnp.where(valid, jnp.square(upd), 0.0))
+    new_buf = buf.at[flat_u].add(upd.reshape(-1, w).astype(buf.dtype), mode="drop")
+    return new_buf, new_st, sq
+
+
+def generated_rows(num_rows: int) -> int:
+    """Rows a table is generated with (as the per-table path pads them), so both paths draw
+    the same initial values."""
+    return math.ceil(num_rows / 64) * 64
