@@ -37,10 +37,21 @@ from data.config import DataConfig
 from dlrm.config import DLRMConfig, DLRMModelConfig
 from dlrm.model import build_model
 from recscale import sharding
-from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, MeshConfig
+from recscale.config import (
+    DenseOptimConfig,
+    EmbeddingOptimConfig,
+    EmbeddingShardingConfig,
+    MeshConfig,
+)
+from recscale.embeddings import engine
 from recscale.flops import dlrm_cost
 from recscale.train.loop import make_optimizer
-from recscale.train.steps import TrainState, make_eval_step, make_train_step
+from recscale.train.steps import (
+    TrainState,
+    make_eval_step,
+    make_sparse_train_step,
+    make_train_step,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHREC_PY = ROOT / ".venv-torchrec" / "bin" / "python"
@@ -83,7 +94,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def recscale_run(c: dict, steps: int, warmup: int) -> dict:
+def recscale_run(c: dict, steps: int, warmup: int, sharding_kind: str) -> dict:
     schema = Schema(
         dense_names=tuple(f"d{i}" for i in range(c["dense"])),
         features=tuple(FeatureInfo(name=f"f{i}", vocab_size=c["rows"], max_hotness=c["hotness"])
@@ -95,6 +106,7 @@ def recscale_run(c: dict, steps: int, warmup: int) -> dict:
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=LR, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=LR),
         mesh=MeshConfig(data_parallel=1, rules="replicated"),
+        embeddings=EmbeddingShardingConfig(sharding=sharding_kind),
     )
     mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
     rng = np.random.default_rng(1)
@@ -108,14 +120,16 @@ def recscale_run(c: dict, steps: int, warmup: int) -> dict:
         )
         for _ in range(8)
     ]
-    with sharding.activate(mesh, cfg.mesh.rules):
+    spec = engine.EngineSpec.from_config(cfg)
+    with sharding.activate(mesh, cfg.mesh.rules, engine=spec):
         model = build_model(cfg, schema, nnx.Rngs(params=0))
         graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         tx = make_optimizer(cfg, params)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
         batches = [jax.device_put(b) for b in host]
-        train = jax.jit(make_train_step(graphdef, tx, 0), donate_argnums=(0,))
+        make_step = make_sparse_train_step if spec is not None else make_train_step
+        train = jax.jit(make_step(graphdef, tx, 0), donate_argnums=(0,))
         infer = jax.jit(make_eval_step(graphdef))
         for i in range(warmup):
             state, m = train(state, batches[i % 8])
@@ -161,6 +175,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument(
+        "--sharding", default="data_parallel",
+        help="recscale's embeddings.sharding (off = per-table arrays, dense updates)",
+    )
+    ap.add_argument("--skip-torchrec", action="store_true")
     args = ap.parse_args()
     roof = machine_roofline()
     print(f"machine: {roof['matmul_flops'] / 1e9:.0f} GFLOP/s float32 matmul, "
@@ -168,7 +187,10 @@ def main() -> None:
     rows = []
     for name in args.configs:
         c = CONFIGS[name]
-        r = recscale_run(c, args.steps, args.warmup)
+        r = recscale_run(c, args.steps, args.warmup, args.sharding)
+        if args.skip_torchrec:
+            print(json.dumps({"config": name, **r}), flush=True)
+            continue
         t = torchrec_run(c, args.steps, args.warmup, args.threads)
         flops = r["train_flops_per_example"]
         row = {

@@ -68,7 +68,13 @@ class DLRM(nnx.Module):
             return x_bnd.reshape(x_bnd.shape[0], -1)
         z_bnn = jnp.einsum("bnd,bmd->bnm", x_bnd, x_bnd)
         li, lj = self.tril
-        return z_bnn[:, np.asarray(li), np.asarray(lj)]
+        # Row by row (static slices) rather than one gather at (li, lj): the same entries in the
+        # same order, but the backward is a concatenation of slices, not an XLA scatter.
+        off = 0 if self.cfg.self_interaction else -1
+        rows = [z_bnn[:, i, : i + 1 + off] for i in range(z_bnn.shape[1]) if i + 1 + off > 0]
+        out = jnp.concatenate(rows, axis=1)
+        assert out.shape[1] == len(li)
+        return out
 
     def __call__(
         self, dense_bn: jax.Array, ids_bfh: jax.Array, *, dropout_key: jax.Array | None = None

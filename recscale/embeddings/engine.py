@@ -280,63 +280,76 @@ def export_tables(layout: Layout, buffers: dict, tables: tuple[TableSpec, ...],
 
 
 def batched_unique(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Array]:
-    """Distinct keys of every row of ``keys [S, N]`` (``sentinel`` = none, the largest key).
+    """Distinct keys of every row of ``keys [S, N]``: buffer rows in ``[0, sentinel)``, disjoint
+    between rows of ``keys`` (each slot reads its own rows), ``sentinel`` = no key.
 
-    Returns ``uids [S, N]`` (each row's distinct keys in increasing order, then ``sentinel``)
-    and ``inv [S, N]`` (each key's index into its row of ``uids``). One sort per call.
+    Returns ``uids [S, N]`` (each row's distinct keys in order of first occurrence, then
+    ``sentinel``) and ``inv [S, N]`` (each key's index into its row of ``uids``; arbitrary for
+    ``sentinel``). No sort: a scatter-min of positions into a ``[sentinel + 1]`` int32 array
+    finds each key's first occurrence (XLA's CPU sort is ~30x slower at these sizes; the array
+    is 4 bytes per buffer row, a sixteenth of a 16-wide float32 table, and lives for one step).
+    First-occurrence order makes column shards of one table, on different devices, list their
+    rows in the same order (the column-wise row-wise-Adagrad reduction relies on it).
     """
     s, n = keys_sn.shape
-    iota = jax.lax.broadcasted_iota(jnp.int32, (s, n), 1)
-    sorted_k, perm = jax.lax.sort((keys_sn, iota), dimension=1, num_keys=1)
-    new = jnp.concatenate([jnp.ones((s, 1), bool), sorted_k[:, 1:] != sorted_k[:, :-1]], axis=1)
-    pos = jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1
+    pos = jnp.arange(s * n, dtype=jnp.int32).reshape(s, n)
+    first = jnp.full((sentinel + 1,), s * n, jnp.int32).at[keys_sn].min(pos)
+    first_sn = first[keys_sn]  # flat position of each key's first occurrence (same slot)
+    is_first = (first_sn == pos) & (keys_sn < sentinel)
+    rank = jnp.cumsum(is_first, axis=1, dtype=jnp.int32) - 1
+    inv = rank.reshape(-1)[first_sn]
     rows = jax.lax.broadcasted_iota(jnp.int32, (s, n), 0)
-    uids = jnp.full((s, n), sentinel, keys_sn.dtype).at[rows, pos].set(sorted_k)
-    inv = jnp.zeros((s, n), jnp.int32).at[rows, perm].set(pos)
+    slots = jnp.where(is_first, rank, n)
+    uids = jnp.full((s, n), sentinel, keys_sn.dtype).at[rows, slots].set(keys_sn, mode="drop")
     return uids, inv
 
 
-def _pool(sub_sud: jax.Array, inv_sbh: jax.Array, ok_sbh: jax.Array) -> jax.Array:
-    """``[S, B, w]``: bags pooled (summed) from the sub-buffer. A loop over bag slots: XLA
-    does not fuse gather + sum, and one gather of all slots would materialise ``[S, B, H, w]``."""
-    out = None
-    for h in range(inv_sbh.shape[2]):
-        rows = jnp.take_along_axis(sub_sud, inv_sbh[:, :, h, None], axis=1)
-        rows = jnp.where(ok_sbh[:, :, h, None], rows, 0)
-        out = rows if out is None else out + rows
-    return out
+def _pool(table_vw: jax.Array, idx_sbh: jax.Array, ok_sbh: jax.Array) -> jax.Array:
+    """``[S, B, w]``: bags pooled (summed) from rows ``idx`` of ``table [V, w]`` (``ok``
+    masks padding). A loop over the ``H`` bag slots, each a plain row gather: XLA does not fuse
+    gather + sum, and one gather of all slots would materialise ``[S, B, H, w]``. A
+    ``fori_loop``, not a Python loop: unrolled, XLA fuses the index arithmetic into each of the
+    ``H`` gathers and recomputes all ``S·B·H`` indices ``H`` times."""
+    s, b, h = idx_sbh.shape
+    idx_hsb = jnp.moveaxis(idx_sbh, 2, 0)
+    ok_hsb = jnp.moveaxis(ok_sbh, 2, 0)
+
+    def one(j):
+        rows = jnp.take(table_vw, idx_hsb[j], axis=0, mode="fill", fill_value=0)
+        return jnp.where(ok_hsb[j][..., None], rows.astype(jnp.float32), 0)
+
+    if h == 1:
+        return one(0)
+    return jax.lax.fori_loop(1, h, lambda j, acc: acc + one(j), one(0))
 
 
 def _assemble(layout: Layout, parts: list[tuple[jax.Array, BufferLayout, bool]]) -> jax.Array:
     """``[B, ΣD]`` from every buffer's received partial outputs ``[K, B, w]`` (rows in
-    (source device, slot) order; ``True`` for a replicated buffer's ``[S, B, w]``): a static
-    gather per contributor, summed (row-wise shards contribute several)."""
-    feat_off = np.concatenate([[0], np.cumsum(layout.feature_dims)])
-    total = int(feat_off[-1])
-    flat, sources = [], [[] for _ in range(total)]
-    col = 0
+    (source device, slot) order; ``True`` for a replicated buffer's ``[S, B, w]``): static
+    slices concatenated in feature and column order, row-wise shards' partial sums added.
+    (Slices, not a gather: XLA fuses the producers into a gather and recomputes them.)"""
+    pieces: dict[tuple[int, int], list[jax.Array]] = {}
     for x, bl, replicated in parts:
-        k, b, w = x.shape
-        flat.append(jnp.transpose(x, (1, 0, 2)).reshape(b, k * w))
-        blocks = [0] if replicated else range(layout.num_devices)
         row = 0
-        for d in blocks:
+        for d in [0] if replicated else range(layout.num_devices):
             for s in range(len(bl.feature[d])):
                 if bl.row_count[d][s]:
-                    start = feat_off[bl.feature[d][s]] + bl.col_start[d][s]
-                    for j in range(w):
-                        sources[start + j].append(col + row * w + j)
+                    key = (bl.feature[d][s], bl.col_start[d][s])
+                    pieces.setdefault(key, []).append(x[row])
                 row += 1
-        col += k * w
-    zero_col = col
-    big = jnp.concatenate(flat + [jnp.zeros((flat[0].shape[0], 1), flat[0].dtype)], axis=1)
-    depth = max(len(s) for s in sources)
-    out = None
-    for i in range(depth):
-        idx = np.array([s[i] if i < len(s) else zero_col for s in sources], np.int32)
-        term = big[:, idx]
-        out = term if out is None else out + term
-    return out
+    out = []
+    for f, dim in enumerate(layout.feature_dims):
+        c = 0
+        while c < dim:
+            if (f, c) not in pieces:
+                raise AssertionError(f"layout leaves feature {f} columns from {c} unfilled")
+            terms = pieces[(f, c)]
+            block = terms[0]
+            for t in terms[1:]:
+                block = block + t
+            out.append(block)
+            c += block.shape[1]
+    return jnp.concatenate(out, axis=1)
 
 
 def _hotness_mask(layout: Layout, ids_bfh: jax.Array) -> jax.Array:
@@ -409,13 +422,16 @@ def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> ja
     ids_bfh = _hotness_mask(layout, ids_bfh)
     mesh = sharding.active_mesh()
     parts, uids, shapes = [], {}, {}
+    train = key is not None
     for bl in layout.buffers:
         delta = None if deltas is None else deltas[bl.key]
         if bl.replicated:
-            x, u = _lookup_replicated(bl, buffers[bl.key], ids_bfh, delta, mesh)
+            x, u = _lookup_replicated(bl, buffers[bl.key], ids_bfh, delta, mesh, train)
         else:
-            x, u = _lookup_sharded(layout, bl, buffers[bl.key], ids_bfh, delta, mesh)
+            x, u = _lookup_sharded(layout, bl, buffers[bl.key], ids_bfh, delta, mesh, train)
         parts.append((x, bl, bl.replicated))
+        if not train:
+            continue
         uids[bl.key] = u
         shapes[bl.key] = jax.ShapeDtypeStruct(
             (*u.shape, bl.width), jnp.float32,
@@ -440,24 +456,34 @@ def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> ja
     return out
 
 
-def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh):
+def _rows_and_pool(buf, keys_sbh, ok_sbh, delta, train: bool, sentinel: int):
+    """Pooled ``[S, B, w]`` and (training) the distinct rows ``uids [S, U]``. Training gathers
+    the distinct rows once into the sub-buffer and adds the delta; inference gathers each bag
+    slot straight from the buffer (no dedup)."""
+    s, b, h = keys_sbh.shape
+    if not train:
+        return _pool(buf, keys_sbh, ok_sbh), None
+    uids, inv = batched_unique(keys_sbh.reshape(s, b * h), sentinel)
+    sub = buf.at[uids].get(mode="fill", fill_value=0).astype(jnp.float32)
+    if delta is not None:
+        sub = jax.lax.stop_gradient(sub) + delta
+    u = uids.shape[1]
+    flat_idx = inv.reshape(s, b, h) + (jnp.arange(s, dtype=jnp.int32) * u)[:, None, None]
+    return _pool(sub.reshape(s * u, -1), flat_idx, ok_sbh), uids
+
+
+def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh, train: bool):
     feat = bl.arr("feature")[0]
     offset = bl.arr("offset")[0]
     ids_sbh = jnp.transpose(ids_bfh[:, feat, :], (1, 0, 2))
     ok = ids_sbh >= 0
-    s, b, h = ids_sbh.shape
     keys = jnp.where(ok, offset[:, None, None] + ids_sbh, bl.rows)
-    uids, inv = batched_unique(keys.reshape(s, b * h), bl.rows)
-    inv = inv.reshape(s, b, h)
-    if mesh is not None:  # pool each device's own examples
-        inv = jax.lax.with_sharding_constraint(inv, NamedSharding(mesh, P(None, AXIS, None)))
-    sub = buf.at[uids].get(mode="fill", fill_value=0).astype(jnp.float32)
-    if delta is not None:
-        sub = jax.lax.stop_gradient(sub) + delta
-    return _pool(sub, inv, ok), uids
+    if mesh is not None and not train:  # each device pools its own examples
+        keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, P(None, AXIS, None)))
+    return _rows_and_pool(buf, keys, ok, delta, train, bl.rows)
 
 
-def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh):
+def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh, train: bool):
     if mesh is None:
         raise RuntimeError("a sharded embedding buffer needs an active mesh (sharding.activate)")
     comm = DTYPES[layout.comm_dtype]
@@ -470,24 +496,21 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         local = ids_sbh - row_start[:, None, None]
         ok = (ids_sbh >= 0) & (local >= 0) & (local < row_count[:, None, None])
         keys = jnp.where(ok, offset[:, None, None] + local, rows)
-        s, b, h = ids_sbh.shape
-        uids, inv = batched_unique(keys.reshape(s, b * h), rows)
-        sub = buf_rw.at[uids].get(mode="fill", fill_value=0).astype(jnp.float32)
-        if maybe_delta:
-            sub = jax.lax.stop_gradient(sub) + maybe_delta[0]
-        pooled = _pool(sub, inv.reshape(s, b, h), ok).astype(comm)  # [S, B, w]
-        recv = jax.lax.all_to_all(pooled, AXIS, split_axis=1, concat_axis=0, tiled=True)
-        return recv.astype(jnp.float32), uids
+        delta = maybe_delta[0] if maybe_delta else None
+        pooled, uids = _rows_and_pool(buf_rw, keys, ok, delta, train, rows)
+        recv = jax.lax.all_to_all(pooled.astype(comm), AXIS, split_axis=1, concat_axis=0,
+                                  tiled=True)  # fmt: skip
+        recv = recv.astype(jnp.float32)
+        return (recv, uids) if train else recv
 
     slot_arrays = [jnp.asarray(bl.arr(k)) for k in ("feature", "row_start", "row_count", "offset")]
     args = [buf, ids_bfh, *slot_arrays] + ([delta] if delta is not None else [])
     in_specs = (P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS)) + (
         (P(AXIS),) if delta is not None else ()
     )
-    recv, uids = jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS))
-    )(*args)
-    return recv, uids
+    out_specs = (P(None, AXIS), P(AXIS)) if train else P(None, AXIS)
+    out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+    return out if train else (out, None)
 
 
 # ------------------------------------------------------------------------------------------------
