@@ -304,19 +304,21 @@ def batched_unique(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Ar
     return uids, inv
 
 
-def _pool(table_vw: jax.Array, idx_sbh: jax.Array, ok_sbh: jax.Array) -> jax.Array:
-    """``[S, B, w]``: bags pooled (summed) from rows ``idx`` of ``table [V, w]`` (``ok``
-    masks padding). A loop over the ``H`` bag slots, each a plain row gather: XLA does not fuse
-    gather + sum, and one gather of all slots would materialise ``[S, B, H, w]``. A
-    ``fori_loop``, not a Python loop: unrolled, XLA fuses the index arithmetic into each of the
-    ``H`` gathers and recomputes all ``S·B·H`` indices ``H`` times."""
-    s, b, h = idx_sbh.shape
-    idx_hsb = jnp.moveaxis(idx_sbh, 2, 0)
-    ok_hsb = jnp.moveaxis(ok_sbh, 2, 0)
+def _pool(buf_rw: jax.Array, keys_sbh: jax.Array, sentinel: int) -> jax.Array:
+    """``[S, B, w]``: bags summed from rows ``keys`` of ``buf [R, w]`` (``sentinel`` = none).
+
+    A loop over the ``H`` bag slots, each a plain row gather: XLA does not fuse gather + sum,
+    and one gather of all slots would materialise ``[S, B, H, w]``. A ``fori_loop``, not a
+    Python loop: unrolled, XLA fuses the index arithmetic into each of the ``H`` gathers and
+    recomputes all ``S·B·H`` indices ``H`` times.
+    """
+    h = keys_sbh.shape[2]
+    keys_hsb = jnp.moveaxis(keys_sbh, 2, 0)
 
     def one(j):
-        rows = jnp.take(table_vw, idx_hsb[j], axis=0, mode="fill", fill_value=0)
-        return jnp.where(ok_hsb[j][..., None], rows.astype(jnp.float32), 0)
+        k = keys_hsb[j]
+        rows = jnp.take(buf_rw, k, axis=0, mode="clip").astype(jnp.float32)
+        return jnp.where((k < sentinel)[..., None], rows, 0)
 
     if h == 1:
         return one(0)
@@ -367,9 +369,9 @@ def _hotness_mask(layout: Layout, ids_bfh: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass
 class _StepContext:
-    deltas: dict | None  # id(collection) -> {buffer key: delta}
+    deltas: dict | None  # path key -> {buffer key: delta}
     paths: dict  # id(collection) -> path key
-    uids: dict = dataclasses.field(default_factory=dict)
+    keys: dict = dataclasses.field(default_factory=dict)
     shapes: dict = dataclasses.field(default_factory=dict)
 
 
@@ -379,17 +381,15 @@ _STEP: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar(
 
 
 def _path_key(path: tuple) -> str:
-    return "/".join(str(p) for p in path) or "<root>"
+    return "/".join(str(p) for p in path)
 
 
 @contextlib.contextmanager
 def step_context(model: nnx.Module, deltas: dict | None) -> Iterator[_StepContext]:
-    """Within it, engine collections of ``model`` add ``deltas[path][key]`` to their
-    sub-buffers and record their ``uids`` (``deltas=None``: only record the deltas' shapes)."""
-    paths = {}
-    for path, m in nnx.iter_modules(model):
-        if getattr(m, "layout", None) is not None:
-            paths[id(m)] = _path_key(path)
+    """Within it, engine collections of ``model`` add ``deltas[path][buffer key]`` to their
+    slots' pooled outputs and record the buffer rows they read (``ctx.keys``); with
+    ``deltas=None`` they record only the deltas' shapes (``ctx.shapes``)."""
+    paths = {id(m): k for k, m in engine_collections(model).items()}
     ctx = _StepContext(deltas=deltas, paths=paths)
     token = _STEP.set(ctx)
     try:
@@ -411,41 +411,35 @@ def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> ja
     """Pooled embeddings ``[B, ΣD]`` of the features of ``layout`` (see the module docstring)."""
     ctx = _STEP.get()
     key = ctx.paths.get(id(module)) if ctx is not None else None
-    deltas = None
-    if key is not None:
-        if key in ctx.uids or key in ctx.shapes:
-            raise RuntimeError(
-                f"embedding collection {key!r} was called twice in one train step; the sparse "
-                "engine supports one lookup per collection per step"
-            )
-        deltas = ctx.deltas[key] if ctx.deltas is not None else None
+    if key is not None and (key in ctx.keys or key in ctx.shapes):
+        raise RuntimeError(
+            f"embedding collection {key!r} was called twice in one train step; the sparse "
+            "engine supports one lookup per collection per step"
+        )
+    deltas = ctx.deltas[key] if key is not None and ctx.deltas is not None else None
     ids_bfh = _hotness_mask(layout, ids_bfh)
     mesh = sharding.active_mesh()
-    parts, uids, shapes = [], {}, {}
-    train = key is not None
+    parts, keys, shapes = [], {}, {}
     for bl in layout.buffers:
         delta = None if deltas is None else deltas[bl.key]
         if bl.replicated:
-            x, u = _lookup_replicated(bl, buffers[bl.key], ids_bfh, delta, mesh, train)
+            x, k = _lookup_replicated(bl, buffers[bl.key], ids_bfh, delta, mesh)
         else:
-            x, u = _lookup_sharded(layout, bl, buffers[bl.key], ids_bfh, delta, mesh, train)
+            x, k = _lookup_sharded(layout, bl, buffers[bl.key], ids_bfh, delta, mesh)
         parts.append((x, bl, bl.replicated))
-        if not train:
-            continue
-        uids[bl.key] = u
+        keys[bl.key] = k
+        spec = P(None, AXIS) if bl.replicated else P(AXIS)
         shapes[bl.key] = jax.ShapeDtypeStruct(
-            (*u.shape, bl.width), jnp.float32,
-            sharding=None if mesh is None else NamedSharding(
-                mesh, P() if bl.replicated else P(AXIS)),
-        )  # fmt: skip
+            (*k.shape[:2], bl.width), jnp.float32,
+            sharding=None if mesh is None else NamedSharding(mesh, spec),
+        )
     if key is not None:
         if ctx.deltas is None:
             ctx.shapes[key] = shapes
         else:
-            ctx.uids[key] = uids
+            ctx.keys[key] = keys
     out = _assemble(layout, parts)
-    mean = [i for i, p in enumerate(layout.feature_pooling) if p == "mean"]
-    if mean:
+    if "mean" in layout.feature_pooling:
         counts = jnp.maximum((ids_bfh >= 0).sum(axis=2), 1).astype(out.dtype)  # [B, F]
         scale = jnp.repeat(counts, np.asarray(layout.feature_dims), axis=1,
                            total_repeat_length=out.shape[1])  # fmt: skip
@@ -456,34 +450,21 @@ def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> ja
     return out
 
 
-def _rows_and_pool(buf, keys_sbh, ok_sbh, delta, train: bool, sentinel: int):
-    """Pooled ``[S, B, w]`` and (training) the distinct rows ``uids [S, U]``. Training gathers
-    the distinct rows once into the sub-buffer and adds the delta; inference gathers each bag
-    slot straight from the buffer (no dedup)."""
-    s, b, h = keys_sbh.shape
-    if not train:
-        return _pool(buf, keys_sbh, ok_sbh), None
-    uids, inv = batched_unique(keys_sbh.reshape(s, b * h), sentinel)
-    sub = buf.at[uids].get(mode="fill", fill_value=0).astype(jnp.float32)
-    if delta is not None:
-        sub = jax.lax.stop_gradient(sub) + delta
-    u = uids.shape[1]
-    flat_idx = inv.reshape(s, b, h) + (jnp.arange(s, dtype=jnp.int32) * u)[:, None, None]
-    return _pool(sub.reshape(s * u, -1), flat_idx, ok_sbh), uids
-
-
-def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh, train: bool):
+def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh):
+    """Slots of a replicated buffer pool every example where it lives (no exchange)."""
     feat = bl.arr("feature")[0]
     offset = bl.arr("offset")[0]
     ids_sbh = jnp.transpose(ids_bfh[:, feat, :], (1, 0, 2))
-    ok = ids_sbh >= 0
-    keys = jnp.where(ok, offset[:, None, None] + ids_sbh, bl.rows)
-    if mesh is not None and not train:  # each device pools its own examples
+    keys = jnp.where(ids_sbh >= 0, offset[:, None, None] + ids_sbh, bl.rows)
+    if mesh is not None:  # each device pools its own examples
         keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, P(None, AXIS, None)))
-    return _rows_and_pool(buf, keys, ok, delta, train, bl.rows)
+    pooled = _pool(buf, keys, bl.rows)
+    return (pooled if delta is None else pooled + delta), keys
 
 
-def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh, train: bool):
+def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh):
+    """Slots of a sharded buffer pool the whole batch's ids that fall in their rows; an
+    all-to-all returns every example's partial outputs to the device holding the example."""
     if mesh is None:
         raise RuntimeError("a sharded embedding buffer needs an active mesh (sharding.activate)")
     comm = DTYPES[layout.comm_dtype]
@@ -496,21 +477,21 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh,
         local = ids_sbh - row_start[:, None, None]
         ok = (ids_sbh >= 0) & (local >= 0) & (local < row_count[:, None, None])
         keys = jnp.where(ok, offset[:, None, None] + local, rows)
-        delta = maybe_delta[0] if maybe_delta else None
-        pooled, uids = _rows_and_pool(buf_rw, keys, ok, delta, train, rows)
+        pooled = _pool(buf_rw, keys, rows)  # [S, B, w]: partial outputs for the whole batch
+        if maybe_delta:
+            pooled = pooled + maybe_delta[0]
         recv = jax.lax.all_to_all(pooled.astype(comm), AXIS, split_axis=1, concat_axis=0,
                                   tiled=True)  # fmt: skip
-        recv = recv.astype(jnp.float32)
-        return (recv, uids) if train else recv
+        return recv.astype(jnp.float32), keys
 
     slot_arrays = [jnp.asarray(bl.arr(k)) for k in ("feature", "row_start", "row_count", "offset")]
     args = [buf, ids_bfh, *slot_arrays] + ([delta] if delta is not None else [])
     in_specs = (P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS)) + (
         (P(AXIS),) if delta is not None else ()
     )
-    out_specs = (P(None, AXIS), P(AXIS)) if train else P(None, AXIS)
-    out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
-    return out if train else (out, None)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS))
+    )(*args)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -542,29 +523,57 @@ class UpdateRule:
     b2: float = 0.999
 
 
+def row_gradients(keys_sbh: jax.Array, g_sbw: jax.Array, sentinel: int):
+    """The touched rows and their gradients from the pooled outputs' gradients.
+
+    A sum-pooled bag's gradient reaches each of its rows whole, so a row's gradient is the sum
+    of the gradients of the bags that read it (repeats included). Returns ``uids [S, U]``
+    (``U = B·H``; ``sentinel`` in unused slots) and ``grad [S, U, w]``.
+    """
+    s, b, h = keys_sbh.shape
+    w = g_sbw.shape[-1]
+    uids, inv = batched_unique(keys_sbh.reshape(s, b * h), sentinel)
+    u = b * h
+    flat_inv = (inv.reshape(s, b, h) + (jnp.arange(s, dtype=jnp.int32) * u)[:, None, None])
+    flat_inv = jnp.moveaxis(flat_inv, 2, 0)
+    ok_h = jnp.moveaxis(keys_sbh < sentinel, 2, 0)
+    g_sbw = g_sbw.astype(jnp.float32)
+
+    def add(j, acc):  # padding ids add zeros (to the sentinel's slot, whose row is dropped)
+        return acc.at[flat_inv[j]].add(jnp.where(ok_h[j][..., None], g_sbw, 0.0))
+
+    # The first slot outside the loop: inside shard_map the carry must start device-varying.
+    grad = add(0, jnp.zeros((s * u, w), jnp.float32))
+    if h > 1:
+        grad = jax.lax.fori_loop(1, h, add, grad)
+    return uids, grad.reshape(s, u, w)
+
+
 def apply_update(
-    layout: Layout, bl: BufferLayout, buf, state: dict, uids, grad, lr, step, rule: UpdateRule
-):
-    """Updates the rows ``uids`` of ``buf`` with their gradients ``grad``; returns
-    ``(buf, state, sum of squared updates)``."""
+    layout: Layout, bl: BufferLayout, buf, state: dict, keys, grad_pooled, lr, step,
+    rule: UpdateRule,
+):  # fmt: skip
+    """Updates the rows read at ``keys [S, B, H]`` given the gradients of the slots' pooled
+    outputs ``[S, B, w]``; returns ``(buf, state, sum of squared updates)``."""
     values = {k: v[...] for k, v in state.items()}
     names = sorted(values)
     slot = {k: jnp.asarray(bl.arr(k)) for k in ("cw_group", "table_dim")}
-    groups = layout.num_cw_groups
+    groups = 0 if bl.replicated else layout.num_cw_groups
 
-    def body(buf_rw, uids_su, g_suw, cw, tdim, lr, step, *vals):
+    def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
+        uids, grad = row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
         st = dict(zip(names, vals, strict=True))
         new_buf, new_st, sq = _update_rows(
-            buf_rw, st, uids_su, g_suw, cw[0], tdim[0], lr, step, rule,
-            groups if not bl.replicated else 0,
-        )  # fmt: skip
+            buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups
+        )
         if not bl.replicated:
             sq = jax.lax.psum(sq, AXIS)
         return new_buf, tuple(new_st[k] for k in names), sq
 
+    args = (buf, keys, grad_pooled, slot["cw_group"], slot["table_dim"], lr, step,
+            *(values[k] for k in names))  # fmt: skip
     if bl.replicated:
-        new_buf, new_vals, sq = body(buf, uids, grad, slot["cw_group"], slot["table_dim"], lr,
-                                     step, *(values[k] for k in names))  # fmt: skip
+        new_buf, new_vals, sq = body(*args)
     else:
         specs = {"acc": P(AXIS), "m": P(AXIS, None), "v": P(AXIS, None)}
         new_buf, new_vals, sq = jax.shard_map(
@@ -573,8 +582,7 @@ def apply_update(
             in_specs=(P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
                       *(specs[k] for k in names)),
             out_specs=(P(AXIS, None), tuple(specs[k] for k in names), P()),
-        )(buf, uids, grad, slot["cw_group"], slot["table_dim"], lr, step,
-          *(values[k] for k in names))  # fmt: skip
+        )(*args)  # fmt: skip
     new_state = {k: state[k].replace(v) for k, v in zip(names, new_vals, strict=True)}
     return new_buf, new_state, sq
 
@@ -598,15 +606,15 @@ def _update_rows(buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRu
             sq_su = jnp.where(split, tot[cw_s], sq_su)
             nz_su = jnp.where(split, nzt[cw_s], nz_su)
         mean_su = sq_su / tdim_s[:, None].astype(jnp.float32)
-        acc_su = st["acc"].at[uids_su].get(mode="fill", fill_value=0) + mean_su
+        acc_su = st["acc"].at[uids_su].get(mode="clip") + mean_su
         touched = nz_su > 0
         denom = jnp.where(touched, jnp.sqrt(acc_su) + rule.eps, 1.0)
         upd = jnp.where(touched[..., None], g / denom[..., None], 0.0) * -lr
         new_st = {"acc": st["acc"].at[flat_u].set(acc_su.reshape(-1), mode="drop")}
     elif rule.optimizer == "adam":
         t = (step + 1).astype(jnp.float32)
-        m = rule.b1 * st["m"].at[uids_su].get(mode="fill", fill_value=0) + (1 - rule.b1) * g
-        v = rule.b2 * st["v"].at[uids_su].get(mode="fill", fill_value=0) + (1 - rule.b2) * g * g
+        m = rule.b1 * st["m"].at[uids_su].get(mode="clip") + (1 - rule.b1) * g
+        v = rule.b2 * st["v"].at[uids_su].get(mode="clip") + (1 - rule.b2) * g * g
         m_hat = m / (1 - rule.b1**t)
         v_hat = v / (1 - rule.b2**t)
         upd = -lr * m_hat / (jnp.sqrt(v_hat) + rule.eps)

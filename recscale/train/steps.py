@@ -104,8 +104,9 @@ def _buffer_path(path: tuple) -> str:
 
 
 def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: int):
-    """The train step of an engine-backed model: gradients with respect to the rows each batch
-    looks up (the engine's deltas), never a whole table; tables updated in place."""
+    """The train step of an engine-backed model: gradients with respect to the pooled outputs
+    of the tables' slots (the engine's deltas), never a whole table; the rows they read are
+    updated in place."""
     base_key = jax.random.key(seed)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
@@ -131,9 +132,9 @@ def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: in
         def loss_fn(dense_params, deltas):
             logits_b, model, ctx = forward(dense_params, deltas)
             loss = weighted_bce(logits_b, batch.labels_b, batch.weights_b)
-            return loss, (nnx.state(model, nnx.BatchStat), ctx.uids)
+            return loss, (nnx.state(model, nnx.BatchStat), ctx.keys)
 
-        (loss, (batch_stats, uids)), (g_dense, g_delta) = jax.value_and_grad(
+        (loss, (batch_stats, keys)), (g_dense, g_delta) = jax.value_and_grad(
             loss_fn, argnums=(0, 1), has_aux=True
         )(dense, deltas)
         updates, dense_state = tx.dense.update(g_dense, state.opt_state["dense"], dense)
@@ -148,7 +149,7 @@ def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: in
                 var = coll.buffers[bl.key]
                 buf, st, sq = engine.apply_update(
                     coll.layout, bl, var[...], state.opt_state["embedding"][path],
-                    uids[ck][bl.key], g_delta[ck][bl.key], lr, state.step, tx.rule,
+                    keys[ck][bl.key], g_delta[ck][bl.key], lr, state.step, tx.rule,
                 )  # fmt: skip
                 var.value = buf
                 emb_state[path] = st
