@@ -176,7 +176,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument(
-        "--sharding", default="data_parallel",
+        "--sharding",
+        default="data_parallel",
         help="recscale's embeddings.sharding (off = per-table arrays, dense updates)",
     )
     ap.add_argument("--skip-torchrec", action="store_true")

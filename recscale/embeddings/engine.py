@@ -430,7 +430,8 @@ def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> ja
         keys[bl.key] = k
         spec = P(None, AXIS) if bl.replicated else P(AXIS)
         shapes[bl.key] = jax.ShapeDtypeStruct(
-            (*k.shape[:2], bl.width), jnp.float32,
+            (*k.shape[:2], bl.width),
+            jnp.float32,
             sharding=None if mesh is None else NamedSharding(mesh, spec),
         )
     if key is not None:
@@ -489,9 +490,9 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
     in_specs = (P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS)) + (
         (P(AXIS),) if delta is not None else ()
     )
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS))
-    )(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS)))(
+        *args
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -534,7 +535,7 @@ def row_gradients(keys_sbh: jax.Array, g_sbw: jax.Array, sentinel: int):
     w = g_sbw.shape[-1]
     uids, inv = batched_unique(keys_sbh.reshape(s, b * h), sentinel)
     u = b * h
-    flat_inv = (inv.reshape(s, b, h) + (jnp.arange(s, dtype=jnp.int32) * u)[:, None, None])
+    flat_inv = inv.reshape(s, b, h) + (jnp.arange(s, dtype=jnp.int32) * u)[:, None, None]
     flat_inv = jnp.moveaxis(flat_inv, 2, 0)
     ok_h = jnp.moveaxis(keys_sbh < sentinel, 2, 0)
     g_sbw = g_sbw.astype(jnp.float32)
@@ -554,7 +555,8 @@ def apply_update(
     rule: UpdateRule,
 ):  # fmt: skip
     """Updates the rows read at ``keys [S, B, H]`` given the gradients of the slots' pooled
-    outputs ``[S, B, w]``; returns ``(buf, state, sum of squared updates)``."""
+    outputs ``[S, B, w]``; returns ``(buf, state, [sum of squared updates, sum of squared row
+    gradients])``."""
     values = {k: v[...] for k, v in state.items()}
     names = sorted(values)
     slot = {k: jnp.asarray(bl.arr(k)) for k in ("cw_group", "table_dim")}
@@ -566,6 +568,7 @@ def apply_update(
         new_buf, new_st, sq = _update_rows(
             buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups
         )
+        sq = jnp.stack([sq, jnp.sum(jnp.square(grad))])  # padding slots hold zero gradients
         if not bl.replicated:
             sq = jax.lax.psum(sq, AXIS)
         return new_buf, tuple(new_st[k] for k in names), sq

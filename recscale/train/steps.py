@@ -158,8 +158,9 @@ def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: in
         params = nnx.state(model, nnx.Param)
         metrics = {
             "loss": loss,
-            "grad_norm": _norm((g_dense, g_delta)),
-            "update_norm": jnp.sqrt(jnp.square(_norm(updates)) + sum(emb_sq)),
+            # The tables' gradient rows (repeats combined), as the dense path's table gradients.
+            "grad_norm": jnp.sqrt(jnp.square(_norm(g_dense)) + sum(q[1] for q in emb_sq)),
+            "update_norm": jnp.sqrt(jnp.square(_norm(updates)) + sum(q[0] for q in emb_sq)),
             # The tables' norm would read every table every step; the dense part is cheap.
             "dense_param_norm": _norm(dense),
         }

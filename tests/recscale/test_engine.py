@@ -1,0 +1,327 @@
+"""The sharded embedding engine: every sharding type on the 8-device CPU mesh equals the
+single-device run, sparse updates equal the dense optax reference, no table-sized temporaries,
+and the trainer runs, resumes and evaluates with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dlrm.presets  # noqa: F401
+from data.batch import Batch, FeatureInfo, Schema
+from data.config import DataConfig
+from dlrm import evaluate as dlrm_evaluate
+from dlrm.config import DLRMConfig, DLRMModelConfig
+from dlrm.model import build_model
+from recscale import sharding
+from recscale.config import (
+    DenseOptimConfig,
+    EmbeddingOptimConfig,
+    EmbeddingShardingConfig,
+    MeshConfig,
+    get_preset,
+)
+from recscale.embeddings import engine
+from recscale.train.loop import make_optimizer, train
+from recscale.train.steps import TrainState, make_eval_step, make_sparse_train_step, make_train_step
+
+TYPES = (
+    "data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
+    "table_column_wise",
+)  # fmt: skip
+F, V, D, H, B = 4, 100, 8, 3, 16
+SCHEMA = Schema(
+    dense_names=("a", "b"),
+    features=tuple(FeatureInfo(name=f"f{i}", vocab_size=V + 10 * i, max_hotness=H) for i in range(F)),
+)  # fmt: skip
+
+
+def _cfg(sharding_kind, n, opt="rowwise_adagrad", **emb):
+    return DLRMConfig(
+        model=DLRMModelConfig(embed_dim=D, bottom_mlp=(8, D), top_mlp=(8, 1)),
+        data=DataConfig(batch_size=B, eval_batch_size=B),
+        dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
+        embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1),
+        mesh=MeshConfig(data_parallel=n, rules="replicated"),
+        # host_size 4: two "hosts" of 4 devices, so the table_* hybrids differ from row/column-wise
+        embeddings=EmbeddingShardingConfig(sharding=sharding_kind, host_size=4, **emb),
+    )
+
+
+def _batches(steps, seed=0, vocab=V):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(0, 12, (B, F, H)) if vocab == "hot" else rng.integers(-1, V, (B, F, H))
+        out.append(
+            Batch(
+                dense_bn=rng.standard_normal((B, 2)).astype(np.float32),
+                ids_bfh=ids.astype(np.int32),
+                labels_b=rng.integers(0, 2, B).astype(np.float32),
+                weights_b=np.ones(B, np.float32),
+            )
+        )
+    return out
+
+
+def _tables(model, params) -> dict[str, np.ndarray]:
+    emb = model.embeddings
+    if emb.layout is None:
+        return {
+            t.name: np.asarray(params["embeddings"]["tables"][t.name][...])[: t.num_rows]
+            for t in emb.table_specs
+        }
+    bufs = {k: v[...] for k, v in params["embeddings"]["buffers"].items()}
+    return engine.export_tables(emb.layout, bufs, emb.table_specs, emb.feature_specs)
+
+
+def _run(cfg, batches):
+    """Eval logits before each step, then the tables and dense parameters after the steps."""
+    mesh = sharding.make_mesh(cfg.mesh)
+    spec = engine.EngineSpec.from_config(cfg)
+    with sharding.activate(mesh, cfg.mesh.rules, engine=spec):
+        model = build_model(cfg, SCHEMA, nnx.Rngs(params=0))
+        graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+        tx = make_optimizer(cfg, params)
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
+        make = make_sparse_train_step if spec else make_train_step
+        step = jax.jit(make(graphdef, tx, 0), donate_argnums=0)
+        ev = jax.jit(make_eval_step(graphdef))
+        logits = []
+        for b in batches:
+            logits.append(np.asarray(ev(state.params, state.batch_stats, b)))
+            state, metrics = step(state, b)
+        dense = {
+            "/".join(map(str, p)): np.asarray(v[...])
+            for p, v in nnx.to_flat_state(state.params)
+            if "embeddings" not in p
+        }
+        return logits, _tables(model, state.params), dense, jax.device_get(metrics)
+
+
+# Tolerances: the 8-device runs all-reduce the dense gradients in another order than one device
+# sums them, and a row-wise bag's partial sums are added across devices; float32 rounding of
+# that order, compounded over 3 steps, stays below 2e-6 here. The sparse-vs-dense comparison
+# sums a row's repeated gradients in another order than the dense transpose does.
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The dense optax path (per-table arrays) on one device: the semantics to match."""
+    return _run(_cfg("off", 1), _batches(3))
+
+
+@pytest.mark.parametrize("kind", TYPES + ("auto",))
+def test_every_sharding_type_on_8_devices_equals_one_device(kind, reference):
+    ref_logits, ref_tables, ref_dense, ref_m = reference
+    logits, tables, dense, m = _run(_cfg(kind, 8), _batches(3))
+    for a, b in zip(ref_logits, logits, strict=True):
+        np.testing.assert_allclose(b, a, **TOL)
+    for name, t in ref_tables.items():
+        assert not np.array_equal(t, _run_init_table(name)), "the tables must have moved"
+        np.testing.assert_allclose(tables[name], t, **TOL, err_msg=name)
+    for name, p in ref_dense.items():
+        np.testing.assert_allclose(dense[name], p, **TOL, err_msg=name)
+    np.testing.assert_allclose(m["loss"], ref_m["loss"], **TOL)
+    np.testing.assert_allclose(m["grad_norm"], ref_m["grad_norm"], **TOL)
+
+
+def _run_init_table(name):
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=1, rules="replicated"))
+    with sharding.activate(mesh, "replicated"):
+        model = build_model(_cfg("off", 1), SCHEMA, nnx.Rngs(params=0))
+        t = model.embeddings.tables[name][...]
+        return np.asarray(t)[: next(s.num_rows for s in model.embeddings.table_specs
+                                    if s.name == name)]  # fmt: skip
+
+
+def test_the_plan_is_what_was_asked_for():
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
+    pins = ("f0=row_wise", "f1=table_wise", "f2=column_wise", "f3=table_row_wise")
+    spec = engine.EngineSpec.from_config(_cfg("auto", 8, per_table=pins))
+    with sharding.activate(mesh, "replicated", engine=spec):
+        model = build_model(_cfg("auto", 8), SCHEMA, nnx.Rngs(params=0))
+    layout = model.embeddings.layout
+    for pin in pins:
+        name, kind = pin.split("=")
+        assert f"│ {name}    │ {kind}" in layout.plan_text, layout.plan_text
+    slots = {}  # feature -> [(device, rows, cols)]
+    for bl in layout.buffers:
+        for d, feats in enumerate(bl.feature):
+            for s, f in enumerate(feats):
+                if bl.row_count[d][s]:
+                    slots.setdefault(f, []).append((d, bl.row_count[d][s], bl.width))
+    assert len(slots[0]) == 8 and sum(r for _, r, _ in slots[0]) == V  # rows over 8 devices
+    assert len(slots[1]) == 1 and slots[1][0][1:] == (V + 10, D)  # one whole table
+    assert len(slots[2]) >= 2 and sum(w for *_, w in slots[2]) == D  # column slices
+    assert len(slots[3]) == 4 and len({d // 4 for d, *_ in slots[3]}) == 1  # one host's rows
+
+
+def test_mixed_pins_and_bf16_storage_and_communication(reference):
+    ref_logits, ref_tables, *_ = reference
+    pins = ("f0=row_wise", "f1=table_wise", "f2=column_wise", "f3=data_parallel")
+    logits, tables, *_ = _run(_cfg("auto", 8, per_table=pins), _batches(3))
+    for a, b in zip(ref_logits, logits, strict=True):
+        np.testing.assert_allclose(b, a, **TOL)
+    logits, tables, *_ = _run(
+        _cfg("row_wise", 8, storage_dtype="bfloat16", comm_dtype="bfloat16"), _batches(3)
+    )
+    # bf16 keeps 8 mantissa bits: a relative error of 2^-8 per stored value and exchange.
+    for a, b in zip(ref_logits, logits, strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2)
+    for name, t in ref_tables.items():
+        np.testing.assert_allclose(tables[name], t, rtol=2e-2, atol=1e-2, err_msg=name)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad"])
+def test_sparse_updates_equal_the_dense_reference_with_repeated_ids(opt):
+    # Few distinct ids: many repeats within a bag and across a batch.
+    ref = _run(_cfg("off", 1, opt=opt), _batches(3, vocab="hot"))
+    got = _run(_cfg("data_parallel", 1, opt=opt), _batches(3, vocab="hot"))
+    for name, t in ref[1].items():
+        np.testing.assert_allclose(got[1][name], t, **TOL, err_msg=name)
+    got8 = _run(_cfg("column_wise", 8, opt=opt), _batches(3, vocab="hot"))
+    for name, t in ref[1].items():
+        np.testing.assert_allclose(got8[1][name], t, **TOL, err_msg=name)
+
+
+def test_lazy_adam_updates_only_touched_rows_like_numpy():
+    batches = _batches(2)
+    cfg = _cfg("row_wise", 8, opt="adam")
+    _, tables, *_ = _run(cfg, batches)
+    # numpy lazy Adam on the tables, with the table gradients of the dense reference model
+    ref_cfg = _cfg("off", 1, opt="sgd")
+    mesh = sharding.make_mesh(ref_cfg.mesh)
+    with sharding.activate(mesh, "replicated"):
+        model = build_model(ref_cfg, SCHEMA, nnx.Rngs(params=0))
+        graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    # One step from the initial tables: m = 0.1 g, v = 0.001 g², update = -lr·sign-like.
+    from recscale.train.steps import weighted_bce
+
+    def loss(p, b):
+        m = nnx.merge(graphdef, p, stats, copy=True)
+        return weighted_bce(m(b.dense_bn, b.ids_bfh), b.labels_b, b.weights_b)
+
+    g = jax.grad(loss)(params, batches[0])
+    _, tables1, *_ = _run(cfg, batches[:1])
+    for t in model.embeddings.table_specs:
+        w0 = np.asarray(params["embeddings"]["tables"][t.name][...])[: t.num_rows]
+        gt = np.asarray(g["embeddings"]["tables"][t.name][...])[: t.num_rows]
+        ids = batches[0].ids_bfh[:, int(t.name[1:])].reshape(-1)
+        touched = np.zeros(t.num_rows, bool)
+        touched[ids[ids >= 0]] = True
+        m_hat, v_hat = gt, gt * gt  # bias-corrected first step
+        want = np.where(touched[:, None], w0 - 0.1 * m_hat / (np.sqrt(v_hat) + 1e-8), w0)
+        np.testing.assert_allclose(tables1[t.name], want, rtol=1e-4, atol=1e-5)
+        assert np.array_equal(tables1[t.name][~touched], w0[~touched])  # untouched: bitwise
+    assert not np.allclose(tables1["f0"], tables["f0"])
+
+
+def test_batched_unique_matches_numpy():
+    rng = np.random.default_rng(0)
+    sentinel = 100
+    # slot s reads rows [30 s, 30 s + 30): disjoint, as the layout guarantees
+    keys = (rng.integers(0, 30, (3, 50)) + 30 * np.arange(3)[:, None]).astype(np.int32)
+    keys[rng.random((3, 50)) < 0.2] = sentinel
+    uids, inv = jax.jit(engine.batched_unique, static_argnums=1)(keys, sentinel)
+    for s in range(3):
+        valid = keys[s] < sentinel
+        firsts = list(dict.fromkeys(keys[s][valid].tolist()))  # first-occurrence order
+        np.testing.assert_array_equal(uids[s, : len(firsts)], firsts)
+        assert np.all(np.asarray(uids[s, len(firsts) :]) == sentinel)
+        np.testing.assert_array_equal(
+            np.asarray(uids[s])[np.asarray(inv[s])][valid], keys[s][valid]
+        )
+
+
+def test_the_train_step_builds_no_table_sized_temporary():
+    """XLA's memory analysis of the compiled step: temporaries scale with the batch, not the
+    tables (here 4 tables of 200,000 x 16, 12.8 MB, against a batch of 16 x 3 ids)."""
+    schema = Schema(dense_names=("a", "b"), features=tuple(
+        FeatureInfo(name=f"f{i}", vocab_size=200_000, max_hotness=H) for i in range(F)))  # fmt: skip
+    for kind in ("data_parallel", "off"):
+        cfg = _cfg(kind, 1)
+        mesh = sharding.make_mesh(cfg.mesh)
+        spec = engine.EngineSpec.from_config(cfg)
+        with sharding.activate(mesh, "replicated", engine=spec):
+            model = build_model(cfg, schema, nnx.Rngs(params=0))
+            graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+            tx = make_optimizer(cfg, params)
+            state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
+            make = make_sparse_train_step if spec else make_train_step
+            b = _batches(1)[0]
+            mem = jax.jit(make(graphdef, tx, 0), donate_argnums=0).lower(state, b).compile()
+            temp = mem.memory_analysis().temp_size_in_bytes
+        table_bytes = F * 200_000 * D * 4
+        if kind == "off":
+            assert temp > table_bytes  # the dense path: a table-sized gradient (and more)
+        else:
+            # the batch term: a few [S, B·H, w] and [R]-int32 arrays (the dedup's first-seen map)
+            assert temp < 0.3 * table_bytes, (temp, table_bytes)
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="l2"):
+        engine.EngineSpec.from_config(
+            dataclasses.replace(_cfg("row_wise", 8), embedding_optim=EmbeddingOptimConfig(l2=0.1))
+        )
+    with pytest.raises(ValueError, match="TABLE=TYPE"):
+        EmbeddingShardingConfig(sharding="auto", per_table=("f0:row_wise",))
+    with pytest.raises(ValueError, match="expected off, auto"):
+        EmbeddingShardingConfig(sharding="rows")
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
+    spec = engine.EngineSpec.from_config(_cfg("auto", 8, per_table=("nope=row_wise",)))
+    with (
+        sharding.activate(mesh, "replicated", engine=spec),
+        pytest.raises(ValueError, match="unknown tables"),
+    ):
+        build_model(_cfg("auto", 8), SCHEMA, nnx.Rngs(params=0))
+    from recscale.embeddings import EmbeddingCollection, FeatureSpec, TableSpec
+
+    with (
+        sharding.activate(mesh, "replicated", engine=spec),
+        pytest.raises(ValueError, match="table 't' is read by 2 features"),
+    ):
+        EmbeddingCollection(
+            (TableSpec(name="t", num_rows=10, dim=4),),
+            (FeatureSpec(name="a", table="t"), FeatureSpec(name="b", table="t")),
+            rngs=nnx.Rngs(params=0),
+        )
+
+
+def test_trainer_resumes_and_evaluates_with_the_engine(tmp_path, capsys):
+    cfg = get_preset("dlrm/tiny")
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, num_steps=6, checkpoint_every=3, log_every=3,
+                                  progress=False),
+        mesh=dataclasses.replace(cfg.mesh, data_parallel=8),
+        embeddings=EmbeddingShardingConfig(sharding="row_wise"),
+    )  # fmt: skip
+    full = train(cfg, build_model, tmp_path / "full")
+    # The state a run killed after step 3 leaves: checkpoint 3 and the metrics up to it.
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "6")
+    rows = [json.loads(r) for r in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    (tmp_path / "resumed" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 3)
+    )
+    capsys.readouterr()
+    resumed = train(cfg, build_model, tmp_path / "resumed")
+    assert "restored checkpoint step 3" in capsys.readouterr().err
+    assert resumed == full  # resume is exact
+    assert {"dense_param_norm", "grad_norm", "update_norm"} <= set(rows[0])
+    capsys.readouterr()
+    got = dlrm_evaluate.main(["--workdir", str(tmp_path / "full")])
+    for key in ("auc", "logloss", "num_examples", "step"):
+        assert got[key] == full[key], key
