@@ -279,6 +279,16 @@ def export_tables(layout: Layout, buffers: dict, tables: tuple[TableSpec, ...],
 # Building blocks.
 
 
+def _cpu_kernels(bl: BufferLayout, mesh) -> bool:
+    """Whether this buffer's lookups and updates run in the C++ kernels (``recscale.kernels
+    .cpu``): float32 storage on a CPU mesh, with the kernels built."""
+    if bl.dtype != "float32" or mesh is None or mesh.devices.flat[0].platform != "cpu":
+        return False
+    from recscale.kernels import cpu  # noqa: PLC0415 (builds on first use)
+
+    return cpu.available()
+
+
 def batched_unique(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Array]:
     """Distinct keys of every row of ``keys [S, N]``: buffer rows in ``[0, sentinel)``, disjoint
     between rows of ``keys`` (each slot reads its own rows), ``sentinel`` = no key.
@@ -459,7 +469,13 @@ def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh):
     keys = jnp.where(ids_sbh >= 0, offset[:, None, None] + ids_sbh, bl.rows)
     if mesh is not None:  # each device pools its own examples
         keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, P(None, AXIS, None)))
-    pooled = _pool(buf, keys, bl.rows)
+    if _cpu_kernels(bl, mesh):
+        from recscale.kernels import cpu  # noqa: PLC0415
+
+        spec = P(None, AXIS, None)
+        pooled = jax.shard_map(cpu.pool, mesh=mesh, in_specs=(P(), spec), out_specs=spec)(buf, keys)
+    else:
+        pooled = _pool(buf, keys, bl.rows)
     return (pooled if delta is None else pooled + delta), keys
 
 
@@ -470,6 +486,14 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         raise RuntimeError("a sharded embedding buffer needs an active mesh (sharding.activate)")
     comm = DTYPES[layout.comm_dtype]
     rows = bl.rows
+    if _cpu_kernels(bl, mesh):
+        from recscale.kernels import cpu  # noqa: PLC0415
+
+        pool = cpu.pool
+    else:
+
+        def pool(buf_rw, keys):
+            return _pool(buf_rw, keys, rows)
 
     def body(buf_rw, ids_l, feat, row_start, row_count, offset, *maybe_delta):
         ids = jax.lax.all_gather(ids_l, AXIS, axis=0, tiled=True)  # [B, F, H]
@@ -478,7 +502,7 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         local = ids_sbh - row_start[:, None, None]
         ok = (ids_sbh >= 0) & (local >= 0) & (local < row_count[:, None, None])
         keys = jnp.where(ok, offset[:, None, None] + local, rows)
-        pooled = _pool(buf_rw, keys, rows)  # [S, B, w]: partial outputs for the whole batch
+        pooled = pool(buf_rw, keys)  # [S, B, w]: partial outputs for the whole batch
         if maybe_delta:
             pooled = pooled + maybe_delta[0]
         recv = jax.lax.all_to_all(pooled.astype(comm), AXIS, split_axis=1, concat_axis=0,
@@ -561,14 +585,29 @@ def apply_update(
     names = sorted(values)
     slot = {k: jnp.asarray(bl.arr(k)) for k in ("cw_group", "table_dim")}
     groups = 0 if bl.replicated else layout.num_cw_groups
+    split = groups and bool((bl.arr("cw_group") < groups).any())
+    kernel = (
+        rule.optimizer in ("sgd", "rowwise_adagrad")
+        and not split
+        and _cpu_kernels(bl, sharding.active_mesh())
+    )
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
-        uids, grad = row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
         st = dict(zip(names, vals, strict=True))
-        new_buf, new_st, sq = _update_rows(
-            buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups
-        )
-        sq = jnp.stack([sq, jnp.sum(jnp.square(grad))])  # padding slots hold zero gradients
+        if kernel:
+            from recscale.kernels import cpu  # noqa: PLC0415
+
+            adagrad = rule.optimizer == "rowwise_adagrad"
+            acc = st["acc"] if adagrad else jnp.zeros((1,), jnp.float32)
+            new_buf, acc, sq = cpu.update(buf_rw, acc, keys_sbh, g_sbw, lr, tdim[0],
+                                          eps=rule.eps, adagrad=adagrad)  # fmt: skip
+            new_st = {"acc": acc} if adagrad else {}
+        else:
+            uids, grad = row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
+            new_buf, new_st, sq = _update_rows(
+                buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups
+            )
+            sq = jnp.stack([sq, jnp.sum(jnp.square(grad))])  # padding slots: zero gradients
         if not bl.replicated:
             sq = jax.lax.psum(sq, AXIS)
         return new_buf, tuple(new_st[k] for k in names), sq
