@@ -6,6 +6,8 @@ Dimension glossary: ``B`` batch, ``N`` dense features, ``F`` sparse features, ``
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,35 @@ def interaction_dim(cfg: DLRMModelConfig, num_vectors: int, has_dense: bool) -> 
     if cfg.dot_concat == "all":
         return pairs + n * cfg.embed_dim
     return pairs + (cfg.embed_dim if has_dense else 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def lower_triangle(z_bnn: jax.Array, diagonal: bool) -> jax.Array:
+    """``[B, P]``: the entries of ``z`` on and below (``diagonal``) or strictly below the
+    diagonal, row by row: ``z[:, tril_indices(n, 0 or -1)]``. Static slices both ways; as a
+    gather, its backward is an XLA scatter, and as slices, XLA pads and adds ``n`` copies of
+    ``[B, n, n]``; this backward writes ``[B, n, n]`` once."""
+    n = z_bnn.shape[1]
+    off = 1 if diagonal else 0
+    return jnp.concatenate([z_bnn[:, i, : i + off] for i in range(n) if i + off > 0], axis=1)
+
+
+def _lower_triangle_fwd(z_bnn, diagonal):
+    return lower_triangle(z_bnn, diagonal), z_bnn.shape
+
+
+def _lower_triangle_bwd(diagonal, shape, g_bp):
+    b, n, _ = shape
+    off = 1 if diagonal else 0
+    rows, start = [], 0
+    for i in range(n):
+        k = max(i + off, 0)
+        rows.append(jnp.pad(g_bp[:, start : start + k], ((0, 0), (0, n - k))))
+        start += k
+    return (jnp.stack(rows, axis=1),)
+
+
+lower_triangle.defvjp(_lower_triangle_fwd, _lower_triangle_bwd)
 
 
 class DLRM(nnx.Module):
@@ -67,14 +98,7 @@ class DLRM(nnx.Module):
         if self.cfg.interaction == "cat":
             return x_bnd.reshape(x_bnd.shape[0], -1)
         z_bnn = jnp.einsum("bnd,bmd->bnm", x_bnd, x_bnd)
-        li, lj = self.tril
-        # Row by row (static slices) rather than one gather at (li, lj): the same entries in the
-        # same order, but the backward is a concatenation of slices, not an XLA scatter.
-        off = 0 if self.cfg.self_interaction else -1
-        rows = [z_bnn[:, i, : i + 1 + off] for i in range(z_bnn.shape[1]) if i + 1 + off > 0]
-        out = jnp.concatenate(rows, axis=1)
-        assert out.shape[1] == len(li)
-        return out
+        return lower_triangle(z_bnn, self.cfg.self_interaction)
 
     def __call__(
         self, dense_bn: jax.Array, ids_bfh: jax.Array, *, dropout_key: jax.Array | None = None

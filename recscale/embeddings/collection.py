@@ -63,14 +63,17 @@ class EmbeddingCollection(nnx.Module):
             mesh = sharding.active_mesh()
             n = int(mesh.shape[sharding.DATA_AXIS])
             self.layout = nnx.static(engine.build_layout(tuple(tables), tuple(features), n, spec))
-            values = [
-                _init_table(t, engine.generated_rows(t.num_rows), rngs.params(), param_dtype)[
-                    : t.num_rows
-                ]
-                for t in tables
-            ]
+            keys = [rngs.params() for _ in tables]  # drawn in table order, as the per-table path
+
+            def make_table(i):
+                t = tables[i]
+                rows = engine.generated_rows(t.num_rows)
+                return _init_table(t, rows, keys[i], param_dtype)[: t.num_rows]
+
             index = {t.name: i for i, t in enumerate(tables)}
-            buffers = engine.init_buffers(self.layout, values, [index[f.table] for f in features])
+            buffers = engine.init_buffers(
+                self.layout, make_table, [index[f.table] for f in features], len(tables)
+            )
             self.buffers = nnx.Dict(
                 {
                     bl.key: sharding.param(

@@ -239,22 +239,27 @@ def build_layout(
     )
 
 
-def init_buffers(layout: Layout, tables: list[jax.Array], table_of_feature: list[int]):
-    """Buffers holding ``tables`` (``[V_t, D_t]`` arrays) as the layout places them."""
+def init_buffers(layout: Layout, make_table, table_of_feature: list[int], num_tables: int):
+    """Buffers holding the tables as the layout places them. ``make_table(t)`` returns table
+    ``t`` (``[V_t, D_t]``); tables are made one at a time and copied into their shards, so the
+    peak is the buffers plus one table."""
     out = {}
     for bl in layout.buffers:
         n_blocks = 1 if bl.replicated else layout.num_devices
-        buf = jnp.zeros((n_blocks * bl.rows, bl.width), DTYPES[bl.dtype])
-        for d in range(n_blocks):
-            for s in range(len(bl.feature[d])):
-                count = bl.row_count[d][s]
-                if not count:
-                    continue
-                t = tables[table_of_feature[bl.feature[d][s]]]
-                r0, c0 = bl.row_start[d][s], bl.col_start[d][s]
-                piece = t[r0 : r0 + count, c0 : c0 + bl.width].astype(buf.dtype)
-                buf = jax.lax.dynamic_update_slice(buf, piece, (d * bl.rows + bl.offset[d][s], 0))
-        out[bl.key] = buf
+        out[bl.key] = jnp.zeros((n_blocks * bl.rows, bl.width), DTYPES[bl.dtype])
+    for t in range(num_tables):
+        value = None
+        for bl in layout.buffers:
+            for d in range(1 if bl.replicated else layout.num_devices):
+                for s in range(len(bl.feature[d])):
+                    count = bl.row_count[d][s]
+                    if not count or table_of_feature[bl.feature[d][s]] != t:
+                        continue
+                    value = make_table(t) if value is None else value
+                    r0, c0 = bl.row_start[d][s], bl.col_start[d][s]
+                    piece = value[r0 : r0 + count, c0 : c0 + bl.width].astype(out[bl.key].dtype)
+                    start = (d * bl.rows + bl.offset[d][s], 0)
+                    out[bl.key] = jax.lax.dynamic_update_slice(out[bl.key], piece, start)
     return out
 
 

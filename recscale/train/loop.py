@@ -158,6 +158,13 @@ class Experiment:
         eval_step = jax.jit(make_eval_step(graphdef))
         return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step)
 
+    def embedding_plans(self) -> dict[str, str]:
+        """``{collection path: the rendered plan}`` of the model's engine-backed tables."""
+        model = nnx.merge(
+            self.graphdef, self.abstract_state.params, self.abstract_state.batch_stats
+        )
+        return {k: c.layout.plan_text for k, c in engine.engine_collections(model).items()}
+
     def init_state(self) -> TrainState:
         """A freshly initialised state, created directly in its shardings."""
         return self._init()
@@ -321,6 +328,11 @@ def train(
             async_save=tcfg.async_checkpoint,
         )
         writer = MetricsWriter(workdir / "metrics.jsonl")
+        plans = exp.embedding_plans()
+        if plans and jax.process_index() == 0:
+            text = "\n\n".join(f"{path or 'model'}:\n{plan}" for path, plan in plans.items())
+            (workdir / "embedding_plan.txt").write_text(text + "\n")
+            print(text, file=sys.stderr)
         if jax.process_index() == 0 and getattr(exp.source, "stats", None):
             # Reader counters (rows read / kept / rejected by reason, OOV counts): nothing is
             # dropped without a count.

@@ -309,6 +309,8 @@ def test_trainer_resumes_and_evaluates_with_the_engine(tmp_path, capsys):
         embeddings=EmbeddingShardingConfig(sharding="row_wise"),
     )  # fmt: skip
     full = train(cfg, build_model, tmp_path / "full")
+    plan = (tmp_path / "full" / "embedding_plan.txt").read_text()
+    assert plan.count("row_wise") == len(get_preset("dlrm/tiny").data.synthetic.vocab_sizes), plan
     # The state a run killed after step 3 leaves: checkpoint 3 and the metrics up to it.
     shutil.copytree(tmp_path / "full", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "6")

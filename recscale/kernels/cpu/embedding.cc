@@ -13,7 +13,10 @@
 //                    in place (buf and acc are aliased to the outputs).
 //
 // Threads split the rows (row k belongs to thread k % T), so they never write the same row and
-// the result does not depend on scheduling: a row's repeats are summed in (s, b, h) order.
+// the result does not depend on scheduling. Each thread sorts its (row, bag) pairs by row with a
+// stable radix sort (as FBGEMM's CPU kernels do), so a row's repeats are summed in (s, b, h)
+// order and the rows are updated in address order. Tables of 8 MiB and more are backed by
+// transparent huge pages (UseHugePages below).
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +25,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -43,6 +48,32 @@ inline void PrefetchRow(const float* p, int64_t w, int rw) {
       __builtin_prefetch(p + d, 0);
     }
   }
+}
+
+// Backs a table with transparent huge pages, once per buffer: lookups and updates are random
+// row accesses over gigabytes, where 4 KiB pages make nearly every access a TLB miss and a page
+// walk. MADV_COLLAPSE (Linux >= 6.1) converts the existing pages synchronously; where it is not
+// supported this does nothing. Buffers are donated step to step, so the address stays the same.
+void UseHugePages(const void* data, int64_t bytes) {
+  constexpr int64_t kHuge = 2 << 20;
+  if (bytes < 4 * kHuge) return;
+  static std::mutex mu;
+  static std::vector<std::pair<uintptr_t, int64_t>> done;
+  std::lock_guard<std::mutex> lock(mu);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
+  for (const auto& d : done) {
+    if (d.first == p && d.second == bytes) return;
+  }
+  done.emplace_back(p, bytes);
+  const uintptr_t lo = (p + kHuge - 1) / kHuge * kHuge;
+  const uintptr_t hi = (p + bytes) / kHuge * kHuge;
+  if (hi <= lo) return;
+  void* start = reinterpret_cast<void*>(lo);
+  madvise(start, hi - lo, MADV_HUGEPAGE);
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+  madvise(start, hi - lo, MADV_COLLAPSE);
 }
 
 template <typename F>
@@ -70,6 +101,7 @@ ffi::Error PoolImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::S32> keys,
   const float* table = buf.typed_data();
   const int32_t* k = keys.typed_data();
   float* o = out->typed_data();
+  UseHugePages(table, rows * w * sizeof(float));
   const int threads = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, bags / 64)));
   ParallelFor(threads, [&](int t) {
     const int64_t lo = bags * t / threads, hi = bags * (t + 1) / threads;
@@ -94,19 +126,27 @@ ffi::Error PoolImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::S32> keys,
   return ffi::Error::Success();
 }
 
-// Per-process workspace: `slot[k]` is -1 for every row between calls (each call resets the
-// rows it touched), so no call pays for a table-sized fill; per-thread gradient sums keep their
-// capacity across calls. One call at a time (a step updates its buffers one after another).
+// Per-thread scratch, kept across calls so that no call page-faults fresh memory in.
 struct Workspace {
   std::mutex mu;
-  std::vector<int32_t> slot;
-  std::vector<std::vector<float>> gsum;
-  std::vector<std::vector<int32_t>> rows;
-  std::vector<std::vector<int32_t>> row_slot;
+  std::vector<std::vector<uint64_t>> keys, tmp;
+  std::vector<std::vector<float>> row;
 };
 Workspace& GetWorkspace() {
   static Workspace* ws = new Workspace();
   return *ws;
+}
+
+// Stable LSD radix sort of `a` by bits [0, bits) of the high 32 bits (the row), 11 at a time.
+void RadixSortByRow(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp, int bits) {
+  tmp.resize(a.size());
+  for (int shift = 0; shift < bits; shift += 11) {
+    size_t count[2049] = {0};
+    for (uint64_t x : a) ++count[((x >> 32 >> shift) & 2047) + 1];
+    for (int i = 0; i < 2048; ++i) count[i + 1] += count[i];
+    for (uint64_t x : a) tmp[count[(x >> 32 >> shift) & 2047]++] = x;
+    a.swap(tmp);
+  }
 }
 
 ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
@@ -134,70 +174,57 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
   const float* g = grad.typed_data();
   const int32_t* tdim = table_dim.typed_data();
   const float lr = lr_buf.typed_data()[0];
+  UseHugePages(table, rows * w * sizeof(float));
+  if (adagrad) UseHugePages(accum, rows * sizeof(float));
 
   Workspace& ws = GetWorkspace();
   std::lock_guard<std::mutex> lock(ws.mu);
-  if (static_cast<int64_t>(ws.slot.size()) < rows) ws.slot.resize(rows, -1);
   const int threads = static_cast<int>(
       std::min<int64_t>(NumThreads(), std::max<int64_t>(1, slots * batch * h / 4096)));
-  if (static_cast<int>(ws.gsum.size()) < threads) {
-    ws.gsum.resize(threads);
-    ws.rows.resize(threads);
-    ws.row_slot.resize(threads);
+  if (static_cast<int>(ws.keys.size()) < threads) {
+    ws.keys.resize(threads);
+    ws.tmp.resize(threads);
+    ws.row.resize(threads);
   }
+  int bits = 1;
+  while (bits < 31 && (int64_t{1} << bits) < rows) ++bits;
   std::vector<double> upd_sq(threads, 0.0), grad_sq(threads, 0.0);
   constexpr int64_t kAhead = 16;  // prefetch distance: rows are random reads, latency-bound
   ParallelFor(threads, [&](int t) {
-    int32_t* slot = ws.slot.data();
-    std::vector<float>& gsum = ws.gsum[t];
-    std::vector<int32_t>& mine = ws.rows[t];  // distinct (row, slot), first-occurrence order
-    std::vector<int32_t>& ent = ws.row_slot[t];   // (row, bag) pairs, then (row index, bag)
-    mine.clear();
-    ent.clear();
-    // 1. this thread's ids (rows r with r % threads == t), in (s, b, h) order
+    // 1. this thread's ids (rows r with r % threads == t) as (row, bag), in (s, b, h) order,
+    // 2. sorted by row (stably: a row's repeats stay in (s, b, h) order), as FBGEMM does, so
+    //    each row's gradient is a run of entries and the rows are visited in address order.
+    std::vector<uint64_t>& e = ws.keys[t];
+    e.clear();
     const int64_t nbags = slots * batch;
     for (int64_t bag = 0; bag < nbags; ++bag) {
       const int32_t* ids = k + bag * h;
       for (int64_t j = 0; j < h; ++j) {
         const int32_t r = ids[j];
         if (r >= 0 && r < rows && r % threads == t) {
-          ent.push_back(r);
-          ent.push_back(static_cast<int32_t>(bag));
+          e.push_back((static_cast<uint64_t>(r) << 32) | static_cast<uint32_t>(bag));
         }
       }
     }
-    const int64_t n = static_cast<int64_t>(ent.size()) / 2;
-    // 2. distinct rows: slot[r] = its index (every slot entry is -1 between calls)
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) __builtin_prefetch(slot + ent[2 * (i + kAhead)], 1);
-      const int32_t r = ent[2 * i];
-      int32_t u = slot[r];
-      if (u < 0) {
-        u = slot[r] = static_cast<int32_t>(mine.size() / 2);
-        mine.push_back(r);
-        mine.push_back(static_cast<int32_t>(ent[2 * i + 1] / batch));
-      }
-      ent[2 * i] = u;
-    }
-    // 3. each row's gradient: the sum of the gradients of the bags that read it
-    const int64_t nu = static_cast<int64_t>(mine.size()) / 2;
-    gsum.assign(nu * w, 0.0f);
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) PrefetchRow(gsum.data() + ent[2 * (i + kAhead)] * w, w, 1);
-      float* dst = gsum.data() + static_cast<int64_t>(ent[2 * i]) * w;
-      const float* src = g + static_cast<int64_t>(ent[2 * i + 1]) * w;
-      for (int64_t d = 0; d < w; ++d) dst[d] += src[d];
-    }
-    // 4. the optimizer on each distinct row, in place
+    RadixSortByRow(e, ws.tmp[t], bits);
+    const int64_t n = static_cast<int64_t>(e.size());
+    std::vector<float>& gr = ws.row[t];
+    gr.resize(w);
     double usq = 0.0, gsq = 0.0;
-    for (int64_t u = 0; u < nu; ++u) {
-      if (u + kAhead < nu) {
-        PrefetchRow(table + static_cast<int64_t>(mine[2 * (u + kAhead)]) * w, w, 1);
-        if (adagrad) __builtin_prefetch(accum + mine[2 * (u + kAhead)], 1);
+    // 3. per row: the sum of the gradients of the bags that read it, then the optimizer
+    for (int64_t i = 0; i < n;) {
+      const int32_t r = static_cast<int32_t>(e[i] >> 32);
+      const int64_t first_bag = static_cast<int64_t>(e[i] & 0xffffffffu);
+      std::fill(gr.begin(), gr.end(), 0.0f);
+      for (; i < n && static_cast<int32_t>(e[i] >> 32) == r; ++i) {
+        if (i + kAhead < n) {
+          const int64_t ahead = static_cast<int64_t>(e[i + kAhead] >> 32);
+          PrefetchRow(table + ahead * w, w, 1);
+          if (adagrad) __builtin_prefetch(accum + ahead, 1);
+        }
+        const float* src = g + static_cast<int64_t>(e[i] & 0xffffffffu) * w;
+        for (int64_t d = 0; d < w; ++d) gr[d] += src[d];
       }
-      const int32_t r = mine[2 * u];
-      slot[r] = -1;
-      const float* gr = gsum.data() + u * w;
       float sq = 0.0f;
       bool touched = false;
       for (int64_t d = 0; d < w; ++d) {
@@ -207,7 +234,7 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
       gsq += sq;
       float scale = -lr;
       if (adagrad) {
-        const float a = accum[r] + sq / static_cast<float>(tdim[mine[2 * u + 1]]);
+        const float a = accum[r] + sq / static_cast<float>(tdim[first_bag / batch]);
         accum[r] = a;
         if (!touched) continue;
         scale = -lr / (std::sqrt(a) + eps);
