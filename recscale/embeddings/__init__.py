@@ -1,4 +1,5 @@
-"""Embedding tables, feature routing and pooled lookups (sharding and sparse updates build here)."""
+"""Embedding tables, feature routing and pooled lookups; the sharded engine (`engine`) and its
+planner (`planner`)."""
 
 from recscale.embeddings.collection import EmbeddingCollection, EmbeddingTable
 from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature

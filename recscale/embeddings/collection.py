@@ -1,8 +1,8 @@
 """EmbeddingCollection: the tables of a model and the pooled lookup of multi-hot bags.
 
 Models call only ``EmbeddingCollection(ids_bfh) -> emb_bfd``. How rows are stored, sharded,
-looked up and updated is this module's business (and the sharded/sparse engine's later), so it
-can change without touching model code.
+looked up and updated is this module's business (and, when the trainer activates it, the
+sharded engine's: ``recscale.embeddings.engine``), so it can change without touching model code.
 
 Dimension glossary: ``B`` batch, ``F`` features, ``H`` bag slots, ``D`` embedding dim,
 ``V`` table rows.

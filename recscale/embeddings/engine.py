@@ -284,10 +284,14 @@ def export_tables(layout: Layout, buffers: dict, tables: tuple[TableSpec, ...],
 # Building blocks.
 
 
-def _cpu_kernels(bl: BufferLayout, mesh) -> bool:
+def _cpu_kernels(bl: BufferLayout, mesh, hotness: int) -> bool:
     """Whether this buffer's lookups and updates run in the C++ kernels (``recscale.kernels
-    .cpu``): float32 storage on a CPU mesh, with the kernels built."""
+    .cpu``): float32 storage on a CPU mesh, multi-id bags, with the kernels built. One-id bags
+    stay in XLA, which is as fast there (one gather per slot, nothing to sum; measured in
+    BENCHMARKS.md, configuration A)."""
     if bl.dtype != "float32" or mesh is None or mesh.devices.flat[0].platform != "cpu":
+        return False
+    if hotness < 2:
         return False
     from recscale.kernels import cpu  # noqa: PLC0415 (builds on first use)
 
@@ -474,7 +478,7 @@ def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh):
     keys = jnp.where(ids_sbh >= 0, offset[:, None, None] + ids_sbh, bl.rows)
     if mesh is not None:  # each device pools its own examples
         keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, P(None, AXIS, None)))
-    if _cpu_kernels(bl, mesh):
+    if _cpu_kernels(bl, mesh, keys.shape[2]):
         from recscale.kernels import cpu  # noqa: PLC0415
 
         spec = P(None, AXIS, None)
@@ -491,7 +495,7 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         raise RuntimeError("a sharded embedding buffer needs an active mesh (sharding.activate)")
     comm = DTYPES[layout.comm_dtype]
     rows = bl.rows
-    if _cpu_kernels(bl, mesh):
+    if _cpu_kernels(bl, mesh, ids_bfh.shape[2]):
         from recscale.kernels import cpu  # noqa: PLC0415
 
         pool = cpu.pool
@@ -594,7 +598,7 @@ def apply_update(
     kernel = (
         rule.optimizer in ("sgd", "rowwise_adagrad")
         and not split
-        and _cpu_kernels(bl, sharding.active_mesh())
+        and _cpu_kernels(bl, sharding.active_mesh(), keys.shape[2])
     )
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):

@@ -135,6 +135,20 @@ def test_every_sharding_type_on_8_devices_equals_one_device(kind, reference):
     np.testing.assert_allclose(m["grad_norm"], ref_m["grad_norm"], **TOL)
 
 
+@pytest.mark.parametrize("kind", ["data_parallel", "row_wise", "table_wise"])
+def test_the_plain_jax_path_equals_one_device_too(kind, reference, monkeypatch):
+    """The same without the C++ CPU kernels (the path GPUs, TPUs and compiler-less CPUs take)."""
+    monkeypatch.setattr(engine, "_cpu_kernels", lambda *a: False)
+    ref_logits, ref_tables, ref_dense, _ = reference
+    logits, tables, dense, _ = _run(_cfg(kind, 8), _batches(3))
+    for a, b in zip(ref_logits, logits, strict=True):
+        np.testing.assert_allclose(b, a, **TOL)
+    for name, t in ref_tables.items():
+        np.testing.assert_allclose(tables[name], t, **TOL, err_msg=name)
+    for name, p in ref_dense.items():
+        np.testing.assert_allclose(dense[name], p, **TOL, err_msg=name)
+
+
 def _run_init_table(name):
     mesh = sharding.make_mesh(MeshConfig(data_parallel=1, rules="replicated"))
     with sharding.activate(mesh, "replicated"):
@@ -243,12 +257,15 @@ def test_batched_unique_matches_numpy():
         )
 
 
-def test_the_train_step_builds_no_table_sized_temporary():
+@pytest.mark.parametrize("path", ["kernels", "plain", "off"])
+def test_the_train_step_builds_no_table_sized_temporary(path, monkeypatch):
     """XLA's memory analysis of the compiled step: temporaries scale with the batch, not the
-    tables (here 4 tables of 200,000 x 16, 12.8 MB, against a batch of 16 x 3 ids)."""
+    tables (here 4 tables of 200,000 x 8, 25.6 MB, against a batch of 16 x 3 ids)."""
+    if path == "plain":
+        monkeypatch.setattr(engine, "_cpu_kernels", lambda *a: False)
     schema = Schema(dense_names=("a", "b"), features=tuple(
         FeatureInfo(name=f"f{i}", vocab_size=200_000, max_hotness=H) for i in range(F)))  # fmt: skip
-    for kind in ("data_parallel", "off"):
+    for kind in ("off",) if path == "off" else ("data_parallel",):
         cfg = _cfg(kind, 1)
         mesh = sharding.make_mesh(cfg.mesh)
         spec = engine.EngineSpec.from_config(cfg)
@@ -266,7 +283,8 @@ def test_the_train_step_builds_no_table_sized_temporary():
         if kind == "off":
             assert temp > table_bytes  # the dense path: a table-sized gradient (and more)
         else:
-            # the batch term: a few [S, B·H, w] and [R]-int32 arrays (the dedup's first-seen map)
+            # the batch term (a few [S, B, H]- and [S, B·H, w]-sized arrays) and, on the plain
+            # path, the dedup's first-seen map: 4 bytes per row, an eighth of these tables
             assert temp < 0.3 * table_bytes, (temp, table_bytes)
 
 
