@@ -5,7 +5,13 @@ from __future__ import annotations
 from data import presets as data_presets
 from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CRITEO_TERABYTE_VOCAB_SIZES
 from dlrm.config import DLRMConfig, DLRMModelConfig
-from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, TrainConfig, register
+from recscale.config import (
+    DenseOptimConfig,
+    EmbeddingOptimConfig,
+    EmbeddingShardingConfig,
+    TrainConfig,
+    register,
+)
 
 
 @register("dlrm/tiny")
@@ -83,6 +89,8 @@ def criteo_kaggle() -> DLRMConfig:
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=0.1),
         train=TrainConfig(num_steps=306_969, log_every=1000, eval_every=0, checkpoint_every=10_000),
+        # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
+        embeddings=EmbeddingShardingConfig(sharding="auto"),
     )
 
 
@@ -101,6 +109,8 @@ def criteo_terabyte() -> DLRMConfig:
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name="sgd", learning_rate=0.1),
         train=TrainConfig(num_steps=2_000_000, log_every=1000, checkpoint_every=20_000),
+        # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
+        embeddings=EmbeddingShardingConfig(sharding="auto"),
     )
 
 
@@ -125,4 +135,6 @@ def criteo_mlperf() -> DLRMConfig:
             name="sgd", learning_rate=24.0, warmup_steps=2750, decay="linear"
         ),
         train=TrainConfig(num_steps=64_000, log_every=500, checkpoint_every=5000),
+        # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
+        embeddings=EmbeddingShardingConfig(sharding="auto"),
     )

@@ -6,7 +6,13 @@ import dataclasses
 
 from data import presets as data_presets
 from data.config import CRITEO_TERABYTE_VOCAB_SIZES
-from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, TrainConfig, register
+from recscale.config import (
+    DenseOptimConfig,
+    EmbeddingOptimConfig,
+    EmbeddingShardingConfig,
+    TrainConfig,
+    register,
+)
 from wukong.config import WukongConfig, WukongModelConfig
 
 
@@ -108,6 +114,8 @@ def criteo_terabyte() -> WukongConfig:
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=_TB_STEPS // 10),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.1, warmup_steps=_TB_STEPS // 10),
         train=TrainConfig(num_steps=_TB_STEPS, log_every=500, eval_every=0, checkpoint_every=4000),
+        # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
+        embeddings=EmbeddingShardingConfig(sharding="auto"),
     )  # fmt: skip
 
 

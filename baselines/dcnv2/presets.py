@@ -7,7 +7,13 @@ import dataclasses
 from baselines.dcnv2.config import DCNv2Config, DCNv2ModelConfig
 from data import presets as data_presets
 from data.config import CRITEO_TERABYTE_VOCAB_SIZES
-from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, TrainConfig, register
+from recscale.config import (
+    DenseOptimConfig,
+    EmbeddingOptimConfig,
+    EmbeddingShardingConfig,
+    TrainConfig,
+    register,
+)
 
 
 @register("dcnv2/tiny")
@@ -100,4 +106,6 @@ def criteo_terabyte() -> DCNv2Config:
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=steps // 10),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.1, warmup_steps=steps // 10),
         train=TrainConfig(num_steps=steps, log_every=500, eval_every=0, checkpoint_every=4000),
+        # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
+        embeddings=EmbeddingShardingConfig(sharding="auto"),
     )  # fmt: skip
