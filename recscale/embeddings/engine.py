@@ -169,11 +169,18 @@ def build_layout(
     itemsize = jnp.dtype(DTYPES[spec.storage_dtype]).itemsize
     default = () if spec.sharding == "auto" else (spec.sharding,)
     hot = {f.table: f.max_hotness for f in features}
+
+    def allowed(name: str) -> tuple[str, ...]:
+        kinds = (pins[name],) if name in pins else default
+        if num_devices == 1 and kinds and kinds != ("data_parallel",):
+            return ("table_wise",)  # on one device every split is the whole table there
+        return kinds
+
     ptables = [
         planner_lib.PlannerTable(
             name=t.name, num_rows=t.num_rows, dim=t.dim, bytes_per_element=itemsize,
             pooling_factor=float(hot[t.name]), optimizer=spec.optimizer,
-            allowed=(pins[t.name],) if t.name in pins else default,
+            allowed=allowed(t.name),
         )
         for t in tables
     ]  # fmt: skip
