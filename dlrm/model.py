@@ -49,12 +49,15 @@ def _lower_triangle_fwd(z_bnn, diagonal):
 def _lower_triangle_bwd(diagonal, shape, g_bp):
     b, n, _ = shape
     off = 1 if diagonal else 0
-    rows, start = [], 0
-    for i in range(n):
+    pieces, start = [], 0
+    for i in range(n):  # row i of [n, n]: its k entries, then n - k zeros; one concatenation
         k = max(i + off, 0)
-        rows.append(jnp.pad(g_bp[:, start : start + k], ((0, 0), (0, n - k))))
+        if k:
+            pieces.append(g_bp[:, start : start + k])
+        if n - k:
+            pieces.append(jnp.zeros((b, n - k), g_bp.dtype))
         start += k
-    return (jnp.stack(rows, axis=1),)
+    return (jnp.concatenate(pieces, axis=1).reshape(b, n, n),)
 
 
 lower_triangle.defvjp(_lower_triangle_fwd, _lower_triangle_bwd)

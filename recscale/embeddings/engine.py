@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -351,33 +352,71 @@ def _pool(buf_rw: jax.Array, keys_sbh: jax.Array, sentinel: int) -> jax.Array:
     return jax.lax.fori_loop(1, h, lambda j, acc: acc + one(j), one(0))
 
 
-def _assemble(layout: Layout, parts: list[tuple[jax.Array, BufferLayout, bool]]) -> jax.Array:
-    """``[B, ΣD]`` from every buffer's received partial outputs ``[K, B, w]`` (rows in
-    (source device, slot) order; ``True`` for a replicated buffer's ``[S, B, w]``): static
-    slices concatenated in feature and column order, row-wise shards' partial sums added.
-    (Slices, not a gather: XLA fuses the producers into a gather and recomputes them.)"""
-    pieces: dict[tuple[int, int], list[jax.Array]] = {}
-    for x, bl, replicated in parts:
-        row = 0
+def _assembly_map(layout: Layout, metas) -> list[list[tuple[int, int, int, int]]]:
+    """Per part, per row: ``(part, row, output column, width)`` of every contributing row."""
+    feat_off = np.concatenate([[0], np.cumsum(layout.feature_dims)])
+    out = []
+    for p, (bl, replicated) in enumerate(metas):
+        rows, row = [], 0
         for d in [0] if replicated else range(layout.num_devices):
             for s in range(len(bl.feature[d])):
                 if bl.row_count[d][s]:
-                    key = (bl.feature[d][s], bl.col_start[d][s])
-                    pieces.setdefault(key, []).append(x[row])
+                    col = int(feat_off[bl.feature[d][s]] + bl.col_start[d][s])
+                    rows.append((p, row, col, bl.width))
                 row += 1
-    out = []
-    for f, dim in enumerate(layout.feature_dims):
-        c = 0
-        while c < dim:
-            if (f, c) not in pieces:
-                raise AssertionError(f"layout leaves feature {f} columns from {c} unfilled")
-            terms = pieces[(f, c)]
-            block = terms[0]
-            for t in terms[1:]:
-                block = block + t
-            out.append(block)
-            c += block.shape[1]
+        out.append(rows)
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 2))
+def _assemble(layout: Layout, xs: tuple, metas: tuple) -> jax.Array:
+    """``[B, ΣD]`` from every buffer's received partial outputs ``xs`` (``[K, B, w]``, rows in
+    (source device, slot) order; ``metas``: ``(buffer layout, replicated)`` per part): static
+    slices concatenated in column order, row-wise shards' partial sums added. Slices, not a
+    gather (XLA fuses the producers into a gather and recomputes them); and a custom backward
+    that writes each part's gradient once (XLA would pad and add one copy per slice)."""
+    by_col: dict[int, list[jax.Array]] = {}
+    for rows in _assembly_map(layout, metas):
+        for p, row, col, _ in rows:
+            by_col.setdefault(col, []).append(xs[p][row])
+    out, col, total = [], 0, int(sum(layout.feature_dims))
+    while col < total:
+        if col not in by_col:
+            raise AssertionError(f"the layout leaves output column {col} unfilled")
+        terms = by_col[col]
+        block = terms[0]
+        for t in terms[1:]:
+            block = block + t
+        out.append(block)
+        col += block.shape[1]
     return jnp.concatenate(out, axis=1)
+
+
+def _assemble_fwd(layout, xs, metas):
+    return _assemble(layout, xs, metas), tuple(x.shape for x in xs)
+
+
+def _assemble_bwd(layout, metas, shapes, g):
+    b = g.shape[0]
+    g_ext = None
+    grads = []
+    for rows, (k, _, w) in zip(_assembly_map(layout, metas), shapes, strict=True):
+        by_row = {row: col for _, row, col, _ in rows}
+        c0 = by_row.get(0)
+        if len(by_row) == k and all(by_row[r] == c0 + r * w for r in range(k)):
+            # rows in column order (e.g. every table whole on one device): a transpose
+            grads.append(jnp.transpose(g[:, c0 : c0 + k * w].reshape(b, k, w), (1, 0, 2)))
+            continue
+        if g_ext is None:  # a zero column for the rows that contribute nothing
+            g_ext = jnp.concatenate([g, jnp.zeros((b, 1), g.dtype)], axis=1)
+        zero = g.shape[1]
+        idx = np.array([[by_row[r] + j if r in by_row else zero for j in range(w)]
+                        for r in range(k)], np.int32).reshape(-1)  # fmt: skip
+        grads.append(jnp.transpose(g_ext[:, idx].reshape(b, k, w), (1, 0, 2)))
+    return (tuple(grads),)
+
+
+_assemble.defvjp(_assemble_fwd, _assemble_bwd)
 
 
 def _hotness_mask(layout: Layout, ids_bfh: jax.Array) -> jax.Array:
@@ -465,7 +504,7 @@ def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> ja
             ctx.shapes[key] = shapes
         else:
             ctx.keys[key] = keys
-    out = _assemble(layout, parts)
+    out = _assemble(layout, tuple(x for x, _, _ in parts), tuple((bl, r) for _, bl, r in parts))
     if "mean" in layout.feature_pooling:
         counts = jnp.maximum((ids_bfh >= 0).sum(axis=2), 1).astype(out.dtype)  # [B, F]
         scale = jnp.repeat(counts, np.asarray(layout.feature_dims), axis=1,
