@@ -730,4 +730,4 @@ def _update_rows(buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRu
 def generated_rows(num_rows: int) -> int:
     """Rows a table is generated with (as the per-table path pads them), so both paths draw
     the same initial values."""
-    return math.ceil(num_rows / 64) * 64
+    return math.ceil(num_rows / sharding.ROW_PAD_MULTIPLE) * sharding.ROW_PAD_MULTIPLE

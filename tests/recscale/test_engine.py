@@ -82,18 +82,24 @@ def _tables(model, params) -> dict[str, np.ndarray]:
     return engine.export_tables(emb.layout, bufs, emb.table_specs, emb.feature_specs)
 
 
+def _build(cfg, schema, spec):
+    """Model, graphdef, initial state and (unjitted) train step, inside an active mesh."""
+    model = build_model(cfg, schema, nnx.Rngs(params=0))
+    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    tx = make_optimizer(cfg, params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                       opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
+    make = make_sparse_train_step if spec else make_train_step
+    return model, graphdef, state, make(graphdef, tx, 0)
+
+
 def _run(cfg, batches):
     """Eval logits before each step, then the tables and dense parameters after the steps."""
     mesh = sharding.make_mesh(cfg.mesh)
     spec = engine.EngineSpec.from_config(cfg)
     with sharding.activate(mesh, cfg.mesh.rules, engine=spec):
-        model = build_model(cfg, SCHEMA, nnx.Rngs(params=0))
-        graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-        tx = make_optimizer(cfg, params)
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
-        make = make_sparse_train_step if spec else make_train_step
-        step = jax.jit(make(graphdef, tx, 0), donate_argnums=0)
+        model, graphdef, state, step = _build(cfg, SCHEMA, spec)
+        step = jax.jit(step, donate_argnums=0)
         ev = jax.jit(make_eval_step(graphdef))
         logits = []
         for b in batches:
@@ -270,14 +276,9 @@ def test_the_train_step_builds_no_table_sized_temporary(path, monkeypatch):
         mesh = sharding.make_mesh(cfg.mesh)
         spec = engine.EngineSpec.from_config(cfg)
         with sharding.activate(mesh, "replicated", engine=spec):
-            model = build_model(cfg, schema, nnx.Rngs(params=0))
-            graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-            tx = make_optimizer(cfg, params)
-            state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
-            make = make_sparse_train_step if spec else make_train_step
+            _, _, state, step = _build(cfg, schema, spec)
             b = _batches(1)[0]
-            mem = jax.jit(make(graphdef, tx, 0), donate_argnums=0).lower(state, b).compile()
+            mem = jax.jit(step, donate_argnums=0).lower(state, b).compile()
             temp = mem.memory_analysis().temp_size_in_bytes
         table_bytes = F * 200_000 * D * 4
         if kind == "off":
