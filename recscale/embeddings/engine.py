@@ -301,7 +301,7 @@ def _cpu_kernels(bl: BufferLayout, mesh, hotness: int) -> bool:
         return False
     if hotness < 2:
         return False
-    from recscale.kernels import cpu  # noqa: PLC0415 (builds on first use)
+    from recscale.kernels.embedding_bag import cpu_ffi as cpu  # noqa: PLC0415 (builds on first use)
 
     return cpu.available()
 
@@ -525,7 +525,7 @@ def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh):
     if mesh is not None:  # each device pools its own examples
         keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, P(None, AXIS, None)))
     if _cpu_kernels(bl, mesh, keys.shape[2]):
-        from recscale.kernels import cpu  # noqa: PLC0415
+        from recscale.kernels.embedding_bag import cpu_ffi as cpu  # noqa: PLC0415
 
         spec = P(None, AXIS, None)
         pooled = jax.shard_map(cpu.pool, mesh=mesh, in_specs=(P(), spec), out_specs=spec)(buf, keys)
@@ -542,7 +542,7 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
     comm = DTYPES[layout.comm_dtype]
     rows = bl.rows
     if _cpu_kernels(bl, mesh, ids_bfh.shape[2]):
-        from recscale.kernels import cpu  # noqa: PLC0415
+        from recscale.kernels.embedding_bag import cpu_ffi as cpu  # noqa: PLC0415
 
         pool = cpu.pool
     else:
@@ -650,7 +650,7 @@ def apply_update(
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
         st = dict(zip(names, vals, strict=True))
         if kernel:
-            from recscale.kernels import cpu  # noqa: PLC0415
+            from recscale.kernels.embedding_bag import cpu_ffi as cpu  # noqa: PLC0415
 
             adagrad = rule.optimizer == "rowwise_adagrad"
             acc = st["acc"] if adagrad else jnp.zeros((1,), jnp.float32)

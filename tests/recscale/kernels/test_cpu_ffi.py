@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from recscale.embeddings import engine
-from recscale.kernels import cpu
+from recscale.kernels.embedding_bag import cpu_ffi as cpu
 
 R, W, S, B, H = 1000, 16, 3, 64, 5
 

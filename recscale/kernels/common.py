@@ -1,0 +1,106 @@
+"""What every kernel folder shares: implementation names, the choice of one, interpret mode on
+CPU, and the one dtype-keyed tolerance table the kernel tests compare against.
+
+Every op lives in ``recscale/kernels/<op>/``: ``reference.py`` (plain jnp from the equations:
+the spec, the oracle and the XLA fallback), ``pallas_gpu.py`` (Pallas, Triton backend),
+``pallas_tpu.py`` (Pallas, Mosaic TPU backend) and ``api.py``, which models call. ``api.py``
+resolves the configured implementation with :func:`resolve` and falls back to the reference
+when the chosen kernel does not support a shape, dtype or backend, counting why in
+:data:`FALLBACKS` (and logging it once).
+
+Pallas kernels run on CPU only in interpret mode: :func:`interpret_for` gives the setting a
+kernel runs with when none is forced (``False`` on its own backend; on CPU, TPU kernels run
+under ``pltpu.InterpretParams`` set to raise on out-of-bounds reads and fill uninitialised
+memory with NaN, GPU kernels under the generic interpreter).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Impl = Literal["auto", "xla", "pallas_gpu", "pallas_tpu", "cpu_ffi"]
+PALLAS_BACKEND = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+
+FALLBACKS: collections.Counter = collections.Counter()
+"""``(op, requested impl, reason) -> count`` of calls that fell back to the reference."""
+
+_log = logging.getLogger("recscale.kernels")
+
+# Tolerances of a kernel's output and VJP against the reference computed in float32 at
+# HIGHEST precision, keyed by the kernel's input dtype. float32: kernels accumulate in a
+# different order (and MXU/tensor-core passes round differently), so a few ulps of the
+# accumulated magnitude. bfloat16/float16: the inputs themselves carry 8/11 mantissa bits, and
+# outputs are rounded to that dtype once (2^-8 = 3.9e-3, 2^-11 = 4.9e-4 relative), with
+# headroom for one more rounding of intermediates. Changing a value needs a written reason.
+TOLERANCES: dict[Any, dict[str, float]] = {
+    jnp.dtype(jnp.float32): {"rtol": 1e-5, "atol": 1e-5},
+    jnp.dtype(jnp.bfloat16): {"rtol": 1.6e-2, "atol": 1.6e-2},
+    jnp.dtype(jnp.float16): {"rtol": 2e-3, "atol": 2e-3},
+}
+
+
+def tolerance(dtype) -> dict[str, float]:
+    """``{"rtol", "atol"}`` for comparing a kernel run on ``dtype`` inputs with the reference."""
+    return TOLERANCES[jnp.dtype(dtype)]
+
+
+def default_backend() -> str:
+    return jax.default_backend()
+
+
+def auto_impl(backend: str | None = None) -> str:
+    """The implementation ``auto`` means on ``backend`` (default: JAX's default backend)."""
+    backend = backend or default_backend()
+    return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
+
+
+def interpret_for(impl: str) -> Any:
+    """The ``interpret=`` a Pallas implementation runs with on the default backend."""
+    backend = default_backend()
+    want = PALLAS_BACKEND[impl]
+    if backend == want or (want == "gpu" and backend == "cuda"):
+        return False
+    if impl == "pallas_tpu":
+        from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+
+        return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+    return True
+
+
+def resolve(op: str, impl: str, unsupported: dict[str, str | None]) -> str:
+    """The implementation to run: ``impl`` (``auto`` resolved for the default backend) unless
+    ``unsupported[impl]`` gives a reason it cannot run this call, then ``xla``.
+
+    ``unsupported`` maps each non-reference implementation of the op to ``None`` (it supports
+    this call) or the reason it does not (shape, dtype, variant). A requested implementation
+    the op does not have is an error, not a fallback.
+    """
+    requested = auto_impl() if impl == "auto" else impl
+    if requested == "xla":
+        return "xla"
+    if requested not in unsupported:
+        if impl == "auto":  # e.g. cpu_ffi-only ops on GPU
+            return "xla"
+        raise ValueError(f"{op}: unknown implementation {impl!r}; have xla, {sorted(unsupported)}")
+    reason = unsupported[requested]
+    if reason is None:
+        return requested
+    key = (op, requested, reason)
+    if key not in FALLBACKS:
+        _log.info("%s: %s falls back to the XLA reference: %s", op, requested, reason)
+    FALLBACKS[key] += 1
+    return "xla"
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(np.ceil(np.log2(max(x, 1)))))
