@@ -6,17 +6,16 @@ Dimension glossary: ``B`` batch, ``N`` dense features, ``F`` sparse features, ``
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from data.batch import Schema
 from dlrm.config import DLRMModelConfig
 from recscale import sharding
+from recscale.config import KernelConfig
 from recscale.embeddings import EmbeddingCollection
+from recscale.kernels.dot_interaction import api as dot_interaction_api
 from recscale.nn import MLP
 
 
@@ -31,41 +30,17 @@ def interaction_dim(cfg: DLRMModelConfig, num_vectors: int, has_dense: bool) -> 
     return pairs + (cfg.embed_dim if has_dense else 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def lower_triangle(z_bnn: jax.Array, diagonal: bool) -> jax.Array:
-    """``[B, P]``: the entries of ``z`` on and below (``diagonal``) or strictly below the
-    diagonal, row by row: ``z[:, tril_indices(n, 0 or -1)]``. Static slices both ways; as a
-    gather, its backward is an XLA scatter, and as slices, XLA pads and adds ``n`` copies of
-    ``[B, n, n]``; this backward writes ``[B, n, n]`` once."""
-    n = z_bnn.shape[1]
-    off = 1 if diagonal else 0
-    return jnp.concatenate([z_bnn[:, i, : i + off] for i in range(n) if i + off > 0], axis=1)
-
-
-def _lower_triangle_fwd(z_bnn, diagonal):
-    return lower_triangle(z_bnn, diagonal), z_bnn.shape
-
-
-def _lower_triangle_bwd(diagonal, shape, g_bp):
-    b, n, _ = shape
-    off = 1 if diagonal else 0
-    pieces, start = [], 0
-    for i in range(n):  # row i of [n, n]: its k entries, then n - k zeros; one concatenation
-        k = max(i + off, 0)
-        if k:
-            pieces.append(g_bp[:, start : start + k])
-        if n - k:
-            pieces.append(jnp.zeros((b, n - k), g_bp.dtype))
-        start += k
-    return (jnp.concatenate(pieces, axis=1).reshape(b, n, n),)
-
-
-lower_triangle.defvjp(_lower_triangle_fwd, _lower_triangle_bwd)
-
-
 class DLRM(nnx.Module):
-    def __init__(self, cfg: DLRMModelConfig, schema: Schema, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: DLRMModelConfig,
+        schema: Schema,
+        *,
+        kernels: KernelConfig | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.cfg = nnx.static(cfg)
+        self.kernels = nnx.static(kernels or KernelConfig())
         self.embeddings = EmbeddingCollection.one_table_per_feature(
             schema,
             cfg.embed_dim,
@@ -82,9 +57,6 @@ class DLRM(nnx.Module):
         else:
             self.bottom = None
         num_vectors = schema.num_sparse + int(self.has_dense)
-        n = num_vectors
-        li, lj = np.tril_indices(n, k=0 if cfg.self_interaction else -1)
-        self.tril = nnx.static((tuple(int(i) for i in li), tuple(int(j) for j in lj)))
         top_in = interaction_dim(cfg, num_vectors, self.has_dense)
         self.top = MLP(
             top_in,
@@ -100,8 +72,9 @@ class DLRM(nnx.Module):
         """Dot: lower triangle of X·Xᵀ per example (``[B, P]``); cat: flatten."""
         if self.cfg.interaction == "cat":
             return x_bnd.reshape(x_bnd.shape[0], -1)
-        z_bnn = jnp.einsum("bnd,bmd->bnm", x_bnd, x_bnd)
-        return lower_triangle(z_bnn, self.cfg.self_interaction)
+        return dot_interaction_api.dot_interaction(
+            x_bnd, self_interaction=self.cfg.self_interaction, impl=self.kernels.dot_interaction
+        )
 
     def __call__(
         self, dense_bn: jax.Array, ids_bfh: jax.Array, *, dropout_key: jax.Array | None = None
@@ -125,4 +98,4 @@ class DLRM(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> DLRM:
     """Trainer hook: the DLRM of a DLRMConfig for a dataset schema."""
-    return DLRM(cfg.model, schema, rngs=rngs)
+    return DLRM(cfg.model, schema, kernels=cfg.kernels, rngs=rngs)

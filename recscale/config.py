@@ -136,6 +136,35 @@ class EmbeddingShardingConfig:
             raise ValueError(f"embeddings.host_size must be >= 0, got {self.host_size}")
 
 
+KernelImpl = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """Which implementation runs each hot op (``recscale/kernels/<op>/api.py``). ``auto``: the
+    Pallas kernel on GPU and TPU, the fastest CPU path on CPU (XLA; the C++ kernels for
+    multi-id embedding bags); ``xla``: the plain-jnp reference; ``pallas_gpu`` / ``pallas_tpu``:
+    that kernel (on another backend it runs in Pallas interpret mode: for tests, slow). A kernel
+    that does not support a call's shape or dtype falls back to the reference and says so."""
+
+    embedding_bag: Literal["auto", "xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"] = "auto"
+    """Pooled lookups of the embedding engine (``embeddings.sharding`` not ``off``)."""
+    embedding_update: Literal["auto", "xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"] = "auto"
+    """The engine's backward fused with the SGD / row-wise Adagrad row update."""
+    dot_interaction: KernelImpl = "auto"
+    """DLRM's dot interaction (lower triangle of X·Xᵀ)."""
+    fm_interaction: KernelImpl = "auto"
+    """Wukong's FMB core X·(Xᵀ·Y)."""
+
+    def __post_init__(self):
+        for name, tp in typing.get_type_hints(type(self)).items():
+            allowed = typing.get_args(tp)
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"kernels.{name}={getattr(self, name)!r}: expected one of {allowed}"
+                )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The training loop."""
@@ -203,6 +232,8 @@ class ExperimentConfig:
     """Device mesh and sharding rules."""
     embeddings: EmbeddingShardingConfig = EmbeddingShardingConfig()
     """The embedding engine: table sharding and sparse updates."""
+    kernels: KernelConfig = KernelConfig()
+    """Implementations of the hot ops (Pallas kernels, C++ CPU kernels or the XLA reference)."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ from flax import nnx
 
 from data.batch import Schema
 from recscale import sharding
+from recscale.config import KernelConfig
 from recscale.embeddings import EmbeddingCollection
+from recscale.kernels.fm_interaction import api as fm_interaction_api
 from recscale.nn import MLP, LayerNorm
 from wukong.config import WukongModelConfig
 
@@ -41,8 +43,16 @@ def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
 class FactorizationMachineBlock(nnx.Module):
     """FMB: optimized FM X (Xᵀ Y) -> flatten -> LN -> MLP -> n_F embeddings."""
 
-    def __init__(self, num_in: int, cfg: WukongModelConfig, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        num_in: int,
+        cfg: WukongModelConfig,
+        *,
+        kernels: KernelConfig | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.num_in, self.num_out = num_in, cfg.n_fmb
+        self.impl = nnx.static((kernels or KernelConfig()).fm_interaction)
         self.rank, self.dim = cfg.fmb_rank, cfg.embed_dim
         self.attentive = cfg.fmb_projection == "attentive"
         if self.attentive:
@@ -77,12 +87,7 @@ class FactorizationMachineBlock(nnx.Module):
 
     def interact(self, x_bed: jax.Array) -> jax.Array:
         """The optimized FM X (Xᵀ Y): ``[B, E, K]``, never forming the ``[B, E, E]`` X Xᵀ."""
-        y = self.projection_y(x_bed)
-        if y.ndim == 2:
-            xty_bdk = jnp.einsum("bed,ek->bdk", x_bed, y)
-        else:
-            xty_bdk = jnp.einsum("bed,bek->bdk", x_bed, y)
-        return jnp.einsum("bed,bdk->bek", x_bed, xty_bdk)
+        return fm_interaction_api.fm_interaction(x_bed, self.projection_y(x_bed), impl=self.impl)
 
     def __call__(self, x_bed: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         b = x_bed.shape[0]
@@ -95,9 +100,20 @@ class FactorizationMachineBlock(nnx.Module):
 class WukongLayer(nnx.Module):
     """X -> LN(concat(FMB(X), LCB(X)) + residual(X)): ``[B, E, D] -> [B, M + C, D]``."""
 
-    def __init__(self, num_in: int, cfg: WukongModelConfig, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        num_in: int,
+        cfg: WukongModelConfig,
+        *,
+        kernels: KernelConfig | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.num_in, self.num_out = num_in, cfg.n_fmb + cfg.n_lcb
-        self.fmb = FactorizationMachineBlock(num_in, cfg, rngs=rngs) if cfg.n_fmb else None
+        self.fmb = (
+            FactorizationMachineBlock(num_in, cfg, kernels=kernels, rngs=rngs)
+            if cfg.n_fmb
+            else None
+        )
         # LCB weight W_L [C, E]: each output embedding is a linear recombination of the inputs.
         self.lcb = (
             sharding.param(nnx.Param, _glorot(rngs, (cfg.n_lcb, num_in)), None, "feature")
@@ -133,8 +149,16 @@ class WukongLayer(nnx.Module):
 
 
 class Wukong(nnx.Module):
-    def __init__(self, cfg: WukongModelConfig, schema: Schema, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: WukongModelConfig,
+        schema: Schema,
+        *,
+        kernels: KernelConfig | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.cfg = nnx.static(cfg)
+        kernels = kernels or KernelConfig()
         self.embeddings = EmbeddingCollection.one_table_per_feature(
             schema,
             cfg.embed_dim,
@@ -156,7 +180,7 @@ class Wukong(nnx.Module):
         num_in = schema.num_sparse + self.num_dense_emb
         layers = []
         for _ in range(cfg.num_layers):
-            layers.append(WukongLayer(num_in, cfg, rngs=rngs))
+            layers.append(WukongLayer(num_in, cfg, kernels=kernels, rngs=rngs))
             num_in = cfg.n_fmb + cfg.n_lcb
         self.layers = nnx.List(layers)
         self.top = MLP(
@@ -190,4 +214,4 @@ class Wukong(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> Wukong:
     """Trainer hook: the Wukong of a WukongConfig for a dataset schema."""
-    return Wukong(cfg.model, schema, rngs=rngs)
+    return Wukong(cfg.model, schema, kernels=cfg.kernels, rngs=rngs)

@@ -21,6 +21,7 @@ from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings import engine
 from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature
+from recscale.kernels.embedding_bag import api as bag_api
 
 
 class EmbeddingTable(nnx.Param):
@@ -134,24 +135,18 @@ class EmbeddingCollection(nnx.Module):
             )
             offsets = np.cumsum((0,) + self.layout.feature_dims)
             return [flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
-        out = []
-        for f, feat in enumerate(self.feature_specs):
-            table_vd = self.tables[feat.table][...]
-            ids_bh = ids_bfh[:, f, : feat.max_hotness]
-            valid_bh = ids_bh >= 0
-            safe_bh = jnp.where(valid_bh, ids_bh, 0)
-            # A loop over bag slots: XLA does not fuse gather + sum, and take(...).sum(1) would
-            # materialise a [B, H, D] temporary per feature.
-            pooled_bd = None
-            for h in range(feat.max_hotness):
-                rows_bd = jnp.take(table_vd, safe_bh[:, h], axis=0)
-                rows_bd = jnp.where(valid_bh[:, h, None], rows_bd, 0)
-                pooled_bd = rows_bd if pooled_bd is None else pooled_bd + rows_bd
-            if feat.pooling == "mean":
-                count_b1 = jnp.maximum(valid_bh.sum(axis=1, keepdims=True), 1)
-                pooled_bd = pooled_bd / count_b1.astype(pooled_bd.dtype)
-            out.append(pooled_bd)
-        return out
+        # One array per table, laid out by the sharding rules: XLA partitions the reference's
+        # gathers (a Pallas or FFI kernel is a custom call it cannot split, so the kernels run
+        # in the engine, where every device holds its own blocks).
+        return [
+            bag_api.pool(
+                self.tables[feat.table][...],
+                ids_bfh[:, f, : feat.max_hotness],
+                pooling=feat.pooling,
+                impl="xla",
+            )
+            for f, feat in enumerate(self.feature_specs)
+        ]
 
     def __call__(self, ids_bfh: jax.Array) -> jax.Array:
         """Pooled embeddings stacked as ``[B, F, D]`` (all tables must share D)."""

@@ -58,6 +58,8 @@ from jax.sharding import PartitionSpec as P
 from recscale import sharding
 from recscale.embeddings import planner as planner_lib
 from recscale.embeddings.spec import FeatureSpec, TableSpec
+from recscale.kernels.embedding_bag import api as bag_api
+from recscale.kernels.embedding_update import api as update_api
 from tpu_gpu_configs.profiles import get_profile
 
 AXIS = sharding.DATA_AXIS
@@ -81,6 +83,10 @@ class EngineSpec:
     comm_dtype: str
     optimizer: str
     batch_size: int
+    bag_kernel: str = "auto"
+    """Implementation of the pooled lookups (``recscale.kernels.embedding_bag``)."""
+    update_kernel: str = "auto"
+    """Implementation of the fused backward + row update (``recscale.kernels.embedding_update``)."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> EngineSpec | None:
@@ -94,7 +100,8 @@ class EngineSpec:
                 "step, which the sparse engine does not do; set embeddings.sharding=off or l2=0"
             )
         return cls(e.sharding, tuple(e.per_table), e.profile, e.host_size, e.storage_dtype,
-                   e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size)  # fmt: skip
+                   e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size,
+                   cfg.kernels.embedding_bag, cfg.kernels.embedding_update)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,18 +299,18 @@ def export_tables(layout: Layout, buffers: dict, tables: tuple[TableSpec, ...],
 # Building blocks.
 
 
-def _cpu_kernels(bl: BufferLayout, mesh, hotness: int) -> bool:
-    """Whether this buffer's lookups and updates run in the C++ kernels (``recscale.kernels
-    .cpu``): float32 storage on a CPU mesh, multi-id bags, with the kernels built. One-id bags
-    stay in XLA, which is as fast there (one gather per slot, nothing to sum; measured in
-    BENCHMARKS.md, configuration A)."""
-    if bl.dtype != "float32" or mesh is None or mesh.devices.flat[0].platform != "cpu":
-        return False
-    if hotness < 2:
-        return False
-    from recscale.kernels.embedding_bag import cpu_ffi as cpu  # noqa: PLC0415 (builds on first use)
+def _kernel(kind: str) -> str:
+    """The configured implementation of the engine's ``bag`` or ``update`` kernel."""
+    spec = sharding.active_engine()
+    return "auto" if spec is None else getattr(spec, f"{kind}_kernel")
 
-    return cpu.available()
+
+def _pool(buf_rw: jax.Array, keys_sbh: jax.Array) -> jax.Array:
+    """``[S, B, w]`` float32: bags summed from rows ``keys`` of ``buf [R, w]`` (``R`` = none), by
+    the configured embedding-bag kernel (``recscale.kernels.embedding_bag``)."""
+    s, b, h = keys_sbh.shape
+    pooled = bag_api.pool(buf_rw, keys_sbh.reshape(s * b, h), impl=_kernel("bag"))
+    return pooled.reshape(s, b, buf_rw.shape[1])
 
 
 def batched_unique(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Array]:
@@ -329,27 +336,6 @@ def batched_unique(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Ar
     slots = jnp.where(is_first, rank, n)
     uids = jnp.full((s, n), sentinel, keys_sn.dtype).at[rows, slots].set(keys_sn, mode="drop")
     return uids, inv
-
-
-def _pool(buf_rw: jax.Array, keys_sbh: jax.Array, sentinel: int) -> jax.Array:
-    """``[S, B, w]``: bags summed from rows ``keys`` of ``buf [R, w]`` (``sentinel`` = none).
-
-    A loop over the ``H`` bag slots, each a plain row gather: XLA does not fuse gather + sum,
-    and one gather of all slots would materialise ``[S, B, H, w]``. A ``fori_loop``, not a
-    Python loop: unrolled, XLA fuses the index arithmetic into each of the ``H`` gathers and
-    recomputes all ``S·B·H`` indices ``H`` times.
-    """
-    h = keys_sbh.shape[2]
-    keys_hsb = jnp.moveaxis(keys_sbh, 2, 0)
-
-    def one(j):
-        k = keys_hsb[j]
-        rows = jnp.take(buf_rw, k, axis=0, mode="clip").astype(jnp.float32)
-        return jnp.where((k < sentinel)[..., None], rows, 0)
-
-    if h == 1:
-        return one(0)
-    return jax.lax.fori_loop(1, h, lambda j, acc: acc + one(j), one(0))
 
 
 def _assembly_map(layout: Layout, metas) -> list[list[tuple[int, int, int, int]]]:
@@ -522,15 +508,14 @@ def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh):
     offset = bl.arr("offset")[0]
     ids_sbh = jnp.transpose(ids_bfh[:, feat, :], (1, 0, 2))
     keys = jnp.where(ids_sbh >= 0, offset[:, None, None] + ids_sbh, bl.rows)
-    if mesh is not None:  # each device pools its own examples
-        keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, P(None, AXIS, None)))
-    if _cpu_kernels(bl, mesh, keys.shape[2]):
-        from recscale.kernels.embedding_bag import cpu_ffi as cpu  # noqa: PLC0415
-
+    if mesh is None:
+        pooled = _pool(buf, keys)
+    else:  # each device pools its own examples (a kernel is a custom call XLA cannot split)
         spec = P(None, AXIS, None)
-        pooled = jax.shard_map(cpu.pool, mesh=mesh, in_specs=(P(), spec), out_specs=spec)(buf, keys)
-    else:
-        pooled = _pool(buf, keys, bl.rows)
+        keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, spec))
+        pooled = jax.shard_map(
+            _pool, mesh=mesh, in_specs=(P(), spec), out_specs=spec, check_vma=False
+        )(buf, keys)
     return (pooled if delta is None else pooled + delta), keys
 
 
@@ -541,14 +526,6 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         raise RuntimeError("a sharded embedding buffer needs an active mesh (sharding.activate)")
     comm = DTYPES[layout.comm_dtype]
     rows = bl.rows
-    if _cpu_kernels(bl, mesh, ids_bfh.shape[2]):
-        from recscale.kernels.embedding_bag import cpu_ffi as cpu  # noqa: PLC0415
-
-        pool = cpu.pool
-    else:
-
-        def pool(buf_rw, keys):
-            return _pool(buf_rw, keys, rows)
 
     def body(buf_rw, ids_l, feat, row_start, row_count, offset, *maybe_delta):
         ids = jax.lax.all_gather(ids_l, AXIS, axis=0, tiled=True)  # [B, F, H]
@@ -557,7 +534,7 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         local = ids_sbh - row_start[:, None, None]
         ok = (ids_sbh >= 0) & (local >= 0) & (local < row_count[:, None, None])
         keys = jnp.where(ok, offset[:, None, None] + local, rows)
-        pooled = pool(buf_rw, keys)  # [S, B, w]: partial outputs for the whole batch
+        pooled = _pool(buf_rw, keys)  # [S, B, w]: partial outputs for the whole batch
         if maybe_delta:
             pooled = pooled + maybe_delta[0]
         recv = jax.lax.all_to_all(pooled.astype(comm), AXIS, split_axis=1, concat_axis=0,
@@ -569,9 +546,8 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
     in_specs = (P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS)) + (
         (P(AXIS),) if delta is not None else ()
     )
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS)))(
-        *args
-    )
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS)),
+                         check_vma=False)(*args)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -641,22 +617,21 @@ def apply_update(
     slot = {k: jnp.asarray(bl.arr(k)) for k in ("cw_group", "table_dim")}
     groups = 0 if bl.replicated else layout.num_cw_groups
     split = groups and bool((bl.arr("cw_group") < groups).any())
-    kernel = (
-        rule.optimizer in ("sgd", "rowwise_adagrad")
-        and not split
-        and _cpu_kernels(bl, sharding.active_mesh(), keys.shape[2])
-    )
+    # SGD and row-wise Adagrad of whole rows run in the update kernel (recscale.kernels
+    # .embedding_update); a column-split table's row statistic needs a psum across its column
+    # shards, and lazy Adam keeps per-column moments, so those stay here.
+    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split
+    impl = _kernel("update")
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
         st = dict(zip(names, vals, strict=True))
         if kernel:
-            from recscale.kernels.embedding_bag import cpu_ffi as cpu  # noqa: PLC0415
-
-            adagrad = rule.optimizer == "rowwise_adagrad"
-            acc = st["acc"] if adagrad else jnp.zeros((1,), jnp.float32)
-            new_buf, acc, sq = cpu.update(buf_rw, acc, keys_sbh, g_sbw, lr, tdim[0],
-                                          eps=rule.eps, adagrad=adagrad)  # fmt: skip
-            new_st = {"acc": acc} if adagrad else {}
+            s, b, h = keys_sbh.shape
+            new_buf, acc, sq = update_api.update(
+                buf_rw, st.get("acc"), keys_sbh.reshape(s * b, h), g_sbw.reshape(s * b, -1), lr,
+                optimizer=rule.optimizer, eps=rule.eps, impl=impl,
+            )  # fmt: skip
+            new_st = {"acc": acc} if "acc" in st else {}
         else:
             uids, grad = row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
             new_buf, new_st, sq = _update_rows(
@@ -679,6 +654,7 @@ def apply_update(
             in_specs=(P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
                       *(specs[k] for k in names)),
             out_specs=(P(AXIS, None), tuple(specs[k] for k in names), P()),
+            check_vma=False,
         )(*args)  # fmt: skip
     new_state = {k: state[k].replace(v) for k, v in zip(names, new_vals, strict=True)}
     return new_buf, new_state, sq

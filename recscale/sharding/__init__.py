@@ -236,3 +236,24 @@ def replicated() -> NamedSharding:
     if active is None:
         raise RuntimeError("replicated() needs an active mesh (sharding.activate)")
     return NamedSharding(active.mesh, PartitionSpec())
+
+
+def map_batch(fn, *args: Any, batched: tuple[bool, ...]) -> Any:
+    """``fn(*args)`` run on each device's examples: a kernel boundary. A Pallas or FFI custom
+    call is opaque to XLA's partitioner, which would gather its operands whole onto every
+    device; inside ``shard_map`` each device runs it on its own block. Arguments flagged in
+    ``batched`` are split over the ``batch`` axis (their leading dimension), the others
+    replicated; outputs are batch-split. Without an active mesh, or with ``batch`` unsharded,
+    ``fn`` is called directly."""
+    active = _ACTIVE.get()
+    axis = active.rules.get("batch") if active is not None else None
+    if axis is None or active.mesh.shape[axis] == 1:
+        return fn(*args)
+    if len(batched) != len(args):
+        raise ValueError(f"map_batch: {len(args)} arguments but {len(batched)} batched flags")
+    specs = tuple(PartitionSpec(axis) if b else PartitionSpec() for b in batched)
+    # check_vma=False: a pallas_call's outputs carry no varying-axes annotation; the transpose
+    # then psums the cotangents of replicated arguments, which is their gradient here.
+    return jax.shard_map(
+        fn, mesh=active.mesh, in_specs=specs, out_specs=PartitionSpec(axis), check_vma=False
+    )(*args)

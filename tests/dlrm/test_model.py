@@ -96,17 +96,3 @@ def test_dot_concat_all_feeds_every_vector_to_the_top_mlp():
     assert model.top.layers[0].kernel[...].shape == (30, 8)
     logits = model(jnp.ones((2, 3)), jnp.zeros((2, 4, 2), jnp.int32))
     assert logits.shape == (2,)
-
-
-@pytest.mark.parametrize("diagonal", [True, False])
-def test_lower_triangle_and_its_gradient_equal_the_gather(diagonal):
-    from dlrm.model import lower_triangle
-
-    rng = np.random.default_rng(0)
-    z = jnp.asarray(rng.standard_normal((4, 7, 7)), jnp.float32)
-    li, lj = np.tril_indices(7, 0 if diagonal else -1)
-    np.testing.assert_array_equal(lower_triangle(z, diagonal), z[:, li, lj])
-    g = jnp.asarray(rng.standard_normal((4, len(li))), jnp.float32)
-    got = jax.vjp(lambda x: lower_triangle(x, diagonal), z)[1](g)[0]
-    want = jax.vjp(lambda x: x[:, li, lj], z)[1](g)[0]
-    np.testing.assert_array_equal(got, want)

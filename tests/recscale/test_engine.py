@@ -25,6 +25,7 @@ from recscale.config import (
     DenseOptimConfig,
     EmbeddingOptimConfig,
     EmbeddingShardingConfig,
+    KernelConfig,
     MeshConfig,
     get_preset,
 )
@@ -52,6 +53,13 @@ def _cfg(sharding_kind, n, opt="rowwise_adagrad", **emb):
         mesh=MeshConfig(data_parallel=n, rules="replicated"),
         # host_size 4: two "hosts" of 4 devices, so the table_* hybrids differ from row/column-wise
         embeddings=EmbeddingShardingConfig(sharding=sharding_kind, host_size=4, **emb),
+    )
+
+
+def _xla_kernels(cfg):
+    """``cfg`` with the engine's lookups and updates in the XLA reference (no C++ kernels)."""
+    return dataclasses.replace(
+        cfg, kernels=KernelConfig(embedding_bag="xla", embedding_update="xla")
     )
 
 
@@ -142,11 +150,10 @@ def test_every_sharding_type_on_8_devices_equals_one_device(kind, reference):
 
 
 @pytest.mark.parametrize("kind", ["data_parallel", "row_wise", "table_wise"])
-def test_the_plain_jax_path_equals_one_device_too(kind, reference, monkeypatch):
-    """The same without the C++ CPU kernels (the path GPUs, TPUs and compiler-less CPUs take)."""
-    monkeypatch.setattr(engine, "_cpu_kernels", lambda *a: False)
+def test_the_plain_jax_path_equals_one_device_too(kind, reference):
+    """The same with the XLA reference kernels (the path compiler-less CPUs take)."""
     ref_logits, ref_tables, ref_dense, _ = reference
-    logits, tables, dense, _ = _run(_cfg(kind, 8), _batches(3))
+    logits, tables, dense, _ = _run(_xla_kernels(_cfg(kind, 8)), _batches(3))
     for a, b in zip(ref_logits, logits, strict=True):
         np.testing.assert_allclose(b, a, **TOL)
     for name, t in ref_tables.items():
@@ -264,15 +271,13 @@ def test_batched_unique_matches_numpy():
 
 
 @pytest.mark.parametrize("path", ["kernels", "plain", "off"])
-def test_the_train_step_builds_no_table_sized_temporary(path, monkeypatch):
+def test_the_train_step_builds_no_table_sized_temporary(path):
     """XLA's memory analysis of the compiled step: temporaries scale with the batch, not the
     tables (here 4 tables of 200,000 x 8, 25.6 MB, against a batch of 16 x 3 ids)."""
-    if path == "plain":
-        monkeypatch.setattr(engine, "_cpu_kernels", lambda *a: False)
     schema = Schema(dense_names=("a", "b"), features=tuple(
         FeatureInfo(name=f"f{i}", vocab_size=200_000, max_hotness=H) for i in range(F)))  # fmt: skip
     for kind in ("off",) if path == "off" else ("data_parallel",):
-        cfg = _cfg(kind, 1)
+        cfg = _xla_kernels(_cfg(kind, 1)) if path == "plain" else _cfg(kind, 1)
         mesh = sharding.make_mesh(cfg.mesh)
         spec = engine.EngineSpec.from_config(cfg)
         with sharding.activate(mesh, "replicated", engine=spec):

@@ -4,7 +4,7 @@
 headers (once per source / jaxlib version, cached under ``$RECSCALE_CACHE`` or
 ``~/.cache/recscale``), loads it and registers the targets with XLA. Without a compiler, or with
 ``RECSCALE_CPU_KERNELS=0``, it returns False and the engine uses its plain-JAX path, which the
-kernels match (``tests/recscale/test_cpu_kernels.py``).
+kernels match (``tests/recscale/kernels/test_embedding_bag.py``, ``test_embedding_update.py``).
 
 ``pool(buf, keys)`` and ``update(buf, acc, keys, grad, lr, table_dim, eps=, adagrad=)`` follow
 ``recscale.embeddings.engine._pool`` and ``row_gradients`` + ``_update_rows``.

@@ -1,0 +1,232 @@
+"""Each hot-op kernel against the XLA reference at production shapes, forward and forward +
+backward, on this machine's default device.
+
+``python benchmarks/kernels.py [--ops embedding_bag ...] [--batches 8192 65536] [--quick]``
+
+For every case it prints the reference's time, the kernel's time, their ratio (reference /
+kernel: above 1 the kernel is faster), and what each reaches of the device's roofline: bytes
+moved per second over memory bandwidth for the memory-bound ops (embedding bag, its update, the
+int8 lookup, DLRM's dot interaction), FLOP/s over peak for Wukong's FMB core. On GPU and TPU the
+kernel is the Pallas one (``auto``); on CPU it is the C++ FFI kernel where the op has one (the
+embedding bag and its update) and the Pallas kernels are skipped (they run there only in
+interpret mode, which times the interpreter). Rooflines: the ``tpu_gpu_configs`` profile of the
+accelerator, or on CPU this machine's float32 matmul and memory stream measured in the same run.
+
+Shapes: Criteo-Terabyte-like embedding work (26 tables, dim 128, 1 or 20 ids per bag; the
+bag kernels see one buffer of 26 x 100,000 rows and 26·B bags, as the engine calls them),
+DLRM interaction over 27 vectors of dim 128, and Wukong Table 5-like FMB layers (E = 32 or 56
+embeddings of dim 128 (or 192), rank K = 24 or 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from recscale.kernels import common
+from recscale.kernels.dot_interaction import api as dot_api
+from recscale.kernels.embedding_bag import api as bag_api
+from recscale.kernels.embedding_update import api as update_api
+from recscale.kernels.fm_interaction import api as fm_api
+from recscale.kernels.quantized_embedding_bag import api as q_api
+from tpu_gpu_configs.profiles import get_profile
+
+OPS = ("embedding_bag", "embedding_update", "quantized_embedding_bag", "dot_interaction",
+       "fm_interaction")  # fmt: skip
+TABLES, ROWS, DIM = 26, 100_000, 128
+
+
+def device_roofline() -> dict:
+    """``{"name", "memory_bytes_per_s", "flops"}`` of the default device."""
+    dev = jax.devices()[0]
+    kind = dev.device_kind.lower()
+    if dev.platform == "gpu":
+        name = "gpu-h200" if "h200" in kind else "gpu-a100" if "a100" in kind else "gpu-h100"
+    elif dev.platform == "tpu":
+        name = next((f"tpu-{v}" for v in ("v6e", "v5p", "v5e", "v4") if v in kind.replace(" ", "")),
+                    "tpu-v5p")  # fmt: skip
+    else:
+        return {"name": "this CPU (measured)", **measured_cpu_roofline()}
+    p = get_profile(name)
+    return {"name": name, "memory_bytes_per_s": p.memory_bandwidth, "flops": p.flops}
+
+
+def measured_cpu_roofline() -> dict:
+    """float32 matmul FLOP/s and memory stream (read + write, donated) of this CPU, best of 5."""
+    n = 2048
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    t = best_time(lambda: mm(a), 5)
+    add = jax.jit(lambda v: v + 1.0, donate_argnums=0)
+    x = [jnp.ones((64 << 20,), jnp.float32)]
+
+    def step():
+        x[0] = add(x[0])
+        return x[0]
+
+    tb = best_time(step, 5)
+    return {"flops": 2 * n**3 / t, "memory_bytes_per_s": 2 * x[0].nbytes / tb}
+
+
+def best_time(fn, reps: int) -> float:
+    """Best wall time of ``fn()`` (outputs blocked on) over ``reps`` runs after one warm-up."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def kernel_impl(op: str) -> str | None:
+    """The implementation benchmarked against ``xla`` here (None: none runs natively)."""
+    backend = jax.default_backend()
+    if backend in ("gpu", "tpu"):
+        return common.auto_impl(backend)
+    if op in ("embedding_bag", "embedding_update"):
+        from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415
+
+        return "cpu_ffi" if cpu_ffi.available() else None
+    return None
+
+
+def cases(op: str, batches: list[int]):
+    """``(label, make_fns(impl) -> (fwd, fwd_bwd or None), bytes, flops)`` per case."""
+    key = jax.random.key(0)
+    for b in batches:
+        if op in ("embedding_bag", "embedding_update", "quantized_embedding_bag"):
+            for h in (1, 20):
+                n = TABLES * b
+                v = TABLES * ROWS
+                table = jax.random.normal(key, (v, DIM), jnp.float32) * 0.01
+                ids = jax.random.randint(key, (n, h), 0, v, jnp.int32)
+                label = f"B={b} bags={n} H={h} V={v} D={DIM}"
+                if op == "embedding_bag":
+                    moved = n * h * (DIM * 4 + 4) + n * DIM * 4
+
+                    def make(impl, table=table, ids=ids):
+                        f = jax.jit(lambda t, i: bag_api.pool(t, i, impl=impl))
+                        return (lambda: f(table, ids)), None
+
+                    yield label, make, moved, 0
+                elif op == "quantized_embedding_bag":
+                    q, sb = q_api.quantize_rowwise(table)
+                    moved = n * h * (DIM + 8 + 4) + n * DIM * 4
+
+                    def make(impl, q=q, sb=sb, ids=ids):
+                        f = jax.jit(lambda q_, s_, i: q_api.pool(q_, s_, i, impl=impl))
+                        return (lambda: f(q, sb, ids)), None
+
+                    yield label, make, moved, 0
+                else:
+                    grad = jax.random.normal(key, (n, DIM), jnp.float32)
+                    acc = jnp.zeros((v,), jnp.float32)
+                    # Read the bag gradients; read + write each touched row and accumulator.
+                    moved = n * DIM * 4 + n * h * 4 + 2 * n * h * (DIM * 4 + 4)
+
+                    def make(impl, table=table, acc=acc, ids=ids, grad=grad):
+                        f = jax.jit(
+                            lambda t, a, i, g: update_api.update(
+                                t, a, i, g, 0.01, optimizer="rowwise_adagrad", impl=impl
+                            ),
+                            donate_argnums=(0, 1),
+                        )
+                        state = [table.copy(), acc.copy()]
+
+                        def run():
+                            state[0], state[1], sq = f(state[0], state[1], ids, grad)
+                            return sq
+
+                        return run, None
+
+                    yield label + " rowwise_adagrad", make, moved, 0
+        elif op == "dot_interaction":
+            for dtype in (jnp.float32, jnp.bfloat16):
+                nvec = 27
+                x = jax.random.normal(key, (b, nvec, DIM), dtype)
+                s = jnp.dtype(dtype).itemsize
+                p = nvec * (nvec - 1) // 2
+                moved = b * (nvec * DIM + p) * s
+                flops = 2 * b * nvec * nvec * DIM
+
+                def make(impl, x=x):
+                    fwd = jax.jit(lambda x_: dot_api.dot_interaction(x_, impl=impl))
+
+                    def loss(x_):
+                        return dot_api.dot_interaction(x_, impl=impl).astype(jnp.float32).sum()
+
+                    bwd = jax.jit(jax.grad(loss))
+                    return (lambda: fwd(x)), (lambda: bwd(x))
+
+                yield f"B={b} N={nvec} D={DIM} {jnp.dtype(dtype).name}", make, moved, flops
+        elif op == "fm_interaction":
+            for e, d, k in ((32, 128, 24), (56, 192, 32)):
+                for dtype in (jnp.float32, jnp.bfloat16):
+                    x = jax.random.normal(key, (b, e, d), dtype)
+                    y = jax.random.normal(key, (e, k), dtype) * 0.1
+                    s = jnp.dtype(dtype).itemsize
+                    moved = b * (e * d + e * k) * s
+                    flops = 2 * 2 * b * e * d * k
+
+                    def make(impl, x=x, y=y):
+                        fwd = jax.jit(lambda x_, y_: fm_api.fm_interaction(x_, y_, impl=impl))
+
+                        def loss(x_, y_):
+                            return (
+                                fm_api.fm_interaction(x_, y_, impl=impl).astype(jnp.float32).sum()
+                            )
+
+                        bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+                        return (lambda: fwd(x, y)), (lambda: bwd(x, y))
+
+                    label = f"B={b} E={e} D={d} K={k} {jnp.dtype(dtype).name}"
+                    yield label, make, moved, flops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    ap.add_argument("--batches", nargs="+", type=int, default=[8192, 65536])
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    roof = device_roofline()
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); roofline "
+          f"{roof['name']}: {roof['memory_bytes_per_s'] / 1e9:.0f} GB/s, "
+          f"{roof['flops'] / 1e12:.2f} TFLOP/s")  # fmt: skip
+    print(
+        "| op | case | pass | XLA ms | kernel | kernel ms | XLA / kernel | XLA roofline | "
+        "kernel roofline |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for op in args.ops:
+        impl = kernel_impl(op)
+        for label, make, moved, flops in cases(op, args.batches):
+            ref_fns = make("xla")
+            ker_fns = make(impl) if impl else (None, None)
+            for name, rf, kf, scale in (("fwd", ref_fns[0], ker_fns[0], 1),
+                                        ("fwd+bwd", ref_fns[1], ker_fns[1], 3)):  # fmt: skip
+                if rf is None:
+                    continue
+                t_ref = best_time(rf, args.reps)
+                t_ker = best_time(kf, args.reps) if kf is not None else float("nan")
+
+                def frac(t, scale=scale, op=op, flops=flops, moved=moved):
+                    if op == "fm_interaction":
+                        return f"{100 * scale * flops / t / roof['flops']:.1f}% FLOP/s"
+                    return f"{100 * scale * moved / t / roof['memory_bytes_per_s']:.1f}% BW"
+
+                print(f"| {op} | {label} | {name} | {1e3 * t_ref:.2f} | {impl or 'none here'} | "
+                      f"{1e3 * t_ker:.2f} | {t_ref / t_ker:.2f} | {frac(t_ref)} | "
+                      f"{frac(t_ker)} |")  # fmt: skip
+    print(f"fallbacks: {dict(common.FALLBACKS) or 'none'}")
+    if jax.default_backend() == "cpu":
+        print("GPU/TPU numbers need an accelerator: the Pallas kernels run on CPU only in "
+              "interpret mode, which times the interpreter, not the kernel.")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

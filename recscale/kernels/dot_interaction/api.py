@@ -1,0 +1,88 @@
+"""The DLRM dot interaction models call: picks the implementation, falls back to the reference.
+
+``impl``: ``"auto"`` (Pallas on GPU/TPU, XLA elsewhere), ``"xla"`` (``reference.py``),
+``"pallas_gpu"`` (Triton, ``pallas_gpu.py``) or ``"pallas_tpu"`` (Mosaic, ``pallas_tpu.py``).
+A Pallas implementation that does not support the call's shape or dtype falls back to the
+reference, counted in ``common.FALLBACKS``. The Pallas paths are differentiable through a
+``jax.custom_vjp`` whose backward is the matching Pallas backward kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from recscale import sharding
+from recscale.kernels import common
+from recscale.kernels.dot_interaction import pallas_gpu, pallas_tpu, reference
+
+OP = "dot_interaction"
+_KERNELS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
+
+
+def unsupported(shape: tuple[int, ...], dtype, self_interaction: bool) -> dict[str, str | None]:
+    """For each Pallas implementation, why it cannot run ``x`` of ``shape``/``dtype`` (None:
+    it can)."""
+    n = shape[1]
+    if reference.num_pairs(n, self_interaction) == 0:
+        no_pairs = f"N={n} without self-interaction has no pairs"
+        return dict.fromkeys(_KERNELS, no_pairs)
+    return {
+        "pallas_gpu": pallas_gpu.unsupported(shape, dtype),
+        "pallas_tpu": pallas_tpu.unsupported(shape, dtype, self_interaction),
+    }
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _pallas(x_bnd: jax.Array, self_interaction: bool, impl: str, interpret: Any) -> jax.Array:
+    kernels = _KERNELS[impl]
+    return kernels.forward(x_bnd, self_interaction=self_interaction, interpret=interpret)
+
+
+def _pallas_fwd(x_bnd, self_interaction, impl, interpret):
+    return _pallas(x_bnd, self_interaction, impl, interpret), x_bnd
+
+
+def _pallas_bwd(self_interaction, impl, interpret, x_bnd, g_bp):
+    kernels = _KERNELS[impl]
+    dx = kernels.backward(x_bnd, g_bp, self_interaction=self_interaction, interpret=interpret)
+    return (dx,)
+
+
+_pallas.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+def dot_interaction(
+    x: jax.Array, *, self_interaction: bool = False, impl: str = "auto", interpret: Any = None
+) -> jax.Array:
+    """[B, P]: for each example the pairwise dot products of its N vectors x[b] ([B, N, D]),
+    lower triangle of X·Xᵀ row by row: z[b, i, j] for j < i (j <= i with self_interaction),
+    ordered as numpy's tril_indices(N, -1 or 0). P = N(N-1)/2 or N(N+1)/2. Output dtype = x's
+    dtype, accumulated in float32. Differentiable w.r.t. x.
+
+    Args:
+        x: ``[B, N, D]`` interacting vectors (float32, bfloat16 or float16 for the kernels).
+        self_interaction: keep the diagonal ``x_i · x_i`` too.
+        impl: ``"auto"``, ``"xla"``, ``"pallas_gpu"`` or ``"pallas_tpu"``; a kernel that does
+            not support this call falls back to ``"xla"`` (counted in ``common.FALLBACKS``).
+        interpret: the Pallas ``interpret=`` setting; None: ``common.interpret_for(impl)``
+            (interpret mode off the kernel's own backend). ``False`` lowers for the real
+            backend, e.g. to check GPU/TPU lowering from a CPU host.
+
+    Raises:
+        ValueError: ``x`` is not 3-D, or ``impl`` is unknown.
+    """
+    if x.ndim != 3:
+        raise ValueError(f"{OP}: x must be [B, N, D], got shape {x.shape}")
+    self_interaction = bool(self_interaction)
+    chosen = common.resolve(OP, impl, unsupported(x.shape, x.dtype, self_interaction))
+    if chosen == "xla":
+        return reference.dot_interaction(x, self_interaction=self_interaction)
+    if interpret is None:
+        interpret = common.interpret_for(chosen)
+    # Per device under an active mesh: XLA cannot split a custom call over the batch.
+    return sharding.map_batch(
+        lambda x: _pallas(x, self_interaction, chosen, interpret), x, batched=(True,)
+    )

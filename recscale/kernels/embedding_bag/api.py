@@ -1,0 +1,154 @@
+"""Pooled embedding-bag lookup: the function models call.
+
+:func:`pool` picks an implementation and falls back to the XLA reference, counted in
+``common.FALLBACKS``, when the chosen one does not support the call:
+
+- ``xla``: :mod:`.reference` (a masked row gather per bag slot, float32 accumulation);
+- ``cpu_ffi``: the C++ XLA-FFI CPU kernel (:mod:`.cpu_ffi`): float32 tables, bags of two or
+  more slots (one-id bags are a single gather, where XLA is as fast), built on first use;
+- ``pallas_gpu``: :mod:`.pallas_gpu` (Triton: masked vector gathers summed in registers);
+- ``pallas_tpu``: :mod:`.pallas_tpu` (Mosaic: rows DMA'd from HBM into VMEM, summed there);
+- ``auto``: on CPU ``cpu_ffi`` where it supports the call, else ``xla``; on GPU/TPU that
+  backend's Pallas kernel.
+
+Every implementation is differentiable w.r.t. the table through one ``jax.custom_vjp`` whose
+backward is the reference's scatter-add (:func:`.reference.pool_bwd`): a dense table-shaped
+gradient in the table's dtype, used only by the plain per-table model path (the sharded engine
+never differentiates through ``pool``). Ids are not differentiable.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from recscale.kernels import common
+from recscale.kernels.embedding_bag import pallas_gpu, pallas_tpu, reference
+
+OP = "embedding_bag"
+TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_ids(op: str, ids: jax.Array, pooling: str) -> None:
+    """Raises ValueError unless ``ids`` is ``[N, H]`` integer and ``pooling`` is known."""
+    if ids.ndim != 2:
+        raise ValueError(f"{op}: ids must be [N, H] (bags x slots), got shape {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{op}: ids must be integers, got {ids.dtype}")
+    if pooling not in reference.POOLINGS:
+        raise ValueError(f"{op}: pooling must be one of {reference.POOLINGS}, got {pooling!r}")
+
+
+def _check(table: jax.Array, ids: jax.Array, pooling: str) -> None:
+    if table.ndim != 2:
+        raise ValueError(f"{OP}: table must be [V, D], got shape {table.shape}")
+    if jnp.dtype(table.dtype) not in TABLE_DTYPES:
+        raise ValueError(
+            f"{OP}: table must be float32, bfloat16 or float16, got {table.dtype} (int8 "
+            "tables: recscale.kernels.quantized_embedding_bag)"
+        )
+    check_ids(OP, ids, pooling)
+
+
+def _cpu_ffi_unsupported(table: jax.Array, ids: jax.Array) -> str | None:
+    """Why the C++ CPU kernel cannot run this call (None: it can). Builds it on first use."""
+    if common.default_backend() != "cpu":
+        return f"the C++ kernel runs on CPU only (backend is {common.default_backend()})"
+    if jnp.dtype(table.dtype) != jnp.float32:
+        return f"the C++ kernel reads float32 tables, got {table.dtype}"
+    if ids.shape[1] < 2:
+        return "one-id bags: a single gather, where XLA is as fast"
+    if ids.shape[0] == 0 or table.shape[1] == 0:
+        return "empty input (no bags or columns)"
+    from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415 (compiles on first use)
+
+    if not cpu_ffi.available():
+        return "the C++ kernel did not build here (no compiler, or RECSCALE_CPU_KERNELS=0)"
+    return None
+
+
+def _choose(table: jax.Array, ids: jax.Array, impl: str) -> str:
+    """The implementation :func:`pool` runs for this call (``impl`` resolved, or ``xla``)."""
+    n, h = ids.shape
+    tables = (jax.ShapeDtypeStruct(table.shape, table.dtype),)
+    unsupported: dict[str, str | None] = {
+        "pallas_gpu": pallas_gpu.unsupported(n, h, table.shape[1]),
+        "pallas_tpu": pallas_tpu.unsupported(n, h, tables),
+        "cpu_ffi": "not requested",
+    }
+    if impl in ("cpu_ffi", "auto"):  # only then: asking may build the C++ kernel
+        unsupported["cpu_ffi"] = _cpu_ffi_unsupported(table, ids)
+    if impl == "auto" and common.default_backend() == "cpu":
+        impl = "cpu_ffi" if unsupported["cpu_ffi"] is None else "xla"
+    return common.resolve(OP, impl, unsupported)
+
+
+def _cpu_ffi_pool(table_vd: jax.Array, ids_nh: jax.Array, *, pooling: str) -> jax.Array:
+    from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415
+
+    num_rows = table_vd.shape[0]
+    # The C++ kernel treats key == R (its buffer's row count) as padding, nothing else.
+    keys_1nh = jnp.where(reference.valid_ids(ids_nh, num_rows), ids_nh, num_rows)[None]
+    out_nd = cpu_ffi.pool(table_vd, keys_1nh)[0]
+    if pooling == "mean":
+        out_nd = out_nd / reference.bag_counts(ids_nh, num_rows)
+    return out_nd
+
+
+def _forward(impl: str, pooling: str, interpret: Any):
+    if impl == "xla":
+        return functools.partial(reference.pool, pooling=pooling)
+    if impl == "cpu_ffi":
+        return functools.partial(_cpu_ffi_pool, pooling=pooling)
+    kernel = {"pallas_gpu": pallas_gpu.pool, "pallas_tpu": pallas_tpu.pool}[impl]
+    if interpret is None:
+        interpret = common.interpret_for(impl)
+    return functools.partial(kernel, pooling=pooling, interpret=interpret)
+
+
+def pool(
+    table: jax.Array,
+    ids: jax.Array,
+    *,
+    pooling: str = "sum",
+    impl: str = "auto",
+    interpret: Any = None,
+) -> jax.Array:
+    """[N, D] float32: bag n is the sum (or mean) of rows table[ids[n, h]] over h.
+
+    table [V, D] (float32, bfloat16 or float16), ids [N, H] int32. Ids outside [0, V) are
+    padding: they contribute nothing (models pad with -1; the sharded engine uses V as its
+    padding id). mean divides by max(number of valid ids, 1). Accumulates in float32.
+
+    Args:
+      table: ``[V, D]`` embedding table.
+      ids: ``[N, H]`` integer ids (cast to int32).
+      pooling: ``"sum"`` or ``"mean"``.
+      impl: ``"auto"``, ``"xla"``, ``"cpu_ffi"``, ``"pallas_gpu"`` or ``"pallas_tpu"``; an
+        implementation that does not support the call falls back to ``"xla"``.
+      interpret: the Pallas ``interpret=`` (None: ``common.interpret_for(impl)``; ``False``
+        lowers for the real backend, e.g. to check lowering from CPU).
+
+    Returns:
+      ``[N, D]`` float32, differentiable w.r.t. ``table`` (the gradient has its dtype).
+    """
+    _check(table, ids, pooling)
+    ids = jnp.asarray(ids, jnp.int32)
+    forward = _forward(_choose(table, ids, impl), pooling, interpret)
+    num_rows, dtype = table.shape[0], table.dtype
+
+    @jax.custom_vjp
+    def op(table, ids):
+        return forward(table, ids)
+
+    def op_fwd(table, ids):
+        return forward(table, ids), ids
+
+    def op_bwd(ids, g_nd):
+        return reference.pool_bwd(ids, g_nd, num_rows, dtype, pooling=pooling), None
+
+    op.defvjp(op_fwd, op_bwd)
+    return op(table, ids)

@@ -1,0 +1,128 @@
+"""The embedding backward fused with the sparse SGD / row-wise Adagrad update: the function the
+engine calls, and the choice of its implementation.
+
+Implementations: ``xla`` (:mod:`.reference`: distinct rows + scatter-add, the production
+fallback), ``cpu_ffi`` (the engine's C++ XLA-FFI kernel ``recscale_update``; float32 storage),
+``pallas_gpu`` (Triton) and ``pallas_tpu`` (Mosaic TPU), both FBGEMM's sorted-segment design.
+``auto`` means ``pallas_gpu`` on GPU, ``pallas_tpu`` on TPU, and on CPU ``cpu_ffi`` where it
+is built and the bags have two ids or more (one-id bags stay in XLA, as in the engine), else
+``xla``.
+
+There is no VJP: this op *is* the backward pass (it consumes the pooled outputs' gradient and
+writes the table). Callers ``jit`` it with the table and accumulator donated; every
+implementation then updates both in place (the kernels alias them to their outputs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from recscale.kernels import common
+from recscale.kernels.embedding_update import pallas_gpu, pallas_tpu, reference
+
+OP = "embedding_update"
+STORAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _unsupported(table: jax.Array, ids: jax.Array, need_cpu_ffi: bool) -> dict[str, str | None]:
+    """Per implementation, None or why it cannot run this call."""
+    dtype = jnp.dtype(table.dtype)
+    v, d = table.shape
+    n, h = ids.shape
+    pallas: str | None = None
+    if dtype not in STORAGE_DTYPES:
+        pallas = f"storage dtype {dtype} (have float32, bfloat16, float16)"
+    elif n * h == 0:
+        pallas = "an empty batch"
+    elif n * h >= 2**31 - 2**16 or v >= 2**31 - 1:
+        pallas = f"{n}x{h} pairs / {v} rows overflow int32 positions"
+    gpu = pallas or (f"D={d} > {pallas_gpu.MAX_DIM}" if d > pallas_gpu.MAX_DIM else None)
+    tpu = pallas or (
+        "float16 storage (no float16 vector unit on TPU)" if dtype == jnp.float16 else None
+    )
+    cpu: str | None
+    if dtype != jnp.float32:
+        cpu = f"storage dtype {dtype} (the C++ kernel updates float32 tables)"
+    elif common.default_backend() != "cpu":
+        cpu = f"backend {common.default_backend()} (the FFI target is registered for CPU)"
+    elif n * h == 0:
+        cpu = "an empty batch"
+    elif not need_cpu_ffi:
+        cpu = None  # not asked for: do not build the library just to say so
+    else:
+        from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415 (builds on first use)
+
+        cpu = None if cpu_ffi.available() else "the C++ kernels are not built (no compiler?)"
+    return {"pallas_gpu": gpu, "pallas_tpu": tpu, "cpu_ffi": cpu}
+
+
+def update(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Array, lr, *,
+           optimizer: str = "rowwise_adagrad", eps: float = 1e-8, pooling: str = "sum",
+           impl: str = "auto", interpret: Any = None,
+           ) -> tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+    """Backward of the pooled lookup fused with the optimizer update of the touched rows.
+    table [V, D] (float32, bfloat16 or float16 storage), acc [V] float32 (row-wise Adagrad's
+    accumulator; None for sgd), ids [N, H] int32 (ids outside [0, V) are padding), grad [N, D]
+    the gradient of the pooled outputs, lr a scalar. Returns (new table, new acc, stats [2]
+    float32 = [sum of squared row updates, sum of squared row gradients]).
+
+    The row gradient of row ``r`` is the sum of ``grad[n]`` over every ``(n, h)`` with
+    ``ids[n, h] == r`` (times ``1 / max(count_n, 1)`` for ``pooling="mean"``, ``count_n`` the
+    valid ids of bag ``n``): repeats are combined before the optimizer. SGD: ``t_r -= lr·g_r``.
+    Row-wise Adagrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``): ``acc_r += mean_d(g_r²)``, ``t_r -=
+    lr·g_r / (sqrt(acc_r) + eps)`` for rows with a nonzero gradient. Float32 arithmetic, the
+    table stored back in its dtype; rows no id touches are left bit-identical.
+
+    Args:
+        impl: ``auto``, ``xla``, ``cpu_ffi``, ``pallas_gpu`` or ``pallas_tpu``; an
+            implementation that does not support the call falls back to ``xla`` (counted in
+            ``common.FALLBACKS``).
+        interpret: the Pallas kernels' ``interpret=`` (None: ``common.interpret_for(impl)``).
+    """
+    reference.check_args(table, acc, ids, grad, optimizer, pooling)
+    ids = jnp.asarray(ids, jnp.int32)
+    adagrad = optimizer == "rowwise_adagrad"
+    backend = common.default_backend()
+    requested = impl
+    if impl == "auto" and backend == "cpu":
+        # The engine's rule: the C++ kernel for multi-id bags, XLA for one-id bags (as fast).
+        requested = "cpu_ffi" if ids.shape[1] >= 2 else "xla"
+    unsupported = _unsupported(table, ids, need_cpu_ffi=requested == "cpu_ffi")
+    if impl == "auto" and requested == "cpu_ffi" and unsupported["cpu_ffi"] is not None:
+        requested = "xla"  # auto on CPU: no fallback to count, XLA is the plan
+    chosen = common.resolve(OP, requested, unsupported)
+    if chosen == "xla":
+        return reference.update(table, acc, ids, grad, lr, optimizer=optimizer, eps=eps,
+                                pooling=pooling)  # fmt: skip
+
+    v, d = table.shape
+    lr = jnp.asarray(lr, jnp.float32)
+    keys_nh = reference.pair_keys(ids, v)
+    g_nd = reference.weighted_grad(ids, grad, v, pooling)
+    acc_in = acc if adagrad else None
+    if chosen == "cpu_ffi":
+        from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415
+
+        new_table, new_acc, stats = cpu_ffi.update(
+            table, acc_in if adagrad else jnp.zeros((1,), jnp.float32), keys_nh[None],
+            g_nd[None], lr, jnp.full((1,), d, jnp.int32), eps=eps, adagrad=adagrad,
+        )  # fmt: skip
+        return new_table, (new_acc if adagrad else acc), stats
+    if interpret is None:
+        interpret = common.interpret_for(chosen)
+    if chosen == "pallas_gpu":
+        seg = reference.sorted_segments(keys_nh, v, row_block=pallas_gpu.block_rows(d))
+        new_table, new_acc, stats_g2 = pallas_gpu.update(
+            table, acc_in, seg, g_nd, lr, eps=eps, interpret=interpret
+        )
+    else:
+        seg = reference.sorted_segments(
+            keys_nh, v, row_block=pallas_tpu.BLOCK_ROWS, pair_pad=pallas_tpu.CHUNK_PAIRS
+        )
+        new_table, new_acc, stats_g2 = pallas_tpu.update(
+            table, acc_in, seg, g_nd, lr, eps=eps, interpret=interpret
+        )
+    return new_table, (new_acc if adagrad else acc), jnp.sum(stats_g2, axis=0)

@@ -1,0 +1,218 @@
+"""The backward of the pooled embedding lookup fused with the sparse optimizer update, in plain
+jnp: the spec, the tests' oracle of the kernels' building blocks, and the XLA implementation
+(the production path wherever no kernel runs).
+
+Dimension glossary: ``V`` table rows, ``D`` embedding width, ``N`` bags (examples), ``H`` bag
+slots (ids per bag), ``P = N·H`` (row, bag) pairs, ``U`` distinct-row bound (``U = P``).
+
+Equations (exactly the engine's ``row_gradients`` + ``_update_rows``, one slot, ``groups=0``)::
+
+    valid(n, h) = 0 <= ids[n, h] < V           (other ids are padding)
+    c_n         = #{h : valid(n, h)}
+    w_n         = 1 (sum pooling) | 1 / max(c_n, 1) (mean pooling)
+    g_r         = Σ_{(n, h): ids[n, h] = r} w_n · grad[n]      (repeats combined first)
+    SGD:               t_r <- t_r - lr · g_r
+    row-wise Adagrad:  acc_r <- acc_r + mean_d(g_r²)            (FBGEMM EXACT_ROWWISE_ADAGRAD)
+                       t_r <- t_r - lr · g_r / (sqrt(acc_r) + eps)     (rows with g_r != 0)
+    stats       = [Σ_r ‖Δt_r‖², Σ_r ‖g_r‖²]
+
+Update arithmetic is float32; the table is stored back in its own dtype, the rows no id touches
+stay bit-identical. No ``[V, D]`` temporary: the touched rows are found as distinct ids (a
+scatter-min of positions into a ``[V + 1]`` int32 array, the engine's ``batched_unique``: no sort,
+which is ~30x slower on XLA:CPU), their gradients summed into ``[U, D]`` by scatter-add, and only
+those rows gathered, updated and scattered back.
+
+:func:`sorted_segments` is the XLA prologue of the Pallas kernels (FBGEMM's layout): the pairs
+sorted by row, and each distinct row's segment of them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad")
+POOLINGS = ("sum", "mean")
+
+
+def check_args(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Array,
+               optimizer: str, pooling: str) -> None:  # fmt: skip
+    """Raises a ValueError naming what is wrong with the call's shapes or options."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"embedding_update: optimizer {optimizer!r} is not one of {OPTIMIZERS}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"embedding_update: pooling {pooling!r} is not one of {POOLINGS}")
+    if table.ndim != 2 or ids.ndim != 2 or grad.ndim != 2:
+        raise ValueError(
+            f"embedding_update: table [V, D], ids [N, H], grad [N, D] expected, got "
+            f"{table.shape}, {ids.shape}, {grad.shape}"
+        )
+    if grad.shape != (ids.shape[0], table.shape[1]):
+        raise ValueError(
+            f"embedding_update: grad {grad.shape} must be [N, D] = "
+            f"{(ids.shape[0], table.shape[1])} (ids {ids.shape}, table {table.shape})"
+        )
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"embedding_update: ids must be integers, got {ids.dtype}")
+    if optimizer == "rowwise_adagrad":
+        if acc is None or acc.shape != table.shape[:1]:
+            raise ValueError(
+                "embedding_update: rowwise_adagrad needs acc [V] = "
+                f"{table.shape[:1]}, got {None if acc is None else acc.shape}"
+            )
+        if acc.dtype != jnp.float32:
+            raise ValueError(f"embedding_update: acc must be float32, got {acc.dtype}")
+
+
+def pair_keys(ids_nh: jax.Array, num_rows: int) -> jax.Array:
+    """``[N, H]`` int32 rows read by each (bag, slot), ``V`` for padding (ids outside
+    ``[0, V)``)."""
+    ids_nh = ids_nh.astype(jnp.int32)
+    return jnp.where((ids_nh >= 0) & (ids_nh < num_rows), ids_nh, num_rows)
+
+
+def weighted_grad(ids_nh: jax.Array, grad_nd: jax.Array, num_rows: int, pooling: str):
+    """``[N, D]`` float32: ``w_n · grad[n]`` (the per-bag pooling weight folded in once, so
+    that every implementation sums plain rows)."""
+    grad_nd = grad_nd.astype(jnp.float32)
+    if pooling == "sum":
+        return grad_nd
+    count_n = jnp.sum((ids_nh >= 0) & (ids_nh < num_rows), axis=1, dtype=jnp.int32)
+    return grad_nd / jnp.maximum(count_n, 1).astype(jnp.float32)[:, None]
+
+
+def distinct_rows(keys_p: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """Distinct rows of ``keys [P]`` (``V`` = padding): ``uids [P]`` (in order of first
+    occurrence, then ``V``) and ``inv [P]`` (each pair's index into ``uids``; ``P`` for padding,
+    so a scatter with ``mode="drop"`` skips it).
+
+    The engine's ``batched_unique`` for one slot: a scatter-min of positions into a ``[V + 1]``
+    int32 array finds each key's first occurrence, a cumsum ranks them.
+    """
+    (p,) = keys_p.shape
+    pos_p = jnp.arange(p, dtype=jnp.int32)
+    first_v = jnp.full((num_rows + 1,), p, jnp.int32).at[keys_p].min(pos_p)
+    first_p = first_v[keys_p]
+    is_first = (first_p == pos_p) & (keys_p < num_rows)
+    rank_p = jnp.cumsum(is_first, dtype=jnp.int32) - 1
+    inv_p = jnp.where(keys_p < num_rows, rank_p[first_p], p)
+    uids_u = (
+        jnp.full((p,), num_rows, jnp.int32)
+        .at[jnp.where(is_first, rank_p, p)]
+        .set(keys_p, mode="drop")
+    )
+    return uids_u, inv_p
+
+
+def row_gradients(keys_nh: jax.Array, g_nd: jax.Array, num_rows: int):
+    """``uids [U]`` and the row gradients ``[U, D]`` float32 (``U = N·H``; zero rows at the
+    ``V`` entries of ``uids``).
+
+    One scatter-add of ``g [N, D]`` per bag slot (a ``fori_loop`` over ``H``): a single scatter
+    of all slots would first materialise the ``[N, H, D]`` repeated gradients.
+    """
+    n, h = keys_nh.shape
+    uids_u, inv_p = distinct_rows(keys_nh.reshape(-1), num_rows)
+    inv_hn = inv_p.reshape(n, h).T
+
+    def add(j, g_ud):
+        return g_ud.at[inv_hn[j]].add(g_nd, mode="drop")
+
+    g_ud = add(0, jnp.zeros((n * h, g_nd.shape[1]), jnp.float32))
+    if h > 1:
+        g_ud = jax.lax.fori_loop(1, h, add, g_ud)
+    return uids_u, g_ud
+
+
+def row_step(g_ud: jax.Array, acc_u: jax.Array | None, lr: jax.Array, eps: float, width: int):
+    """The optimizer on the row gradients (float32): returns the update ``[U, D]``
+    and the new accumulators ``[U]`` (None for SGD). Rows with a zero gradient do not move
+    (Adagrad: their accumulator gains zero)."""
+    if acc_u is None:
+        return g_ud * -lr, None
+    acc_u = acc_u + jnp.sum(g_ud * g_ud, axis=1) / jnp.float32(width)
+    touched_u = jnp.any(g_ud != 0, axis=1)
+    denom_u = jnp.where(touched_u, jnp.sqrt(acc_u) + jnp.float32(eps), 1.0)
+    upd_ud = jnp.where(touched_u[:, None], g_ud / denom_u[:, None], 0.0) * -lr
+    return upd_ud, acc_u
+
+
+def update(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Array, lr, *,
+           optimizer: str = "rowwise_adagrad", eps: float = 1e-8, pooling: str = "sum",
+           ) -> tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+    """The XLA implementation; see :func:`recscale.kernels.embedding_update.api.update`.
+
+    Distinct rows + scatter-added row gradients ``[U, D]``, then a gather of those rows, the
+    float32 step, and a scatter of the new rows (``mode="drop"`` skips the ``V`` padding
+    entries). Under ``jit`` with the table and accumulator donated, XLA updates both in place.
+    """
+    check_args(table, acc, ids, grad, optimizer, pooling)
+    v, d = table.shape
+    if ids.size == 0:  # nothing read, nothing moves
+        return table, acc, jnp.zeros((2,), jnp.float32)
+    lr = jnp.asarray(lr, jnp.float32)
+    keys_nh = pair_keys(ids, v)
+    g_nd = weighted_grad(ids, grad, v, pooling)
+    uids_u, g_ud = row_gradients(keys_nh, g_nd, v)
+    t_ud = table.at[uids_u].get(mode="fill", fill_value=0).astype(jnp.float32)
+    acc_u = None
+    if optimizer == "rowwise_adagrad":
+        acc_u = acc.at[uids_u].get(mode="fill", fill_value=0)
+    upd_ud, acc_u = row_step(g_ud, acc_u, lr, eps, d)
+    new_table = table.at[uids_u].set((t_ud + upd_ud).astype(table.dtype), mode="drop")
+    new_acc = acc if acc_u is None else acc.at[uids_u].set(acc_u, mode="drop")
+    stats = jnp.stack([jnp.sum(upd_ud * upd_ud), jnp.sum(g_ud * g_ud)])
+    return new_table, new_acc, stats
+
+
+class Segments(NamedTuple):
+    """The sorted-pairs layout the Pallas kernels read (all int32).
+
+    ``row_u [Ub]``: distinct row ``u`` (``V`` for unused entries ``u >= num_distinct``),
+    ``start_u``/``end_u [Ub]``: its segment ``[start, end)`` of the sorted pairs (empty for
+    unused entries), ``bag_p [Pb]``: the bag of each sorted pair, ``seg_p [Pb]``: its distinct
+    row's index ``u`` (pairs past the valid ones: ``Ub``), ``num_distinct [1]``. ``Ub`` is
+    ``P`` rounded up to the kernel's row block, ``Pb`` is ``P`` plus the kernel's over-read.
+    """
+
+    row_u: jax.Array
+    start_u: jax.Array
+    end_u: jax.Array
+    bag_p: jax.Array
+    seg_p: jax.Array
+    num_distinct: jax.Array
+
+
+def sorted_segments(keys_nh: jax.Array, num_rows: int, *, row_block: int = 1,
+                    pair_pad: int = 0) -> Segments:  # fmt: skip
+    """FBGEMM's layout of a batch's (row, bag) pairs: sorted by row (padding ``V`` last, a
+    row's bags in increasing order: a stable sort), and for each distinct row its segment.
+
+    ``O(P log P)`` on ``P = N·H`` int32 pairs; nothing of size ``V`` or ``D``.
+    """
+    n, h = keys_nh.shape
+    p = n * h
+    ub = -(-p // row_block) * row_block
+    key_p = keys_nh.reshape(-1)
+    bag_p = jnp.arange(p, dtype=jnp.int32) // h
+    key_p, bag_p = jax.lax.sort((key_p, bag_p), num_keys=1, is_stable=True)
+    valid_p = key_p < num_rows
+    prev_p = jnp.concatenate([jnp.full((1,), -1, jnp.int32), key_p[:-1]])
+    is_start = (key_p != prev_p) & valid_p
+    seg_p = jnp.cumsum(is_start, dtype=jnp.int32) - 1
+    num_distinct = jnp.sum(is_start, dtype=jnp.int32)
+    num_valid = jnp.sum(valid_p, dtype=jnp.int32)
+    pos_p = jnp.arange(p, dtype=jnp.int32)
+    dst_p = jnp.where(is_start, seg_p, ub)
+    row_u = jnp.full((ub,), num_rows, jnp.int32).at[dst_p].set(key_p, mode="drop")
+    start_u = jnp.zeros((ub,), jnp.int32).at[dst_p].set(pos_p, mode="drop")
+    u = jnp.arange(ub, dtype=jnp.int32)
+    next_start_u = jnp.concatenate([start_u[1:], jnp.zeros((1,), jnp.int32)])
+    end_u = jnp.where(u + 1 < num_distinct, next_start_u, jnp.where(u < num_distinct, num_valid, 0))
+    seg_p = jnp.where(valid_p, seg_p, ub)
+    if pair_pad:
+        bag_p = jnp.concatenate([bag_p, jnp.zeros((pair_pad,), jnp.int32)])
+        seg_p = jnp.concatenate([seg_p, jnp.full((pair_pad,), ub, jnp.int32)])
+    return Segments(row_u, start_u, end_u, bag_p, seg_p, num_distinct.reshape(1))
