@@ -17,7 +17,10 @@ memory with NaN, GPU kernels under the generic interpreter).
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import jax
@@ -50,8 +53,29 @@ def tolerance(dtype) -> dict[str, float]:
     return TOLERANCES[jnp.dtype(dtype)]
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "recscale_kernel_target", default=None
+)
+
+
+@contextlib.contextmanager
+def target_backend(backend: str) -> Iterator[None]:
+    """Within it, kernels are chosen and built for ``backend`` (``"gpu"`` or ``"tpu"``) rather
+    than the default backend: ``auto`` resolves for it and Pallas kernels are not interpreted.
+    For lowering whole steps from a CPU host: ``jax.jit(step).trace(...).lower(
+    lowering_platforms=("cuda",))`` inside ``target_backend("gpu")``."""
+    if backend not in ("gpu", "tpu"):
+        raise ValueError(f"target_backend: expected gpu or tpu, got {backend!r}")
+    token = _TARGET.set(backend)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def default_backend() -> str:
-    return jax.default_backend()
+    """The backend kernels are chosen for: :func:`target_backend`'s, else JAX's default."""
+    return _TARGET.get() or jax.default_backend()
 
 
 def auto_impl(backend: str | None = None) -> str:

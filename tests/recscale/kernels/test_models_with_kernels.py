@@ -5,6 +5,9 @@ parameters after a few steps."""
 
 from __future__ import annotations
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,3 +140,34 @@ def test_kernel_config_round_trips_and_rejects_unknown_impls():
         KernelConfig(dot_interaction="cuda_magic")
     with pytest.raises(ValueError, match="kernels.fm_interaction='cpu_ffi'"):
         KernelConfig(fm_interaction="cpu_ffi")  # no C++ kernel for the FMB
+
+
+@pytest.mark.parametrize("family", ["dlrm", "wukong"])
+def test_the_whole_train_step_with_kernels_lowers_for_cuda(family):
+    """The sparse train step of the 8-device engine, every op on its GPU kernel (``auto``
+    resolved for a GPU), lowers for ``cuda`` from this CPU host: the kernels compose with the
+    engine's ``shard_map``s, the custom VJPs and donation."""
+    cfg, build = _cfg(family, "auto")
+    mesh = sharding.make_mesh(cfg.mesh)
+    common.FALLBACKS.clear()
+    with (
+        common.target_backend("gpu"),
+        sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)),
+    ):
+        model = build(cfg, SCHEMA, nnx.Rngs(params=0))
+        graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+        tx = make_optimizer(cfg, params)
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
+        step = jax.jit(make_sparse_train_step(graphdef, tx, 0), donate_argnums=0)
+        text = step.trace(state, _batches()[0]).lower(lowering_platforms=("cuda",)).as_text()
+    assert not common.FALLBACKS, dict(common.FALLBACKS)
+    # One lookup and one update kernel per engine buffer (one here), and each interaction
+    # kernel forward and backward: DLRM's once, Wukong's per layer.
+    interaction = "dot_interaction" if family == "dlrm" else "fm_interaction"
+    layers = 1 if family == "dlrm" else cfg.model.num_layers
+    want = {"embedding_bag": 1, "embedding_update": 1,
+            f"{interaction}_fwd": layers, f"{interaction}_bwd": layers}  # fmt: skip
+    assert text.count("xla.gpu.triton") == sum(want.values())
+    names = collections.Counter(re.findall(r'name = "(\w+)"', text))
+    assert {k: names[k] for k in want} == want, names
