@@ -60,6 +60,7 @@ from recscale.embeddings import planner as planner_lib
 from recscale.embeddings.spec import FeatureSpec, TableSpec
 from recscale.kernels.embedding_bag import api as bag_api
 from recscale.kernels.embedding_update import api as update_api
+from recscale.kernels.quantized_embedding_bag import api as q_api
 from tpu_gpu_configs.profiles import get_profile
 
 AXIS = sharding.DATA_AXIS
@@ -305,11 +306,17 @@ def _kernel(kind: str) -> str:
     return "auto" if spec is None else getattr(spec, f"{kind}_kernel")
 
 
-def _pool(buf_rw: jax.Array, keys_sbh: jax.Array) -> jax.Array:
+def _pool(buf_rw, keys_sbh: jax.Array) -> jax.Array:
     """``[S, B, w]`` float32: bags summed from rows ``keys`` of ``buf [R, w]`` (``R`` = none), by
-    the configured embedding-bag kernel (``recscale.kernels.embedding_bag``)."""
+    the configured embedding-bag kernel (``recscale.kernels.embedding_bag``); ``buf`` may be an
+    int8 ``(q, scale_bias)`` pair (inference), pooled by the fused dequantizing kernel."""
     s, b, h = keys_sbh.shape
-    pooled = bag_api.pool(buf_rw, keys_sbh.reshape(s * b, h), impl=_kernel("bag"))
+    ids = keys_sbh.reshape(s * b, h)
+    if isinstance(buf_rw, tuple):
+        impl = _kernel("bag")
+        pooled = q_api.pool(*buf_rw, ids, impl="auto" if impl == "cpu_ffi" else impl)
+        return pooled.reshape(s, b, buf_rw[0].shape[1])
+    pooled = bag_api.pool(buf_rw, ids, impl=_kernel("bag"))
     return pooled.reshape(s, b, buf_rw.shape[1])
 
 
@@ -514,8 +521,9 @@ def _lookup_replicated(bl: BufferLayout, buf, ids_bfh, delta, mesh):
         spec = P(None, AXIS, None)
         keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, spec))
         pooled = jax.shard_map(
-            _pool, mesh=mesh, in_specs=(P(), spec), out_specs=spec, check_vma=False
-        )(buf, keys)
+            _pool, mesh=mesh, in_specs=(jax.tree.map(lambda _: P(), buf), spec), out_specs=spec,
+            check_vma=False,
+        )(buf, keys)  # fmt: skip
     return (pooled if delta is None else pooled + delta), keys
 
 
@@ -543,7 +551,14 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
 
     slot_arrays = [jnp.asarray(bl.arr(k)) for k in ("feature", "row_start", "row_count", "offset")]
     args = [buf, ids_bfh, *slot_arrays] + ([delta] if delta is not None else [])
-    in_specs = (P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS)) + (
+    in_specs = (
+        jax.tree.map(lambda _: P(AXIS, None), buf),
+        P(AXIS),
+        P(AXIS),
+        P(AXIS),
+        P(AXIS),
+        P(AXIS),
+    ) + (  # fmt: skip
         (P(AXIS),) if delta is not None else ()
     )
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS)),

@@ -180,15 +180,26 @@ class Experiment:
             )
         )
 
-    def evaluate(self, params: Any, batch_stats: Any, *, max_batches: int = 0) -> dict:
-        """Exact metrics over the evaluation set (or its first ``max_batches`` batches)."""
+    def evaluate(
+        self,
+        params: Any,
+        batch_stats: Any,
+        *,
+        max_batches: int = 0,
+        graphdef: nnx.GraphDef | None = None,
+    ) -> dict:
+        """Exact metrics over the evaluation set (or its first ``max_batches`` batches).
+
+        ``graphdef``: evaluate a model of another structure than the trained one (e.g. with
+        int8 tables, ``EmbeddingCollection.quantize_int8``)."""
+        eval_step = self._eval_step if graphdef is None else jax.jit(make_eval_step(graphdef))
         acc = EvalAccumulator()
         batches = self.source.eval_batches()
         if max_batches:
             batches = itertools.islice(batches, max_batches)
         for batch in batches:
             dbatch = self.device_batch(batch)
-            logits = self._eval_step(params, batch_stats, dbatch)
+            logits = eval_step(params, batch_stats, dbatch)
             logits, labels, weights = (
                 np.asarray(multihost_utils.process_allgather(x, tiled=True))
                 for x in (logits, dbatch.labels_b, dbatch.weights_b)

@@ -142,6 +142,13 @@ def test_evaluate_round_trip_from_workdir(tmp_path, capsys):
     assert json.loads(last) == got == json.loads(out_file.read_text())
     for key in ("auc", "logloss", "ne", "calibration", "num_examples", "step"):
         assert got[key] == final[key], key
+    # Inference with int8 row-wise tables (fused dequantize-and-pool): close to float32, not
+    # equal (the quantized tables ran: a row's codes are within scale/2 of its values).
+    int8 = dlrm_evaluate.main(["--workdir", str(wd), "--embeddings-int8"])
+    assert int8["embeddings"] == "int8" and int8["num_examples"] == got["num_examples"]
+    assert int8["logloss"] != got["logloss"]
+    np.testing.assert_allclose(int8["logloss"], got["logloss"], rtol=1e-3)
+    np.testing.assert_allclose(int8["auc"], got["auc"], atol=1e-2)
     earlier = dlrm_evaluate.main(["--workdir", str(wd), "--step", "3"])
     assert earlier["step"] == 3 and earlier["auc"] != got["auc"]
     with pytest.raises(FileNotFoundError, match="step 5"):
