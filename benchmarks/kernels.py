@@ -207,7 +207,8 @@ def main() -> None:
         for label, make, moved, flops in cases(op, args.batches):
             ref_fns = make("xla")
             ker_fns = make(impl) if impl else (None, None)
-            for name, rf, kf, scale in (("fwd", ref_fns[0], ker_fns[0], 1),
+            first = "bwd+update" if op == "embedding_update" else "fwd"
+            for name, rf, kf, scale in ((first, ref_fns[0], ker_fns[0], 1),
                                         ("fwd+bwd", ref_fns[1], ker_fns[1], 3)):  # fmt: skip
                 if rf is None:
                     continue

@@ -38,3 +38,15 @@ def criteo_sample(shared_data: Path) -> Path:
     if not f.is_file():
         pytest.skip(f"{f} is absent")
     return f
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` / ``tpu`` need that device: skipped elsewhere, with the command."""
+    backend = jax.default_backend()
+    for item in items:
+        for mark in ("gpu", "tpu"):
+            if mark in item.keywords and backend != mark:
+                item.add_marker(pytest.mark.skip(reason=(
+                    f"needs a real {mark.upper()} (backend: {backend}); on one: "
+                    f"JAX_PLATFORMS={'cuda' if mark == 'gpu' else 'tpu'} pytest -m {mark}"
+                )))  # fmt: skip

@@ -30,10 +30,18 @@ import numpy as np
 Impl = Literal["auto", "xla", "pallas_gpu", "pallas_tpu", "cpu_ffi"]
 PALLAS_BACKEND = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
+HARDWARE_VERIFIED: frozenset[tuple[str, str]] = frozenset()
+"""``(op, impl)`` pairs whose Pallas kernel passed its device tests compiled on that hardware
+(``tests/recscale/kernels/test_on_device.py``: ``pytest -m gpu`` on a GPU, ``-m tpu`` on a TPU).
+``auto`` picks only these on GPU and TPU and keeps the XLA reference otherwise; any kernel runs
+when named (``--kernels.dot-interaction pallas_gpu``). Empty: the kernels were written without
+a GPU or TPU to compile them on (interpret mode and lowering checks only)."""
+
 FALLBACKS: collections.Counter = collections.Counter()
 """``(op, requested impl, reason) -> count`` of calls that fell back to the reference."""
 
 _log = logging.getLogger("recscale.kernels")
+_UNVERIFIED_LOGGED: set[tuple[str, str]] = set()
 
 # Tolerances of a kernel's output and VJP against the reference computed in float32 at
 # HIGHEST precision, keyed by the kernel's input dtype. float32: kernels accumulate in a
@@ -98,8 +106,9 @@ def interpret_for(impl: str) -> Any:
 
 
 def resolve(op: str, impl: str, unsupported: dict[str, str | None]) -> str:
-    """The implementation to run: ``impl`` (``auto`` resolved for the default backend) unless
-    ``unsupported[impl]`` gives a reason it cannot run this call, then ``xla``.
+    """The implementation to run: ``impl`` (``auto`` resolved for the default backend, to a
+    Pallas kernel only if it is in :data:`HARDWARE_VERIFIED`) unless ``unsupported[impl]``
+    gives a reason it cannot run this call, then ``xla``.
 
     ``unsupported`` maps each non-reference implementation of the op to ``None`` (it supports
     this call) or the reason it does not (shape, dtype, variant). A requested implementation
@@ -107,6 +116,12 @@ def resolve(op: str, impl: str, unsupported: dict[str, str | None]) -> str:
     """
     requested = auto_impl() if impl == "auto" else impl
     if requested == "xla":
+        return "xla"
+    if impl == "auto" and requested in PALLAS_BACKEND and (op, requested) not in HARDWARE_VERIFIED:
+        if (op, requested) not in _UNVERIFIED_LOGGED:
+            _UNVERIFIED_LOGGED.add((op, requested))
+            _log.info("%s: auto keeps the XLA reference: %s is not verified on hardware yet "
+                      "(name it to run it)", op, requested)  # fmt: skip
         return "xla"
     if requested not in unsupported:
         if impl == "auto":  # e.g. cpu_ffi-only ops on GPU

@@ -55,7 +55,7 @@ def _choose(q: jax.Array, ids: jax.Array, impl: str) -> str:
     n, h = ids.shape
     v, d = q.shape
     unsupported = {
-        "pallas_gpu": pallas_gpu.unsupported(n, h, d),
+        "pallas_gpu": pallas_gpu.unsupported(n, h, v, d),
         "pallas_tpu": pallas_tpu.unsupported(n, h, v, d),
     }
     return common.resolve(OP, impl, unsupported)

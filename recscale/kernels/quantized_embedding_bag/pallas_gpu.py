@@ -19,7 +19,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from recscale.kernels.embedding_bag import pallas_gpu as float_gpu
 
-unsupported = float_gpu.unsupported
+_MAX_ELEMENTS = 2**31
+
+
+def unsupported(num_bags: int, num_slots: int, num_rows: int, dim: int) -> str | None:
+    """Why the kernel cannot run this shape (None: it can)."""
+    # Pallas Triton switches to 64-bit offsets only for arrays over 2^32 bytes: a uint8 table of
+    # 2^31..2^32 elements would address its upper rows with wrapped int32 offsets.
+    if num_rows * dim >= _MAX_ELEMENTS:
+        return f"V·D = {num_rows * dim} >= 2^31 uint8 elements: int32 row offsets would overflow"
+    return float_gpu.unsupported(num_bags, num_slots, dim)
 
 
 def load_quantized_rows(table_refs, safe_b, valid_b, cols_d, mask_bd) -> jax.Array:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from recscale.kernels import common
-from recscale.kernels.embedding_bag import api, cpu_ffi, reference
+from recscale.kernels.embedding_bag import api, cpu_ffi, pallas_gpu, reference
 
 IMPLS = ["xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"]
 # (V, D, N, H): non-power-of-two D and N, one-id bags, a ragged last block of bags.
@@ -202,3 +202,18 @@ def test_lowers_at_production_shapes(platform, impl, marker, dtype, h):
     text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) >= 1  # the forward kernel
     assert "stablehlo.scatter" in text  # the backward: scatter-add into the table gradient
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_many_blocks_match_the_reference(impl):
+    """530 bags: several grid programs on both kernels (the shapes above fit one block), with
+    a ragged last block."""
+    shape = (300, 16, 530, 3)
+    assert pallas_gpu.block_bags(530, 16) < 530
+    table, ids, g = _inputs(shape, jnp.float32, seed=3)
+    assert api._choose(table, ids, impl) == impl
+    for pooling in reference.POOLINGS:
+        got, vjp = jax.vjp(lambda t, p=pooling: api.pool(t, ids, pooling=p, impl=impl), table)
+        want, want_vjp = jax.vjp(lambda t, p=pooling: reference.pool(t, ids, pooling=p), table)
+        np.testing.assert_allclose(got, want, **common.tolerance(jnp.float32))
+        np.testing.assert_allclose(vjp(g)[0], want_vjp(g)[0], **common.tolerance(jnp.float32))

@@ -144,10 +144,10 @@ def test_kernel_config_round_trips_and_rejects_unknown_impls():
 
 @pytest.mark.parametrize("family", ["dlrm", "wukong"])
 def test_the_whole_train_step_with_kernels_lowers_for_cuda(family):
-    """The sparse train step of the 8-device engine, every op on its GPU kernel (``auto``
-    resolved for a GPU), lowers for ``cuda`` from this CPU host: the kernels compose with the
-    engine's ``shard_map``s, the custom VJPs and donation."""
-    cfg, build = _cfg(family, "auto")
+    """The sparse train step of the 8-device engine, every op on its GPU kernel (compiled, not
+    interpreted, under ``target_backend("gpu")``), lowers for ``cuda`` from this CPU host: the
+    kernels compose with the engine's ``shard_map``s, the custom VJPs and donation."""
+    cfg, build = _cfg(family, "pallas_gpu")
     mesh = sharding.make_mesh(cfg.mesh)
     common.FALLBACKS.clear()
     with (

@@ -1,0 +1,128 @@
+"""Every Pallas kernel compiled on a real GPU or TPU against the XLA reference on the same
+device, at multi-block shapes (many grid programs, ragged last blocks, repeated ids). CPU runs
+skip these (``tests/conftest.py``); on a device: ``JAX_PLATFORMS=cuda pytest -m gpu
+tests/recscale/kernels/test_on_device.py`` (``JAX_PLATFORMS=tpu ... -m tpu``). A kernel that
+passes here on a device kind is what ``common.HARDWARE_VERIFIED`` may list."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from recscale.kernels import common
+from recscale.kernels.dot_interaction import api as dot_api
+from recscale.kernels.embedding_bag import api as bag_api
+from recscale.kernels.embedding_update import api as update_api
+from recscale.kernels.fm_interaction import api as fm_api
+from recscale.kernels.quantized_embedding_bag import api as q_api
+
+IMPLS = [
+    pytest.param("pallas_gpu", marks=pytest.mark.gpu),
+    pytest.param("pallas_tpu", marks=pytest.mark.tpu),
+]
+DTYPES = [jnp.float32, jnp.bfloat16]
+V, D, N = 100_003, 128, 4099  # odd sizes: ragged last blocks
+
+
+def _close(got, want, dtype):
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), **common.tolerance(dtype)
+    )
+
+
+def _ids(key, n, h):
+    # Skewed: half the ids from 50 hot rows (repeats within and across bags), some padding.
+    k1, k2, k3 = jax.random.split(key, 3)
+    hot = jax.random.randint(k1, (n, h), 0, 50)
+    cold = jax.random.randint(k2, (n, h), 0, V)
+    ids = jnp.where(jax.random.bernoulli(k3, 0.5, (n, h)), hot, cold)
+    return ids.at[::7, -1].set(-1)
+
+
+def _no_fallback(before):
+    assert dict(common.FALLBACKS) == before, "the kernel fell back to the reference"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [1, 20])
+def test_embedding_bag(impl, dtype, h):
+    key = jax.random.key(0)
+    table = jax.random.normal(key, (V, D), jnp.float32).astype(dtype)
+    ids = _ids(key, N, h)
+    g = jax.random.normal(jax.random.key(1), (N, D), jnp.float32)
+    before = dict(common.FALLBACKS)
+    for pooling in ("sum", "mean"):
+        out, vjp = jax.vjp(lambda t, p=pooling: bag_api.pool(t, ids, pooling=p, impl=impl), table)
+        ref, ref_vjp = jax.vjp(lambda t, p=pooling: bag_api.pool(t, ids, pooling=p, impl="xla"),
+                               table)  # fmt: skip
+        _close(out, ref, dtype)
+        _close(vjp(g)[0], ref_vjp(g)[0], dtype)
+    _no_fallback(before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_embedding_update(impl, dtype, optimizer):
+    key = jax.random.key(2)
+    table = jax.random.normal(key, (V, D), jnp.float32).astype(dtype)
+    acc = jax.random.uniform(key, (V,), jnp.float32) if optimizer == "rowwise_adagrad" else None
+    ids = _ids(key, N, 20)
+    grad = jax.random.normal(jax.random.key(3), (N, D), jnp.float32)
+    before = dict(common.FALLBACKS)
+    got = update_api.update(table, acc, ids, grad, 0.05, optimizer=optimizer, impl=impl)
+    want = update_api.update(table, acc, ids, grad, 0.05, optimizer=optimizer, impl="xla")
+    _close(got[0], want[0], dtype)
+    if acc is not None:
+        _close(got[1], want[1], jnp.float32)
+    _close(got[2], want[2], jnp.float32)
+    _no_fallback(before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_interaction(impl, dtype, self_interaction):
+    x = jax.random.normal(jax.random.key(4), (N, 27, D), jnp.float32).astype(dtype) * 0.3
+    before = dict(common.FALLBACKS)
+
+    def f(x, impl):
+        return dot_api.dot_interaction(x, self_interaction=self_interaction, impl=impl)
+
+    out, vjp = jax.vjp(lambda x: f(x, impl), x)
+    ref, ref_vjp = jax.vjp(lambda x: f(x, "xla"), x)
+    g = jax.random.normal(jax.random.key(5), out.shape, jnp.float32).astype(out.dtype)
+    _close(out, ref, dtype)
+    _close(vjp(g)[0], ref_vjp(g)[0], dtype)
+    _no_fallback(before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(32, 128, 24), (56, 192, 32)])
+def test_fm_interaction(impl, dtype, shape):
+    e, d, k = shape
+    x = jax.random.normal(jax.random.key(6), (N, e, d), jnp.float32).astype(dtype) * 0.2
+    y = jax.random.normal(jax.random.key(7), (e, k), jnp.float32).astype(dtype) * 0.2
+    before = dict(common.FALLBACKS)
+    out, vjp = jax.vjp(lambda x, y: fm_api.fm_interaction(x, y, impl=impl), x, y)
+    ref, ref_vjp = jax.vjp(lambda x, y: fm_api.fm_interaction(x, y, impl="xla"), x, y)
+    g = jax.random.normal(jax.random.key(8), out.shape, jnp.float32).astype(out.dtype)
+    _close(out, ref, dtype)
+    for a, b in zip(vjp(g), ref_vjp(g), strict=True):
+        _close(a, b, dtype)
+    _no_fallback(before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("h", [1, 20])
+def test_quantized_embedding_bag(impl, h):
+    table = jax.random.normal(jax.random.key(9), (V, D), jnp.float32)
+    q, sb = q_api.quantize_rowwise(table)
+    ids = _ids(jax.random.key(10), N, h)
+    before = dict(common.FALLBACKS)
+    _close(q_api.pool(q, sb, ids, impl=impl), q_api.pool(q, sb, ids, impl="xla"), jnp.float32)
+    _no_fallback(before)
