@@ -1,6 +1,6 @@
 """The DLRM dot interaction models call: picks the implementation, falls back to the reference.
 
-``impl``: ``"auto"`` (Pallas on GPU/TPU, XLA elsewhere), ``"xla"`` (``reference.py``),
+``impl``: ``"auto"`` (Pallas on GPU/TPU once verified on that hardware (``common.HARDWARE_VERIFIED``), else XLA), ``"xla"`` (``reference.py``),
 ``"pallas_gpu"`` (Triton, ``pallas_gpu.py``) or ``"pallas_tpu"`` (Mosaic, ``pallas_tpu.py``).
 A Pallas implementation that does not support the call's shape or dtype falls back to the
 reference, counted in ``common.FALLBACKS``. The Pallas paths are differentiable through a

@@ -9,7 +9,7 @@
 - ``pallas_gpu``: :mod:`.pallas_gpu` (Triton: masked vector gathers summed in registers);
 - ``pallas_tpu``: :mod:`.pallas_tpu` (Mosaic: rows DMA'd from HBM into VMEM, summed there);
 - ``auto``: on CPU ``cpu_ffi`` where it supports the call, else ``xla``; on GPU/TPU that
-  backend's Pallas kernel.
+  backend's Pallas kernel once it is verified on that hardware (``common.HARDWARE_VERIFIED``), else ``xla``.
 
 Every implementation is differentiable w.r.t. the table through one ``jax.custom_vjp`` whose
 backward is the reference's scatter-add (:func:`.reference.pool_bwd`): a dense table-shaped

@@ -4,7 +4,7 @@ engine calls, and the choice of its implementation.
 Implementations: ``xla`` (:mod:`.reference`: distinct rows + scatter-add, the production
 fallback), ``cpu_ffi`` (the engine's C++ XLA-FFI kernel ``recscale_update``; float32 storage),
 ``pallas_gpu`` (Triton) and ``pallas_tpu`` (Mosaic TPU), both FBGEMM's sorted-segment design.
-``auto`` means ``pallas_gpu`` on GPU, ``pallas_tpu`` on TPU, and on CPU ``cpu_ffi`` where it
+``auto`` means ``pallas_gpu`` on GPU, ``pallas_tpu`` on TPU (once verified on that hardware (``common.HARDWARE_VERIFIED``), else ``xla``), and on CPU ``cpu_ffi`` where it
 is built and the bags have two ids or more (one-id bags stay in XLA, as in the engine), else
 ``xla``.
 

@@ -2,7 +2,7 @@
 
 :func:`fm_interaction` picks an implementation (``xla``: :mod:`.reference`; ``pallas_gpu``:
 :mod:`.pallas_gpu`; ``pallas_tpu``: :mod:`.pallas_tpu`; ``auto``: the Pallas kernel of the
-default backend, else XLA) and falls back to the reference, counted in
+default backend once verified on that hardware (``common.HARDWARE_VERIFIED``), else XLA) and falls back to the reference, counted in
 ``common.FALLBACKS``, when the chosen kernel does not support the call. The Pallas paths carry
 a ``jax.custom_vjp`` whose backward is the op's Pallas backward kernel; it saves only ``x`` and
 ``y`` and recomputes ``T = Xᵀ Y`` (cheaper than writing it to HBM and reading it back). The

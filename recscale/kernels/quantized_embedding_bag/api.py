@@ -3,7 +3,8 @@
 :func:`quantize_rowwise` / :func:`dequantize_rowwise` convert a float table to FBGEMM's 8-bit
 row-wise format and back (plain jnp, :mod:`.reference`). :func:`pool` picks an implementation
 (``xla``: :mod:`.reference`; ``pallas_gpu``: :mod:`.pallas_gpu`; ``pallas_tpu``:
-:mod:`.pallas_tpu`; ``auto``: the Pallas kernel of the default backend, else XLA) and falls back
+:mod:`.pallas_tpu`; ``auto``: the Pallas kernel of the default backend once
+verified on that hardware (``common.HARDWARE_VERIFIED``), else XLA) and falls back
 to the reference, counted in ``common.FALLBACKS``, when the chosen kernel does not support the
 call. Inference only: no VJP (a uint8 table has no gradient).
 """
