@@ -1,14 +1,16 @@
 """Each hot-op kernel against the XLA reference at production shapes, forward and forward +
 backward, on this machine's default device.
 
-``python benchmarks/kernels.py [--ops embedding_bag ...] [--batches 8192 65536] [--quick]``
+``python benchmarks/kernels.py [--ops embedding_bag ...] [--batches 8192 65536] [--reps 5]
+[--kernel IMPL]``
 
-For every case it prints the reference's time, the kernel's time, their ratio (reference /
-kernel: above 1 the kernel is faster), and what each reaches of the device's roofline: bytes
-moved per second over memory bandwidth for the memory-bound ops (embedding bag, its update, the
-int8 lookup, DLRM's dot interaction), FLOP/s over peak for Wukong's FMB core. On GPU and TPU the
-kernel is the Pallas one (``auto``); on CPU it is the C++ FFI kernel where the op has one (the
-embedding bag and its update) and the Pallas kernels are skipped (they run there only in
+For every case it prints the reference's time (``fwd+bwd``: ``value_and_grad`` of a sum, so
+the forward is not dead code), the kernel's time, their ratio (reference / kernel: above 1 the
+kernel is faster), and what each reaches of the device's roofline: bytes moved per second over
+memory bandwidth for the memory-bound ops (embedding bag, its update, the int8 lookup, DLRM's
+dot interaction), FLOP/s over peak for Wukong's FMB core. On GPU and TPU the kernel is the
+Pallas one (``--kernel`` names another); on CPU it is the C++ FFI kernel where the op has one
+(the embedding bag and its update) and the Pallas kernels are skipped (they run there only in
 interpret mode, which times the interpreter). Rooflines: the ``tpu_gpu_configs`` profile of the
 accelerator, or on CPU this machine's float32 matmul and memory stream measured in the same run.
 
@@ -82,11 +84,15 @@ def best_time(fn, reps: int) -> float:
     return best
 
 
-def kernel_impl(op: str) -> str | None:
-    """The implementation benchmarked against ``xla`` here (None: none runs natively)."""
+def kernel_impl(op: str, named: str | None = None) -> str | None:
+    """The implementation benchmarked against ``xla`` here (None: none runs natively): the
+    named one, else the backend's Pallas kernel (verified on hardware or not: that is what
+    this measures), else on CPU the C++ kernel where the op has one."""
+    if named:
+        return named
     backend = jax.default_backend()
     if backend in ("gpu", "tpu"):
-        return common.auto_impl(backend)
+        return f"pallas_{backend}"
     if op in ("embedding_bag", "embedding_update"):
         from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415
 
@@ -159,7 +165,7 @@ def cases(op: str, batches: list[int]):
                     def loss(x_):
                         return dot_api.dot_interaction(x_, impl=impl).astype(jnp.float32).sum()
 
-                    bwd = jax.jit(jax.grad(loss))
+                    bwd = jax.jit(jax.value_and_grad(loss))
                     return (lambda: fwd(x)), (lambda: bwd(x))
 
                 yield f"B={b} N={nvec} D={DIM} {jnp.dtype(dtype).name}", make, moved, flops
@@ -180,7 +186,7 @@ def cases(op: str, batches: list[int]):
                                 fm_api.fm_interaction(x_, y_, impl=impl).astype(jnp.float32).sum()
                             )
 
-                        bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+                        bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
                         return (lambda: fwd(x, y)), (lambda: bwd(x, y))
 
                     label = f"B={b} E={e} D={d} K={k} {jnp.dtype(dtype).name}"
@@ -192,6 +198,8 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--batches", nargs="+", type=int, default=[8192, 65536])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kernel", default=None, help="implementation to time against xla "
+                    "(default: pallas_gpu / pallas_tpu on those backends, cpu_ffi on CPU)")  # fmt: skip
     args = ap.parse_args()
     roof = device_roofline()
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); roofline "
@@ -203,7 +211,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for op in args.ops:
-        impl = kernel_impl(op)
+        impl = kernel_impl(op, args.kernel)
         for label, make, moved, flops in cases(op, args.batches):
             ref_fns = make("xla")
             ker_fns = make(impl) if impl else (None, None)
