@@ -106,6 +106,12 @@ class DataConfig:
     """Synthetic generator settings (kind='synthetic')."""
     criteo: CriteoConfig = CriteoConfig()
     """Criteo reader settings (kind='criteo')."""
+    id_policy: Literal["reject", "hash", "modulo"] = "reject"
+    """What the host-side id guard (``data/id_guard.py``) does with a sparse id outside
+    ``[0, vocab_size)`` other than the pad id -1, before any batch reaches a device: ``reject``
+    raises naming the feature, the value and the record; ``modulo`` maps it to
+    ``id mod vocab_size``; ``hash`` to a fixed seedless splitmix64 hash mod ``vocab_size``.
+    Mapped ids are counted per feature in the run's ``data_stats.json`` (``ids.mapped``)."""
     tfds_data_dir: str = ""
     """Non-empty (frappe, criteo): read a tfds array_record dataset kept under this data_dir.
 
@@ -139,5 +145,9 @@ class DataConfig:
             raise ValueError("batch sizes must be >= 1")
         if self.kind != "synthetic" and not self.train_path:
             raise ValueError(f"data.kind={self.kind!r} needs data.train_path")
+        if self.id_policy not in ("reject", "hash", "modulo"):
+            raise ValueError(
+                f"data.id_policy must be 'reject', 'hash' or 'modulo', got {self.id_policy!r}"
+            )
         if self.kind == "synthetic" and self.tfds_data_dir:
             raise ValueError("data.tfds_data_dir applies to kinds frappe and criteo, not synthetic")

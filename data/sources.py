@@ -6,6 +6,12 @@ part of global batch ``step``), so resuming from a checkpoint at step ``k`` cont
 and Criteo files parsed into an :class:`InMemorySource` by default, or, with
 ``DataConfig.tfds_data_dir``, a prepared tfds array_record dataset read by random access through
 a :class:`RandomAccessSource` (same batches for the same files and settings).
+
+Every source passes its rows through one :class:`~data.id_guard.IdGuard` (policy
+``DataConfig.id_policy``) before it hands out a batch: in-memory rows once when they are loaded,
+records read from disk and generated examples batch by batch. So no batch leaves a source with a
+sparse id outside ``[0, vocab_size)`` (other than the pad id): it was rejected with an error
+naming the feature, value and record, or mapped into range and counted in ``stats["ids"]``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 
 from data.batch import Batch, Schema
 from data.config import DataConfig
+from data.id_guard import IdGuard, IdPolicy
 from data.pipeline import (
     eval_index_batches,
     gather,
@@ -70,16 +77,20 @@ class InMemorySource:
         process_index: int = 0,
         process_count: int = 1,
         stats: dict[str, Any] | None = None,
+        id_policy: IdPolicy = "reject",
     ):
-        """Args: global batch sizes; ``stats`` are reader counters exposed for logging.
+        """Args: global batch sizes; ``stats`` are reader counters exposed for logging;
+        ``id_policy``: what the id guard does with an id outside its vocabulary.
 
         Raises:
-          ValueError: rows that break ``schema``, no training rows, or batch sizes not divisible
-            by ``process_count``.
+          ValueError: rows that break ``schema`` (or hold a bad id under ``reject``), no
+            training rows, or batch sizes not divisible by ``process_count``.
         """
+        # All rows are guarded once, here: counts are per row held, not per time it is drawn.
+        guard = IdGuard(schema, id_policy)
         if train_rows is not None:
-            schema.validate(train_rows, where="training rows")
-        schema.validate(eval_rows, where="eval rows")
+            train_rows = guard(train_rows, where="training rows")
+        eval_rows = guard(eval_rows, where="eval rows")
         host_batch_size(eval_batch_size, process_count)
         self.schema = schema
         self.train_rows = train_rows
@@ -88,7 +99,7 @@ class InMemorySource:
         self.eval_batch_size = eval_batch_size
         self.process_index = process_index
         self.process_count = process_count
-        self.stats: dict[str, Any] = dict(stats or {})
+        self.stats: dict[str, Any] = {**(stats or {}), "ids": guard.stats}
         self.train_indices = None
         """grain MapDataset: step -> this host's example indices (see ``data.pipeline``);
         None for an eval-only source (``train_rows=None``)."""
@@ -131,7 +142,8 @@ class RandomAccessSource:
     present, as on ``tfds`` array_record data sources); ``to_batch`` stacks a list of records into
     a :class:`Batch` (e.g. ``data.tfds_builders.frappe.frappe_records_to_batch``).
     ``eval_records`` may instead be a :class:`Batch` of all eval rows held in memory (an eval
-    file that is not part of the prepared dataset); it is validated against ``schema``.
+    file that is not part of the prepared dataset); it is guarded once, here. Records are
+    guarded batch by batch as they are read (``id_policy``, see ``data.id_guard``).
     """
 
     def __init__(
@@ -147,16 +159,18 @@ class RandomAccessSource:
         process_index: int = 0,
         process_count: int = 1,
         stats: dict[str, Any] | None = None,
+        id_policy: IdPolicy = "reject",
     ):
         host_batch_size(eval_batch_size, process_count)
+        self._guard = IdGuard(schema, id_policy)
         if isinstance(eval_records, Batch):
-            schema.validate(eval_records, where="eval rows")
+            eval_records = self._guard(eval_records, where="eval rows")
         self.schema = schema
         self._train, self._eval, self._to_batch = train_records, eval_records, to_batch
         self.eval_batch_size = eval_batch_size
         self.process_index = process_index
         self.process_count = process_count
-        self.stats: dict[str, Any] = dict(stats or {})
+        self.stats: dict[str, Any] = {**(stats or {}), "ids": self._guard.stats}
         self.train_indices = train_dataset(
             len(train_records),
             batch_size=batch_size,
@@ -175,15 +189,13 @@ class RandomAccessSource:
 
     def _fetch(self, records: Sequence[Any] | Batch, indices: np.ndarray, split: str) -> Batch:
         if isinstance(records, Batch):
-            return gather(records, indices)  # validated whole in __init__
+            return gather(records, indices)  # guarded whole in __init__
         keys = indices.tolist()
         getitems = getattr(records, "__getitems__", None)
         recs = getitems(keys) if getitems is not None else [records[k] for k in keys]
-        batch = self._to_batch(recs)
         # Records come from disk: an out-of-range id would silently read a padding row (or NaN)
-        # inside jit, so every batch is checked and the offending record is named.
-        self.schema.validate(batch, where=f"{split} records", example_ids=indices)
-        return batch
+        # inside jit, so every batch is guarded and an offending record is named.
+        return self._guard(self._to_batch(recs), where=f"{split} records", example_ids=indices)
 
     def train_batch(self, step: int) -> Batch:
         return self._fetch(self._train, self.train_indices[step], "train")
@@ -209,11 +221,14 @@ class SyntheticSource:
         self._gen = SyntheticGenerator(cfg.synthetic, seed=cfg.shuffle_seed)
         self.schema: Schema = self._gen.schema
         self._cfg = cfg
+        # The generator only draws valid ids; the guard makes that a checked fact, as for files.
+        self._guard = IdGuard(self.schema, cfg.id_policy)
         self.process_index = process_index
         self.process_count = process_count
         self.stats: dict[str, Any] = {
             "kind": "synthetic",
             "num_eval_examples": cfg.synthetic.num_eval_examples,
+            "ids": self._guard.stats,
         }
 
     @property
@@ -221,19 +236,22 @@ class SyntheticSource:
         return self._cfg.synthetic.num_eval_examples
 
     def train_batch(self, step: int) -> Batch:
-        return self._gen.train_batch(
+        batch = self._gen.train_batch(
             step,
             self._cfg.batch_size,
             process_index=self.process_index,
             process_count=self.process_count,
         )
+        return self._guard(batch, where=f"synthetic train step {step}")
 
     def eval_batches(self) -> Iterator[Batch]:
-        return self._gen.eval_batches(
+        batches = self._gen.eval_batches(
             self._cfg.eval_batch_size,
             process_index=self.process_index,
             process_count=self.process_count,
         )
+        for j, batch in enumerate(batches):
+            yield self._guard(batch, where=f"synthetic eval batch {j}")
 
 
 def _eval_path(cfg: DataConfig, eval_path: str | None) -> str:
@@ -644,6 +662,7 @@ def make_source(
         seed=cfg.shuffle_seed,
         process_index=process_index,
         process_count=process_count,
+        id_policy=cfg.id_policy,
     )
     if cfg.kind == "frappe":
         if cfg.tfds_data_dir:
