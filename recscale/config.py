@@ -193,17 +193,45 @@ class TrainConfig:
     """Initialise parameters (not optimizer state) from another run's latest checkpoint (its
     workdir). Used only when this run has no checkpoint of its own: restore order is the run's
     own latest checkpoint, then ``init_from``, then fresh init."""
+    nonfinite: Literal["skip", "raise", "ignore"] = "skip"
+    """A step whose loss or gradients hold a NaN/Inf: ``skip`` leaves the parameters, optimizer
+    and embedding state bitwise unchanged (only the step advances) and counts it
+    (``nonfinite_steps`` in metrics.jsonl); ``raise`` skips it too, then stops the run with
+    ``FloatingPointError`` at the next log row; ``ignore`` applies it (the run stops when a
+    logged loss is non-finite)."""
+    nonfinite_rollback: int = 0
+    """``skip``: after this many non-finite steps in a row, restore the latest checkpoint from
+    before them and replay, skipping those steps' batches (0 = never)."""
+    nonfinite_max_consecutive: int = 10
+    """``skip``: stop the run (``FloatingPointError``, a diverged run) after this many
+    non-finite steps in a row (0 = never); must exceed ``nonfinite_rollback`` when both are
+    set, so the rollback is tried first."""
 
     def __post_init__(self):
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
-        for name in ("eval_every", "eval_max_batches", "checkpoint_every"):
+        for name in (
+            "eval_every", "eval_max_batches", "checkpoint_every", "nonfinite_rollback",
+            "nonfinite_max_consecutive",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_checkpoints < 1:
             raise ValueError(f"max_checkpoints must be >= 1, got {self.max_checkpoints}")
+        if self.nonfinite not in ("skip", "raise", "ignore"):
+            raise ValueError(f"nonfinite={self.nonfinite!r}: expected skip, raise or ignore")
+        if self.nonfinite_rollback and self.nonfinite != "skip":
+            raise ValueError(
+                f"nonfinite_rollback={self.nonfinite_rollback} needs nonfinite='skip', "
+                f"got {self.nonfinite!r}"
+            )
+        if 0 < self.nonfinite_max_consecutive <= self.nonfinite_rollback:
+            raise ValueError(
+                f"nonfinite_max_consecutive={self.nonfinite_max_consecutive} must exceed "
+                f"nonfinite_rollback={self.nonfinite_rollback} (or be 0), else no rollback runs"
+            )
 
 
 # Fields that do not change what a run computes (logging, evaluation cadence, checkpoint

@@ -7,13 +7,16 @@ family config with the fields ``data``, ``dense_optim``, ``embedding_optim``, ``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -322,10 +325,104 @@ def _prefetch(source: DataSource, start: int, stop: int) -> Iterator[tuple[int, 
             yield step, batch
 
 
+@contextlib.contextmanager
+def _closed_on_error(ckpt: Checkpointer) -> Iterator[None]:
+    """Lets in-flight asynchronous saves commit before an error (e.g. a divergence) ends the
+    process: they would otherwise fail at exit and bury the error under their tracebacks."""
+    try:
+        yield
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+class _SigtermFlag:
+    """Within it, SIGTERM (a preemption notice) sets a flag the loop reads at each step boundary
+    instead of killing the process; the previous handler is restored on exit. Outside the main
+    thread (where Python cannot install handlers) it stays unset."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._previous: Any = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def __enter__(self) -> _SigtermFlag:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, lambda *_: self._event.set())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+class _NonfiniteGuard:
+    """Reads the steps' ``nonfinite`` flags in step order and applies ``train.nonfinite*``.
+
+    ``observe`` raises ``FloatingPointError`` (``raise``; or ``nonfinite_max_consecutive`` bad
+    steps in a row) or returns the step indices of the ``nonfinite_rollback`` bad steps in a row
+    that call for a rollback; ``total`` counts every non-finite step of the run.
+    """
+
+    def __init__(self, tcfg: config_lib.TrainConfig, total: int = 0):
+        self.mode = tcfg.nonfinite
+        self.rollback = tcfg.nonfinite_rollback
+        self.limit = tcfg.nonfinite_max_consecutive
+        self.total = total
+        self.streak: list[int] = []
+
+    def observe(self, step: int, row: dict) -> list[int] | None:
+        if not row["nonfinite"]:
+            self.streak = []
+            return None
+        self.total += 1
+        self.streak.append(step)
+        # The wording "non-finite training loss X at step N" is what sweeps parse (DIVERGED).
+        where = f"non-finite training loss {row['loss']} at step {step + 1}"
+        if self.mode == "raise":
+            raise FloatingPointError(f"{where} (train.nonfinite=raise; the step was not applied)")
+        if self.mode != "skip":
+            return None
+        if self.rollback and len(self.streak) >= self.rollback:
+            bad, self.streak = self.streak, []
+            return bad
+        if self.limit and len(self.streak) >= self.limit:
+            raise FloatingPointError(
+                f"{where}: {len(self.streak)} non-finite steps in a row, all skipped "
+                "(train.nonfinite_max_consecutive)"
+            )
+        return None
+
+
+def _train_row(rows: list[dict], mode: str, step: int) -> dict:
+    """The train row of ``rows`` (the steps since the last one): means of the applied steps'
+    metrics (every step's under ``ignore``) and ``nonfinite_steps``, the count of the others.
+    A row of skipped steps only has no loss."""
+    bad = sum(bool(r["nonfinite"]) for r in rows)
+    used = rows if mode == "ignore" else [r for r in rows if not r["nonfinite"]]
+    row = {
+        k: float(np.mean([r[k] for r in used]))
+        for k in (used[0] if used else ())
+        if k != "nonfinite"
+    }
+    if mode == "ignore" and not np.isfinite(row["loss"]):
+        raise FloatingPointError(f"non-finite training loss {row['loss']} at step {step}")
+    row["nonfinite_steps"] = bad
+    return row
+
+
 def train(
     cfg: Any, build_model: BuildModel, workdir: str | Path, *, argv: list[str] | None = None
 ) -> dict:
-    """Trains ``cfg`` in ``workdir`` (resuming from its latest checkpoint) and returns final eval."""
+    """Trains ``cfg`` in ``workdir`` (resuming from its latest checkpoint) and returns final eval.
+
+    On SIGTERM (preemption) it saves a checkpoint at the next step boundary, waits for every
+    save to be committed and returns ``{"step": ..., "preempted": True}`` without evaluating;
+    the same call again continues from there. Non-finite steps follow ``train.nonfinite*``
+    (``_NonfiniteGuard``); a rollback writes a ``split="rollback"`` row to metrics.jsonl.
+    """
     workdir = Path(workdir)
     cfg = config_lib.absolute_paths(cfg)
     write_run_files(workdir, cfg, argv)
@@ -352,6 +449,7 @@ def train(
             )
         # Restore order: this run's latest checkpoint, then another run's parameters, then fresh.
         abstract = exp.abstract_state
+        restored_meta: dict = {}
         latest = ckpt.latest_step()
         if latest is not None:
             trees, meta = ckpt.restore(
@@ -364,6 +462,7 @@ def train(
             )
             step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), sharding.replicated())
             state = TrainState(step=step, **trees)
+            restored_meta = meta
             print(f"restored checkpoint step {latest} from {ckpt.directory}", file=sys.stderr)
         elif tcfg.init_from:
             src = Checkpointer(Path(tcfg.init_from) / "checkpoints", async_save=False)
@@ -387,7 +486,7 @@ def train(
             make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
         )
         train_step = jax.jit(
-            make_step(exp.graphdef, exp.tx, tcfg.seed),
+            make_step(exp.graphdef, exp.tx, tcfg.seed, nonfinite=tcfg.nonfinite),
             in_shardings=(exp.state_sharding, None),
             out_shardings=(exp.state_sharding, None),
             donate_argnums=(0,),
@@ -399,43 +498,125 @@ def train(
                 "opt_state": state.opt_state,
                 "batch_stats": state.batch_stats,
             }
-            ckpt.save(step, trees, {"step": step})
+            ckpt.save(step, trees, {"step": step, "nonfinite_total": guard.total})
 
+        def restore(ckpt_step: int, at_step: int) -> TrainState:
+            ckpt.wait()  # an asynchronous save of that step may still be in flight
+            trees, _ = ckpt.restore(
+                ckpt_step,
+                {
+                    "params": abstract.params,
+                    "opt_state": abstract.opt_state,
+                    "batch_stats": abstract.batch_stats,
+                },
+            )
+            step = jax.device_put(jnp.asarray(at_step, jnp.int32), sharding.replicated())
+            return TrainState(step=step, **trees)
+
+        guard = _NonfiniteGuard(tcfg, total=restored_meta.get("nonfinite_total", 0))
         prog, task = _progress(tcfg.progress, tcfg.num_steps, start)
-        pending: list[dict] = []
+        # (step index, device metrics) not yet read back; read at log / checkpoint boundaries, on
+        # preemption and at the end, so the host does not wait on the device every step.
+        pending: list[tuple[int, dict]] = []
+        window: list[dict] = []  # host metrics of the steps since the last train row
         t_last, step_last = time.perf_counter(), start
         examples_per_step = cfg.data.batch_size
-        with prog:
-            for step, host_batch in _prefetch(exp.source, start, tcfg.num_steps):
-                state, metrics = train_step(state, exp.device_batch(host_batch))
-                pending.append(metrics)
-                done = step + 1
-                if done % tcfg.log_every == 0 or done == tcfg.num_steps:
-                    rows = jax.device_get(pending)
-                    pending = []
-                    now = time.perf_counter()
-                    eps = (done - step_last) * examples_per_step / max(now - t_last, 1e-9)
-                    t_last, step_last = now, done
-                    row = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-                    if not np.isfinite(row["loss"]):
-                        raise FloatingPointError(
-                            f"non-finite training loss {row['loss']} at step {done}"
-                        )
-                    row.update(step=done, split="train", examples_per_sec=eps)
-                    writer.write(row)
-                    prog.update(task, info=f"loss {row['loss']:.4f}  {eps:,.0f} ex/s")
-                prog.update(task, completed=done)
-                if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps:
-                    ev = exp.evaluate(
-                        state.params, state.batch_stats, max_batches=tcfg.eval_max_batches
+        preempted = False
+        with prog, _SigtermFlag() as sigterm, _closed_on_error(ckpt):
+            while start < tcfg.num_steps and not preempted:
+                rollback = None
+                for step, host_batch in _prefetch(exp.source, start, tcfg.num_steps):
+                    state, metrics = train_step(state, exp.device_batch(host_batch))
+                    pending.append((step, metrics))
+                    done = step + 1
+                    is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps
+                    is_ckpt = (
+                        tcfg.checkpoint_every
+                        and done % tcfg.checkpoint_every == 0
+                        and done != tcfg.num_steps
                     )
-                    writer.write({"step": done, "split": "eval", **ev})
-                if (
-                    tcfg.checkpoint_every
-                    and done % tcfg.checkpoint_every == 0
-                    and done != tcfg.num_steps
-                ):
-                    save(done, state)
+                    # SIGTERM (preemption): stop at this step boundary. Multi-process runs agree
+                    # on the step through JAX's preemption sync point (jax.distributed).
+                    preempted = sigterm.is_set() or (
+                        jax.process_count() > 1
+                        and multihost_utils.reached_preemption_sync_point(done)
+                    )
+                    if is_log or is_ckpt or preempted:
+                        # Read the step flags before a checkpoint is written, so a rollback never
+                        # has a checkpoint from after its bad steps to delete.
+                        rows = jax.device_get(pending)
+                        pending = []
+                        for s, row in rows:
+                            window.append(row)
+                            rollback = guard.observe(s, row)
+                            if rollback is not None:
+                                break  # the later steps run again after the rollback
+                        if rollback is not None:
+                            break
+                    if is_log or preempted:
+                        now = time.perf_counter()
+                        eps = (done - step_last) * examples_per_step / max(now - t_last, 1e-9)
+                        t_last, step_last = now, done
+                        row = _train_row(window, tcfg.nonfinite, done)
+                        window = []
+                        row.update(step=done, split="train", examples_per_sec=eps)
+                        row["nonfinite_total"] = guard.total
+                        writer.write(row)
+                        if "loss" in row:
+                            prog.update(task, info=f"loss {row['loss']:.4f}  {eps:,.0f} ex/s")
+                    prog.update(task, completed=done)
+                    if (
+                        not preempted
+                        and tcfg.eval_every
+                        and done % tcfg.eval_every == 0
+                        and done != tcfg.num_steps
+                    ):
+                        ev = exp.evaluate(
+                            state.params, state.batch_stats, max_batches=tcfg.eval_max_batches
+                        )
+                        writer.write({"step": done, "split": "eval", **ev})
+                    if is_ckpt or preempted:
+                        if ckpt.latest_step() != done:
+                            save(done, state)
+                    if preempted:
+                        print(f"SIGTERM: saved checkpoint step {done}, stopping", file=sys.stderr)
+                        break
+                if rollback is None:
+                    break
+                # Restore the last checkpoint from before the bad steps, and go on after them:
+                # the batches from that checkpoint to the last bad step are skipped.
+                bad = rollback
+                good = [c for c in ckpt.all_steps() if c <= bad[0]]
+                if not good:
+                    raise FloatingPointError(
+                        f"non-finite training loss at step {bad[-1] + 1}: {len(bad)} non-finite "
+                        f"steps in a row (from step {bad[0] + 1}) and no checkpoint at or "
+                        f"before step {bad[0]} to roll back to (set train.checkpoint_every)"
+                    )
+                c = max(good)
+                start = bad[-1] + 1
+                state = restore(c, start)
+                pending = []
+                writer.write(
+                    {
+                        "step": start,
+                        "split": "rollback",
+                        "restored_step": c,
+                        "nonfinite_steps": [s + 1 for s in bad],
+                        "skipped_batches": [c, start],
+                    }
+                )
+                print(
+                    f"{len(bad)} non-finite steps in a row (steps {bad[0] + 1}..{bad[-1] + 1}): "
+                    f"restored checkpoint step {c}, skipping batches [{c}, {start}), going on at "
+                    f"step {start}",
+                    file=sys.stderr,
+                )
+                # Saved now, so a relaunch resumes after the rollback rather than replaying it.
+                save(start, state)
+        if preempted:
+            ckpt.close()
+            return {"step": int(state.step), "preempted": True}
         final_step = int(state.step)
         if ckpt.latest_step() != final_step:
             save(final_step, state)

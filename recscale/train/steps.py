@@ -43,8 +43,45 @@ def _norm(tree: Any) -> jax.Array:
     return optax.tree.norm(tree)
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, seed: int):
-    """The pure train step for a model ``graphdef`` and optimizer ``tx``."""
+NONFINITE_MODES = ("skip", "raise", "ignore")
+"""What a train step does when its loss or a gradient is NaN/Inf (``TrainConfig.nonfinite``):
+``skip`` and ``raise`` leave the state unchanged but for ``step``; ``ignore`` applies it."""
+
+
+def _all_finite(*trees: Any) -> jax.Array:
+    """bool scalar: every element of every array of ``trees`` is finite."""
+    leaves = jax.tree.leaves(trees)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``ok``, else ``old`` (leaf by leaf; bitwise the old values when not ok)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def _check_mode(nonfinite: str) -> None:
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite={nonfinite!r}: expected one of {NONFINITE_MODES}")
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    seed: int,
+    *,
+    nonfinite: str = "skip",
+):
+    """The pure train step for a model ``graphdef`` and optimizer ``tx``.
+
+    A step whose loss or gradients are not all finite is, unless ``nonfinite="ignore"``,
+    skipped: parameters, optimizer state (Adam's count and moments included) and BatchNorm
+    statistics come back bitwise unchanged, only ``step`` advances; ``metrics["nonfinite"]``
+    is 1.0 for it (0.0 otherwise). The selection reads whole tables here, as this path's
+    optax update does anyway; the engine path (``make_sparse_train_step``) never does.
+    ``optax.apply_if_finite`` is not used: it checks gradients only and leaves the BatchNorm
+    statistics a NaN input has already corrupted.
+    """
+    _check_mode(nonfinite)
     base_key = jax.random.key(seed)
 
     def loss_fn(params, batch_stats, batch: Batch, dropout_key):
@@ -61,11 +98,19 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, se
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(loss) & _all_finite(grads)
+        if nonfinite != "ignore":
+            params, opt_state, batch_stats = _keep_if(
+                ok,
+                (params, opt_state, batch_stats),
+                (state.params, state.opt_state, state.batch_stats),
+            )
         metrics = {
             "loss": loss,
             "grad_norm": _norm(grads),
             "update_norm": _norm(updates),
             "param_norm": _norm(params),
+            "nonfinite": 1.0 - ok.astype(jnp.float32),
         }
         new = TrainState(
             step=state.step + 1, params=params, opt_state=opt_state, batch_stats=batch_stats
@@ -103,10 +148,20 @@ def _buffer_path(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
 
-def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: int):
+def make_sparse_train_step(
+    graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: int, *, nonfinite: str = "skip"
+):
     """The train step of an engine-backed model: gradients with respect to the pooled outputs
     of the tables' slots (the engine's deltas), never a whole table; the rows they read are
-    updated in place."""
+    updated in place.
+
+    A non-finite step (see ``make_train_step``) keeps the dense parameters, their optimizer
+    state and the BatchNorm statistics (small) by selection, and skips the table update by
+    turning every looked-up row into padding with a zero gradient: no row is touched, so the
+    rows and their row-wise Adagrad accumulators / lazy Adam moments stay bitwise unchanged
+    (Adam's moments do not decay), and no whole table is read or selected.
+    """
+    _check_mode(nonfinite)
     base_key = jax.random.key(seed)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
@@ -137,8 +192,17 @@ def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: in
         (loss, (batch_stats, keys)), (g_dense, g_delta) = jax.value_and_grad(
             loss_fn, argnums=(0, 1), has_aux=True
         )(dense, deltas)
+        ok = jnp.isfinite(loss) & _all_finite(g_dense, g_delta)
+        skip = nonfinite != "ignore"
+        old_dense = dense
         updates, dense_state = tx.dense.update(g_dense, state.opt_state["dense"], dense)
         dense = optax.apply_updates(dense, updates)
+        if skip:
+            dense, dense_state, batch_stats = _keep_if(
+                ok,
+                (dense, dense_state, batch_stats),
+                (old_dense, state.opt_state["dense"], state.batch_stats),
+            )
 
         lr = tx.embedding_lr(state.step)
         model = nnx.merge(graphdef, state.params, state.batch_stats, copy=True)
@@ -147,9 +211,15 @@ def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: in
             for bl in coll.layout.buffers:
                 path = "/".join(p for p in (ck, "buffers", bl.key) if p)
                 var = coll.buffers[bl.key]
+                k, g = keys[ck][bl.key], g_delta[ck][bl.key]
+                if skip:
+                    # Row ``bl.rows`` (of a device block, or of a replicated buffer) is the
+                    # engine's padding key: the update drops it. [S, B, H] / [S, B, w] only.
+                    k = jnp.where(ok, k, bl.rows)
+                    g = jnp.where(ok, g, 0.0)
                 buf, st, sq = engine.apply_update(
-                    coll.layout, bl, var[...], state.opt_state["embedding"][path],
-                    keys[ck][bl.key], g_delta[ck][bl.key], lr, state.step, tx.rule,
+                    coll.layout, bl, var[...], state.opt_state["embedding"][path], k, g, lr,
+                    state.step, tx.rule,
                 )  # fmt: skip
                 var.value = buf
                 emb_state[path] = st
@@ -163,6 +233,7 @@ def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: in
             "update_norm": jnp.sqrt(jnp.square(_norm(updates)) + sum(q[0] for q in emb_sq)),
             # The tables' norm would read every table every step; the dense part is cheap.
             "dense_param_norm": _norm(dense),
+            "nonfinite": 1.0 - ok.astype(jnp.float32),
         }
         new = TrainState(
             step=state.step + 1,
