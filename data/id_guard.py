@@ -35,6 +35,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from data.batch import PAD_ID, Batch, Schema
+from data.criteo.reader import GOLDEN, fmix64
 
 IdPolicy = Literal["reject", "hash", "modulo"]
 """What the guard does with a bad id (module docstring)."""
@@ -42,15 +43,7 @@ ID_POLICIES: tuple[str, ...] = get_args(IdPolicy)
 
 _log = logging.getLogger(__name__)
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def _fmix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's output mix on a uint64 array (wrapping arithmetic, a bijection)."""
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+_GOLDEN = np.uint64(GOLDEN)
 
 
 def hash_ids(ids: np.ndarray, feature_index: np.ndarray | int, vocab_size) -> np.ndarray:
@@ -64,8 +57,8 @@ def hash_ids(ids: np.ndarray, feature_index: np.ndarray | int, vocab_size) -> np
     shape = np.broadcast_shapes(ids.shape, np.shape(feature_index), np.shape(vocab_size))
     # At least 1-d: numpy warns on wrapping arithmetic of scalars, not of arrays.
     key = np.atleast_1d(ids).view(np.uint64)
-    salt = _fmix64(np.atleast_1d(np.asarray(feature_index, np.uint64)) + _GOLDEN)
-    z = _fmix64(key + salt)
+    salt = fmix64(np.atleast_1d(np.asarray(feature_index, np.uint64)) + _GOLDEN)
+    z = fmix64(key + salt)
     return (z % np.asarray(vocab_size, np.uint64)).astype(np.int64).reshape(shape)
 
 

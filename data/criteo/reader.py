@@ -89,7 +89,7 @@ _BLOCK_BYTES = 1 << 22
 _TAB, _NL, _MINUS, _ZERO = 9, 10, ord("-"), ord("0")
 
 _MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 # ASCII byte -> hex nibble value, -1 for a non-hex byte.
@@ -177,16 +177,17 @@ def criteo_schema(vocab_sizes: Sequence[int]) -> Schema:
 # ----------------------------------------------------------------------------- hashing, transform
 
 
-def _fmix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's output mix on uint64 arrays (wrapping arithmetic, a bijection)."""
+def fmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output mix on uint64 arrays (wrapping arithmetic, a bijection); also the
+    mix of ``data.id_guard``'s ``hash`` policy."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
     return z ^ (z >> np.uint64(31))
 
 
 def _seed_offset(seed: int) -> np.uint64:
-    z = (int(seed) + _GOLDEN) & _MASK64
-    return _fmix64(np.array([z], np.uint64))[0]
+    z = (int(seed) + GOLDEN) & _MASK64
+    return fmix64(np.array([z], np.uint64))[0]
 
 
 def _hash_u32(
@@ -198,7 +199,7 @@ def _hash_u32(
     if (v < 1).any():
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     key = (f << np.uint64(32)) | values.astype(np.uint64)
-    z = _fmix64(key + _seed_offset(seed))
+    z = fmix64(key + _seed_offset(seed))
     span = np.maximum(v - 1, 1).astype(np.uint64)
     ids = (np.uint64(1) + z % span).astype(np.int32)
     return np.where(missing | (v == 1), np.int32(0), ids).astype(np.int32)

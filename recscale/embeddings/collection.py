@@ -134,11 +134,14 @@ class EmbeddingCollection(nnx.Module):
         if self.int8:
             raise ValueError("this embedding collection is already quantized")
         if self.layout is not None:
-            buffers = {k: v for k, v in self.buffers.items()}
             self.buffers = nnx.Dict(
-                {k: self._quantized(v, "shard" if not bl.replicated else None)
-                 for bl in self.layout.buffers for k, v in [(bl.key, buffers[bl.key])]}
-            )  # fmt: skip
+                {
+                    bl.key: self._quantized(
+                        self.buffers[bl.key], None if bl.replicated else "shard"
+                    )
+                    for bl in self.layout.buffers
+                }
+            )
         else:
             self.tables = nnx.Dict({k: self._quantized(v, "vocab") for k, v in self.tables.items()})
         self.int8 = nnx.static(True)

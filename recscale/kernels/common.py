@@ -105,15 +105,22 @@ def interpret_for(impl: str) -> Any:
     return True
 
 
-def resolve(op: str, impl: str, unsupported: dict[str, str | None]) -> str:
+def resolve(
+    op: str, impl: str, unsupported: dict[str, str | None], *, cpu_auto: str | None = None
+) -> str:
     """The implementation to run: ``impl`` (``auto`` resolved for the default backend, to a
     Pallas kernel only if it is in :data:`HARDWARE_VERIFIED`) unless ``unsupported[impl]``
-    gives a reason it cannot run this call, then ``xla``.
+    gives a reason it cannot run this call, then ``xla``. ``cpu_auto``: the implementation
+    ``auto`` means on CPU when ``unsupported`` allows it (e.g. ``cpu_ffi``; default ``xla``).
 
     ``unsupported`` maps each non-reference implementation of the op to ``None`` (it supports
     this call) or the reason it does not (shape, dtype, variant). A requested implementation
     the op does not have is an error, not a fallback.
     """
+    if impl == "auto" and default_backend() == "cpu":
+        # On CPU ``auto`` is a plan, not a request: the op's CPU kernel where it supports the
+        # call, else XLA; nothing to count as a fallback.
+        return cpu_auto if cpu_auto and unsupported.get(cpu_auto) is None else "xla"
     requested = auto_impl() if impl == "auto" else impl
     if requested == "xla":
         return "xla"

@@ -81,9 +81,7 @@ def _choose(table: jax.Array, ids: jax.Array, impl: str) -> str:
     }
     if impl in ("cpu_ffi", "auto"):  # only then: asking may build the C++ kernel
         unsupported["cpu_ffi"] = _cpu_ffi_unsupported(table, ids)
-    if impl == "auto" and common.default_backend() == "cpu":
-        impl = "cpu_ffi" if unsupported["cpu_ffi"] is None else "xla"
-    return common.resolve(OP, impl, unsupported)
+    return common.resolve(OP, impl, unsupported, cpu_auto="cpu_ffi")
 
 
 def _cpu_ffi_pool(table_vd: jax.Array, ids_nh: jax.Array, *, pooling: str) -> jax.Array:

@@ -85,15 +85,11 @@ def update(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Ar
     reference.check_args(table, acc, ids, grad, optimizer, pooling)
     ids = jnp.asarray(ids, jnp.int32)
     adagrad = optimizer == "rowwise_adagrad"
-    backend = common.default_backend()
-    requested = impl
-    if impl == "auto" and backend == "cpu":
-        # The engine's rule: the C++ kernel for multi-id bags, XLA for one-id bags (as fast).
-        requested = "cpu_ffi" if ids.shape[1] >= 2 else "xla"
-    unsupported = _unsupported(table, ids, need_cpu_ffi=requested == "cpu_ffi")
-    if impl == "auto" and requested == "cpu_ffi" and unsupported["cpu_ffi"] is not None:
-        requested = "xla"  # auto on CPU: no fallback to count, XLA is the plan
-    chosen = common.resolve(OP, requested, unsupported)
+    # The engine's rule on CPU: the C++ kernel for multi-id bags, XLA for one-id bags (as fast).
+    cpu_auto = "cpu_ffi" if ids.shape[1] >= 2 else None
+    want_ffi = impl == "cpu_ffi" or (impl == "auto" and cpu_auto is not None)
+    unsupported = _unsupported(table, ids, need_cpu_ffi=want_ffi)
+    chosen = common.resolve(OP, impl, unsupported, cpu_auto=cpu_auto)
     if chosen == "xla":
         return reference.update(table, acc, ids, grad, lr, optimizer=optimizer, eps=eps,
                                 pooling=pooling)  # fmt: skip

@@ -78,16 +78,21 @@ def _batches():
     ]
 
 
+def _state_and_step(cfg, build):
+    """Graphdef, initial state and jitted sparse train step (inside the active mesh)."""
+    model = build(cfg, SCHEMA, nnx.Rngs(params=0))
+    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    tx = make_optimizer(cfg, params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                       opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
+    return graphdef, state, jax.jit(make_sparse_train_step(graphdef, tx, 0), donate_argnums=0)
+
+
 def _train(family: str, impl: str, devices: int):
     cfg, build = _cfg(family, impl, devices)
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)):
-        model = build(cfg, SCHEMA, nnx.Rngs(params=0))
-        graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-        tx = make_optimizer(cfg, params)
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
-        step = jax.jit(make_sparse_train_step(graphdef, tx, 0), donate_argnums=0)
+        graphdef, state, step = _state_and_step(cfg, build)
         ev = jax.jit(make_eval_step(graphdef))
         logits, losses = [], []
         for b in _batches():
@@ -156,12 +161,7 @@ def test_the_whole_train_step_with_kernels_lowers_for_cuda(family):
         common.target_backend("gpu"),
         sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)),
     ):
-        model = build(cfg, SCHEMA, nnx.Rngs(params=0))
-        graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-        tx = make_optimizer(cfg, params)
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
-        step = jax.jit(make_sparse_train_step(graphdef, tx, 0), donate_argnums=0)
+        graphdef, state, step = _state_and_step(cfg, build)
         text = step.trace(state, _batches()[0]).lower(lowering_platforms=("cuda",)).as_text()
     assert not common.FALLBACKS, dict(common.FALLBACKS)
     # One lookup and one update kernel per engine buffer (one here), and each interaction
