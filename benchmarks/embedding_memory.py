@@ -44,7 +44,12 @@ from recscale.config import (  # noqa: E402
 )
 from recscale.embeddings import engine  # noqa: E402
 from recscale.train.loop import make_optimizer  # noqa: E402
-from recscale.train.steps import TrainState, make_sparse_train_step, make_train_step  # noqa: E402
+from recscale.train.steps import (  # noqa: E402
+    TrainState,
+    initial_rng,
+    make_sparse_train_step,
+    make_train_step,
+)
 
 
 def _status(field: str) -> int:
@@ -95,10 +100,11 @@ def main() -> None:
         graphdef, a_params, a_stats = nnx.split(abstract, nnx.Param, nnx.BatchStat)
         tx = make_optimizer(cfg, a_params)
         a_state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=a_params,
-                             opt_state=jax.eval_shape(tx.init, a_params), batch_stats=a_stats)  # fmt: skip
+                             opt_state=jax.eval_shape(tx.init, a_params), batch_stats=a_stats,
+                             rng=jax.eval_shape(initial_rng, 0))  # fmt: skip
         make = make_sparse_train_step if spec is not None else make_train_step
         dbatch = jax.device_put(batch)
-        step = jax.jit(make(graphdef, tx, 0), donate_argnums=0).lower(a_state, dbatch).compile()
+        step = jax.jit(make(graphdef, tx), donate_argnums=0).lower(a_state, dbatch).compile()
         analysis = step.memory_analysis()
         base = _status("VmRSS")
 
@@ -106,7 +112,8 @@ def main() -> None:
         _, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         del model
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=jax.jit(tx.init)(params), batch_stats=stats)  # fmt: skip
+                           opt_state=jax.jit(tx.init)(params), batch_stats=stats,
+                           rng=initial_rng(0))  # fmt: skip
         del params
         state, m = step(state, dbatch)
         jax.block_until_ready(state)

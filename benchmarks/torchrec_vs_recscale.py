@@ -48,6 +48,7 @@ from recscale.flops import dlrm_cost
 from recscale.train.loop import make_optimizer
 from recscale.train.steps import (
     TrainState,
+    initial_rng,
     make_eval_step,
     make_sparse_train_step,
     make_train_step,
@@ -126,10 +127,10 @@ def recscale_run(c: dict, steps: int, warmup: int, sharding_kind: str, windows: 
         graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         tx = make_optimizer(cfg, params)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
+                           opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
         batches = [jax.device_put(b) for b in host]
         make_step = make_sparse_train_step if spec is not None else make_train_step
-        train = jax.jit(make_step(graphdef, tx, 0), donate_argnums=(0,))
+        train = jax.jit(make_step(graphdef, tx), donate_argnums=(0,))
         infer = jax.jit(make_eval_step(graphdef))
         for i in range(warmup):
             state, m = train(state, batches[i % 8])

@@ -174,7 +174,8 @@ class TrainConfig:
     num_steps: int = 1000
     """Training steps."""
     seed: int = 0
-    """Seed of parameter init and of the step keys (``fold_in(key, step)``)."""
+    """Seed of parameter init and of the random stream the steps split their dropout keys off
+    (``TrainState.rng``, checkpointed)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
     eval_max_batches: int = 0
@@ -185,6 +186,10 @@ class TrainConfig:
     """Checkpoints kept."""
     async_checkpoint: bool = True
     """Save checkpoints asynchronously (training continues during the write)."""
+    checkpoint_fallback: bool = False
+    """On resume, a latest checkpoint that fails its checks (unreadable, or a fingerprint
+    mismatch: ``CheckpointCorruptError``) makes the run fall back to the one before it with a
+    warning, instead of stopping with the error. Corrupt steps stay on disk."""
     log_every: int = 50
     """Append train metrics to metrics.jsonl every N steps."""
     progress: bool = True
@@ -240,9 +245,19 @@ NON_SEMANTIC_FIELDS = frozenset(
     {
         "train.progress", "train.log_every", "train.eval_every", "train.eval_max_batches",
         "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
+        "train.checkpoint_fallback",
         "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",
     }
 )  # fmt: skip
+
+
+# Fields that only lay the same computation out differently (the embedding plan; the device
+# count, ``mesh.data_parallel``, is non-semantic): a run may resume with them changed (its
+# checkpoint is re-laid out, ``recscale.train.relayout``), but they stay in trial identities, as a
+# sweep may compare layouts.
+LAYOUT_FIELDS = frozenset(
+    {"embeddings.sharding", "embeddings.per_table", "embeddings.profile", "embeddings.host_size"}
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,18 +1,31 @@
-"""Checkpoints with orbax (the only module that imports it).
+"""Checkpoints with orbax (the only module that imports it), verified on restore.
 
-A checkpoint of step ``s`` holds the items ``params``, ``opt_state`` and, for models with
+A checkpoint of step ``s`` holds the items ``params``, ``opt_state``, ``rng`` and, for models with
 BatchNorm, ``batch_stats`` (pytrees of arrays, restored onto whatever shardings the caller asks
-for, so a run can resume on another mesh) and ``meta`` (JSON: the step). Evaluation restores
-the model's items (``params``, ``batch_stats``) alone. Empty trees are not written.
+for, so a run can resume on another mesh) and ``meta`` (JSON: the step, the data position, ...).
+Evaluation restores the model's items (``params``, ``batch_stats``) alone. Empty trees are not
+written.
+
+Orbax writes a step into a temporary directory and renames it when every item is written, so a
+process killed mid-save leaves no step that ``latest_step`` reports. What orbax does not check
+is the bytes: a truncated or bit-flipped file can fail deep in tensorstore or, worse, load as
+garbage. So ``save`` records a fingerprint of every array (``fingerprints``) and of the meta
+itself, and ``restore`` recomputes and compares them: a mismatch, or any error reading the step,
+raises ``CheckpointCorruptError`` naming the step, the item's directory and the leaf.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 
@@ -24,8 +37,68 @@ def _abstract(tree: Any) -> Any:
     )
 
 
-ARRAY_ITEMS = ("params", "opt_state", "batch_stats")
+ARRAY_ITEMS = ("params", "opt_state", "batch_stats", "rng")
 """The pytree items a checkpoint may hold (besides ``meta``)."""
+
+_INTEGRITY_KEYS = ("fingerprints", "meta_crc32")
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint step that cannot be read, or whose contents differ from what was saved."""
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+def _as_uint32(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as uint32 words, one per element (narrower types zero-extended; 8-byte
+    types as a trailing axis of their two halves)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+    if bits is None:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+    """uint32 scalar: ``sum_i bits_i * w_i mod 2**32`` with odd weights ``w_i`` hashed from the
+    element's (row-major, wrapping) global index. Any change of one element changes it (odd
+    weights are invertible mod 2**32), and since integer addition is exact it is the same
+    whatever the array's sharding, so a checkpoint restored onto another mesh verifies against
+    the saved value. The index is built from per-axis iotas, so no reshape moves a sharded
+    array."""
+    words = _as_uint32(jnp.asarray(x))
+    idx = jnp.zeros(words.shape, jnp.uint32)
+    for axis, size in enumerate(words.shape):
+        idx = idx * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+    w = (idx * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)) ^ (idx >> 16)
+    return jnp.sum(words * (w | jnp.uint32(1)), dtype=jnp.uint32)
+
+
+@jax.jit
+def _fingerprints(tree: Any) -> Any:
+    return jax.tree.map(_fingerprint, tree)
+
+
+def fingerprints(trees: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """``{item: {leaf path: fingerprint}}`` of the arrays of ``trees`` (one device round trip)."""
+    out = {}
+    for item, tree in trees.items():
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not flat:
+            continue
+        values = jax.device_get(_fingerprints([v for _, v in flat]))
+        out[item] = {
+            jax.tree_util.keystr(p): int(v) for (p, _), v in zip(flat, values, strict=True)
+        }
+    return out
+
+
+def _meta_crc(meta: dict) -> int:
+    body = {k: v for k, v in meta.items() if k != "meta_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
 class Checkpointer:
@@ -49,35 +122,119 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        return sorted(self._manager.all_steps())
 
     def save(self, step: int, trees: dict[str, Any], meta: dict, *, force: bool = True) -> None:
         """Starts saving ``step`` (asynchronously if configured); arrays are copied before return.
 
-        ``trees`` maps item names (``ARRAY_ITEMS``) to pytrees; empty ones are skipped.
+        ``trees`` maps item names (``ARRAY_ITEMS``) to pytrees; empty ones are skipped. ``meta``
+        gets the arrays' fingerprints and its own CRC added.
         """
         unknown = set(trees) - set(ARRAY_ITEMS)
         if unknown:
             raise ValueError(f"unknown checkpoint items {sorted(unknown)}; known: {ARRAY_ITEMS}")
-        items = {k: ocp.args.StandardSave(v) for k, v in trees.items() if jax.tree.leaves(v)}
+        clash = set(_INTEGRITY_KEYS) & set(meta)
+        if clash:
+            raise ValueError(f"meta keys {sorted(clash)} are reserved for the checkpoint's checks")
+        trees = {k: v for k, v in trees.items() if jax.tree.leaves(v)}
+        meta = {**meta, "fingerprints": fingerprints(trees)}
+        meta["meta_crc32"] = _meta_crc(meta)
+        items = {k: ocp.args.StandardSave(v) for k, v in trees.items()}
         self._manager.save(
             step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=force
         )
 
+    def read_meta(self, step: int) -> dict:
+        """The verified ``meta`` of ``step`` (without the integrity fields)."""
+        self._check_step(step)
+        out = self._read(step, {"meta": ocp.args.JsonRestore()})
+        return self._verified_meta(step, out["meta"])
+
     def restore(self, step: int, likes: dict[str, Any]) -> tuple[dict[str, Any], dict]:
         """Restores the items named in ``likes`` onto the shapes, dtypes and shardings of the trees
-        there (an empty tree comes back as it is, unread). Returns ``(trees, meta)``."""
+        there (an empty tree comes back as it is, unread) and verifies them against the
+        fingerprints saved with them. Returns ``(trees, meta)``; raises
+        ``CheckpointCorruptError`` if the step cannot be read or differs from what was saved."""
         self._check_step(step)
         wanted = {k: v for k, v in likes.items() if jax.tree.leaves(v)}
-        out = self._manager.restore(
+        out = self._read(
             step,
-            args=ocp.args.Composite(
+            {
                 **{k: ocp.args.StandardRestore(_abstract(v)) for k, v in wanted.items()},
-                meta=ocp.args.JsonRestore(),
-            ),
+                "meta": ocp.args.JsonRestore(),
+            },
         )
+        meta = self._verified_meta(step, out["meta"])
+        saved = out["meta"].get("fingerprints")
+        if saved is not None:
+            got = fingerprints({k: out[k] for k in wanted})
+            for item in wanted:
+                for leaf, value in got.get(item, {}).items():
+                    expected = saved.get(item, {}).get(leaf)
+                    if expected != value:
+                        raise CheckpointCorruptError(
+                            f"checkpoint step {step} is corrupt: {self._item_dir(step, item)} "
+                            f"leaf {leaf or '<root>'} reads back with fingerprint {value}, saved "
+                            f"{expected}",
+                            step=step,
+                        )
         trees = {k: (out[k] if k in wanted else v) for k, v in likes.items()}
-        return trees, dict(out["meta"])
+        return trees, meta
+
+    def restore_latest(
+        self, likes: dict[str, Any], *, fallback: bool = False
+    ) -> tuple[int, dict[str, Any], dict] | None:
+        """``(step, trees, meta)`` of the latest step (``None`` without any). A corrupt latest step
+        raises, or with ``fallback`` is reported with a warning and the step before it is tried
+        (and so on); the corrupt steps are left on disk for inspection."""
+        steps = self.all_steps()
+        for step in reversed(steps):
+            try:
+                trees, meta = self.restore(step, likes)
+            except CheckpointCorruptError as e:
+                if not fallback:
+                    raise
+                msg = f"{e}; falling back to the previous checkpoint (train.checkpoint_fallback)"
+                warnings.warn(msg, stacklevel=2)
+                print(f"WARNING: {msg}", file=sys.stderr)
+                continue
+            return step, trees, meta
+        if steps:
+            raise CheckpointCorruptError(
+                f"every checkpoint in {self.directory} is corrupt (steps {steps})", step=steps[0]
+            )
+        return None
+
+    def _read(self, step: int, args: dict[str, Any]) -> dict:
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**args))
+        except Exception as e:  # orbax / tensorstore / json: whatever the damage raised
+            raise CheckpointCorruptError(
+                f"checkpoint step {step} in {self.directory / str(step)} cannot be read "
+                f"({type(e).__name__}: {_first_line(e)})",
+                step=step,
+            ) from e
+
+    def _verified_meta(self, step: int, raw: Any) -> dict:
+        meta = dict(raw)
+        where = self._item_dir(step, "meta")
+        if "meta_crc32" in meta and meta["meta_crc32"] != _meta_crc(meta):
+            raise CheckpointCorruptError(
+                f"checkpoint step {step} is corrupt: {where} fails its CRC", step=step
+            )
+        if ("meta_crc32" in meta) != ("fingerprints" in meta):
+            raise CheckpointCorruptError(
+                f"checkpoint step {step} is corrupt: {where} lacks half of its integrity fields",
+                step=step,
+            )
+        if meta.get("step", step) != step:
+            raise CheckpointCorruptError(
+                f"checkpoint step {step} is corrupt: {where} says step {meta['step']}", step=step
+            )
+        return {k: v for k, v in meta.items() if k not in _INTEGRITY_KEYS}
+
+    def _item_dir(self, step: int, item: str) -> Path:
+        return self.directory / str(step) / item
 
     def _check_step(self, step: int) -> None:
         steps = self.all_steps()
@@ -93,3 +250,8 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:500] if text else ""

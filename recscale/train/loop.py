@@ -38,6 +38,7 @@ from recscale.train.checkpoint import Checkpointer
 from recscale.train.steps import (
     SparseOptimizer,
     TrainState,
+    initial_rng,
     make_eval_step,
     make_sparse_train_step,
     make_train_step,
@@ -144,6 +145,7 @@ class Experiment:
             params=sharding.state_shardings(abstract_params),
             opt_state=sharding.state_shardings(abstract_opt) if tx is not None else None,
             batch_stats=sharding.state_shardings(abstract_stats),
+            rng=sharding.replicated(),
         )
 
         @functools.partial(jax.jit, out_shardings=state_sharding)
@@ -155,6 +157,7 @@ class Experiment:
                 params=params,
                 opt_state=opt_state,
                 batch_stats=batch_stats,
+                rng=initial_rng(cfg.train.seed),
             )
 
         abstract_state = jax.eval_shape(init)
@@ -209,6 +212,22 @@ class Experiment:
             )
             acc.update(logits, labels, weights)
         return acc.result()
+
+
+def _state_items(state: TrainState) -> dict[str, Any]:
+    """The checkpoint items of a (possibly abstract) train state; the step goes in the meta."""
+    return {
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "batch_stats": state.batch_stats,
+        "rng": {"key_data": state.rng},  # orbax saves pytrees, not bare arrays
+    }
+
+
+def _state_from(trees: dict[str, Any], step: int) -> TrainState:
+    """A train state at ``step`` from restored checkpoint items (``_state_items``)."""
+    step_arr = jax.device_put(jnp.asarray(step, jnp.int32), sharding.replicated())
+    return TrainState(step=step_arr, **{**trees, "rng": trees["rng"]["key_data"]})
 
 
 def _has_checkpoints(workdir: Path) -> bool:
@@ -274,7 +293,7 @@ def _config_diffs(old: Any, new: Any, path: str = "") -> list[str]:
         for k in sorted(set(old) | set(new)):
             out += _config_diffs(old.get(k), new.get(k), f"{path}.{k}" if path else k)
         return out
-    if old == new or path in config_lib.NON_SEMANTIC_FIELDS:
+    if old == new or path in config_lib.NON_SEMANTIC_FIELDS or path in config_lib.LAYOUT_FIELDS:
         return []
     return [f"{path}: saved {old!r}, now {new!r}"]
 
@@ -313,15 +332,21 @@ def _progress(enabled: bool, total: int, start: int):
     return prog, task
 
 
-def _prefetch(source: DataSource, start: int, stop: int) -> Iterator[tuple[int, Batch]]:
-    """Host batches for steps [start, stop), produced one step ahead on a thread."""
+def _prefetch(
+    source: DataSource, start: int, stop: int, data_offset: int = 0
+) -> Iterator[tuple[int, Batch]]:
+    """``(step, host batch)`` for steps [start, stop), step ``s`` getting the stream's batch
+    ``s + data_offset``, produced one step ahead on a thread."""
     from concurrent.futures import ThreadPoolExecutor
 
+    def get(step: int) -> Batch:
+        return source.train_batch(step + data_offset)
+
     with ThreadPoolExecutor(max_workers=1) as pool:
-        fut = pool.submit(source.train_batch, start) if start < stop else None
+        fut = pool.submit(get, start) if start < stop else None
         for step in range(start, stop):
             batch = fut.result()
-            fut = pool.submit(source.train_batch, step + 1) if step + 1 < stop else None
+            fut = pool.submit(get, step + 1) if step + 1 < stop else None
             yield step, batch
 
 
@@ -450,20 +475,11 @@ def train(
         # Restore order: this run's latest checkpoint, then another run's parameters, then fresh.
         abstract = exp.abstract_state
         restored_meta: dict = {}
-        latest = ckpt.latest_step()
+        latest = ckpt.restore_latest(_state_items(abstract), fallback=tcfg.checkpoint_fallback)
         if latest is not None:
-            trees, meta = ckpt.restore(
-                latest,
-                {
-                    "params": abstract.params,
-                    "opt_state": abstract.opt_state,
-                    "batch_stats": abstract.batch_stats,
-                },
-            )
-            step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), sharding.replicated())
-            state = TrainState(step=step, **trees)
-            restored_meta = meta
-            print(f"restored checkpoint step {latest} from {ckpt.directory}", file=sys.stderr)
+            latest_step, trees, restored_meta = latest
+            state = _state_from(trees, restored_meta["step"])
+            print(f"restored checkpoint step {latest_step} from {ckpt.directory}", file=sys.stderr)
         elif tcfg.init_from:
             src = Checkpointer(Path(tcfg.init_from) / "checkpoints", async_save=False)
             src_step = src.latest_step()
@@ -474,44 +490,45 @@ def train(
             )
             src.close()
             init_opt = jax.jit(exp.tx.init, out_shardings=exp.state_sharding.opt_state)
-            step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated())
-            state = TrainState(step=step, opt_state=init_opt(trees["params"]), **trees)
+            state = _state_from(
+                {
+                    **trees,
+                    "opt_state": init_opt(trees["params"]),
+                    "rng": {"key_data": initial_rng(tcfg.seed)},
+                },
+                0,
+            )
             print(f"initialised parameters from {src.directory} step {src_step}", file=sys.stderr)
         else:
             state = exp.init_state()
         start = int(state.step)
+        # The next batch's index in the training stream: the step, unless a checkpoint says
+        # otherwise (it always records it: ``data_position``).
+        data_offset = restored_meta.get("data_position", start) - start
         write_run_info(workdir, start)
 
         make_step = (
             make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
         )
         train_step = jax.jit(
-            make_step(exp.graphdef, exp.tx, tcfg.seed, nonfinite=tcfg.nonfinite),
+            make_step(exp.graphdef, exp.tx, nonfinite=tcfg.nonfinite),
             in_shardings=(exp.state_sharding, None),
             out_shardings=(exp.state_sharding, None),
             donate_argnums=(0,),
         )
 
         def save(step: int, state: TrainState) -> None:
-            trees = {
-                "params": state.params,
-                "opt_state": state.opt_state,
-                "batch_stats": state.batch_stats,
+            meta = {
+                "step": step,
+                "data_position": step + data_offset,
+                "nonfinite_total": guard.total,
             }
-            ckpt.save(step, trees, {"step": step, "nonfinite_total": guard.total})
+            ckpt.save(step, _state_items(state), meta)
 
         def restore(ckpt_step: int, at_step: int) -> TrainState:
             ckpt.wait()  # an asynchronous save of that step may still be in flight
-            trees, _ = ckpt.restore(
-                ckpt_step,
-                {
-                    "params": abstract.params,
-                    "opt_state": abstract.opt_state,
-                    "batch_stats": abstract.batch_stats,
-                },
-            )
-            step = jax.device_put(jnp.asarray(at_step, jnp.int32), sharding.replicated())
-            return TrainState(step=step, **trees)
+            trees, _ = ckpt.restore(ckpt_step, _state_items(abstract))
+            return _state_from(trees, at_step)
 
         guard = _NonfiniteGuard(tcfg, total=restored_meta.get("nonfinite_total", 0))
         prog, task = _progress(tcfg.progress, tcfg.num_steps, start)
@@ -525,7 +542,7 @@ def train(
         with prog, _SigtermFlag() as sigterm, _closed_on_error(ckpt):
             while start < tcfg.num_steps and not preempted:
                 rollback = None
-                for step, host_batch in _prefetch(exp.source, start, tcfg.num_steps):
+                for step, host_batch in _prefetch(exp.source, start, tcfg.num_steps, data_offset):
                     state, metrics = train_step(state, exp.device_batch(host_batch))
                     pending.append((step, metrics))
                     done = step + 1

@@ -1,7 +1,8 @@
 """TrainState and the pure train / eval steps.
 
-``train_step(state, batch) -> (state, metrics)`` is a pure function: the dropout key is
-``fold_in(key(seed), step)``, data is an argument, so a resumed run replays bitwise.
+``train_step(state, batch) -> (state, metrics)`` is a pure function: the dropout key is split
+off ``state.rng`` (checkpointed with the rest of the state), data is an argument, so a resumed run
+replays bitwise.
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ class TrainState:
     batch_stats: Any
     """nnx.State of the model's non-trained statistics (``nnx.BatchStat``: BatchNorm running
     mean/variance), updated by the forward pass; an empty State for models without any."""
+    rng: jax.Array
+    """The random stream's key data (``jax.random.key_data``; ``initial_rng(seed)`` at step 0):
+    each step splits its dropout key off and carries the rest on."""
+
+
+def initial_rng(seed: int) -> jax.Array:
+    """``TrainState.rng`` of a fresh run."""
+    return jax.random.key_data(jax.random.key(seed))
+
+
+def _split_rng(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the next ``TrainState.rng``, this step's dropout key)."""
+    carry, key = jax.random.split(jax.random.wrap_key_data(rng))
+    return jax.random.key_data(carry), key
 
 
 def weighted_bce(logits_b: jax.Array, labels_b: jax.Array, weights_b: jax.Array) -> jax.Array:
@@ -65,24 +80,19 @@ def _check_mode(nonfinite: str) -> None:
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    seed: int,
-    *,
-    nonfinite: str = "skip",
+    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, nonfinite: str = "skip"
 ):
     """The pure train step for a model ``graphdef`` and optimizer ``tx``.
 
     A step whose loss or gradients are not all finite is, unless ``nonfinite="ignore"``,
     skipped: parameters, optimizer state (Adam's count and moments included) and BatchNorm
-    statistics come back bitwise unchanged, only ``step`` advances; ``metrics["nonfinite"]``
+    statistics come back bitwise unchanged, only ``step`` and ``rng`` advance; ``metrics["nonfinite"]``
     is 1.0 for it (0.0 otherwise). The selection reads whole tables here, as this path's
     optax update does anyway; the engine path (``make_sparse_train_step``) never does.
     ``optax.apply_if_finite`` is not used: it checks gradients only and leaves the BatchNorm
     statistics a NaN input has already corrupted.
     """
     _check_mode(nonfinite)
-    base_key = jax.random.key(seed)
 
     def loss_fn(params, batch_stats, batch: Batch, dropout_key):
         # copy=True: fresh Variables at this trace level, so BatchNorm may update its statistics.
@@ -92,7 +102,7 @@ def make_train_step(
         return loss, nnx.state(model, nnx.BatchStat)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        dropout_key = jax.random.fold_in(base_key, state.step)
+        rng, dropout_key = _split_rng(state.rng)
         (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, state.batch_stats, batch, dropout_key
         )
@@ -113,7 +123,11 @@ def make_train_step(
             "nonfinite": 1.0 - ok.astype(jnp.float32),
         }
         new = TrainState(
-            step=state.step + 1, params=params, opt_state=opt_state, batch_stats=batch_stats
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            batch_stats=batch_stats,
+            rng=rng,
         )
         return new, metrics
 
@@ -148,9 +162,7 @@ def _buffer_path(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
 
-def make_sparse_train_step(
-    graphdef: nnx.GraphDef, tx: SparseOptimizer, seed: int, *, nonfinite: str = "skip"
-):
+def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, *, nonfinite: str = "skip"):
     """The train step of an engine-backed model: gradients with respect to the pooled outputs
     of the tables' slots (the engine's deltas), never a whole table; the rows they read are
     updated in place.
@@ -162,10 +174,9 @@ def make_sparse_train_step(
     (Adam's moments do not decay), and no whole table is read or selected.
     """
     _check_mode(nonfinite)
-    base_key = jax.random.key(seed)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        dropout_key = jax.random.fold_in(base_key, state.step)
+        rng, dropout_key = _split_rng(state.rng)
         emb, dense = nnx.split_state(state.params, EmbeddingTable, ...)
 
         def forward(dense_params, deltas):
@@ -240,6 +251,7 @@ def make_sparse_train_step(
             params=params,
             opt_state={"dense": dense_state, "embedding": emb_state},
             batch_stats=batch_stats,
+            rng=rng,
         )
         return new, metrics
 

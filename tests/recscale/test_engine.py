@@ -31,7 +31,13 @@ from recscale.config import (
 )
 from recscale.embeddings import engine
 from recscale.train.loop import make_optimizer, train
-from recscale.train.steps import TrainState, make_eval_step, make_sparse_train_step, make_train_step
+from recscale.train.steps import (
+    TrainState,
+    initial_rng,
+    make_eval_step,
+    make_sparse_train_step,
+    make_train_step,
+)
 
 TYPES = (
     "data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
@@ -96,9 +102,9 @@ def _build(cfg, schema, spec):
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     tx = make_optimizer(cfg, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                       opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
+                       opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
     make = make_sparse_train_step if spec else make_train_step
-    return model, graphdef, state, make(graphdef, tx, 0)
+    return model, graphdef, state, make(graphdef, tx)
 
 
 def _run(cfg, batches):

@@ -31,7 +31,12 @@ from recscale.config import (
 from recscale.embeddings import engine
 from recscale.kernels import common
 from recscale.train.loop import make_optimizer
-from recscale.train.steps import TrainState, make_eval_step, make_sparse_train_step
+from recscale.train.steps import (
+    TrainState,
+    initial_rng,
+    make_eval_step,
+    make_sparse_train_step,
+)
 from wukong import model as wukong_model
 from wukong.config import WukongConfig, WukongModelConfig
 
@@ -84,8 +89,8 @@ def _state_and_step(cfg, build):
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     tx = make_optimizer(cfg, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                       opt_state=tx.init(params), batch_stats=stats)  # fmt: skip
-    return graphdef, state, jax.jit(make_sparse_train_step(graphdef, tx, 0), donate_argnums=0)
+                       opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
+    return graphdef, state, jax.jit(make_sparse_train_step(graphdef, tx), donate_argnums=0)
 
 
 def _train(family: str, impl: str, devices: int):

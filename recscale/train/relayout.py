@@ -1,0 +1,494 @@
+"""Restore a training state saved under one embedding layout onto another.
+
+The engine's tables live in per-width buffers laid out by a plan of (device count, sharding
+types, placement), and so does their optimizer state: row-wise Adagrad keeps one accumulator
+per buffer row (``acc [N·R]``; every column shard of a column-split row holds that row's value,
+since the update sums the row's squares over the shards), lazy Adam moments are shaped like the
+buffer (``m``, ``v [N·R, w]``). A checkpoint records the layout it was saved under
+(``layout_meta``, in its meta under ``"layout"``); ``restore_relaid`` restores it onto another
+device count, sharding type or per-table pins:
+
+1. the saved plan is rebuilt on an abstract mesh of the saved device count (the planner is a
+   pure function of the tables, the device count and the engine spec, all recorded);
+2. the checkpoint is restored with the saved structure: dense parameters, their optax state and
+   the BatchNorm statistics straight onto the new shardings (their shapes do not depend on the
+   layout), the saved buffers and their optimizer state onto a row sharding over the new
+   mesh's devices (as many as divide their rows: **staging**);
+3. table by table, in chunks of rows, each table's rows (and accumulators / moments) are
+   gathered from the staging arrays to the host and scattered into the new layout's arrays,
+   created in their shardings (rows the new layout does not use keep their initial values:
+   zero rows, ``initial_accumulator``, zero moments, as a fresh state has them).
+
+Every copy moves bits (no arithmetic), so a restored state is bitwise the saved one, and a
+round trip A -> B -> A gives the original arrays. The host holds one chunk of one table at a
+time; the devices hold the staging arrays and the new ones (twice the embedding state) until
+the function returns.
+
+Refused (``ValueError`` naming the change): the engine turned on or off (per-table arrays and
+their optax state against buffers and sparse state), a changed ``storage_dtype`` (not exact), a
+changed embedding optimizer (another state). The engine ``off`` path needs no re-layout: its
+tables are one array each, whose shape is the same on any device count dividing 64 (rows are
+padded to ``lcm(64, devices)``), so orbax restores them onto the new shardings.
+
+Dimension glossary: ``V`` table rows, ``D`` table width, ``w`` buffer width, ``C`` rows of a
+chunk, ``N`` devices, ``R`` rows per device block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from recscale import config as config_lib
+from recscale import sharding
+from recscale.embeddings import engine
+
+AXIS = sharding.DATA_AXIS
+CHUNK_ROWS = 1 << 16
+"""Most table rows moved through the host at once."""
+_MIN_CHUNK = 1 << 10  # smaller tables share one compiled gather / scatter per array
+_PLAN_FIELDS = ("sharding", "per_table", "profile", "host_size", "storage_dtype", "optimizer",
+                "batch_size")  # fmt: skip
+"""The engine spec's fields the plan depends on (kernels and ``comm_dtype`` do not move rows)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout descriptions.
+
+
+def _device_count(cfg: Any) -> int:
+    mesh = sharding.active_mesh()
+    if mesh is not None:
+        return int(mesh.shape[AXIS])
+    n = cfg.mesh.data_parallel
+    return jax.device_count() if n == -1 else n
+
+
+def layout_meta(cfg: Any, *, device_count: int | None = None) -> dict:
+    """JSON-able description of the layout a checkpoint of ``cfg`` is saved under.
+
+    ``{"device_count": devices on the mesh's data axis (the active mesh's, else
+    ``cfg.mesh.data_parallel`` resolved), "embeddings": config_lib.to_dict(cfg.embeddings),
+    "engine": the engine spec's plan inputs with the hardware profile resolved (None: engine
+    off)}``. ``device_count`` overrides the count (e.g. the training mesh's, known from
+    ``run_info.json``, for checkpoints written without a layout).
+    """
+    spec = engine.EngineSpec.from_config(cfg)
+    plan = None
+    if spec is not None:
+        spec = dataclasses.replace(spec, profile=spec.profile or engine.default_profile())
+        plan = {k: config_lib.to_dict(getattr(spec, k)) for k in _PLAN_FIELDS}
+    return {
+        "device_count": int(device_count or _device_count(cfg)),
+        "embeddings": config_lib.to_dict(cfg.embeddings),
+        "engine": plan,
+    }
+
+
+def _checked(saved: Any) -> dict:
+    if not isinstance(saved, dict) or not {"device_count", "engine"} <= set(saved):
+        raise ValueError(
+            f"not a layout description (relayout.layout_meta): {saved!r}; expected the keys "
+            "device_count, embeddings, engine"
+        )
+    return saved
+
+
+def _layout_key(meta: dict) -> tuple:
+    if meta["engine"] is None:  # one array per table: any device count restores through orbax
+        return ("off",)
+    e = meta["engine"]
+    return (int(meta["device_count"]), *(config_lib.to_dict(e.get(k)) for k in _PLAN_FIELDS))
+
+
+def needs_relayout(saved: dict | None, cfg: Any) -> bool:
+    """Whether a checkpoint saved under layout ``saved`` (``layout_meta``; None: unrecorded,
+    taken to be ``cfg``'s) must go through ``restore_relaid`` to be restored for ``cfg`` on the
+    active mesh: the engine's plan inputs or device count changed, or the engine was turned on or
+    off (which ``restore_relaid`` refuses with the reason)."""
+    if saved is None:
+        return False
+    return _layout_key(_checked(saved)) != _layout_key(layout_meta(cfg))
+
+
+def check_relayout(saved: dict, cfg: Any) -> None:
+    """Raises ``ValueError`` naming what changed when a state saved under ``saved`` cannot be
+    re-laid out for ``cfg`` exactly (see the module docstring)."""
+    saved = _checked(saved)
+    now = layout_meta(cfg)
+    old_e, new_e = saved["engine"], now["engine"]
+    old_kind = saved.get("embeddings", {}).get("sharding", "off" if old_e is None else "?")
+    if (old_e is None) != (new_e is None):
+        raise ValueError(
+            f"cannot restore across the embedding engine being turned "
+            f"{'on' if old_e is None else 'off'}: the checkpoint was saved with "
+            f"embeddings.sharding={old_kind!r}, the run has {cfg.embeddings.sharding!r} "
+            "(per-table arrays with their optax state and the engine's buffers with their "
+            "sparse optimizer state do not convert); resume with the saved setting"
+        )
+    if old_e is None:
+        return
+    for key, field in (("storage_dtype", "embeddings.storage_dtype"),
+                       ("optimizer", "embedding_optim.name")):  # fmt: skip
+        if old_e[key] != new_e[key]:
+            why = (
+                "re-laying out moves bits; converting the stored tables is not exact"
+                if key == "storage_dtype"
+                else "the tables' optimizer state has another form"
+            )
+            raise ValueError(
+                f"cannot re-lay out the checkpoint: {field} changed from {old_e[key]!r} to "
+                f"{new_e[key]!r} ({why}); resume with {field}={old_e[key]!r}"
+            )
+
+
+def _saved_spec(saved: dict, now: engine.EngineSpec) -> engine.EngineSpec:
+    e = saved["engine"]
+    return dataclasses.replace(
+        now, **{k: tuple(e[k]) if k == "per_table" else e[k] for k in _PLAN_FIELDS}
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Restore.
+
+
+def restore_relaid(
+    ckpt: Any,
+    step: int,
+    exp: Any,
+    cfg: Any,
+    build_model: Any,
+    saved: dict,
+    *,
+    with_opt_state: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``{"params", "opt_state", "batch_stats"}`` of checkpoint ``step`` (saved under layout
+    ``saved``), laid out for ``exp``'s active mesh and engine.
+
+    Call inside ``sharding.activate`` of the new layout, with ``exp`` built there (with its
+    optimizer unless ``with_opt_state=False``, which leaves ``opt_state`` None). ``extra``:
+    further checkpoint items restored as they are, onto the abstract trees given (e.g.
+    ``{"rng": ...}``), returned under their names. Raises ``ValueError`` for the refused changes
+    (``check_relayout``).
+    """
+    check_relayout(saved, cfg)
+    abstract = exp.abstract_state
+    likes: dict[str, Any] = {"batch_stats": abstract.batch_stats, **(extra or {})}
+    if with_opt_state:
+        if exp.tx is None:
+            raise ValueError("with_opt_state=True needs an Experiment built with its optimizer")
+    n_old = int(saved["device_count"])
+    mesh = jax.sharding.AbstractMesh((n_old,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    old_spec = None if saved["engine"] is None else _saved_spec(saved, sharding.active_engine())
+    with sharding.activate(mesh, cfg.mesh.rules, engine=old_spec):
+        old_model = nnx.eval_shape(
+            lambda: build_model(cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
+        )
+    old_params = nnx.state(old_model, nnx.Param)
+    if old_spec is None:
+        _check_same_shapes(old_params, abstract.params, n_old)
+        likes["params"] = abstract.params
+        if with_opt_state:
+            likes["opt_state"] = abstract.opt_state
+        trees, _ = ckpt.restore(step, likes)
+        return {"opt_state": None, **trees}
+    if jax.process_count() > 1:
+        raise NotImplementedError("re-laying out engine tables needs a single process")
+
+    old_colls = _collections(old_model)
+    new_colls = _collections(nnx.merge(exp.graphdef, abstract.params, abstract.batch_stats))
+    if set(old_colls) != set(new_colls):
+        raise ValueError(f"embedding collections differ: saved {sorted(old_colls)}, "
+                         f"now {sorted(new_colls)}")  # fmt: skip
+    old_buffers = {
+        path + ("buffers", bl.key): bl for path, c in old_colls.items() for bl in c.layout.buffers
+    }
+    target = {path: _value(var) for path, var in nnx.to_flat_state(abstract.params)}
+    leaves = []
+    for path, var in nnx.to_flat_state(old_params):
+        v = _value(var)
+        if path in old_buffers:
+            value = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=_staging(v.shape))
+        elif path in target and target[path].shape == v.shape:
+            value = target[path]
+        else:
+            raise ValueError(f"parameter {_name(path)} of the saved model has no counterpart of "
+                             f"shape {v.shape} in this model")  # fmt: skip
+        leaves.append((path, var.replace(value)))
+    likes["params"] = nnx.from_flat_state(leaves)
+    if with_opt_state:
+        old_opt = jax.eval_shape(exp.tx.init, old_params)
+        likes["opt_state"] = {
+            "dense": abstract.opt_state["dense"],
+            "embedding": jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_staging(x.shape)),
+                old_opt["embedding"],
+            ),
+        }
+    trees, _ = ckpt.restore(step, likes)
+
+    restored = {path: _value(var) for path, var in nnx.to_flat_state(trees["params"])}
+    new_arrays: dict[tuple, jax.Array] = {}
+    new_state: dict[str, dict[str, jax.Array]] = {}
+    init_acc = cfg.embedding_optim.initial_accumulator
+    for path, new in new_colls.items():
+        old = old_colls[path]
+        _check_same_tables(old, new, path)
+        src, src_state, dst, dst_state = {}, {}, {}, {}
+        for bl in old.layout.buffers:
+            p = path + ("buffers", bl.key)
+            src[bl.key] = restored.pop(p)
+            if with_opt_state:
+                src_state[bl.key] = {
+                    k: _value(v) for k, v in trees["opt_state"]["embedding"][_key(p)].items()
+                }
+        for bl in new.layout.buffers:
+            p = path + ("buffers", bl.key)
+            dst[bl.key] = _full(target[p], 0)
+            if with_opt_state:
+                dst_state[bl.key] = {
+                    k: _full(_value(v), init_acc if k == "acc" else 0)
+                    for k, v in abstract.opt_state["embedding"][_key(p)].items()
+                }
+        _copy_tables(old, new, src, src_state, dst, dst_state)
+        for a in jax.tree.leaves((src, src_state)):
+            a.delete()  # the staging copy is no longer needed
+        for bl in new.layout.buffers:
+            p = path + ("buffers", bl.key)
+            new_arrays[p] = dst[bl.key]
+            new_state[_key(p)] = dst_state.get(bl.key, {})
+
+    out_leaves = []
+    for path, var in nnx.to_flat_state(abstract.params):
+        value = new_arrays[path] if path in new_arrays else restored[path]
+        out_leaves.append((path, var.replace(value)))
+    out = {**trees, "params": nnx.from_flat_state(out_leaves), "opt_state": None}
+    if with_opt_state:
+        emb = {
+            p: {k: var.replace(new_state[p][k]) for k, var in per.items()}
+            for p, per in abstract.opt_state["embedding"].items()
+        }
+        out["opt_state"] = {"dense": trees["opt_state"]["dense"], "embedding": emb}
+    return out
+
+
+def _value(var: Any) -> Any:
+    return var.get_value() if hasattr(var, "get_value") else var
+
+
+def _name(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+_key = _name  # SparseOptimizer's key of a buffer's state: the buffer's path, "/"-joined
+
+
+def _collections(model: nnx.Module) -> dict[tuple, Any]:
+    """``{module path: collection}`` of the engine-backed embedding collections of ``model``."""
+    return {
+        tuple(path): m
+        for path, m in nnx.iter_modules(model)
+        if getattr(m, "layout", None) is not None
+    }
+
+
+def _check_same_shapes(old: Any, new: Any, n_old: int) -> None:
+    shapes = {path: _value(v).shape for path, v in nnx.to_flat_state(new)}
+    for path, var in nnx.to_flat_state(old):
+        shape = _value(var).shape
+        if shapes.get(path) != shape:
+            raise ValueError(
+                f"parameter {_name(path)} was saved with shape {shape} on {n_old} devices and "
+                f"has shape {shapes.get(path)} here: per-table rows are padded to a multiple of "
+                f"lcm({sharding.ROW_PAD_MULTIPLE}, devices); use a device count that keeps it"
+            )
+
+
+def _check_same_tables(old: Any, new: Any, path: tuple) -> None:
+    def specs(c):
+        by_table = {f.table: f.name for f in c.feature_specs}
+        return [(t.name, t.num_rows, t.dim, by_table.get(t.name)) for t in c.table_specs]
+
+    if specs(old) != specs(new):
+        raise ValueError(
+            f"embedding collection {_name(path) or 'model'}: the saved tables {specs(old)} differ "
+            f"from this model's {specs(new)}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Moving rows.
+
+
+def _staging(shape: tuple[int, ...]) -> NamedSharding:
+    """Rows over as many of the active mesh's devices as divide them (all of them, usually)."""
+    devices = sharding.active_mesh().devices.reshape(-1)
+    g = math.gcd(shape[0], devices.size)
+    mesh = jax.sharding.Mesh(devices[:g], (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    return NamedSharding(mesh, P(AXIS, *(None,) * (len(shape) - 1)))
+
+
+def _full(sds: jax.ShapeDtypeStruct, fill: float) -> jax.Array:
+    return _full_fn(tuple(sds.shape), jnp.dtype(sds.dtype), sds.sharding, float(fill))()
+
+
+@functools.lru_cache(maxsize=None)
+def _full_fn(shape, dtype, s, fill):
+    return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=s)
+
+
+def _row_axis(s: NamedSharding) -> str | None:
+    """The mesh axis the rows (dimension 0) of an array with sharding ``s`` are split over."""
+    spec = tuple(s.spec)
+    ax = spec[0] if spec else None
+    if isinstance(ax, tuple):
+        ax = ax[0] if len(ax) == 1 else ax
+    if ax is not None and not isinstance(ax, str):
+        raise ValueError(f"rows split over several mesh axes {ax}: unsupported")
+    for rest in spec[1:]:
+        if rest is not None:
+            raise ValueError(f"sharding {s} splits more than the rows: unsupported")
+    return ax
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    word = {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, word).astype(jnp.uint32)
+
+
+def _from_bits(bits: jax.Array, dtype) -> jax.Array:
+    word = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
+    return jax.lax.bitcast_convert_type(bits.astype(word), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_fn(s: NamedSharding, dtype):
+    """``f(arr, idx [C]) -> arr[idx]`` (replicated; rows of ``idx < 0`` zero) for arrays of
+    sharding ``s``: each device reads its own rows, and the rows meet in an integer ``psum`` of
+    their bits (one device contributes each row, the others zeros: exact, ``-0.0`` included)."""
+    ax = _row_axis(s)
+
+    def body(block, idx):
+        n = block.shape[0]
+        local = idx - (jax.lax.axis_index(ax) * n if ax else 0)
+        ok = (local >= 0) & (local < n)
+        rows = _bits(block[jnp.clip(local, 0, n - 1)])
+        rows = jnp.where(ok.reshape(-1, *(1,) * (rows.ndim - 1)), rows, 0)
+        if ax:
+            rows = jax.lax.psum(rows, ax)
+        return _from_bits(rows, dtype)
+
+    return jax.jit(
+        jax.shard_map(body, mesh=s.mesh, in_specs=(s.spec, P()), out_specs=P(), check_vma=False)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_fn(s: NamedSharding):
+    """``f(arr, idx [C], rows) -> arr`` with ``arr[idx] = rows`` (``idx < 0`` dropped) for arrays
+    of sharding ``s``, in place (donated): each device writes the rows in its block."""
+    ax = _row_axis(s)
+
+    def body(block, idx, rows):
+        n = block.shape[0]
+        local = idx - (jax.lax.axis_index(ax) * n if ax else 0)
+        local = jnp.where((local >= 0) & (local < n), local, n)
+        return block.at[local].set(rows.astype(block.dtype), mode="drop")
+
+    return jax.jit(
+        jax.shard_map(body, mesh=s.mesh, in_specs=(s.spec, P(), P()), out_specs=s.spec,
+                      check_vma=False),
+        donate_argnums=0,
+    )  # fmt: skip
+
+
+def _gather(arr: jax.Array, idx: np.ndarray) -> np.ndarray:
+    return np.asarray(_gather_fn(arr.sharding, arr.dtype)(arr, idx))
+
+
+def _scatter(arr: jax.Array, idx: np.ndarray, rows: np.ndarray) -> jax.Array:
+    return _scatter_fn(arr.sharding)(arr, idx, rows)
+
+
+def _column_groups(layout: engine.Layout, feature: int, num_rows: int):
+    """``[(buffer layout, first column, pos [V])]``: where a table's rows live, one entry per
+    column range (one for an unsplit table): ``pos[r]`` is row ``r``'s buffer row."""
+    groups: dict[tuple[str, int], tuple[Any, int, np.ndarray]] = {}
+    for bl in layout.buffers:
+        for d in range(1 if bl.replicated else layout.num_devices):
+            for s, f in enumerate(bl.feature[d]):
+                count = bl.row_count[d][s]
+                if f != feature or not count:
+                    continue
+                c0 = bl.col_start[d][s]
+                _, _, pos = groups.setdefault(
+                    (bl.key, c0), (bl, c0, np.full(num_rows, -1, np.int64))
+                )
+                r0 = bl.row_start[d][s]
+                pos[r0 : r0 + count] = d * bl.rows + bl.offset[d][s] + np.arange(count)
+    for bl, c0, pos in groups.values():
+        if (pos < 0).any():  # the planner covers every row of every column range
+            raise AssertionError(f"layout leaves rows of feature {feature} in {bl.key} unplaced")
+    return list(groups.values())
+
+
+def _copy_tables(old, new, src, src_state, dst, dst_state) -> None:
+    """Copies every table of collection ``old`` (arrays ``src``, optimizer state ``src_state``,
+    per buffer key) into collection ``new``'s arrays ``dst`` / ``dst_state``, in place."""
+    feature_of = {f.table: i for i, f in enumerate(old.feature_specs)}
+    new_feature_of = {f.table: i for i, f in enumerate(new.feature_specs)}
+    for t in old.table_specs:
+        groups_old = _column_groups(old.layout, feature_of[t.name], t.num_rows)
+        groups_new = _column_groups(new.layout, new_feature_of[t.name], t.num_rows)
+        chunk = min(max(1 << (t.num_rows - 1).bit_length(), _MIN_CHUNK), CHUNK_ROWS)
+        for a in range(0, t.num_rows, chunk):
+            b = min(a + chunk, t.num_rows)
+
+            def idx(pos, a=a, b=b):
+                out = np.full(chunk, -1, np.int32)
+                out[: b - a] = pos[a:b]
+                return out
+
+            rows = state = None
+            for bl, c0, pos in groups_old:
+                i = idx(pos)
+                part = _gather(src[bl.key], i)
+                if rows is None:
+                    rows = np.zeros((chunk, t.dim), part.dtype)
+                    state = {k: None for k in src_state.get(bl.key, {})}
+                rows[:, c0 : c0 + bl.width] = part
+                for k, arr in src_state.get(bl.key, {}).items():
+                    got = _gather(arr, i)
+                    if k == "acc":  # one value per row, held by every column shard of it
+                        if state[k] is None:
+                            state[k] = got
+                        elif not np.array_equal(_as_bits(state[k]), _as_bits(got)):
+                            raise ValueError(
+                                f"table {t.name!r}: the column shards' row-wise accumulators "
+                                f"differ (rows {a}..{b}); the checkpoint is inconsistent"
+                            )
+                    else:  # per element, like the rows
+                        if state[k] is None:
+                            state[k] = np.zeros((chunk, t.dim), got.dtype)
+                        state[k][:, c0 : c0 + bl.width] = got
+            for bl, c0, pos in groups_new:
+                i = idx(pos)
+                dst[bl.key] = _scatter(dst[bl.key], i, rows[:, c0 : c0 + bl.width])
+                for k in dst_state.get(bl.key, {}):
+                    value = state[k] if k == "acc" else state[k][:, c0 : c0 + bl.width]
+                    dst_state[bl.key][k] = _scatter(dst_state[bl.key][k], i, value)
+
+
+def _as_bits(x: np.ndarray) -> np.ndarray:
+    return x.view(np.uint32 if x.dtype.itemsize == 4 else np.uint16)
