@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,15 +184,17 @@ class Checkpointer:
         return trees, meta
 
     def restore_latest(
-        self, likes: dict[str, Any], *, fallback: bool = False
+        self, restore: Callable[[int], tuple[dict[str, Any], dict]], *, fallback: bool = False
     ) -> tuple[int, dict[str, Any], dict] | None:
-        """``(step, trees, meta)`` of the latest step (``None`` without any). A corrupt latest step
-        raises, or with ``fallback`` is reported with a warning and the step before it is tried
-        (and so on); the corrupt steps are left on disk for inspection."""
+        """``(step, trees, meta)`` of the latest step, read by ``restore(step)`` (e.g. a bound
+        ``self.restore`` with the targets, or a re-laying-out restore), or ``None`` without any
+        step. A corrupt latest step raises, or with ``fallback`` is reported with a warning and
+        the step before it is tried (and so on); corrupt steps are left on disk for
+        inspection."""
         steps = self.all_steps()
         for step in reversed(steps):
             try:
-                trees, meta = self.restore(step, likes)
+                trees, meta = restore(step)
             except CheckpointCorruptError as e:
                 if not fallback:
                     raise
@@ -210,8 +214,8 @@ class Checkpointer:
             return self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # orbax / tensorstore / json: whatever the damage raised
             raise CheckpointCorruptError(
-                f"checkpoint step {step} in {self.directory / str(step)} cannot be read "
-                f"({type(e).__name__}: {_first_line(e)})",
+                f"checkpoint step {step} in {self.directory / str(step)} cannot be read: "
+                f"{_describe(e)}",
                 step=step,
             ) from e
 
@@ -252,6 +256,11 @@ class Checkpointer:
         self._manager.close()
 
 
-def _first_line(e: BaseException) -> str:
+def _describe(e: BaseException) -> str:
+    """The error's first line, with the file and array a TensorStore read error names (its spec
+    holds the item directory's and the array's ``path``), without the spec itself."""
     text = str(e).strip()
-    return text.splitlines()[0][:500] if text else ""
+    first = (text.splitlines()[0] if text else "").split(" See full TensorStore details")[0]
+    paths = re.findall(r"'path': '([^']*)'", text)
+    where = f" [file {paths[0]}, array {paths[-1].rstrip('/')}]" if len(paths) >= 2 else ""
+    return f"{type(e).__name__}: {first[:500]}{where}"

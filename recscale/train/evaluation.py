@@ -17,6 +17,7 @@ import jax
 from recscale import config as config_lib
 from recscale import sharding
 from recscale.embeddings import engine
+from recscale.train import relayout
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.loop import BuildModel, Experiment
 
@@ -79,21 +80,25 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
             workdir=str(workdir),
         )
         abstract = exp.abstract_state
-        n_train = n
-        if spec is not None:
+        # The layout the checkpoint was saved under: recorded in its meta, or (checkpoints
+        # written before that) the run's config on the training mesh's device count.
+        meta = ckpt.read_meta(step)
+        saved = meta.get("layout")
+        if saved is None and spec is not None:
             n_train = cfg.mesh.data_parallel
             n_train = _trained_device_count(workdir) if n_train == -1 else n_train
-        if n_train != n:
-            # The engine's buffers are laid out for the training mesh: restore that layout on
-            # the host, then re-lay the tables out for this one.
-            params, batch_stats, meta = _restore_resharded(
-                ckpt, step, exp, cfg, build_model, n_train
+            saved = relayout.layout_meta(cfg, device_count=n_train)
+        if relayout.needs_relayout(saved, cfg):
+            # The engine's buffers are laid out for the training mesh and plan: restored there
+            # and re-laid out for this one, table by table.
+            trees = relayout.restore_relaid(
+                ckpt, step, exp, cfg, build_model, saved, with_opt_state=False
             )
         else:
-            trees, meta = ckpt.restore(
+            trees, _ = ckpt.restore(
                 step, {"params": abstract.params, "batch_stats": abstract.batch_stats}
             )
-            params, batch_stats = trees["params"], trees["batch_stats"]
+        params, batch_stats = trees["params"], trees["batch_stats"]
         graphdef = None
         if args.embeddings_int8:
             graphdef, params, batch_stats = quantize_embeddings_int8(exp.graphdef, params,
@@ -136,59 +141,3 @@ def _trained_device_count(workdir: Path) -> int:
             f"{info} is missing: cannot tell the mesh the engine's buffers need"
         )
     return int(json.loads(info.read_text())["starts"][-1]["device_count"])
-
-
-def _restore_resharded(ckpt, step, exp, cfg, build_model, n_train: int):
-    """Parameters of an engine run trained on ``n_train`` devices, laid out for ``exp``'s mesh.
-
-    The training layout is rebuilt from the config on an abstract mesh of ``n_train`` devices
-    (the plan is a pure function of the tables, the device count and the engine config), its
-    buffers are restored to the host, cut back into tables, and packed into this mesh's layout.
-    """
-    from flax import nnx  # noqa: PLC0415
-
-    spec = sharding.active_engine()
-    train_mesh = jax.sharding.AbstractMesh(
-        (n_train,), (sharding.DATA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,)
-    )
-    with sharding.activate(train_mesh, cfg.mesh.rules, engine=spec):
-        train_model = nnx.eval_shape(
-            lambda: build_model(cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
-        )
-    train_params = nnx.state(train_model, nnx.Param)
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
-                          train_params)  # fmt: skip
-    trees, meta = ckpt.restore(
-        step, {"params": target, "batch_stats": exp.abstract_state.batch_stats}
-    )
-    restored = trees["params"]
-    model = nnx.merge(exp.graphdef, exp.abstract_state.params, exp.abstract_state.batch_stats)
-    new_colls = engine.engine_collections(model)
-    old_colls = engine.engine_collections(train_model)
-    flat = dict(nnx.to_flat_state(restored))
-    out = {}
-    for path, _ in nnx.to_flat_state(exp.abstract_state.params):
-        if path in flat and "buffers" not in path:
-            out[path] = flat[path]
-    for key, coll in new_colls.items():
-        old = old_colls[key]
-        prefix = tuple(p for p in key.split("/") if p)
-        bufs = {bl.key: flat[prefix + ("buffers", bl.key)][...] for bl in old.layout.buffers}
-        tables = engine.export_tables(old.layout, bufs, old.table_specs, old.feature_specs)
-        names = [t.name for t in coll.table_specs]
-        index = {n: i for i, n in enumerate(names)}
-        new_bufs = engine.init_buffers(
-            coll.layout, lambda i, tables=tables, names=names: jax.numpy.asarray(tables[names[i]]),
-            [index[f.table] for f in coll.feature_specs], len(names),
-        )  # fmt: skip
-        for bl in coll.layout.buffers:
-            out[prefix + ("buffers", bl.key)] = new_bufs[bl.key]
-    params = jax.tree.map(lambda x: x, exp.abstract_state.params)  # a fresh State to fill
-    leaves = []
-    for path, var in nnx.to_flat_state(params):
-        value = out[path]
-        leaves.append((path, var.replace(value[...] if hasattr(value, "get_value") else value)))
-    params = nnx.from_flat_state(leaves)
-    params = jax.device_put(params, exp.state_sharding.params)
-    return params, trees["batch_stats"], meta

@@ -34,6 +34,7 @@ from recscale import config as config_lib
 from recscale import optim, sharding
 from recscale.embeddings import EmbeddingTable, engine
 from recscale.metrics import EvalAccumulator
+from recscale.train import relayout
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.steps import (
     SparseOptimizer,
@@ -475,7 +476,29 @@ def train(
         # Restore order: this run's latest checkpoint, then another run's parameters, then fresh.
         abstract = exp.abstract_state
         restored_meta: dict = {}
-        latest = ckpt.restore_latest(_state_items(abstract), fallback=tcfg.checkpoint_fallback)
+
+        def restore_items(c: Checkpointer, step: int, *, with_opt_state: bool = True):
+            """``(trees, meta)`` of ``step`` of ``c``, re-laid out if it was saved on another
+            device count or embedding plan."""
+            saved = c.read_meta(step).get("layout")
+            items = _state_items(abstract)
+            if not with_opt_state:
+                items = {k: items[k] for k in ("params", "batch_stats")}
+            if not relayout.needs_relayout(saved, cfg):
+                return c.restore(step, items)
+            extra = {"rng": items["rng"]} if with_opt_state else None
+            trees = relayout.restore_relaid(c, step, exp, cfg, build_model, saved,
+                                            with_opt_state=with_opt_state, extra=extra)  # fmt: skip
+            print(
+                f"re-laid out checkpoint step {step} from {saved['device_count']} devices "
+                f"(embeddings {saved['embeddings']}) for this run's {relayout.layout_meta(cfg)}",
+                file=sys.stderr,
+            )
+            return trees, c.read_meta(step)
+
+        latest = ckpt.restore_latest(
+            lambda step: restore_items(ckpt, step), fallback=tcfg.checkpoint_fallback
+        )
         if latest is not None:
             latest_step, trees, restored_meta = latest
             state = _state_from(trees, restored_meta["step"])
@@ -485,9 +508,8 @@ def train(
             src_step = src.latest_step()
             if src_step is None:
                 raise FileNotFoundError(f"train.init_from: no checkpoints in {src.directory}")
-            trees, _ = src.restore(
-                src_step, {"params": abstract.params, "batch_stats": abstract.batch_stats}
-            )
+            trees, _ = restore_items(src, src_step, with_opt_state=False)
+            trees = {"params": trees["params"], "batch_stats": trees["batch_stats"]}
             src.close()
             init_opt = jax.jit(exp.tx.init, out_shardings=exp.state_sharding.opt_state)
             state = _state_from(
@@ -517,17 +539,20 @@ def train(
             donate_argnums=(0,),
         )
 
+        layout = relayout.layout_meta(cfg)  # what a resume on another layout re-lays out from
+
         def save(step: int, state: TrainState) -> None:
             meta = {
                 "step": step,
                 "data_position": step + data_offset,
                 "nonfinite_total": guard.total,
+                "layout": layout,
             }
             ckpt.save(step, _state_items(state), meta)
 
         def restore(ckpt_step: int, at_step: int) -> TrainState:
             ckpt.wait()  # an asynchronous save of that step may still be in flight
-            trees, _ = ckpt.restore(ckpt_step, _state_items(abstract))
+            trees, _ = restore_items(ckpt, ckpt_step)
             return _state_from(trees, at_step)
 
         guard = _NonfiniteGuard(tcfg, total=restored_meta.get("nonfinite_total", 0))

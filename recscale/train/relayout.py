@@ -183,6 +183,8 @@ def restore_relaid(
     (``check_relayout``).
     """
     check_relayout(saved, cfg)
+    if sharding.active_mesh() is None:
+        raise RuntimeError("restore_relaid runs inside sharding.activate of the new layout")
     abstract = exp.abstract_state
     likes: dict[str, Any] = {"batch_stats": abstract.batch_stats, **(extra or {})}
     if with_opt_state:
@@ -190,7 +192,8 @@ def restore_relaid(
             raise ValueError("with_opt_state=True needs an Experiment built with its optimizer")
     n_old = int(saved["device_count"])
     mesh = jax.sharding.AbstractMesh((n_old,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    old_spec = None if saved["engine"] is None else _saved_spec(saved, sharding.active_engine())
+    now = sharding.active_engine() or engine.EngineSpec.from_config(cfg)
+    old_spec = None if saved["engine"] is None else _saved_spec(saved, now)
     with sharding.activate(mesh, cfg.mesh.rules, engine=old_spec):
         old_model = nnx.eval_shape(
             lambda: build_model(cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
@@ -343,7 +346,7 @@ def _full(sds: jax.ShapeDtypeStruct, fill: float) -> jax.Array:
     return _full_fn(tuple(sds.shape), jnp.dtype(sds.dtype), sds.sharding, float(fill))()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)  # one-off restores: bounded
 def _full_fn(shape, dtype, s, fill):
     return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=s)
 
@@ -372,7 +375,7 @@ def _from_bits(bits: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(word), dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)  # one-off restores: bounded
 def _gather_fn(s: NamedSharding, dtype):
     """``f(arr, idx [C]) -> arr[idx]`` (replicated; rows of ``idx < 0`` zero) for arrays of
     sharding ``s``: each device reads its own rows, and the rows meet in an integer ``psum`` of
@@ -394,7 +397,7 @@ def _gather_fn(s: NamedSharding, dtype):
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)  # one-off restores: bounded
 def _scatter_fn(s: NamedSharding):
     """``f(arr, idx [C], rows) -> arr`` with ``arr[idx] = rows`` (``idx < 0`` dropped) for arrays
     of sharding ``s``, in place (donated): each device writes the rows in its block."""
@@ -437,7 +440,7 @@ def _column_groups(layout: engine.Layout, feature: int, num_rows: int):
                 )
                 r0 = bl.row_start[d][s]
                 pos[r0 : r0 + count] = d * bl.rows + bl.offset[d][s] + np.arange(count)
-    for bl, c0, pos in groups.values():
+    for bl, _, pos in groups.values():
         if (pos < 0).any():  # the planner covers every row of every column range
             raise AssertionError(f"layout leaves rows of feature {feature} in {bl.key} unplaced")
     return list(groups.values())
@@ -454,15 +457,9 @@ def _copy_tables(old, new, src, src_state, dst, dst_state) -> None:
         chunk = min(max(1 << (t.num_rows - 1).bit_length(), _MIN_CHUNK), CHUNK_ROWS)
         for a in range(0, t.num_rows, chunk):
             b = min(a + chunk, t.num_rows)
-
-            def idx(pos, a=a, b=b):
-                out = np.full(chunk, -1, np.int32)
-                out[: b - a] = pos[a:b]
-                return out
-
             rows = state = None
             for bl, c0, pos in groups_old:
-                i = idx(pos)
+                i = _chunk(pos, a, b, chunk)
                 part = _gather(src[bl.key], i)
                 if rows is None:
                     rows = np.zeros((chunk, t.dim), part.dtype)
@@ -483,11 +480,18 @@ def _copy_tables(old, new, src, src_state, dst, dst_state) -> None:
                             state[k] = np.zeros((chunk, t.dim), got.dtype)
                         state[k][:, c0 : c0 + bl.width] = got
             for bl, c0, pos in groups_new:
-                i = idx(pos)
+                i = _chunk(pos, a, b, chunk)
                 dst[bl.key] = _scatter(dst[bl.key], i, rows[:, c0 : c0 + bl.width])
                 for k in dst_state.get(bl.key, {}):
                     value = state[k] if k == "acc" else state[k][:, c0 : c0 + bl.width]
                     dst_state[bl.key][k] = _scatter(dst_state[bl.key][k], i, value)
+
+
+def _chunk(pos: np.ndarray, a: int, b: int, size: int) -> np.ndarray:
+    """Buffer rows of table rows ``[a, b)``, padded with -1 (no row) to ``size``."""
+    out = np.full(size, -1, np.int32)
+    out[: b - a] = pos[a:b]
+    return out
 
 
 def _as_bits(x: np.ndarray) -> np.ndarray:
