@@ -123,13 +123,14 @@ def _settled_status(attempts: list[dict], max_retries: int, max_takeovers: int =
     if not attempts:
         return None
     last = attempts[-1].get("exit_code")
-    if last == 0:
+    if last == 0 and not attempts[-1].get("preempted"):
         return "SUCCESS"
     if last == DIVERGED_EXIT_CODE:
         return "DIVERGED"
     takeovers = sum(1 for a in attempts if a.get("exit_code") == TAKEOVER)
     if takeovers > max_takeovers:
         return "FAILED"
+    # A preempted attempt (exit 0 after checkpointing) is neither a success nor a failure.
     failed = sum(1 for a in attempts if a.get("exit_code") not in (0, DIVERGED_EXIT_CODE, TAKEOVER))
     return "FAILED" if failed > max_retries else None
 
@@ -200,8 +201,18 @@ def run_trial(
         rc = TIMEOUT_EXIT_CODE
     attempt = {"owner": owner, "exit_code": rc, "duration_s": round(duration, 2),
                "start": t0, "error_tail": tail if rc else ""}  # fmt: skip
+    preempted = rc == 0 and _was_preempted(tail)
+    if preempted:
+        attempt["preempted"] = True
     store.record_attempt(trial.trial_id, attempt)
     attempts = store.attempts(trial.trial_id)
+    if preempted:
+        # SIGTERM reached the trainer: it checkpointed and exited 0 without finishing. Run it
+        # again (it resumes); not a failure, so no retry is used up.
+        store.log_event({"event": "preempted", "trial_id": trial.trial_id,
+                         "attempt": len(attempts)})  # fmt: skip
+        store.release(trial.trial_id, owner)
+        return "preempted"
     if rc == 0:
         row = result_row(store, trial, "SUCCESS", attempts, opts)
         outcome = "success"
@@ -226,6 +237,17 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _was_preempted(log_tail: str) -> bool:
+    """Whether the train command's result (its last JSON line) says ``"preempted": true``."""
+    for line in reversed(log_tail.splitlines()):
+        if line.startswith("{"):
+            try:
+                return bool(json.loads(line).get("preempted"))
+            except (json.JSONDecodeError, AttributeError):
+                return False
+    return False
 
 
 def _log_tail(path: Path, n: int = 4000) -> str:

@@ -7,7 +7,11 @@ Evaluation restores the model's items (``params``, ``batch_stats``) alone. Empty
 written.
 
 Orbax writes a step into a temporary directory and renames it when every item is written, so a
-process killed mid-save leaves no step that ``latest_step`` reports. What orbax does not check
+process killed mid-save leaves no step that ``latest_step`` reports. Retention would delete old
+steps in place, file by file, and a step directory counts as complete by its name alone, so a
+kill mid-deletion would leave a half-deleted step listed; old steps are therefore renamed into
+``deleted/`` (atomic; orbax's ``todelete_subdir``) and purged from there by ``Checkpointer``
+(at construction, before each save and at close: at most one retired step set waits there). What orbax does not check
 is the bytes: a truncated or bit-flipped file can fail deep in tensorstore or, worse, load as
 garbage. So ``save`` records a fingerprint of every array (``fingerprints``) and of the meta
 itself, and ``restore`` recomputes and compares them: a mismatch, or any error reading the step,
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import warnings
 import zlib
@@ -43,6 +48,8 @@ ARRAY_ITEMS = ("params", "opt_state", "batch_stats", "rng")
 """The pytree items a checkpoint may hold (besides ``meta``)."""
 
 _INTEGRITY_KEYS = ("fingerprints", "meta_crc32")
+DELETED = "deleted"
+"""Subdirectory retention renames old steps into before they are purged."""
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -116,9 +123,11 @@ class Checkpointer:
                 max_to_keep=max_to_keep,
                 enable_async_checkpointing=async_save,
                 create=True,
+                todelete_subdir=DELETED,
             ),
             item_names=(*ARRAY_ITEMS, "meta"),
         )
+        self._purge()
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -135,6 +144,7 @@ class Checkpointer:
         unknown = set(trees) - set(ARRAY_ITEMS)
         if unknown:
             raise ValueError(f"unknown checkpoint items {sorted(unknown)}; known: {ARRAY_ITEMS}")
+        self._purge()
         clash = set(_INTEGRITY_KEYS) & set(meta)
         if clash:
             raise ValueError(f"meta keys {sorted(clash)} are reserved for the checkpoint's checks")
@@ -254,6 +264,12 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+        self._purge()
+
+    def _purge(self) -> None:
+        """Deletes the steps retention has retired into ``deleted/`` (process 0)."""
+        if jax.process_index() == 0:
+            shutil.rmtree(self.directory / DELETED, ignore_errors=True)
 
 
 def _describe(e: BaseException) -> str:

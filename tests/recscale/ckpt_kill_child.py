@@ -19,8 +19,8 @@ of a checkpoint write.
   training goes on, and the process dies once ``after_steps`` more steps have logged.
 - ``keep1_after_save``: the writes are stalled and the process dies ``settle`` seconds after
   ``Checkpointer.save`` returns (with ``--train.max-checkpoints 1``).
-- ``keep1_mid_delete``: the save commits; retention deletes the previous step (``old_step``)
-  and the process dies once half of that directory's files are unlinked.
+- ``keep1_mid_delete``: the save commits; retention retires the previous step (``old_step``)
+  into ``deleted/``, and the process dies once half of its files are purged from there.
 
 If the run ends without reaching the point it exits with ``NOT_KILLED_EXIT_CODE``. Only this
 process is patched: the test relaunches with the plain CLI.
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the checkout's packages, whatever the working directory
 
-from orbax.checkpoint._src.path import atomicity, deleter  # noqa: E402
+from orbax.checkpoint._src.path import atomicity  # noqa: E402
 from orbax.checkpoint._src.serialization import jax_array_handlers  # noqa: E402
 
 import dlrm.train  # noqa: E402
@@ -213,16 +213,16 @@ def install_keep1_after_save() -> None:
 
 def install_keep1_mid_delete() -> None:
     def make(original):
-        def delete(self, path, **kwargs):
-            if Path(path).name != str(SPEC["old_step"]):
-                return original(self, path, **kwargs)
-            ckpt_dir = Path(path).parent
-            total = len(_files(Path(path)))
+        def purge(self):
+            old = Path(self.directory) / checkpoint_lib.DELETED / str(SPEC["old_step"])
+            if not old.is_dir():
+                return original(self)
+            ckpt_dir = Path(self.directory)
+            total = len(_files(old))
             unlinked = [0]
             real_unlink = os.unlink
 
-            # Both of orbax's local deleters (shutil.rmtree on few cores, a thread pool of
-            # os.unlink otherwise) unlink file by file: die halfway.
+            # shutil.rmtree unlinks file by file: die halfway through the retired step.
             def unlink(*args, **kw):
                 real_unlink(*args, **kw)
                 with _lock:
@@ -232,11 +232,11 @@ def install_keep1_mid_delete() -> None:
                     _kill(ckpt_dir, unlinked=unlinked[0], of=total)
 
             os.unlink = unlink
-            return original(self, path, **kwargs)
+            return original(self)
 
-        return delete
+        return purge
 
-    _patch(deleter.PathDeleter, "delete", make)
+    _patch(checkpoint_lib.Checkpointer, "_purge", make)
 
 
 INSTALL = {

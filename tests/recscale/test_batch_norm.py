@@ -16,6 +16,8 @@ from dlrm import evaluate as dlrm_evaluate
 from dlrm.model import build_model
 from recscale.config import get_preset
 from recscale.nn import MLP, BatchNorm
+from recscale.train import checkpoint
+from recscale.train.checkpoint import CheckpointCorruptError
 from recscale.train.loop import train
 
 
@@ -79,7 +81,9 @@ def _rows(wd):
     ]
 
 
-def test_dlrm_with_batch_norm_checkpoints_resumes_and_evaluates_its_statistics(tmp_path, capsys):
+def test_dlrm_with_batch_norm_checkpoints_resumes_and_evaluates_its_statistics(
+    tmp_path, capsys, monkeypatch
+):
     cfg = _bn_tiny(num_steps=6, checkpoint_every=3, max_checkpoints=5)
     full = tmp_path / "full"
     final = train(cfg, build_model, full)
@@ -112,6 +116,11 @@ def test_dlrm_with_batch_norm_checkpoints_resumes_and_evaluates_its_statistics(t
         stale / "checkpoints" / "6" / "batch_stats",
     )
     assert fresh["step"] == 0
+    # A transplanted item fails the checkpoint's fingerprints...
+    with pytest.raises(CheckpointCorruptError, match="batch_stats leaf"):
+        dlrm_evaluate.main(["--workdir", str(stale)])
+    # ...so read it with the check off, to see the statistics matter.
+    monkeypatch.setattr(checkpoint, "fingerprints", lambda trees: {})
     assert dlrm_evaluate.main(["--workdir", str(stale)])["logloss"] != final["logloss"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -81,3 +82,29 @@ def test_a_trial_that_keeps_killing_its_worker_is_failed(tmp_path):
     assert _settled_status([lost] * 4, max_retries=1, max_takeovers=3) == "FAILED"
     # takeovers are not failures of the trial itself: they do not use up retries
     assert _settled_status([lost, lost, {"exit_code": 1}], max_retries=1) is None
+
+
+def test_a_preempted_attempt_is_run_again_and_uses_no_retry(tmp_path):
+    from sweeps.runner import _settled_status, _was_preempted
+
+    preempted = {"exit_code": 0, "duration_s": 1.0, "preempted": True}
+    assert _settled_status([preempted], max_retries=0) is None
+    assert _settled_status([preempted] * 5 + [{"exit_code": 0}], max_retries=0) == "SUCCESS"
+    tail = "restored checkpoint step 4\nSIGTERM: saved checkpoint step 7, stopping\n"
+    assert _was_preempted(tail + '{"preempted": true, "step": 7}\n')
+    assert not _was_preempted(tail + '{"auc": 0.7, "step": 10}\n')
+    assert not _was_preempted("no result line\n")
+
+
+def test_a_preempted_trial_is_released_not_recorded(tmp_path):
+    # The train command stands in for a trainer that got SIGTERM: it prints the trainer's
+    # preemption result and exits 0. The worker must not record a row for it.
+    store = SweepStore(tmp_path)
+    t = fake_trial()
+    # The prefix runs first; the real command becomes its ignored arguments.
+    script = 'print(\'{"preempted": true, "step": 3}\')'
+    opts = WorkerOptions(wait=False, command_prefix=(sys.executable, "-c", script))
+    counts = run_worker(str(tmp_path), [t.to_dict()], opts)
+    assert counts.get("preempted") == 1 and store.results() == []
+    (attempt,) = store.attempts(t.trial_id)
+    assert attempt["preempted"] and attempt["exit_code"] == 0
