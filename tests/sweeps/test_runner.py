@@ -97,14 +97,24 @@ def test_a_preempted_attempt_is_run_again_and_uses_no_retry(tmp_path):
 
 
 def test_a_preempted_trial_is_released_not_recorded(tmp_path):
-    # The train command stands in for a trainer that got SIGTERM: it prints the trainer's
-    # preemption result and exits 0. The worker must not record a row for it.
+    # The train command stands in for a trainer that got SIGTERM: the first attempt prints the
+    # trainer's preemption result and exits 0; the next one fails. The preempted attempt must
+    # not end the trial (no row for it) nor use up its retry.
     store = SweepStore(tmp_path)
     t = fake_trial()
+    marker = tmp_path / "attempted"
+    script = (
+        "import pathlib, sys; m = pathlib.Path(sys.argv[1])\n"
+        "if m.exists(): sys.exit(1)\n"
+        'm.touch(); print(\'{"preempted": true, "step": 3}\')'
+    )
     # The prefix runs first; the real command becomes its ignored arguments.
-    script = 'print(\'{"preempted": true, "step": 3}\')'
-    opts = WorkerOptions(wait=False, command_prefix=(sys.executable, "-c", script))
+    opts = WorkerOptions(
+        wait=False, max_retries=0, command_prefix=(sys.executable, "-c", script, str(marker))
+    )
     counts = run_worker(str(tmp_path), [t.to_dict()], opts)
-    assert counts.get("preempted") == 1 and store.results() == []
-    (attempt,) = store.attempts(t.trial_id)
-    assert attempt["preempted"] and attempt["exit_code"] == 0
+    assert counts.get("preempted") == 1 and counts.get("failed") == 1
+    first, second = store.attempts(t.trial_id)
+    assert first["preempted"] and first["exit_code"] == 0 and second["exit_code"] == 1
+    (row,) = store.results()
+    assert row["status"] == "FAILED" and row["attempts"] == 2
