@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -91,18 +92,52 @@ def _fingerprints(tree: Any) -> Any:
     return jax.tree.map(_fingerprint, tree)
 
 
+_HOST_CHUNK = 1 << 22  # elements per numpy pass of ``_fingerprint_host``
+
+
+def _fingerprint_host(x: np.ndarray) -> int:
+    """``_fingerprint`` in numpy, in chunks (uint32 arithmetic wraps as on the device)."""
+    x = np.asarray(x)
+    if x.dtype == np.bool_:
+        words = x.astype(np.uint32).reshape(-1)
+    elif x.dtype.itemsize in (1, 2, 4):
+        words = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).reshape(-1)
+    else:
+        words = x.view(np.uint32).reshape(-1)
+    total = np.uint32(0)
+    for start in range(0, words.size, _HOST_CHUNK):
+        chunk = words[start : start + _HOST_CHUNK].astype(np.uint32)
+        idx = (np.arange(start, start + chunk.size, dtype=np.uint64) & 0xFFFFFFFF).astype(np.uint32)
+        w = (idx * np.uint32(0x9E3779B1) + np.uint32(0x7F4A7C15)) ^ (idx >> np.uint32(16))
+        total += np.sum(chunk * (w | np.uint32(1)), dtype=np.uint32)
+    return int(total)
+
+
 def fingerprints(trees: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """``{item: {leaf path: fingerprint}}`` of the arrays of ``trees`` (one device round trip)."""
+    """``{item: {leaf path: fingerprint}}`` of the arrays of ``trees``.
+
+    On CPU (single process) in numpy on the host, where the arrays already are (no compile per
+    state structure); elsewhere on the devices, one program per item and one round trip.
+    """
     out = {}
     for item, tree in trees.items():
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
         if not flat:
             continue
-        values = jax.device_get(_fingerprints([v for _, v in flat]))
+        leaves = [v for _, v in flat]
+        if jax.process_count() == 1 and all(_on_cpu(v) for v in leaves):
+            values = [_fingerprint_host(v) for v in leaves]
+        else:
+            values = jax.device_get(_fingerprints(leaves))
         out[item] = {
             jax.tree_util.keystr(p): int(v) for (p, _), v in zip(flat, values, strict=True)
         }
     return out
+
+
+def _on_cpu(x: Any) -> bool:
+    devices = getattr(x, "devices", None)
+    return devices is None or all(d.platform == "cpu" for d in devices())
 
 
 def _meta_crc(meta: dict) -> int:

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import dlrm.presets  # noqa: F401
 from dlrm.model import build_model
 from recscale.config import get_preset
+from recscale.train import checkpoint
 from recscale.train.checkpoint import CheckpointCorruptError, Checkpointer, fingerprints
 from recscale.train.loop import train
 
@@ -242,6 +243,9 @@ def test_fingerprints_change_with_any_one_element_and_not_with_the_sharding():
         bits = np.asarray(x).view(np.uint32).copy()
         bits[i, j] ^= np.uint32(1) << np.uint32(rng.integers(32))
         assert fingerprints({"a": {"x": jnp.asarray(bits.view(np.float32))}})["a"] != base
+    # The host path (numpy, used on CPU) and the device path (jit, elsewhere) agree.
+    for a in (x, jnp.arange(10, dtype=jnp.int32), jnp.ones((3, 5), jnp.bfloat16), jnp.array(True)):
+        assert checkpoint._fingerprint_host(np.asarray(a)) == int(checkpoint._fingerprints([a])[0])
     # Two elements swapped (the same values, elsewhere) change it too.
     swapped = np.asarray(x).copy()
     swapped[[0, 1]] = swapped[[1, 0]]
