@@ -480,7 +480,8 @@ def train(
         def restore_items(c: Checkpointer, step: int, *, with_opt_state: bool = True):
             """``(trees, meta)`` of ``step`` of ``c``, re-laid out if it was saved on another
             device count or embedding plan."""
-            saved = c.read_meta(step).get("layout")
+            meta = c.read_meta(step)
+            saved = meta.get("layout")
             items = _state_items(abstract)
             if not with_opt_state:
                 items = {k: items[k] for k in ("params", "batch_stats")}
@@ -494,7 +495,7 @@ def train(
                 f"(embeddings {saved['embeddings']}) for this run's {relayout.layout_meta(cfg)}",
                 file=sys.stderr,
             )
-            return trees, c.read_meta(step)
+            return trees, meta
 
         latest = ckpt.restore_latest(
             lambda step: restore_items(ckpt, step), fallback=tcfg.checkpoint_fallback

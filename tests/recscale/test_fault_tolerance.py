@@ -26,6 +26,7 @@ from recscale.embeddings import engine
 from recscale.train import loop
 from recscale.train.loop import Experiment, train
 from recscale.train.steps import SparseOptimizer, make_sparse_train_step, make_train_step
+from tests.run_files import checkpoint_item, metric_rows
 from wukong.model import build_model as wukong_build_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,19 +42,6 @@ def _cfg(family="dlrm", emb="off", opt="rowwise_adagrad", **train_overrides):
         embeddings=EmbeddingShardingConfig(sharding=emb),
         embedding_optim=dataclasses.replace(cfg.embedding_optim, name=opt),
     )
-
-
-def _rows(workdir, split="train"):
-    lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["split"] == split]
-
-
-def _ckpt_params(workdir, step):
-    import orbax.checkpoint as ocp
-
-    path = Path(workdir) / "checkpoints" / str(step) / "params"
-    with ocp.StandardCheckpointer() as c:
-        return c.restore(path.absolute())
 
 
 def _assert_trees_equal(a, b, *, nonempty=True):
@@ -181,7 +169,7 @@ def test_skipped_steps_are_counted_and_training_goes_on(tmp_path, bad_batches):
     bad_batches({2, 3})
     wd = tmp_path / "run"
     result = train(_cfg(num_steps=6, log_every=2), dlrm_build_model, wd)
-    rows = _rows(wd)
+    rows = metric_rows(wd)
     assert [r["step"] for r in rows] == [2, 4, 6]
     assert [r["nonfinite_steps"] for r in rows] == [0, 2, 0]
     assert [r["nonfinite_total"] for r in rows] == [0, 2, 2]
@@ -216,7 +204,7 @@ def test_rollback_after_k_nonfinite_steps_restores_the_last_good_checkpoint(
     )  # fmt: skip
     wd = tmp_path / "run"
     train(cfg, dlrm_build_model, wd)
-    (rb,) = _rows(wd, "rollback")
+    (rb,) = metric_rows(wd, "rollback")
     # Steps 5 and 6 (batches 4, 5) were bad; checkpoint 3 is the last from before them; the
     # batches 3..5 since it are skipped and training goes on at step 6 from checkpoint 3's state.
     assert rb == {
@@ -224,15 +212,15 @@ def test_rollback_after_k_nonfinite_steps_restores_the_last_good_checkpoint(
         "skipped_batches": [3, 6],
     }  # fmt: skip
     assert "restored checkpoint step 3, skipping batches [3, 6)" in capsys.readouterr().err
-    _assert_trees_equal(_ckpt_params(wd, 3), _ckpt_params(wd, 6))
-    rows = _rows(wd)
+    _assert_trees_equal(checkpoint_item(wd, 3), checkpoint_item(wd, 6))
+    rows = metric_rows(wd)
     assert [r["step"] for r in rows] == [4, 8]
     assert all(np.isfinite(r["loss"]) for r in rows)
     # Without the rollback the state at step 6 is the one after batches 3 and 4 (not 3's).
     plain = tmp_path / "plain"
     train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, nonfinite_rollback=0)),
           dlrm_build_model, plain)  # fmt: skip
-    assert not _trees_equal(_ckpt_params(plain, 6), _ckpt_params(wd, 6))
+    assert not _trees_equal(checkpoint_item(plain, 6), checkpoint_item(wd, 6))
 
 
 @pytest.mark.slow
@@ -270,7 +258,7 @@ def test_same_seed_is_bitwise_equal_and_another_seed_differs(tmp_path, family, e
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         wd = tmp_path / name
         train(_cfg(family, emb=emb, num_steps=3, seed=seed), BUILD[family], wd)
-        out[name] = ([r["loss"] for r in _rows(wd)], _ckpt_params(wd, 3))
+        out[name] = ([r["loss"] for r in metric_rows(wd)], checkpoint_item(wd, 3))
     assert len(out["a"][0]) == 3
     assert out["a"][0] == out["b"][0]  # every logged loss, bitwise
     _assert_trees_equal(out["a"][1], out["b"][1])
@@ -305,7 +293,7 @@ def test_sigterm_checkpoints_exits_zero_and_the_relaunch_equals_uninterrupted(tm
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    stopped = _rows(wd)[-1]["step"]
+    stopped = metric_rows(wd)[-1]["step"]
     assert 0 < stopped < steps, "the run finished before the signal: make it longer"
     assert f"SIGTERM: saved checkpoint step {stopped}" in err
     assert json.loads(out.strip().splitlines()[-1]) == {"step": stopped, "preempted": True}
@@ -316,7 +304,7 @@ def test_sigterm_checkpoints_exits_zero_and_the_relaunch_equals_uninterrupted(tm
     assert f"restored checkpoint step {stopped}" in relaunch.stderr
     full = tmp_path / "full"
     subprocess.run(_train_cmd(full, steps), check=True, **run)
-    resumed_rows, full_rows = _rows(wd), _rows(full)
+    resumed_rows, full_rows = metric_rows(wd), metric_rows(full)
     assert [r["step"] for r in resumed_rows] == list(range(1, steps + 1))  # no step twice
     assert [r["loss"] for r in resumed_rows] == [r["loss"] for r in full_rows]  # bitwise
-    _assert_trees_equal(_ckpt_params(full, steps), _ckpt_params(wd, steps))
+    _assert_trees_equal(checkpoint_item(full, steps), checkpoint_item(wd, steps))

@@ -26,6 +26,7 @@ from recscale.config import DenseOptimConfig, EmbeddingShardingConfig, get_prese
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.loop import train
 from recscale.train.steps import initial_rng
+from tests.run_files import checkpoint_item
 from wukong.model import build_model as wukong_build_model
 
 STEPS, RESUME_AT = 16, 6
@@ -65,10 +66,7 @@ def _losses(workdir: Path) -> dict[int, float]:
 
 
 def _final_params(workdir: Path):
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-
-    with ocp.StandardCheckpointer() as c:
-        return c.restore((workdir / "checkpoints" / str(STEPS) / "params").absolute())
+    return checkpoint_item(workdir, STEPS)
 
 
 def _where(pred, fresh):

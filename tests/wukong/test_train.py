@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,6 +11,7 @@ import wukong.presets  # noqa: F401
 from recscale import config as config_lib
 from recscale.config import get_preset
 from recscale.train.loop import train
+from tests.run_files import checkpoint_item, metric_rows
 from wukong import evaluate as wukong_evaluate
 from wukong import train as wukong_train
 from wukong.config import WukongConfig
@@ -23,19 +23,6 @@ def _tiny(**train_overrides) -> WukongConfig:
     return dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, progress=False, **train_overrides)
     )
-
-
-def _rows(workdir, split="train"):
-    lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["split"] == split]
-
-
-def _ckpt_params(workdir, step):
-    import orbax.checkpoint as ocp
-
-    path = Path(workdir) / "checkpoints" / str(step) / "params"
-    with ocp.StandardCheckpointer() as c:
-        return c.restore(path.absolute())
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +38,7 @@ def test_tiny_trains_and_learns(trained_tiny, capsys):
     wd, result = trained_tiny
     assert result["step"] == 150
     assert result["auc"] > 0.6, result
-    losses = [r["loss"] for r in _rows(wd)]
+    losses = [r["loss"] for r in metric_rows(wd)]
     assert len(losses) == 150 and all(np.isfinite(losses))
     assert np.mean(losses[-10:]) < np.mean(losses[:10])
     cfg = config_lib.load_json(WukongConfig, wd / "config.json")
@@ -80,11 +67,11 @@ def test_one_device_equals_eight(trained_tiny, tmp_path):
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data_parallel=1))
     wd1 = tmp_path / "d1"
     train(cfg, build_model, wd1)
-    losses1 = [r["loss"] for r in _rows(wd1)]
-    losses8 = [r["loss"] for r in _rows(wd8)][:75]
+    losses1 = [r["loss"] for r in metric_rows(wd1)]
+    losses8 = [r["loss"] for r in metric_rows(wd8)][:75]
     np.testing.assert_allclose(losses1[:10], losses8[:10], rtol=1e-5)
     np.testing.assert_allclose(losses1, losses8, rtol=1e-4)
-    a, b = _ckpt_params(wd1, 75), _ckpt_params(wd8, 75)
+    a, b = checkpoint_item(wd1, 75), checkpoint_item(wd8, 75)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
 
@@ -107,13 +94,13 @@ def test_static_and_attentive_projection_both_train(tmp_path, projection):
         tmp_path / "init",
     )
     result = train(cfg, build_model, tmp_path / "run")
-    losses = [r["loss"] for r in _rows(tmp_path / "run")]
+    losses = [r["loss"] for r in metric_rows(tmp_path / "run")]
     assert len(losses) == 60 and all(np.isfinite(losses))
     assert np.mean(losses[-10:]) < np.mean(losses[:10])
     assert result["logloss"] < init["logloss"]
     before, after = (
-        _flat(_ckpt_params(tmp_path / "init", 0)),
-        _flat(_ckpt_params(tmp_path / "run", 60)),
+        _flat(checkpoint_item(tmp_path / "init", 0)),
+        _flat(checkpoint_item(tmp_path / "run", 60)),
     )
     # The projection's own parameters (Y, or the MLP that computes it) moved in every layer.
     names = [
