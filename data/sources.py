@@ -213,6 +213,9 @@ class RandomAccessSource:
 class SyntheticSource:
     """A :class:`DataSource` over :class:`data.synthetic.SyntheticGenerator` (stateless)."""
 
+    parallel_batches = True
+    """``train_batch`` is a pure function of the step: the trainer may call it on two threads."""
+
     def __init__(self, cfg: DataConfig, *, process_index: int = 0, process_count: int = 1):
         from data.synthetic import SyntheticGenerator
 

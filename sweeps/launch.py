@@ -30,6 +30,7 @@ import tyro
 
 import tpu_gpu_configs
 from recscale import config as config_lib
+from sweeps.progress import SweepProgress
 from sweeps.runner import WorkerOptions, new_owner, run_worker
 from sweeps.spec import Resolution, SweepSpec, load_spec, resolve
 from sweeps.store import SweepStore
@@ -54,6 +55,13 @@ class LaunchArgs:
     """Seconds without a heartbeat after which a trial's worker counts as dead."""
     wait: bool = True
     """Wait for trials other launchers are running (and take them over if they die)."""
+    isolate_trials: bool = False
+    """Run every trial in a fresh process instead of one long-lived Python per worker
+    (``sweeps.trial_server``): slower (start-up and imports per trial), for debugging or for
+    trials that leak state."""
+    progress_every: float = 2.0
+    """Seconds between updates of the progress view (done / running / failed / remaining,
+    ETA; a line every 30 s when stderr is not a terminal)."""
     ray_address: str = ""
     ray_cpus_per_trial: float = 1.0
     submitit_cluster: Literal["slurm", "local", "debug"] = "slurm"
@@ -83,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         env={
             # Rungs recur across budgets: their init and eval programs compile once per sweep.
             "JAX_COMPILATION_CACHE_DIR": str(sweep_dir / "jax_cache"),
+            # Eval programs compile in ~0.5 s on CPU, under JAX's 1 s default for caching.
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
             **hw.trial_env(),
         },
         command_prefix=hw.command_prefix,
@@ -90,17 +100,19 @@ def main(argv: list[str] | None = None) -> int:
         code_version=res.code_version,
         data_fingerprints=res.data_fingerprints,
         metric=spec.metric,
+        reuse_process=not args.isolate_trials,
     )
     trials = [t.to_dict() for t in res.trials]
     n = max(args.max_parallel, 1)
     print(f"sweep {spec.name}: {len(trials)} trials in {sweep_dir} ({args.backend}, {n} at once)",
           file=sys.stderr)  # fmt: skip
-    if args.backend == "local":
-        counts = _run_local(str(sweep_dir), trials, opts, n)
-    elif args.backend == "ray":
-        counts = _run_ray(str(sweep_dir), trials, opts, n, args)
-    else:
-        counts = _run_submitit(str(sweep_dir), trials, opts, n, args, hw)
+    with SweepProgress(store, trials, poll_s=args.progress_every):
+        if args.backend == "local":
+            counts = _run_local(str(sweep_dir), trials, opts, n)
+        elif args.backend == "ray":
+            counts = _run_ray(str(sweep_dir), trials, opts, n, args)
+        else:
+            counts = _run_submitit(str(sweep_dir), trials, opts, n, args, hw)
     rows = {r["trial_id"]: r for r in store.results()}
     statuses = [store.status(t.trial_id, rows) for t in res.trials]
     summary = {s: statuses.count(s) for s in sorted(set(statuses))}

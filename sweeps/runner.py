@@ -4,7 +4,14 @@ Every backend runs the same :func:`run_worker` loop — as threads of the launch
 Ray tasks, or as SLURM jobs through submitit — so the claim/heartbeat/retry logic is written
 once and every backend is idempotent and resumable in the same way.
 
-A trial's subprocess is started through ``python -m sweeps._child`` which asks the kernel
+By default a worker runs its trials in one long-lived Python (:class:`TrialServer`,
+``sweeps/trial_server.py``), which calls the family's train entry point in-process, so start-up,
+imports and JAX's backend are paid once per worker rather than once per trial; a trial that
+fails (or is killed, preempted or timed out) takes that process with it and the next one gets a
+fresh one. ``WorkerOptions.reuse_process=False`` (``--isolate-trials``), and any
+``command_prefix`` (multi-host trials), run each trial as a process of its own instead.
+
+Either process is started through ``python -m sweeps._child`` which asks the kernel
 (``prctl(PR_SET_PDEATHSIG)``, Linux) to SIGKILL it when its worker dies, so a ``kill -9`` of a
 launcher never leaves an orphan training into a workdir another launcher will take over.
 """
@@ -60,6 +67,65 @@ class WorkerOptions:
     code_version: str = ""
     data_fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
     metric: str = "logloss"
+    reuse_process: bool = True
+    """Run this worker's trials one after another in one long-lived Python
+    (``sweeps.trial_server``) instead of a fresh process each; ignored with a
+    ``command_prefix``."""
+    max_trials_per_process: int = 32
+    """With ``reuse_process``: start a fresh process after this many trials (bounds any memory
+    a trial leaves behind)."""
+
+
+class TrialServer:
+    """The worker's long-lived trial process (``sweeps.trial_server``), started on demand and
+    replaced after a trial that did not end cleanly."""
+
+    def __init__(self, opts: WorkerOptions, log_path: Path):
+        self.opts = opts
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.trials = 0
+
+    def submit(self, argv: list[str], log: Path) -> subprocess.Popen:
+        """Sends a trial; returns the process running it (what a kill must take down)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "sweeps._child", str(os.getpid()), sys.executable,
+                   "-m", "sweeps.trial_server", str(self.log_path)]  # fmt: skip
+            env = {**os.environ, **self.opts.env, "PYTHONUNBUFFERED": "1"}
+            with open(self.log_path, "ab") as err:
+                self.proc = subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                    start_new_session=True, text=True,
+                )  # fmt: skip
+            self.trials = 0
+        self.trials += 1
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        return self.proc
+
+    def wait(self) -> int:
+        """The running trial's exit code; the process's own (negative for a signal) if it died."""
+        line = self.proc.stdout.readline()
+        if not line:
+            return self.proc.wait()
+        return int(json.loads(line)["exit_code"])
+
+    def retire(self) -> None:
+        """Ends the process (it is replaced on the next ``submit``)."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()  # EOF: the server exits between trials
+        except OSError:  # it died, and the pipe with it
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _kill(self.proc)
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.proc = None
 
 
 def new_owner(prefix: str = "local") -> str:
@@ -83,6 +149,18 @@ def run_worker(
     store = SweepStore(sweep_dir, stale_after=opts.stale_after_s)
     todo = [Trial.from_dict(t) if isinstance(t, dict) else t for t in trials]
     done: dict[str, int] = {"ran": 0, "success": 0, "failed": 0, "diverged": 0, "retry": 0}
+    server = None
+    if opts.reuse_process and not opts.command_prefix:
+        server = TrialServer(opts, store.root / "workers" / f"{owner}.log")
+    try:
+        _work(store, todo, opts, owner, stop, done, server)
+    finally:
+        if server is not None:
+            server.retire()
+    return done
+
+
+def _work(store, todo, opts, owner, stop, done, server) -> None:
     while not (stop and stop.is_set()):
         finished = store.finished_ids()
         remaining = [t for t in todo if t.trial_id not in finished]
@@ -112,10 +190,9 @@ def run_worker(
                 break
             time.sleep(opts.poll_s)
             continue
-        outcome = run_trial(store, claimed, owner, opts, stop)
+        outcome = run_trial(store, claimed, owner, opts, stop, server)
         done["ran"] += 1
         done[outcome] = done.get(outcome, 0) + 1
-    return done
 
 
 def _settled_status(attempts: list[dict], max_retries: int, max_takeovers: int = 3) -> str | None:
@@ -141,25 +218,37 @@ def run_trial(
     owner: str,
     opts: WorkerOptions,
     stop: threading.Event | None = None,
+    server: TrialServer | None = None,
 ) -> str:
-    """Runs one claimed trial to an outcome: success, diverged, failed, retry, lost or stopped."""
+    """Runs one claimed trial to an outcome: success, diverged, failed, retry, lost or stopped.
+
+    With a ``server`` the trial runs in the worker's long-lived process (replaced afterwards
+    unless the trial exited 0 unpreempted), otherwise in a process of its own."""
     tdir = store.trial_dir(trial.trial_id)
     workdir = store.workdir(trial.trial_id)
     cfg_path = tdir / "config.json"
-    # The trampoline goes first, so a prefix (srun) is what dies with this worker.
-    cmd = [sys.executable, "-m", "sweeps._child", str(os.getpid()), *opts.command_prefix,
-           sys.executable]  # fmt: skip
-    cmd += trial.train_command(cfg_path, workdir)
-    env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
+    argv = trial.train_command(cfg_path, workdir)
     t0 = time.time()
     lost = threading.Event()
     timed_out = threading.Event()
-    with open(tdir / "train.log", "ab") as log:
-        log.write(f"\n=== {owner} {time.ctime()}: {' '.join(cmd)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    log_path = tdir / "train.log"
+    with open(log_path, "ab") as log:
+        if server is not None:
+            log.write(f"\n=== {owner} {time.ctime()}: (trial server) {' '.join(argv)}\n".encode())
+            log.flush()
+            proc = server.submit(argv, log_path)
+            wait = server.wait
+        else:
+            # The trampoline goes first, so a prefix (srun) is what dies with this worker.
+            cmd = [sys.executable, "-m", "sweeps._child", str(os.getpid()), *opts.command_prefix,
+                   sys.executable, *argv]  # fmt: skip
+            env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
+            log.write(f"\n=== {owner} {time.ctime()}: {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            wait = proc.wait
 
         exited = threading.Event()
 
@@ -180,7 +269,7 @@ def run_trial(
         hb = threading.Thread(target=beat, daemon=True)
         hb.start()
         try:
-            rc = proc.wait()
+            rc = wait()
         except BaseException:
             _kill(proc)
             store.release(trial.trial_id, owner)
@@ -189,13 +278,17 @@ def run_trial(
             exited.set()
         hb.join()
     duration = time.time() - t0
+    tail = _log_tail(log_path)
+    if server is not None and (
+        rc != 0 or _was_preempted(tail) or server.trials >= opts.max_trials_per_process
+    ):
+        server.retire()  # the next trial starts in a fresh process
     if lost.is_set():
         store.log_event({"event": "claim_lost", "trial_id": trial.trial_id, "owner": owner})
         return "lost"
     if stop is not None and stop.is_set():
         store.release(trial.trial_id, owner)
         return "stopped"
-    tail = _log_tail(tdir / "train.log")
     if timed_out.is_set():
         tail += f"\nkilled by the sweep: attempt exceeded timeout_s={opts.timeout_s:g}"
         rc = TIMEOUT_EXIT_CODE

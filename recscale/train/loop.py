@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import json
 import os
@@ -44,8 +43,12 @@ from recscale.train.steps import (
     make_sparse_train_step,
     make_train_step,
 )
+from recscale.train.timing import PhaseTimer
 
 BuildModel = Callable[[Any, Schema, nnx.Rngs], nnx.Module]
+
+_FAST_INIT_BYTES = 256 << 20
+"""States up to this size have their init compiled without backend optimisation (``Experiment``)."""
 
 
 def make_optimizer(cfg: Any, params: Any):
@@ -149,7 +152,6 @@ class Experiment:
             rng=sharding.replicated(),
         )
 
-        @functools.partial(jax.jit, out_shardings=state_sharding)
         def init() -> TrainState:
             _, params, batch_stats = make_params()
             opt_state = tx.init(params) if tx is not None else None
@@ -162,6 +164,13 @@ class Experiment:
             )
 
         abstract_state = jax.eval_shape(init)
+        state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state))
+        # Init runs once: below _FAST_INIT_BYTES of state its run time is nothing next to
+        # its compile (a small DLRM's init compiles in 3.2 s at XLA's default optimisation,
+        # 1.2 s without), so it is compiled without backend optimisation. Large states keep
+        # the default: unfused random-number code would materialise table-sized temporaries.
+        options = {"xla_backend_optimization_level": 0} if state_bytes <= _FAST_INIT_BYTES else None
+        init = jax.jit(init, out_shardings=state_sharding, compiler_options=options)
         eval_step = jax.jit(make_eval_step(graphdef))
         return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step)
 
@@ -337,17 +346,23 @@ def _prefetch(
     source: DataSource, start: int, stop: int, data_offset: int = 0
 ) -> Iterator[tuple[int, Batch]]:
     """``(step, host batch)`` for steps [start, stop), step ``s`` getting the stream's batch
-    ``s + data_offset``, produced one step ahead on a thread."""
+    ``s + data_offset``, produced ahead on threads: two batches on two threads when the source
+    says its ``train_batch`` may run concurrently (``parallel_batches``, e.g. the pure synthetic
+    generator, whose numpy work releases the GIL), else one on one."""
+    from collections import deque
     from concurrent.futures import ThreadPoolExecutor
+
+    ahead = 2 if getattr(source, "parallel_batches", False) else 1
 
     def get(step: int) -> Batch:
         return source.train_batch(step + data_offset)
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        fut = pool.submit(get, start) if start < stop else None
+    with ThreadPoolExecutor(max_workers=ahead) as pool:
+        futs = deque(pool.submit(get, s) for s in range(start, min(start + ahead, stop)))
         for step in range(start, stop):
-            batch = fut.result()
-            fut = pool.submit(get, step + 1) if step + 1 < stop else None
+            batch = futs.popleft().result()
+            if step + ahead < stop:
+                futs.append(pool.submit(get, step + ahead))
             yield step, batch
 
 
@@ -448,57 +463,112 @@ def train(
     save to be committed and returns ``{"step": ..., "preempted": True}`` without evaluating;
     the same call again continues from there. Non-finite steps follow ``train.nonfinite*``
     (``_NonfiniteGuard``); a rollback writes a ``split="rollback"`` row to metrics.jsonl.
+    Where the wall time went (setup, restore, data waits, training steps, evaluations,
+    checkpoints, each with its compile seconds) is appended to ``timings.jsonl``.
     """
     workdir = Path(workdir)
     cfg = config_lib.absolute_paths(cfg)
-    write_run_files(workdir, cfg, argv)
-    mesh = sharding.make_mesh(cfg.mesh)
-    tcfg = cfg.train
+    timer = PhaseTimer()
+    with timer.phase("setup"):
+        write_run_files(workdir, cfg, argv)
+        mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)):
-        exp = Experiment.build(cfg, build_model, workdir=str(workdir))
-        ckpt = Checkpointer(
-            workdir / "checkpoints",
-            max_to_keep=tcfg.max_checkpoints,
-            async_save=tcfg.async_checkpoint,
+        with timer.phase("setup"):
+            exp = Experiment.build(cfg, build_model, workdir=str(workdir))
+            _write_run_notes(workdir, exp)
+        run = _TrainRun(cfg, build_model, exp, workdir, timer)
+        with timer.phase("init"):
+            run.restore_or_init()
+        result = run.run()
+    if jax.process_index() == 0:
+        row = {"start_step": run.start_step, "end_step": result["step"], **timer.summary()}
+        with open(workdir / "timings.jsonl", "a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    return result
+
+
+def _write_run_notes(workdir: Path, exp: Experiment) -> None:
+    """``embedding_plan.txt`` (also printed) and ``data_stats.json``: the reader's counters
+    (rows read / kept / rejected by reason, OOV counts), so nothing is dropped without a count."""
+    if jax.process_index() != 0:
+        return
+    plans = exp.embedding_plans()
+    if plans:
+        text = "\n\n".join(f"{path or 'model'}:\n{plan}" for path, plan in plans.items())
+        (workdir / "embedding_plan.txt").write_text(text + "\n")
+        print(text, file=sys.stderr)
+    if getattr(exp.source, "stats", None):
+        (workdir / "data_stats.json").write_text(
+            json.dumps(exp.source.stats, indent=2, default=str) + "\n"
         )
-        writer = MetricsWriter(workdir / "metrics.jsonl")
-        plans = exp.embedding_plans()
-        if plans and jax.process_index() == 0:
-            text = "\n\n".join(f"{path or 'model'}:\n{plan}" for path, plan in plans.items())
-            (workdir / "embedding_plan.txt").write_text(text + "\n")
-            print(text, file=sys.stderr)
-        if jax.process_index() == 0 and getattr(exp.source, "stats", None):
-            # Reader counters (rows read / kept / rejected by reason, OOV counts): nothing is
-            # dropped without a count.
-            (workdir / "data_stats.json").write_text(
-                json.dumps(exp.source.stats, indent=2, default=str) + "\n"
-            )
-        # Restore order: this run's latest checkpoint, then another run's parameters, then fresh.
-        abstract = exp.abstract_state
+
+
+class _TrainRun:
+    """One ``train()`` call, as named steps: :meth:`restore_or_init`, then :meth:`run`, which
+    repeats :meth:`_steps` (train, read flags, log, evaluate, checkpoint, stop on preemption)
+    and :meth:`_rollback` until the last step, and ends with :meth:`_finish`."""
+
+    def __init__(self, cfg: Any, build_model: BuildModel, exp: Experiment, workdir: Path,
+                 timer: PhaseTimer):  # fmt: skip
+        self.cfg, self.tcfg, self.build_model, self.exp = cfg, cfg.train, build_model, exp
+        self.timer, self.workdir = timer, workdir
+        self.ckpt = Checkpointer(
+            workdir / "checkpoints",
+            max_to_keep=self.tcfg.max_checkpoints,
+            async_save=self.tcfg.async_checkpoint,
+        )
+        self.writer = MetricsWriter(workdir / "metrics.jsonl")
+        self.layout = relayout.layout_meta(cfg)  # what a resume on another layout re-lays out from
+        self.state: TrainState | None = None
+        self.start_step = 0
+        self.data_offset = 0
+        self.guard = _NonfiniteGuard(self.tcfg)
+        self.preempted = False
+        # (step index, device metrics) not yet read back; read at log / checkpoint boundaries,
+        # on preemption and at the end, so the host does not wait on the device every step.
+        self.pending: list[tuple[int, dict]] = []
+        self.window: list[dict] = []  # host metrics of the steps since the last train row
+        self.t_last, self.step_last = time.perf_counter(), 0
+        make_step = (
+            make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
+        )
+        self.train_step = jax.jit(
+            make_step(exp.graphdef, exp.tx, nonfinite=self.tcfg.nonfinite),
+            in_shardings=(exp.state_sharding, None),
+            out_shardings=(exp.state_sharding, None),
+            donate_argnums=(0,),
+        )
+
+    # -- restore ---------------------------------------------------------------------------
+
+    def _restore_items(self, c: Checkpointer, step: int, *, with_opt_state: bool = True):
+        """``(trees, meta)`` of ``step`` of ``c``, re-laid out if it was saved on another device
+        count or embedding plan."""
+        cfg, exp = self.cfg, self.exp
+        meta = c.read_meta(step)
+        saved = meta.get("layout")
+        items = _state_items(exp.abstract_state)
+        if not with_opt_state:
+            items = {k: items[k] for k in ("params", "batch_stats")}
+        if not relayout.needs_relayout(saved, cfg):
+            return c.restore(step, items)
+        extra = {"rng": items["rng"]} if with_opt_state else None
+        trees = relayout.restore_relaid(c, step, exp, cfg, self.build_model, saved,
+                                        with_opt_state=with_opt_state, extra=extra)  # fmt: skip
+        print(
+            f"re-laid out checkpoint step {step} from {saved['device_count']} devices "
+            f"(embeddings {saved['embeddings']}) for this run's {relayout.layout_meta(cfg)}",
+            file=sys.stderr,
+        )
+        return trees, meta
+
+    def restore_or_init(self) -> None:
+        """Restore order: this run's latest checkpoint, then another run's parameters
+        (``train.init_from``), then a fresh init."""
+        ckpt, tcfg, exp = self.ckpt, self.tcfg, self.exp
         restored_meta: dict = {}
-
-        def restore_items(c: Checkpointer, step: int, *, with_opt_state: bool = True):
-            """``(trees, meta)`` of ``step`` of ``c``, re-laid out if it was saved on another
-            device count or embedding plan."""
-            meta = c.read_meta(step)
-            saved = meta.get("layout")
-            items = _state_items(abstract)
-            if not with_opt_state:
-                items = {k: items[k] for k in ("params", "batch_stats")}
-            if not relayout.needs_relayout(saved, cfg):
-                return c.restore(step, items)
-            extra = {"rng": items["rng"]} if with_opt_state else None
-            trees = relayout.restore_relaid(c, step, exp, cfg, build_model, saved,
-                                            with_opt_state=with_opt_state, extra=extra)  # fmt: skip
-            print(
-                f"re-laid out checkpoint step {step} from {saved['device_count']} devices "
-                f"(embeddings {saved['embeddings']}) for this run's {relayout.layout_meta(cfg)}",
-                file=sys.stderr,
-            )
-            return trees, meta
-
         latest = ckpt.restore_latest(
-            lambda step: restore_items(ckpt, step), fallback=tcfg.checkpoint_fallback
+            lambda step: self._restore_items(ckpt, step), fallback=tcfg.checkpoint_fallback
         )
         if latest is not None:
             latest_step, trees, restored_meta = latest
@@ -509,7 +579,7 @@ def train(
             src_step = src.latest_step()
             if src_step is None:
                 raise FileNotFoundError(f"train.init_from: no checkpoints in {src.directory}")
-            trees, _ = restore_items(src, src_step, with_opt_state=False)
+            trees, _ = self._restore_items(src, src_step, with_opt_state=False)
             trees = {"params": trees["params"], "batch_stats": trees["batch_stats"]}
             src.close()
             init_opt = jax.jit(exp.tx.init, out_shardings=exp.state_sharding.opt_state)
@@ -524,146 +594,179 @@ def train(
             print(f"initialised parameters from {src.directory} step {src_step}", file=sys.stderr)
         else:
             state = exp.init_state()
-        start = int(state.step)
+        self.state = state
+        self.start_step = int(state.step)
         # The next batch's index in the training stream: the step, unless a checkpoint says
         # otherwise (it always records it: ``data_position``).
-        data_offset = restored_meta.get("data_position", start) - start
-        write_run_info(workdir, start)
+        self.data_offset = restored_meta.get("data_position", self.start_step) - self.start_step
+        self.guard = _NonfiniteGuard(tcfg, total=restored_meta.get("nonfinite_total", 0))
+        write_run_info(self.workdir, self.start_step)
 
-        make_step = (
-            make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
-        )
-        train_step = jax.jit(
-            make_step(exp.graphdef, exp.tx, nonfinite=tcfg.nonfinite),
-            in_shardings=(exp.state_sharding, None),
-            out_shardings=(exp.state_sharding, None),
-            donate_argnums=(0,),
-        )
+    # -- checkpoints -------------------------------------------------------------------------
 
-        layout = relayout.layout_meta(cfg)  # what a resume on another layout re-lays out from
+    def save(self, step: int) -> None:
+        meta = {
+            "step": step,
+            "data_position": step + self.data_offset,
+            "nonfinite_total": self.guard.total,
+            "layout": self.layout,
+        }
+        self.ckpt.save(step, _state_items(self.state), meta)
 
-        def save(step: int, state: TrainState) -> None:
-            meta = {
-                "step": step,
-                "data_position": step + data_offset,
-                "nonfinite_total": guard.total,
-                "layout": layout,
-            }
-            ckpt.save(step, _state_items(state), meta)
+    def _restore(self, ckpt_step: int, at_step: int) -> TrainState:
+        self.ckpt.wait()  # an asynchronous save of that step may still be in flight
+        trees, _ = self._restore_items(self.ckpt, ckpt_step)
+        return _state_from(trees, at_step)
 
-        def restore(ckpt_step: int, at_step: int) -> TrainState:
-            ckpt.wait()  # an asynchronous save of that step may still be in flight
-            trees, _ = restore_items(ckpt, ckpt_step)
-            return _state_from(trees, at_step)
+    # -- the loop ----------------------------------------------------------------------------
 
-        guard = _NonfiniteGuard(tcfg, total=restored_meta.get("nonfinite_total", 0))
+    def run(self) -> dict:
+        """Trains to ``train.num_steps`` (or a preemption) and returns the result."""
+        tcfg = self.tcfg
+        start = self.start_step
+        self.t_last, self.step_last = time.perf_counter(), start
         prog, task = _progress(tcfg.progress, tcfg.num_steps, start)
-        # (step index, device metrics) not yet read back; read at log / checkpoint boundaries, on
-        # preemption and at the end, so the host does not wait on the device every step.
-        pending: list[tuple[int, dict]] = []
-        window: list[dict] = []  # host metrics of the steps since the last train row
-        t_last, step_last = time.perf_counter(), start
-        examples_per_step = cfg.data.batch_size
-        preempted = False
-        with prog, _SigtermFlag() as sigterm, _closed_on_error(ckpt):
-            while start < tcfg.num_steps and not preempted:
-                rollback = None
-                for step, host_batch in _prefetch(exp.source, start, tcfg.num_steps, data_offset):
-                    state, metrics = train_step(state, exp.device_batch(host_batch))
-                    pending.append((step, metrics))
-                    done = step + 1
-                    is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps
-                    is_ckpt = (
-                        tcfg.checkpoint_every
-                        and done % tcfg.checkpoint_every == 0
-                        and done != tcfg.num_steps
-                    )
-                    # SIGTERM (preemption): stop at this step boundary. Multi-process runs agree
-                    # on the step through JAX's preemption sync point (jax.distributed).
-                    preempted = sigterm.is_set() or (
-                        jax.process_count() > 1
-                        and multihost_utils.reached_preemption_sync_point(done)
-                    )
-                    if is_log or is_ckpt or preempted:
-                        # Read the step flags before a checkpoint is written, so a rollback never
-                        # has a checkpoint from after its bad steps to delete.
-                        rows = jax.device_get(pending)
-                        pending = []
-                        for s, row in rows:
-                            window.append(row)
-                            rollback = guard.observe(s, row)
-                            if rollback is not None:
-                                break  # the later steps run again after the rollback
-                        if rollback is not None:
-                            break
-                    if is_log or preempted:
-                        now = time.perf_counter()
-                        eps = (done - step_last) * examples_per_step / max(now - t_last, 1e-9)
-                        t_last, step_last = now, done
-                        row = _train_row(window, tcfg.nonfinite, done)
-                        window = []
-                        row.update(step=done, split="train", examples_per_sec=eps)
-                        row["nonfinite_total"] = guard.total
-                        writer.write(row)
-                        if "loss" in row:
-                            prog.update(task, info=f"loss {row['loss']:.4f}  {eps:,.0f} ex/s")
-                    prog.update(task, completed=done)
-                    if (
-                        not preempted
-                        and tcfg.eval_every
-                        and done % tcfg.eval_every == 0
-                        and done != tcfg.num_steps
-                    ):
-                        ev = exp.evaluate(
-                            state.params, state.batch_stats, max_batches=tcfg.eval_max_batches
-                        )
-                        writer.write({"step": done, "split": "eval", **ev})
-                    if is_ckpt or preempted:
-                        if ckpt.latest_step() != done:
-                            save(done, state)
-                    if preempted:
-                        print(f"SIGTERM: saved checkpoint step {done}, stopping", file=sys.stderr)
-                        break
-                if rollback is None:
+        with prog, _SigtermFlag() as sigterm, _closed_on_error(self.ckpt):
+            while start < tcfg.num_steps and not self.preempted:
+                bad = self._steps(start, sigterm, prog, task)
+                if bad is None:
                     break
-                # Restore the last checkpoint from before the bad steps, and go on after them:
-                # the batches from that checkpoint to the last bad step are skipped.
-                bad = rollback
-                good = [c for c in ckpt.all_steps() if c <= bad[0]]
-                if not good:
-                    raise FloatingPointError(
-                        f"non-finite training loss at step {bad[-1] + 1}: {len(bad)} non-finite "
-                        f"steps in a row (from step {bad[0] + 1}) and no checkpoint at or "
-                        f"before step {bad[0]} to roll back to (set train.checkpoint_every)"
+                start = self._rollback(bad)
+        return self._finish()
+
+    def _steps(self, start: int, sigterm: _SigtermFlag, prog, task) -> list[int] | None:
+        """Steps from ``start`` to the end or a preemption; returns the bad steps that call
+        for a rollback, or None."""
+        batches = _prefetch(self.exp.source, start, self.tcfg.num_steps, self.data_offset)
+        with contextlib.closing(batches):  # stops the prefetch thread on every way out
+            return self._steps_from(batches, start, sigterm, prog, task)
+
+    def _steps_from(self, batches, start: int, sigterm, prog, task) -> list[int] | None:
+        tcfg, timer = self.tcfg, self.timer
+        for step in range(start, tcfg.num_steps):
+            with timer.phase("data"):
+                _, host_batch = next(batches)
+                batch = self.exp.device_batch(host_batch)
+            with timer.phase("train"):
+                self.state, metrics = self.train_step(self.state, batch)
+                self.pending.append((step, metrics))
+                done = step + 1
+                is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps
+                is_ckpt = (
+                    tcfg.checkpoint_every
+                    and done % tcfg.checkpoint_every == 0
+                    and done != tcfg.num_steps
+                )
+                is_eval = bool(
+                    tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps
+                )
+                # SIGTERM (preemption): stop at this step boundary. Multi-process runs agree
+                # on the step through JAX's preemption sync point (jax.distributed).
+                self.preempted = sigterm.is_set() or (
+                    jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(done)
+                )
+                if is_log or is_ckpt or self.preempted:
+                    # Read the step flags before a checkpoint is written, so a rollback never
+                    # has a checkpoint from after its bad steps to delete.
+                    bad = self._read_flags()
+                    if bad is not None:
+                        return bad  # the later steps run again after the rollback
+                if is_log or self.preempted:
+                    self._log(done, prog, task)
+                prog.update(task, completed=done)
+                if (is_eval and not self.preempted) or is_ckpt or self.preempted:
+                    # Attributes the queued steps' device time to training, not to what
+                    # waits for them next.
+                    jax.block_until_ready(self.state)
+            if is_eval and not self.preempted:
+                with timer.phase("eval"):
+                    ev = self.exp.evaluate(
+                        self.state.params, self.state.batch_stats, max_batches=tcfg.eval_max_batches
                     )
-                c = max(good)
-                start = bad[-1] + 1
-                state = restore(c, start)
-                pending = []
-                writer.write(
-                    {
-                        "step": start,
-                        "split": "rollback",
-                        "restored_step": c,
-                        "nonfinite_steps": [s + 1 for s in bad],
-                        "skipped_batches": [c, start],
-                    }
-                )
-                print(
-                    f"{len(bad)} non-finite steps in a row (steps {bad[0] + 1}..{bad[-1] + 1}): "
-                    f"restored checkpoint step {c}, skipping batches [{c}, {start}), going on at "
-                    f"step {start}",
-                    file=sys.stderr,
-                )
-                # Saved now, so a relaunch resumes after the rollback rather than replaying it.
-                save(start, state)
-        if preempted:
-            ckpt.close()
-            return {"step": int(state.step), "preempted": True}
-        final_step = int(state.step)
+                    self.writer.write({"step": done, "split": "eval", **ev})
+            if (is_ckpt or self.preempted) and self.ckpt.latest_step() != done:
+                with timer.phase("checkpoint"):
+                    self.save(done)
+            if self.preempted:
+                print(f"SIGTERM: saved checkpoint step {done}, stopping", file=sys.stderr)
+                return None
+        return None
+
+    def _read_flags(self) -> list[int] | None:
+        """Reads back the pending steps' metrics in step order through the non-finite guard;
+        returns the bad steps of a rollback it calls for, or None."""
+        rows = jax.device_get(self.pending)
+        self.pending = []
+        for s, row in rows:
+            self.window.append(row)
+            bad = self.guard.observe(s, row)
+            if bad is not None:
+                return bad
+        return None
+
+    def _log(self, done: int, prog, task) -> None:
+        """A train row: the window's mean metrics, examples/s and the non-finite counts."""
+        now = time.perf_counter()
+        eps = (done - self.step_last) * self.cfg.data.batch_size / max(now - self.t_last, 1e-9)
+        self.t_last, self.step_last = now, done
+        row = _train_row(self.window, self.tcfg.nonfinite, done)
+        self.window = []
+        row.update(step=done, split="train", examples_per_sec=eps)
+        row["nonfinite_total"] = self.guard.total
+        self.writer.write(row)
+        if "loss" in row:
+            prog.update(task, info=f"loss {row['loss']:.4f}  {eps:,.0f} ex/s")
+
+    def _rollback(self, bad: list[int]) -> int:
+        """Restores the last checkpoint from before the bad steps and returns the step to go on
+        from (after them): the batches from that checkpoint to the last bad step are skipped."""
+        good = [c for c in self.ckpt.all_steps() if c <= bad[0]]
+        if not good:
+            raise FloatingPointError(
+                f"non-finite training loss at step {bad[-1] + 1}: {len(bad)} non-finite "
+                f"steps in a row (from step {bad[0] + 1}) and no checkpoint at or "
+                f"before step {bad[0]} to roll back to (set train.checkpoint_every)"
+            )
+        c = max(good)
+        start = bad[-1] + 1
+        with self.timer.phase("init"):
+            self.state = self._restore(c, start)
+        self.pending = []
+        self.writer.write(
+            {
+                "step": start,
+                "split": "rollback",
+                "restored_step": c,
+                "nonfinite_steps": [s + 1 for s in bad],
+                "skipped_batches": [c, start],
+            }
+        )
+        print(
+            f"{len(bad)} non-finite steps in a row (steps {bad[0] + 1}..{bad[-1] + 1}): "
+            f"restored checkpoint step {c}, skipping batches [{c}, {start}), going on at "
+            f"step {start}",
+            file=sys.stderr,
+        )
+        # Saved now, so a relaunch resumes after the rollback rather than replaying it.
+        with self.timer.phase("checkpoint"):
+            self.save(start)
+        return start
+
+    def _finish(self) -> dict:
+        """After the last step: the final checkpoint and the full evaluation (none after a
+        preemption), then every asynchronous save committed."""
+        ckpt, timer = self.ckpt, self.timer
+        if self.preempted:
+            with timer.phase("close"):
+                ckpt.close()
+            return {"step": int(self.state.step), "preempted": True}
+        final_step = int(self.state.step)
         if ckpt.latest_step() != final_step:
-            save(final_step, state)
-        ev = exp.evaluate(state.params, state.batch_stats)
-        writer.write({"step": final_step, "split": "eval", **ev})
-        ckpt.close()
-    return {"step": final_step, **ev}
+            with timer.phase("checkpoint"):
+                self.save(final_step)
+        with timer.phase("final_eval"):
+            ev = self.exp.evaluate(self.state.params, self.state.batch_stats)
+            self.writer.write({"step": final_step, "split": "eval", **ev})
+        with timer.phase("close"):
+            ckpt.close()
+        return {"step": final_step, **ev}

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -67,9 +68,26 @@ def test_every_tiny_preset_trains_two_steps(tmp_path):
         assert (wd / "checkpoints" / "2").is_dir()
 
 
-def test_tiny_learns(tmp_path):
-    result = train(_tiny(num_steps=150, log_every=50), build_model, tmp_path / "run")
+def test_tiny_learns_and_accounts_for_its_wall_time(tmp_path):
+    wd = tmp_path / "run"
+    t0 = time.time()
+    cfg = _tiny(num_steps=150, log_every=50, eval_every=50, checkpoint_every=75)
+    result = train(cfg, build_model, wd)
+    t1 = time.time()
     assert result["auc"] > 0.65, result
+    # timings.jsonl: every step, evaluation and checkpoint in its phase, compiles where they ran.
+    (row,) = map(json.loads, (wd / "timings.jsonl").read_text().splitlines())
+    ph = row["phases"]
+    assert ph["train"]["count"] == ph["data"]["count"] == 150
+    assert ph["eval"]["count"] == 2 and ph["final_eval"]["count"] == 1  # steps 50, 100; 150
+    assert ph["checkpoint"]["count"] == 2  # step 75 and the final one
+    assert ph["init"]["compiles"] >= 1 and ph["train"]["compiles"] == 1
+    assert ph["eval"]["compiles"] >= 1 and ph["final_eval"]["compiles"] == 0  # compiled once
+    assert 0 < ph["train"]["compile_s"] < ph["train"]["seconds"]
+    assert t0 <= row["entered_at"] <= row["exited_at"] <= t1
+    assert sum(p["seconds"] for p in ph.values()) == pytest.approx(row["total_s"], abs=1e-3)
+    assert row["total_s"] <= row["exited_at"] - row["entered_at"]
+    assert (row["start_step"], row["end_step"]) == (0, 150)
 
 
 def test_resume_equals_uninterrupted_bitwise_and_differs_from_cold_start(tmp_path, capsys):

@@ -1,0 +1,109 @@
+"""The launcher's live view of a sweep: done / running / failed / remaining, and an ETA.
+
+It reads the sweep directory (results and claims, the same files every worker writes), so it
+shows the whole sweep whatever backend runs it and however many launchers share it. The bar
+and the ETA count training FLOPs, not trials: trials differ in size by 10x or more, so a
+count-based ETA would swing with the order they happen to finish in. On a terminal it is a
+rich progress bar; otherwise (a log file, CI) one line every ``line_every_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from sweeps.store import SweepStore
+
+_DONE = ("SUCCESS", "DIVERGED")
+
+
+def summarise(store: SweepStore, trials: list[dict]) -> dict[str, Any]:
+    """Counts per state and the training FLOPs of the finished trials."""
+    rows = {r["trial_id"]: r for r in store.results()}
+    counts: Counter[str] = Counter()
+    finished_compute = 0.0
+    for t in trials:
+        status = store.status(t["trial_id"], rows)
+        state = {"SUCCESS": "done", "DIVERGED": "done", "FAILED": "failed",
+                 "RUNNING": "running"}.get(status, "remaining")  # fmt: skip
+        counts[state] += 1
+        if state in ("done", "failed"):
+            finished_compute += t["flops_per_example"] * t["examples"]
+    return {"counts": counts, "finished_compute": finished_compute}
+
+
+class SweepProgress:
+    """A background thread that shows the sweep's state until :meth:`stop`."""
+
+    def __init__(self, store: SweepStore, trials: list[dict], *, poll_s: float = 2.0,
+                 line_every_s: float = 30.0, stream=None):  # fmt: skip
+        self.store, self.trials = store, trials
+        self.poll_s, self.line_every_s = poll_s, line_every_s
+        self.stream = stream or sys.stderr
+        self.total = sum(t["flops_per_example"] * t["examples"] for t in trials)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._start_compute = summarise(store, trials)["finished_compute"]
+        self._t0 = time.time()
+
+    def __enter__(self) -> SweepProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def line(self, s: dict[str, Any]) -> str:
+        """``done / running / failed / remaining`` and the ETA from this launch's rate."""
+        c = s["counts"]
+        text = (f"{c['done']} done, {c['running']} running, {c['failed']} failed, "
+                f"{c['remaining']} remaining of {len(self.trials)}")  # fmt: skip
+        eta = self.eta(s)
+        return text + (f", ETA {_duration(eta)}" if eta is not None else "")
+
+    def eta(self, s: dict[str, Any]) -> float | None:
+        """Seconds left at the FLOP rate of the trials finished since this launch began."""
+        done_here = s["finished_compute"] - self._start_compute
+        if done_here <= 0:
+            return None
+        rate = done_here / (time.time() - self._t0)
+        return (self.total - s["finished_compute"]) / rate
+
+    def _run(self) -> None:
+        from rich.console import Console  # noqa: PLC0415
+
+        console = Console(file=self.stream)
+        if console.is_terminal:
+            self._run_bar(console)
+        else:
+            last = 0.0
+            while not self._stop.wait(self.poll_s):
+                if time.time() - last >= self.line_every_s:
+                    last = time.time()
+                    print(f"sweep: {self.line(summarise(self.store, self.trials))}",
+                          file=self.stream, flush=True)  # fmt: skip
+            print(f"sweep: {self.line(summarise(self.store, self.trials))}", file=self.stream,
+                  flush=True)  # fmt: skip
+
+    def _run_bar(self, console) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn  # noqa: PLC0415
+
+        with Progress(TextColumn("[bold]sweep"), BarColumn(), TextColumn("{task.fields[info]}"),
+                      console=console) as prog:  # fmt: skip
+            task = prog.add_task("sweep", total=self.total or 1.0, info="")
+            while True:
+                s = summarise(self.store, self.trials)
+                prog.update(task, completed=s["finished_compute"], info=self.line(s))
+                if self._stop.wait(self.poll_s):
+                    break
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
