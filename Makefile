@@ -23,8 +23,11 @@ run: $(STAMP)
 	$(BIN)/python -m sweeps.launch sweeps.specs.showcase --sweep-dir runs/showcase --max-parallel 2
 	$(BIN)/python -m sweeps.analyze runs/showcase
 
+# The suite on up to 4 worker processes (pytest-xdist; 2 on a 2-core CI machine), a test file per
+# worker at a time (module fixtures run once), sharing one persistent JAX compilation cache
+# (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .jax_cache

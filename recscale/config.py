@@ -175,7 +175,7 @@ class TrainConfig:
     """Training steps."""
     seed: int = 0
     """Seed of parameter init and of the random stream the steps split their dropout keys off
-    (``TrainState.rng``, checkpointed)."""
+    (``TrainState.rng``, checkpointed); in ``[0, 2**31)``."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
     eval_max_batches: int = 0
@@ -215,6 +215,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if not 0 <= self.seed < 2**31:  # an int32 argument of the compiled init
+            raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         for name in (

@@ -6,6 +6,18 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+# One persistent compilation cache for the whole suite, its subprocesses and its xdist workers:
+# many tests compile the same tiny programs (a dlrm/tiny train step, the same kernel shapes), and
+# a hit loads the executable XLA would have built (the cache key is the HLO, the compile options
+# and the versions), so results are unchanged and the suite takes far less time. Kept between
+# runs under the (git-ignored) .jax_cache/ of the checkout; RECSCALE_TEST_JAX_CACHE=0 turns it off.
+if os.environ.get("RECSCALE_TEST_JAX_CACHE", "1") != "0":
+    os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".jax_cache")
+    )
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

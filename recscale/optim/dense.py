@@ -26,11 +26,20 @@ def default_decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def dense_schedule(cfg: DenseOptimConfig, total_steps: int) -> optax.Schedule:
-    """The learning-rate schedule ``dense_optimizer`` uses (handy for logging the LR)."""
+def dense_schedule(
+    cfg: DenseOptimConfig,
+    total_steps: int | jax.Array,
+    *,
+    peak: float | jax.Array | None = None,
+    warmup_steps: int | jax.Array | None = None,
+) -> optax.Schedule:
+    """The learning-rate schedule ``dense_optimizer`` uses (handy for logging the LR).
+
+    ``peak`` / ``warmup_steps`` replace ``cfg.learning_rate`` / ``cfg.warmup_steps``, e.g. with
+    traced values (``recscale.train.loop.schedule_args``)."""
     return learning_rate_schedule(
-        cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
+        cfg.learning_rate if peak is None else peak,
+        warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps,
         decay=cfg.decay,
         total_steps=total_steps,
         end_fraction=cfg.end_lr_fraction,
@@ -39,9 +48,11 @@ def dense_schedule(cfg: DenseOptimConfig, total_steps: int) -> optax.Schedule:
 
 def dense_optimizer(
     cfg: DenseOptimConfig,
-    total_steps: int,
+    total_steps: int | jax.Array,
     *,
     decay_mask: Any | Callable[[Any], Any] | None = default_decay_mask,
+    peak: float | jax.Array | None = None,
+    warmup_steps: int | jax.Array | None = None,
 ) -> optax.GradientTransformation:
     """Builds the optax optimizer of the dense parameters.
 
@@ -68,6 +79,7 @@ def dense_optimizer(
       decay_mask: Which leaves get weight decay (adamw, lamb, lars) and, for lars, trust-ratio
         scaling: a bool pytree, a function params -> bool pytree, or ``None`` for all leaves.
         Defaults to ``default_decay_mask`` (kernels only, no biases/norm scales).
+      peak, warmup_steps: Replace the config's learning rate and warmup (``dense_schedule``).
 
     Raises:
       ValueError: on ``weight_decay > 0`` with a family that has no decoupled weight decay
@@ -82,7 +94,7 @@ def dense_optimizer(
         )
     if cfg.grad_clip_norm < 0:
         raise ValueError(f"grad_clip_norm must be >= 0, got {cfg.grad_clip_norm}")
-    lr = dense_schedule(cfg, total_steps)
+    lr = dense_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
     mask = True if decay_mask is None else decay_mask
     if cfg.name == "adam":
         tx = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)

@@ -156,11 +156,18 @@ def rowwise_adagrad(
     )
 
 
-def embedding_schedule(cfg: EmbeddingOptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup over ``cfg.warmup_steps`` then ``cfg.decay`` to ``end_lr_fraction``."""
+def embedding_schedule(
+    cfg: EmbeddingOptimConfig,
+    total_steps: int | jax.Array,
+    *,
+    peak: float | jax.Array | None = None,
+    warmup_steps: int | jax.Array | None = None,
+) -> optax.Schedule:
+    """Linear warmup over ``cfg.warmup_steps`` then ``cfg.decay`` to ``end_lr_fraction``
+    (``peak`` / ``warmup_steps`` replace the config's, e.g. with traced values)."""
     return learning_rate_schedule(
-        cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
+        cfg.learning_rate if peak is None else peak,
+        warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps,
         decay=cfg.decay,
         total_steps=total_steps,
         end_fraction=cfg.end_lr_fraction,
@@ -168,7 +175,11 @@ def embedding_schedule(cfg: EmbeddingOptimConfig, total_steps: int) -> optax.Sch
 
 
 def embedding_optimizer(
-    cfg: EmbeddingOptimConfig, total_steps: int
+    cfg: EmbeddingOptimConfig,
+    total_steps: int | jax.Array,
+    *,
+    peak: float | jax.Array | None = None,
+    warmup_steps: int | jax.Array | None = None,
 ) -> optax.GradientTransformation:
     """Builds the optimizer of the embedding tables from its config.
 
@@ -177,7 +188,7 @@ def embedding_optimizer(
     eps=cfg.eps)`` on whole tables (moments of untouched rows still decay and move them; for
     comparison only). All use ``embedding_schedule(cfg, total_steps)``.
     """
-    lr = embedding_schedule(cfg, total_steps)
+    lr = embedding_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
     if cfg.name == "sgd":
         tx = optax.sgd(lr)
     elif cfg.name == "rowwise_adagrad":

@@ -9,22 +9,31 @@ first update is a no-op for SGD-like optimizers), ``schedule(warmup_steps) == pe
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 __all__ = ["learning_rate_schedule", "lr_for_batch_size"]
 
 
 def learning_rate_schedule(
-    peak: float,
+    peak: float | jax.Array,
     *,
-    warmup_steps: int,
+    warmup_steps: int | jax.Array,
     decay: Literal["constant", "cosine", "linear"],
-    total_steps: int,
+    total_steps: int | jax.Array,
     end_fraction: float = 0.0,
 ) -> optax.Schedule:
     """Linear warmup from 0 to ``peak``, then constant, cosine or linear decay.
+
+    ``peak``, ``warmup_steps`` and ``total_steps`` may be traced values (arguments of a jitted
+    step), so that runs differing only in them (a sweep's budgets, seeds and learning rates)
+    share one compiled train step; they are validated when they are plain numbers. The formulas
+    are optax's (``linear_schedule`` warmup joined with ``cosine_decay_schedule`` /
+    ``linear_schedule``), written in jnp so they accept traced arguments.
 
     Args:
       peak: Peak learning rate, reached at ``warmup_steps``.
@@ -36,36 +45,50 @@ def learning_rate_schedule(
       end_fraction: Final learning rate as a fraction of ``peak`` (cosine/linear).
 
     Returns:
-      An ``optax.Schedule`` (step -> learning rate), jittable.
+      An ``optax.Schedule`` (step -> float32 learning rate), jittable.
 
     Raises:
       ValueError: on a non-positive peak, negative steps, an unknown decay, or a decaying schedule
-        whose ``total_steps`` does not exceed ``warmup_steps``.
+        whose ``total_steps`` does not exceed ``warmup_steps`` (checked on plain numbers).
     """
-    if peak <= 0:
-        raise ValueError(f"peak learning rate must be > 0, got {peak}")
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if decay not in ("constant", "cosine", "linear"):
+        raise ValueError(f"unknown decay {decay!r}; expected constant, cosine or linear")
     if not 0.0 <= end_fraction <= 1.0:
         raise ValueError(f"end_fraction must be in [0, 1], got {end_fraction}")
-    if decay == "constant":
-        after = optax.constant_schedule(peak)
-    elif decay in ("cosine", "linear"):
-        decay_steps = total_steps - warmup_steps
-        if decay_steps <= 0:
+    if _concrete(peak) and peak <= 0:
+        raise ValueError(f"peak learning rate must be > 0, got {peak}")
+    if _concrete(warmup_steps) and warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if decay != "constant" and _concrete(warmup_steps) and _concrete(total_steps):
+        if total_steps - warmup_steps <= 0:
             raise ValueError(
                 f"{decay} decay needs total_steps ({total_steps}) > warmup_steps ({warmup_steps})"
             )
-        if decay == "cosine":
-            after = optax.cosine_decay_schedule(peak, decay_steps=decay_steps, alpha=end_fraction)
+
+    def schedule(count: jax.Array) -> jax.Array:
+        t = jnp.asarray(count).astype(jnp.float32)
+        p = jnp.asarray(peak, jnp.float32)
+        w = jnp.asarray(warmup_steps, jnp.float32)
+        if decay == "constant":
+            after = p
         else:
-            after = optax.linear_schedule(peak, peak * end_fraction, transition_steps=decay_steps)
-    else:
-        raise ValueError(f"unknown decay {decay!r}; expected constant, cosine or linear")
-    if warmup_steps == 0:
-        return after
-    warmup = optax.linear_schedule(0.0, peak, transition_steps=warmup_steps)
-    return optax.join_schedules([warmup, after], boundaries=[warmup_steps])
+            span = jnp.maximum(jnp.asarray(total_steps, jnp.float32) - w, 1.0)
+            x = jnp.clip(t - w, 0.0, span)
+            if decay == "cosine":
+                cos = 0.5 * (1.0 + jnp.cos(jnp.pi * x / span))
+                after = p * ((1.0 - end_fraction) * cos + end_fraction)
+            else:
+                end = p * end_fraction
+                after = (p - end) * (1.0 - x / span) + end
+        # Warmup: optax.linear_schedule(0, peak, w); no warmup (w = 0) selects ``after`` always.
+        warm = p - p * (1.0 - jnp.clip(t, 0.0, w) / jnp.maximum(w, 1.0))
+        return jnp.where(t < w, warm, after)
+
+    return schedule
+
+
+def _concrete(x: Any) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating)
 
 
 def lr_for_batch_size(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -51,25 +52,50 @@ _FAST_INIT_BYTES = 256 << 20
 """States up to this size have their init compiled without backend optimisation (``Experiment``)."""
 
 
-def make_optimizer(cfg: Any, params: Any):
+def schedule_args(cfg: Any) -> dict[str, np.ndarray]:
+    """The numbers of a run's learning-rate schedules: its length, and each optimizer's peak
+    learning rate and warmup. The trainer passes them to its jitted train step as arguments
+    instead of baking them in as constants, so runs that differ only in them (a sweep's budgets,
+    seeds and learning rates at one model size) compile to the same program, which the
+    persistent compilation cache then serves to all of them."""
+    d, e = cfg.dense_optim, cfg.embedding_optim
+    return {
+        "num_steps": np.int32(cfg.train.num_steps),
+        "dense_lr": np.float32(d.learning_rate),
+        "dense_warmup": np.int32(d.warmup_steps),
+        "embedding_lr": np.float32(e.learning_rate),
+        "embedding_warmup": np.int32(e.warmup_steps),
+    }
+
+
+def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
     """The combined optimizer: dense optax chain + the tables' own optimizer (the engine's
     sparse updates when the embedding engine is active).
 
     Tables are routed by type (``EmbeddingTable``); the label tree is computed once from the
     typed state, because optax calls a label function on params at init but on grads at update.
+    ``args`` (``schedule_args``, possibly traced) replace the config's schedule numbers.
     """
-    steps = cfg.train.num_steps
+    a = args or {}
+    steps = a.get("num_steps", cfg.train.num_steps)
+    dense = optim.dense_optimizer(
+        cfg.dense_optim, steps, peak=a.get("dense_lr"), warmup_steps=a.get("dense_warmup")
+    )
+    e = cfg.embedding_optim
     if sharding.active_engine() is not None:
-        e = cfg.embedding_optim
         return SparseOptimizer(
-            dense=optim.dense_optimizer(cfg.dense_optim, steps),
-            embedding_lr=optim.embedding_schedule(e, steps),
+            dense=dense,
+            embedding_lr=optim.embedding_schedule(
+                e, steps, peak=a.get("embedding_lr"), warmup_steps=a.get("embedding_warmup")
+            ),
             rule=engine.UpdateRule(e.name, eps=e.eps),
             initial_accumulator=e.initial_accumulator,
         )
     return optim.combine(
-        optim.dense_optimizer(cfg.dense_optim, steps),
-        optim.embedding_optimizer(cfg.embedding_optim, steps),
+        dense,
+        optim.embedding_optimizer(
+            e, steps, peak=a.get("embedding_lr"), warmup_steps=a.get("embedding_warmup")
+        ),
         optim.embedding_labels(params, EmbeddingTable),
     )
 
@@ -131,8 +157,9 @@ class Experiment:
             eval_only=eval_only,
         )
 
-        def make_params():
-            model = build_model(cfg, source.schema, nnx.Rngs(params=cfg.train.seed))
+        def make_params(seed: Any = cfg.train.seed):
+            # jax.random.key(seed) is nnx.Rngs(params=seed)'s own key, and takes a traced seed.
+            model = build_model(cfg, source.schema, nnx.Rngs(params=jax.random.key(seed)))
             graphdef, params, batch_stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
             if jax.tree.leaves(rest):
                 raise ValueError(
@@ -152,25 +179,29 @@ class Experiment:
             rng=sharding.replicated(),
         )
 
-        def init() -> TrainState:
-            _, params, batch_stats = make_params()
+        def init(seed: jax.Array) -> TrainState:
+            _, params, batch_stats = make_params(seed)
             opt_state = tx.init(params) if tx is not None else None
             return TrainState(
                 step=jnp.zeros((), jnp.int32),
                 params=params,
                 opt_state=opt_state,
                 batch_stats=batch_stats,
-                rng=initial_rng(cfg.train.seed),
+                rng=initial_rng(seed),
             )
 
-        abstract_state = jax.eval_shape(init)
-        state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state))
+        seed = jnp.int32(cfg.train.seed)
+        shapes = jax.tree.leaves(jax.eval_shape(init, seed))
+        state_bytes = sum(x.size * x.dtype.itemsize for x in shapes)
         # Init runs once: below _FAST_INIT_BYTES of state its run time is nothing next to
         # its compile (a small DLRM's init compiles in 3.2 s at XLA's default optimisation,
         # 1.2 s without), so it is compiled without backend optimisation. Large states keep
         # the default: unfused random-number code would materialise table-sized temporaries.
         options = {"xla_backend_optimization_level": 0} if state_bytes <= _FAST_INIT_BYTES else None
-        init = jax.jit(init, out_shardings=state_sharding, compiler_options=options)
+        # The seed is an argument, not a constant: every seed of a model shares one program.
+        jit_init = jax.jit(init, out_shardings=state_sharding, compiler_options=options)
+        abstract_state = jax.eval_shape(jit_init, seed)  # with the state's shardings
+        init = functools.partial(jit_init, seed)
         eval_step = jax.jit(make_eval_step(graphdef))
         return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step)
 
@@ -532,12 +563,21 @@ class _TrainRun:
         make_step = (
             make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
         )
-        self.train_step = jax.jit(
-            make_step(exp.graphdef, exp.tx, nonfinite=self.tcfg.nonfinite),
-            in_shardings=(exp.state_sharding, None),
+        params = exp.abstract_state.params
+
+        def train_step(state: TrainState, batch: Batch, args: dict) -> tuple[TrainState, dict]:
+            # The optimizer is rebuilt at trace time around the traced schedule numbers: the
+            # same structure and state as ``exp.tx``, without run-specific constants.
+            tx = make_optimizer(cfg, params, args)
+            return make_step(exp.graphdef, tx, nonfinite=self.tcfg.nonfinite)(state, batch)
+
+        self._train_step = jax.jit(
+            train_step,
+            in_shardings=(exp.state_sharding, None, sharding.replicated()),
             out_shardings=(exp.state_sharding, None),
             donate_argnums=(0,),
         )
+        self.schedule_args = jax.device_put(schedule_args(cfg), sharding.replicated())
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -648,7 +688,7 @@ class _TrainRun:
                 _, host_batch = next(batches)
                 batch = self.exp.device_batch(host_batch)
             with timer.phase("train"):
-                self.state, metrics = self.train_step(self.state, batch)
+                self.state, metrics = self._train_step(self.state, batch, self.schedule_args)
                 self.pending.append((step, metrics))
                 done = step + 1
                 is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps

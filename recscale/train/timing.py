@@ -18,8 +18,9 @@ import threading
 import time
 from collections.abc import Iterator
 
-# The three stages of every compile JAX performs (jax/_src/dispatch.py); a persistent-cache hit
-# skips the backend compile and reports ``_CACHE_HIT`` (its retrieval time is small).
+# The three stages of every compile JAX performs (jax/_src/dispatch.py). A persistent-cache hit
+# happens inside the backend stage (whose event then times the load, not a compile) and also
+# reports ``_CACHE_HIT``: ``compiles`` counts programs built either way, ``cache_hits`` the loads.
 _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -42,8 +43,7 @@ def _on_duration(event: str, duration: float, **_: object) -> None:
         timer.compile_s[name] = timer.compile_s.get(name, 0.0) + duration
         if event == _BACKEND_COMPILE:
             timer.compiles[name] = timer.compiles.get(name, 0) + 1
-    elif event == _CACHE_HIT:
-        timer.compile_s[name] = timer.compile_s.get(name, 0.0) + duration
+    elif event == _CACHE_HIT:  # inside a backend-compile event, whose time covers it
         timer.cache_hits[name] = timer.cache_hits.get(name, 0) + 1
 
 
@@ -85,7 +85,8 @@ class PhaseTimer:
             self._current, _local.timer = None, previous
 
     def summary(self) -> dict:
-        """The JSON row: per phase ``{seconds, count, compile_s, compiles, cache_hits}``, the
+        """The JSON row: per phase ``{seconds, count, compile_s, compiles, cache_hits}`` (programs
+        built, compiled or loaded from the persistent cache, and of them the loads), the
         total, and ``entered_at`` / ``exited_at`` (epoch seconds), from which a caller that
         knows when the process started and ended gets its start-up and teardown."""
         phases = {

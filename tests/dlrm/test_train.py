@@ -81,8 +81,9 @@ def test_tiny_learns_and_accounts_for_its_wall_time(tmp_path):
     assert ph["train"]["count"] == ph["data"]["count"] == 150
     assert ph["eval"]["count"] == 2 and ph["final_eval"]["count"] == 1  # steps 50, 100; 150
     assert ph["checkpoint"]["count"] == 2  # step 75 and the final one
-    assert ph["init"]["compiles"] >= 1 and ph["train"]["compiles"] == 1
-    assert ph["eval"]["compiles"] >= 1 and ph["final_eval"]["compiles"] == 0  # compiled once
+    built = {k: v["compiles"] for k, v in ph.items()}  # compiled, or loaded from the cache
+    assert built["init"] >= 1 and built["train"] == 1
+    assert built["eval"] >= 1 and built["final_eval"] == 0  # the eval program is built once
     assert 0 < ph["train"]["compile_s"] < ph["train"]["seconds"]
     assert t0 <= row["entered_at"] <= row["exited_at"] <= t1
     assert sum(p["seconds"] for p in ph.values()) == pytest.approx(row["total_s"], abs=1e-3)

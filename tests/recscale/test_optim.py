@@ -187,6 +187,32 @@ def test_schedule_constant_and_no_warmup():
     np.testing.assert_allclose([float(s(i)) for i in (0, 5, 10)], [0.5, 0.25, 0.0], atol=1e-7)
 
 
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_schedule_equals_optax_and_takes_traced_arguments(decay):
+    # optax's own composition of the same schedule, at every step.
+    after = (optax.cosine_decay_schedule(2.0, 100, alpha=0.1) if decay == "cosine"
+             else optax.linear_schedule(2.0, 0.2, 100))  # fmt: skip
+    ref = optax.join_schedules([optax.linear_schedule(0.0, 2.0, 10), after], [10])
+    ours = learning_rate_schedule(2.0, warmup_steps=10, decay=decay, total_steps=110,
+                                  end_fraction=0.1)  # fmt: skip
+    steps = jnp.arange(0, 130)
+    np.testing.assert_allclose(jax.vmap(ours)(steps), jax.vmap(ref)(steps), rtol=1e-6, atol=1e-7)
+
+    # Peak, warmup and length as arguments: one compiled program for every run length.
+    @jax.jit
+    def traced(t, peak, warmup, total):
+        return learning_rate_schedule(peak, warmup_steps=warmup, decay=decay, total_steps=total,
+                                      end_fraction=0.1)(t)  # fmt: skip
+
+    for peak, warmup, total in ((2.0, 10, 110), (0.5, 0, 40), (3e-3, 7, 1000)):
+        plain = learning_rate_schedule(peak, warmup_steps=warmup, decay=decay,
+                                       total_steps=total, end_fraction=0.1)  # fmt: skip
+        for t in (0, 3, warmup, 25, total - 1, total, 5000):
+            args = (jnp.int32(t), jnp.float32(peak), jnp.int32(warmup), jnp.int32(total))
+            assert float(traced(*args)) == pytest.approx(float(plain(t)), rel=1e-6, abs=1e-9)
+    assert traced._cache_size() == 1
+
+
 def test_schedule_rejects_bad_arguments():
     with pytest.raises(ValueError, match="total_steps"):
         learning_rate_schedule(1.0, warmup_steps=10, decay="cosine", total_steps=10)
