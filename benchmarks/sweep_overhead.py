@@ -7,13 +7,17 @@ budget) two ways, each on a cold JAX compilation cache:
 * ``process``: a fresh ``python -m FAMILY.train`` per trial, as sweeps ran before the trial
   server (and still do with ``--isolate-trials`` or a multi-host prefix);
 * ``server``: the same train command sent to a warm ``sweeps.trial_server`` (the default
-  worker), after one warm-up trial of another size.
+  worker), after one warm-up trial of another size;
+* ``server, rung cached``: then the same model size again with another seed (as a sweep runs a
+  size at several budgets and seeds), whose programs the persistent cache now holds.
 
 and prints each trial's wall time broken into process start-up and imports (launch to entering
 ``train()``), the trainer's phases from its ``timings.jsonl`` (setup, init, data waits,
 training steps, evaluations, checkpoints, close; each compile separately) and teardown (leaving
-``train()`` to the process's exit, or to the server's reply), with the share in training steps
-and the ratio of the two ways' wall times.
+``train()`` to the process's exit, or to the server's reply), with the share in the step loop
+(training steps and the data waits between them: the step loop is what a trial's logged
+examples/s measures; the split between the two is approximate, as the device runs a step while
+the host waits for the next batch) and the ratio of the ways' wall times.
 
 ``python benchmarks/sweep_overhead.py sweep DIR [DIR ...]`` summarises finished sweep
 directories (or a ``results.csv`` / ``results.jsonl``): training FLOPs over the summed trial
@@ -25,6 +29,7 @@ the trials wrote one).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -102,7 +107,10 @@ def run_process(trial, root: Path, env: dict) -> dict:
     return breakdown(json.loads((workdir / "timings.jsonl").read_text().splitlines()[-1]), t0, t1)
 
 
-def run_server(server: TrialServer, trial, root: Path, tag: str) -> dict:
+def run_server(server: TrialServer, trial, root: Path, tag: str, seed: int | None = None) -> dict:
+    if seed is not None:
+        config = {**trial.config, "train": {**trial.config["train"], "seed": seed}}
+        trial = dataclasses.replace(trial, config=config, trial_id=f"{trial.trial_id}-s{seed}")
     cfg = write_config(trial, root)
     workdir = root / f"{tag}-{trial.trial_id}"
     t0 = time.time()
@@ -135,10 +143,13 @@ def trials_main(args) -> None:
             run_server(server, warmup, root, "warmup")
             for size, trial in chosen.items():
                 results[(size, way)] = run_server(server, trial, root, way)
+                results[(size, "cached")] = run_server(server, trial, root, way,
+                                                       seed=trial.seed + 1)  # fmt: skip
         finally:
             server.retire()
-    cols = [(s, w) for s in chosen for w in ("process", "server")]
-    head = " | ".join(f"{s} ({w})" for s, w in cols)
+    ways = {"process": "process", "server": "server", "cached": "server, rung cached"}
+    cols = [(s, w) for s in chosen for w in ways]
+    head = " | ".join(f"{s} ({ways[w]})" for s, w in cols)
     print(f"| part of the trial's wall time, s | {head} |")
     print("|---|" + "---:|" * len(cols))
     for label, key in ROWS:
@@ -146,14 +157,17 @@ def trials_main(args) -> None:
         print(f"| {label} | {cells} |")
     totals = " | ".join(f"**{results[c]['total']:.2f}**" for c in cols)
     print(f"| **total** | {totals} |")
-    share = " | ".join(f"{results[c].get('train:run', 0) / results[c]['total']:.0%}" for c in cols)
-    print(f"| share in training steps | {share} |")
+    share = " | ".join(
+        f"{(results[c].get('train:run', 0) + results[c].get('data', 0)) / results[c]['total']:.0%}"
+        for c in cols
+    )
+    print(f"| share in the step loop | {share} |")
     for size, trial in chosen.items():
-        p, s = results[(size, "process")]["total"], results[(size, "server")]["total"]
+        p, s, c = (results[(size, w)]["total"] for w in ways)
         flops = trial.compute
-        print(f"{size}: process {p:.2f} s, server {s:.2f} s: {p / s:.2f}x less wall time; "
-              f"{flops / p / 1e9:.2f} -> {flops / s / 1e9:.2f} GFLOP/s of training per "
-              "second of trial wall time")  # fmt: skip
+        print(f"{size}: process {p:.2f} s, server {s:.2f} s ({p / s:.2f}x), rung cached "
+              f"{c:.2f} s ({p / c:.2f}x); {flops / p / 1e9:.2f} -> {flops / s / 1e9:.2f} -> "
+              f"{flops / c / 1e9:.2f} GFLOP/s of training per second of trial wall time")  # fmt: skip
 
 
 def _load_rows(path: Path) -> list[dict]:
@@ -176,6 +190,7 @@ def sweep_main(args) -> None:
                 f"{wall / 60:.1f} min: {flops / wall / 1e9:.2f} GFLOP/s")  # fmt: skip
         sweep_dir = path if path.is_dir() else path.parent
         starts, ends, shares = [], [], []
+        estimated = False
         for r in rows:
             tdir = sweep_dir / "trials" / str(r["trial_id"])
             att = tdir / "attempts.jsonl"
@@ -184,19 +199,29 @@ def sweep_main(args) -> None:
                     starts.append(a["start"])
                     ends.append(a["start"] + a["duration_s"])
             tim = tdir / "run" / "timings.jsonl"
-            if tim.exists():
-                train = sum(
-                    t["phases"].get("train", {}).get("seconds", 0.0)
-                    - t["phases"].get("train", {}).get("compile_s", 0.0)
-                    for t in map(json.loads, tim.read_text().splitlines())
+            met = tdir / "run" / "metrics.jsonl"
+            if tim.exists():  # the step loop: training steps and the data waits between them
+                loop = sum(
+                    ph.get("train", {}).get("seconds", 0.0)
+                    - ph.get("train", {}).get("compile_s", 0.0)
+                    + ph.get("data", {}).get("seconds", 0.0)
+                    for ph in (json.loads(t)["phases"] for t in tim.read_text().splitlines())
                 )
-                shares.append(train / float(r["wall_time_s"]))
+                shares.append(loop / float(r["wall_time_s"]))
+            elif met.exists():  # trials from before timings.jsonl: as the issue measured it
+                eps = [m["examples_per_sec"] for m in map(json.loads, met.read_text().splitlines())
+                       if m.get("split") == "train"]  # fmt: skip
+                if eps:
+                    estimated = True
+                    shares.append(float(r["examples"]) / statistics.median(eps)
+                                  / float(r["wall_time_s"]))  # fmt: skip
         if starts:
             span = max(ends) - min(starts)
             line += f"; makespan {span / 60:.1f} min: {flops / span / 1e9:.2f} GFLOP/s"
         if shares:
-            line += (f"; training steps are {statistics.median(shares):.0%} of the median "
-                     f"trial's wall time ({min(shares):.0%}-{max(shares):.0%})")  # fmt: skip
+            line += (f"; the step loop is {statistics.median(shares):.0%} of the median "
+                     f"trial's wall time ({min(shares):.0%}-{max(shares):.0%}"
+                     f"{', estimated from logged examples/s' if estimated else ''})")  # fmt: skip
         print(line)
 
 

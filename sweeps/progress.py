@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from sweeps.store import SweepStore
 
 _DONE = ("SUCCESS", "DIVERGED")
@@ -25,14 +27,22 @@ def summarise(store: SweepStore, trials: list[dict]) -> dict[str, Any]:
     rows = {r["trial_id"]: r for r in store.results()}
     counts: Counter[str] = Counter()
     finished_compute = 0.0
+    walls: list[tuple[float, float]] = []  # (compute, wall seconds) of finished trials
+    unfinished: list[float] = []  # compute of running and remaining trials
     for t in trials:
         status = store.status(t["trial_id"], rows)
         state = {"SUCCESS": "done", "DIVERGED": "done", "FAILED": "failed",
                  "RUNNING": "running"}.get(status, "remaining")  # fmt: skip
         counts[state] += 1
+        compute = t["flops_per_example"] * t["examples"]
         if state in ("done", "failed"):
-            finished_compute += t["flops_per_example"] * t["examples"]
-    return {"counts": counts, "finished_compute": finished_compute}
+            finished_compute += compute
+            if state == "done":
+                walls.append((compute, float(rows[t["trial_id"]].get("wall_time_s") or 0.0)))
+        else:
+            unfinished.append(compute)
+    return {"counts": counts, "finished_compute": finished_compute, "walls": walls,
+            "unfinished": unfinished}  # fmt: skip
 
 
 class SweepProgress:
@@ -66,7 +76,17 @@ class SweepProgress:
         return text + (f", ETA {_duration(eta)}" if eta is not None else "")
 
     def eta(self, s: dict[str, Any]) -> float | None:
-        """Seconds left at the FLOP rate of the trials finished since this launch began."""
+        """Seconds left: each unfinished trial's wall time predicted as ``a + b * compute`` (a
+        least-squares line through the finished trials: a trial costs a fixed overhead plus
+        its compute), summed and shared among the trials running at once. Before two trials
+        of different sizes have finished, the FLOP rate of this launch so far."""
+        walls, running = s["walls"], max(s["counts"]["running"], 1)
+        if len({c for c, _ in walls}) >= 2:
+            x = np.array([c for c, _ in walls])
+            y = np.array([w for _, w in walls])
+            b, a = np.polyfit(x, y, 1)
+            a, b = max(a, 0.0), max(b, 0.0)
+            return float(sum(a + b * c for c in s["unfinished"])) / running
         done_here = s["finished_compute"] - self._start_compute
         if done_here <= 0:
             return None

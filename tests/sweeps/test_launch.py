@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -107,6 +108,22 @@ def test_dry_run_lists_trials_without_running(tmp_path):
                          text=True, check=True).stdout  # fmt: skip
     assert out.count("PENDING") == 2 and " 20 " in out and " 40 " in out
     assert not (tmp_path / "sw" / "results.jsonl").exists()
+
+
+def test_trials_in_one_warm_process_equal_trials_in_their_own(tmp_path):
+    # The second trial of the warm worker runs after the first in the same Python: anything a
+    # trial left behind (caches, random state, handlers) would change its result.
+    spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
+    warm, isolated = tmp_path / "warm", tmp_path / "isolated"
+    assert run_launch(spec, warm)["statuses"] == {"SUCCESS": 2}
+    assert run_launch(spec, isolated, "--isolate-trials")["statuses"] == {"SUCCESS": 2}
+    finals = {d: {r["trial_id"]: r["final"] for r in rows(d)} for d in (warm, isolated)}
+    assert len(finals[warm]) == 2 and finals[warm] == finals[isolated]
+    logs = {d: [(SweepStore(d).trial_dir(t) / "train.log").read_text() for t in finals[d]]
+            for d in (warm, isolated)}  # fmt: skip
+    pids = {re.search(r"trial server pid (\d+)", log).group(1) for log in logs[warm]}
+    assert len(pids) == 1  # one process ran both
+    assert not any("trial server" in log for log in logs[isolated])
 
 
 def test_kill9_then_relaunch_gives_exactly_n_rows(tmp_path):

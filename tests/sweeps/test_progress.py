@@ -1,0 +1,60 @@
+"""The launcher's progress view: counts by state from the sweep directory, and the ETA."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+
+from sweeps.progress import SweepProgress, summarise
+from sweeps.store import SweepStore
+
+
+def trial(tid: str, compute: float) -> dict:
+    return {"trial_id": tid, "flops_per_example": compute / 100, "examples": 100}
+
+
+def finish(store: SweepStore, tid: str, status: str, wall: float) -> None:
+    store.trial_dir(tid).mkdir(parents=True, exist_ok=True)
+    store.append_result({"trial_id": tid, "status": status, "wall_time_s": wall})
+
+
+def make(tmp_path):
+    store = SweepStore(tmp_path)
+    trials = [trial("a", 1e9), trial("b", 3e9), trial("c", 2e9), trial("d", 1e9),
+              trial("e", 4e9), trial("f", 6e9)]  # fmt: skip
+    # Finished trials cost 2 s plus 1 s per 1e9 FLOPs.
+    finish(store, "a", "SUCCESS", 3.0)
+    finish(store, "b", "SUCCESS", 5.0)
+    finish(store, "c", "DIVERGED", 4.0)
+    finish(store, "d", "FAILED", 0.5)
+    store.trial_dir("e").mkdir(parents=True)
+    assert store.claim("e", "worker-1")  # running
+    return store, trials
+
+
+def test_counts_and_eta_from_the_finished_trials(tmp_path):
+    store, trials = make(tmp_path)
+    s = summarise(store, trials)
+    assert dict(s["counts"]) == {"done": 3, "failed": 1, "running": 1, "remaining": 1}
+    assert s["finished_compute"] == pytest.approx(7e9)
+    progress = SweepProgress(store, trials)
+    # Unfinished: e (4e9) and f (6e9): (2 + 4) + (2 + 6) seconds, one trial running at a time.
+    assert progress.eta(s) == pytest.approx(14.0, rel=1e-6)
+    line = progress.line(s)
+    assert line.startswith("3 done, 1 running, 1 failed, 1 remaining of 6, ETA 0m14s")
+
+
+def test_without_a_terminal_it_prints_lines(tmp_path):
+    store, trials = make(tmp_path)
+    out = io.StringIO()
+    with SweepProgress(store, trials, poll_s=0.01, line_every_s=0.0, stream=out):
+        t0 = time.time()
+        while not out.getvalue() and time.time() - t0 < 30:  # the first line
+            time.sleep(0.01)
+        finish(store, "e", "SUCCESS", 6.0)
+    # and the last line, printed on leaving, sees the finished trial
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("sweep: 3 done, 1 running, 1 failed, 1 remaining of 6")
+    assert lines[-1].startswith("sweep: 4 done, 0 running, 1 failed, 1 remaining of 6")
