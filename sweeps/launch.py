@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -89,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         max_takeovers=spec.max_takeovers,
         wait=args.wait,
         env={
-            # Rungs recur across budgets: their init and eval programs compile once per sweep.
-            "JAX_COMPILATION_CACHE_DIR": str(sweep_dir / "jax_cache"),
+            # A model size recurs across budgets and seeds: its programs compile once per sweep
+            # (or once per cache, when the environment names one to share between sweeps).
+            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR")
+            or str(sweep_dir / "jax_cache"),
             # Eval programs compile in ~0.5 s on CPU, under JAX's 1 s default for caching.
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get(
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1"
+            ),
             **hw.trial_env(),
         },
         command_prefix=hw.command_prefix,
