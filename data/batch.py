@@ -108,11 +108,18 @@ class Schema:
         return not (beyond_fh.any() and (ids_bfh[:, beyond_fh] != PAD_ID).any())
 
     def validate(
-        self, batch: Batch, *, where: str = "batch", example_ids: np.ndarray | None = None
+        self,
+        batch: Batch,
+        *,
+        where: str = "batch",
+        example_ids: np.ndarray | None = None,
+        ids_checked: bool = False,
     ) -> None:
         """Raises ValueError naming the feature and value if ``batch`` breaks the format.
 
         ``example_ids[i]`` names example ``i`` in the message (e.g. its record index on disk).
+        ``ids_checked``: the caller found ``ids_in_format(batch.ids_bfh)`` true already (only the
+        fields' shapes and dtypes are checked then).
         """
         b = batch.batch_size
         expect = {
@@ -128,7 +135,7 @@ class Schema:
                     f"{where}: field {field} has shape {arr.shape} dtype {arr.dtype}, "
                     f"expected {shape} {np.dtype(dtype)}"
                 )
-        if self.ids_in_format(batch.ids_bfh):
+        if ids_checked or self.ids_in_format(batch.ids_bfh):
             return
         for f, info in enumerate(self.features):
             ids = batch.ids_bfh[:, f, :]

@@ -144,7 +144,7 @@ class IdGuard:
         guarded = batch._replace(ids_bfh=out)
         # The format (every field's shape and dtype, ids in range, slots beyond a feature's
         # max_hotness empty) is checked on what leaves the guard, mapped or not.
-        self.schema.validate(guarded, where=where, example_ids=example_ids)
+        self.schema.validate(guarded, where=where, example_ids=example_ids, ids_checked=clean)
         return guarded
 
     def _count(self, per_feature: list[int], where: str) -> None:

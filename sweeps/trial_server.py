@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -55,13 +56,7 @@ def _output_to(path: str) -> Iterator[None]:
             os.close(f)
 
 
-_trials_run = 0
-
-
-def _count() -> int:
-    global _trials_run
-    _trials_run += 1
-    return _trials_run
+_trial_numbers = itertools.count(1)
 
 
 def run_one(argv: list[str], log: str) -> int:
@@ -70,7 +65,10 @@ def run_one(argv: list[str], log: str) -> int:
         raise ValueError(f"trial command must be ['-m', MODULE, ...], got {argv!r}")
     module, args = argv[1], argv[2:]
     with _output_to(log):
-        print(f"(trial server pid {os.getpid()}, trial {_count()} in this process)", flush=True)
+        print(
+            f"(trial server pid {os.getpid()}, trial {next(_trial_numbers)} in this process)",
+            flush=True,
+        )
         try:
             importlib.import_module(module).main(args)
             return 0

@@ -9,7 +9,7 @@ import jax
 import optax
 
 from recscale.config import DenseOptimConfig
-from recscale.optim.schedules import learning_rate_schedule
+from recscale.optim.schedules import config_schedule
 
 __all__ = ["default_decay_mask", "dense_optimizer", "dense_schedule"]
 
@@ -33,17 +33,9 @@ def dense_schedule(
     peak: float | jax.Array | None = None,
     warmup_steps: int | jax.Array | None = None,
 ) -> optax.Schedule:
-    """The learning-rate schedule ``dense_optimizer`` uses (handy for logging the LR).
-
-    ``peak`` / ``warmup_steps`` replace ``cfg.learning_rate`` / ``cfg.warmup_steps``, e.g. with
-    traced values (``recscale.train.loop.schedule_args``)."""
-    return learning_rate_schedule(
-        cfg.learning_rate if peak is None else peak,
-        warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps,
-        decay=cfg.decay,
-        total_steps=total_steps,
-        end_fraction=cfg.end_lr_fraction,
-    )
+    """The learning-rate schedule ``dense_optimizer`` uses (handy for logging the LR);
+    ``peak`` / ``warmup_steps`` replace the config's (``config_schedule``)."""
+    return config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
 
 
 def dense_optimizer(

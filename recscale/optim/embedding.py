@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from recscale.config import EmbeddingOptimConfig
-from recscale.optim.schedules import learning_rate_schedule
+from recscale.optim.schedules import config_schedule
 
 __all__ = [
     "DENSE",
@@ -164,14 +164,8 @@ def embedding_schedule(
     warmup_steps: int | jax.Array | None = None,
 ) -> optax.Schedule:
     """Linear warmup over ``cfg.warmup_steps`` then ``cfg.decay`` to ``end_lr_fraction``
-    (``peak`` / ``warmup_steps`` replace the config's, e.g. with traced values)."""
-    return learning_rate_schedule(
-        cfg.learning_rate if peak is None else peak,
-        warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps,
-        decay=cfg.decay,
-        total_steps=total_steps,
-        end_fraction=cfg.end_lr_fraction,
-    )
+    (``peak`` / ``warmup_steps`` replace the config's: ``config_schedule``)."""
+    return config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
 
 
 def embedding_optimizer(

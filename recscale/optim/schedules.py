@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["learning_rate_schedule", "lr_for_batch_size"]
+__all__ = ["config_schedule", "learning_rate_schedule", "lr_for_batch_size"]
 
 
 def learning_rate_schedule(
@@ -85,6 +85,26 @@ def learning_rate_schedule(
         return jnp.where(t < w, warm, after)
 
     return schedule
+
+
+def config_schedule(
+    cfg: Any,
+    total_steps: int | jax.Array,
+    *,
+    peak: float | jax.Array | None = None,
+    warmup_steps: int | jax.Array | None = None,
+) -> optax.Schedule:
+    """``learning_rate_schedule`` of an optimizer config (``learning_rate``, ``warmup_steps``,
+    ``decay``, ``end_lr_fraction``: the dense and the embedding configs alike); ``peak`` /
+    ``warmup_steps`` replace the config's, e.g. with traced values
+    (``recscale.train.loop.schedule_args``)."""
+    return learning_rate_schedule(
+        cfg.learning_rate if peak is None else peak,
+        warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps,
+        decay=cfg.decay,
+        total_steps=total_steps,
+        end_fraction=cfg.end_lr_fraction,
+    )
 
 
 def _concrete(x: Any) -> bool:
