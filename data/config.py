@@ -35,9 +35,11 @@ class SyntheticConfig:
     teacher_dim: int = 8
     """Dimension of the teacher's latent vectors."""
     interaction_order: int = 2
-    """Highest interaction order in the teacher's logit: 1 linear, 2 pairwise, 3 triple-wise."""
+    """Highest interaction order in the teacher's logit: 1 linear, 2 pairwise, 3 triple-wise,
+    4 four-way."""
     order_scales: tuple[float, ...] = (1.0, 1.5, 1.0)
-    """Scale of the order-1, order-2 and order-3 terms of the teacher logit."""
+    """Scale of the order-1, order-2, ... terms of the teacher logit (one per order up to
+    ``interaction_order``; entries beyond it are unused)."""
     positive_rate: float = 0.25
     """Approximate fraction of positive labels (sets the teacher's bias)."""
     num_eval_examples: int = 65536
@@ -49,8 +51,8 @@ class SyntheticConfig:
                 f"vocab_sizes has {len(self.vocab_sizes)} entries but max_hotness has "
                 f"{len(self.max_hotness)}"
             )
-        if not 1 <= self.interaction_order <= 3:
-            raise ValueError(f"interaction_order must be 1, 2 or 3, got {self.interaction_order}")
+        if not 1 <= self.interaction_order <= 4:
+            raise ValueError(f"interaction_order must be 1 to 4, got {self.interaction_order}")
         if len(self.order_scales) < self.interaction_order:
             raise ValueError("order_scales needs one entry per interaction order")
         if not 0.0 < self.positive_rate < 1.0:

@@ -17,6 +17,7 @@ naming the feature, value and record, or mapped into range and counted in ``stat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -217,11 +218,9 @@ class SyntheticSource:
     """``train_batch`` is a pure function of the step: the trainer may call it on two threads."""
 
     def __init__(self, cfg: DataConfig, *, process_index: int = 0, process_count: int = 1):
-        from data.synthetic import SyntheticGenerator
-
         host_batch_size(cfg.batch_size, process_count)
         host_batch_size(cfg.eval_batch_size, process_count)
-        self._gen = SyntheticGenerator(cfg.synthetic, seed=cfg.shuffle_seed)
+        self._gen = _synthetic_generator(cfg.synthetic, cfg.shuffle_seed)
         self.schema: Schema = self._gen.schema
         self._cfg = cfg
         # The generator only draws valid ids; the guard makes that a checked fact, as for files.
@@ -248,13 +247,46 @@ class SyntheticSource:
         return self._guard(batch, where=f"synthetic train step {step}")
 
     def eval_batches(self) -> Iterator[Batch]:
-        batches = self._gen.eval_batches(
-            self._cfg.eval_batch_size,
-            process_index=self.process_index,
-            process_count=self.process_count,
-        )
-        for j, batch in enumerate(batches):
+        key = (self._cfg.synthetic, self._cfg.shuffle_seed, self._cfg.eval_batch_size,
+               self.process_index, self.process_count)  # fmt: skip
+        with _EVAL_CACHE_LOCK:
+            cached = _EVAL_CACHE.get(key)
+        if cached is None:
+            batches = self._gen.eval_batches(
+                self._cfg.eval_batch_size,
+                process_index=self.process_index,
+                process_count=self.process_count,
+            )
+            cached = []
+            for batch in batches:
+                for a in batch:
+                    a.setflags(write=False)
+                cached.append(batch)
+                yield self._guard(batch, where=f"synthetic eval batch {len(cached) - 1}")
+            nbytes = sum(a.nbytes for b in cached for a in b)
+            if nbytes <= _EVAL_CACHE_MAX_BYTES:
+                with _EVAL_CACHE_LOCK:
+                    _EVAL_CACHE.clear()
+                    _EVAL_CACHE[key] = cached
+            return
+        for j, batch in enumerate(cached):
             yield self._guard(batch, where=f"synthetic eval batch {j}")
+
+
+# The held-out set is a pure function of the generator's config and seed, and every evaluation
+# of every run on one config reads all of it: a process (a sweep's trial server runs many trials)
+# keeps the last config's generator and eval batches instead of generating them again (batches
+# are read-only numpy arrays; the id guard still checks and counts every batch it yields).
+_EVAL_CACHE: dict[tuple, list[Batch]] = {}
+_EVAL_CACHE_LOCK = threading.Lock()
+_EVAL_CACHE_MAX_BYTES = 512 << 20
+
+
+@functools.lru_cache(maxsize=2)
+def _synthetic_generator(cfg, seed: int):
+    from data.synthetic import SyntheticGenerator
+
+    return SyntheticGenerator(cfg, seed=seed)
 
 
 def _eval_path(cfg: DataConfig, eval_path: str | None) -> str:

@@ -251,3 +251,61 @@ def test_interactions_are_needed_to_reach_the_oracle(order):
     else:
         assert oracle_auc > 0.8
         assert linear_auc < oracle_auc - 0.1
+
+
+def test_higher_order_terms_are_sums_over_distinct_field_tuples():
+    """t2..t4 (power sums, Newton's identities) equal the brute-force sums over all 2-, 3- and
+    4-subsets of distinct fields of the product of their latent vectors, per example."""
+    import itertools  # noqa: PLC0415
+
+    cfg = dataclasses.replace(SMALL, interaction_order=4, order_scales=(1.0, 1.0, 1.0, 1.0))
+    g = SyntheticGenerator(cfg, seed=5)
+    feats = g._features(np.arange(64, dtype=np.int64))
+    terms = g._raw_terms(feats)
+    dense_bn, ids_bfh, n_bf, _ = feats
+    dim = cfg.teacher_dim
+    fields = []  # [M, B, D] field vectors: each bag's mean latent, then the dense projection
+    for f in range(ids_bfh.shape[1]):
+        rows = ids_bfh[:, f]
+        params = g._row_params(f, np.where(rows >= 0, rows, 0)).astype(np.float64)
+        params = np.where((rows >= 0)[..., None], params, 0.0)
+        fields.append(params.sum(1)[:, :dim] / np.maximum(n_bf[:, f], 1)[:, None])
+    fields.append(dense_bn.astype(np.float64) @ g._dense_proj_nd)
+    v = np.stack(fields)
+    for order in (2, 3, 4):
+        brute = sum(
+            np.prod(v[list(q)], axis=0).sum(-1)
+            for q in itertools.combinations(range(v.shape[0]), order)
+        )
+        np.testing.assert_allclose(terms[order - 1], brute, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="interaction_order must be 1 to 4"):
+        SyntheticConfig(interaction_order=5)
+
+
+def test_source_reuses_the_held_out_set_and_still_checks_every_batch(monkeypatch):
+    """A process's second run on one config reads the cached eval batches: the same batches as
+    generating them, read-only, and each one still goes through the id guard."""
+    from data import sources  # noqa: PLC0415
+    from data.config import DataConfig  # noqa: PLC0415
+
+    cfg = DataConfig(kind="synthetic", batch_size=64, eval_batch_size=300, synthetic=SMALL)
+    sources._EVAL_CACHE.clear()
+    first = list(sources.SyntheticSource(cfg).eval_batches())
+    source = sources.SyntheticSource(cfg)
+    calls = []
+    guard = source._guard
+    monkeypatch.setattr(
+        source, "_guard", lambda b, where: calls.append(where) or guard(b, where=where)
+    )
+    monkeypatch.setattr(source._gen, "eval_batches", lambda *a, **k: pytest.fail("regenerated"))
+    second = list(source.eval_batches())
+    assert len(calls) == len(second) == len(first) == 4  # 1000 examples in batches of 300
+    direct = SyntheticGenerator(SMALL, seed=0).eval_batches(300)
+    for a, b, c in zip(first, second, direct, strict=True):
+        assert_batches_equal(a, c)
+        assert_batches_equal(b, c)
+        assert not b.ids_bfh.flags.writeable
+    other = dataclasses.replace(cfg, shuffle_seed=1)  # another dataset is generated, not reused
+    assert not np.array_equal(
+        next(sources.SyntheticSource(other).eval_batches()).labels_b, first[0].labels_b
+    )

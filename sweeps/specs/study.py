@@ -1,0 +1,162 @@
+"""The scaling study (issue 15): Wukong, DLRM, DCNv2 and FinalMLP over three decades of compute.
+
+DRAFT: ladders and budgets being sized.
+"""
+
+from __future__ import annotations
+
+from data.config import DataConfig, SyntheticConfig
+from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder
+
+# 26 sparse features (Criteo's count): a few large tables, many small ones, Zipf ids, five
+# multi-hot bags; 13 dense features. Teacher of order 4.
+VOCAB = (100000, 50000, 20000, 10000, 5000, 5000, 2000, 2000, 1000, 1000, 1000, 1000, 500,
+         500, 500, 500, 200, 200, 200, 200, 100, 100, 100, 50, 20, 10)  # fmt: skip
+HOTNESS = (1, 1, 3, 1, 5, 1, 1, 2, 1, 1, 3, 1, 1, 1, 4, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1)
+
+DATA = DataConfig(
+    kind="synthetic",
+    batch_size=1024,
+    eval_batch_size=8192,
+    synthetic=SyntheticConfig(
+        num_dense=13,
+        vocab_sizes=VOCAB,
+        max_hotness=HOTNESS,
+        teacher_dim=8,
+        interaction_order=4,
+        order_scales=(1.0, 1.0, 1.0, 1.0),
+        num_eval_examples=65536,
+    ),
+)
+
+# Trial ids hash the resolved config, the data and this string instead of the git commit, so
+# the study can be run in pieces across commits (a relaunch skips what results.jsonl holds).
+# Bump it whenever a change to the trainer, a model or the generator changes what a trial
+# computes.
+CODE_VERSION = "study-v1"
+
+SCHEDULE = {
+    "data.batch_size": 1024,
+    "dense_optim.name": "adam",
+    "dense_optim.learning_rate": 3e-3,
+    "dense_optim.decay": "cosine",
+    "dense_optim.end_lr_fraction": 0.1,
+    "embedding_optim.name": "rowwise_adagrad",
+    "embedding_optim.learning_rate": 0.05,
+}
+
+
+def _wukong(name, d, layers, n, k, depth, width, dense, top):
+    return Rung(
+        name,
+        dict(embed_dim=d, num_layers=layers, n_fmb=n, n_lcb=n, fmb_rank=k, fmb_mlp_depth=depth,
+             fmb_mlp_width=width, dense_mlp=dense, top_mlp=top),
+    )  # fmt: skip
+
+
+WUKONG = FamilySpec(
+    family="wukong",
+    package="wukong",
+    preset="wukong/synthetic",
+    overrides=SCHEDULE,
+    # (d, layers, n_F = n_L, k, FMB MLP depth, width, dense MLP, top MLP)
+    ladder=(
+        _wukong("w1", 4, 1, 2, 2, 1, 16, (16,), (16, 1)),
+        _wukong("w2", 8, 1, 2, 2, 1, 32, (16,), (16, 1)),
+        _wukong("w3", 8, 1, 4, 4, 1, 64, (32,), (32, 1)),
+        _wukong("w4", 8, 2, 4, 4, 1, 64, (32,), (64, 1)),
+        _wukong("w5", 16, 2, 6, 6, 1, 64, (32,), (64, 1)),
+        _wukong("w6", 16, 2, 8, 8, 1, 128, (64,), (128, 1)),
+        _wukong("w7", 16, 3, 8, 8, 2, 128, (64,), (256, 1)),
+        _wukong("w8", 32, 3, 8, 8, 2, 256, (64,), (256, 1)),
+        _wukong("w9", 32, 3, 16, 16, 2, 256, (128,), (512, 1)),
+    ),
+)
+DLRM = FamilySpec(
+    family="dlrm",
+    package="dlrm",
+    preset="dlrm/synthetic",
+    overrides=SCHEDULE,
+    # (d, bottom MLP, top MLP)
+    ladder=dlrm_ladder(
+        (
+            (4, (8, 4), (8, 1)),
+            (4, (16, 4), (16, 1)),
+            (8, (32, 8), (32, 1)),
+            (8, (64, 8), (40, 1)),
+            (16, (64, 16), (128, 1)),
+            (16, (128, 16), (256, 64, 1)),
+            (16, (128, 16), (512, 256, 1)),
+            (32, (256, 32), (1024, 256, 1)),
+            (32, (256, 32), (1024, 1024, 1)),
+        )
+    ),
+)
+DCNV2 = FamilySpec(
+    family="dcnv2",
+    package="baselines.dcnv2",
+    preset="dcnv2/synthetic",
+    overrides=SCHEDULE,
+    # (d, cross layers, cross rank, deep MLP)
+    ladder=tuple(
+        Rung(f"c{i + 1}", dict(embed_dim=d, num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
+        for i, (d, n, r, mlp) in enumerate(
+            (
+                (4, 1, 4, (16,)),
+                (8, 1, 4, (16,)),
+                (8, 1, 8, (64,)),
+                (8, 2, 8, (64, 32)),
+                (16, 2, 8, (96, 48)),
+                (16, 2, 32, (256, 128)),
+                (16, 3, 32, (512, 256)),
+                (32, 3, 32, (512, 256)),
+                (32, 3, 64, (1024, 512)),
+            )
+        )
+    ),
+)
+FINALMLP = FamilySpec(
+    family="finalmlp",
+    package="baselines.finalmlp",
+    preset="finalmlp/tiny",
+    overrides={
+        **SCHEDULE,
+        "model.mlp1_dropout": 0.0,
+        "model.mlp2_batch_norm": False,
+        "model.fs1_context": (),
+        "model.fs2_context": (),
+    },
+    # (d, stream-1 MLP, stream-2 MLP, gate hidden units, fusion heads)
+    ladder=tuple(
+        Rung(f"f{i + 1}", dict(embed_dim=d, mlp1=m1, mlp2=m2, fs_hidden_units=fs, num_heads=h))
+        for i, (d, m1, m2, fs, h) in enumerate(
+            (
+                (4, (16,), (8,), (8,), 1),
+                (4, (32,), (16,), (16,), 1),
+                (8, (64,), (32,), (16,), 1),
+                (8, (64,), (48,), (24,), 1),
+                (16, (96, 48), (48,), (32,), 2),
+                (16, (256, 128), (128,), (64,), 2),
+                (16, (512, 256), (256,), (128,), 4),
+                (32, (512, 256), (256, 128), (128,), 4),
+                (32, (1024, 512), (512, 256), (256,), 4),
+            )
+        )
+    ),
+)
+
+SPEC = SweepSpec(
+    name="study",
+    families=(WUKONG, DLRM, DCNV2, FINALMLP),
+    data=DATA,
+    batch_size=256,
+    # Seven budgets half a decade apart: 1e9 to 1e12 training FLOPs.
+    budgets=tuple(1e9 * 10 ** (0.5 * i) for i in range(7)),
+    sizes_per_budget=4,
+    seeds=(0, 1, 2),
+    min_steps=20,
+    evals_per_trial=2,
+    eval_max_batches=1,
+    checkpoints_per_trial=2,
+    code_version=CODE_VERSION,
+)
