@@ -114,6 +114,12 @@ class DataConfig:
     raises naming the feature, the value and the record; ``modulo`` maps it to
     ``id mod vocab_size``; ``hash`` to a fixed seedless splitmix64 hash mod ``vocab_size``.
     Mapped ids are counted per feature in the run's ``data_stats.json`` (``ids.mapped``)."""
+    max_table_rows: int = 0
+    """Synthetic data: cap every feature's vocabulary (so its embedding table) at this many
+    rows (0 = no cap): a table of V > cap ids gets cap rows and its ids are folded into them by
+    ``id_policy`` ('hash' or 'modulo'; the hashing trick), counted in ``data_stats.json``
+    (``ids.mapped``). The generator and its teacher are unchanged: only the model's capacity is
+    (the sparse axis of ``sweeps.specs.study_grid``'s sparse/dense IsoFLOP grid)."""
     tfds_data_dir: str = ""
     """Non-empty (frappe, criteo): read a tfds array_record dataset kept under this data_dir.
 
@@ -151,5 +157,16 @@ class DataConfig:
             raise ValueError(
                 f"data.id_policy must be 'reject', 'hash' or 'modulo', got {self.id_policy!r}"
             )
+        if self.max_table_rows:
+            if self.kind != "synthetic" or self.max_table_rows < 1:
+                raise ValueError(
+                    f"data.max_table_rows={self.max_table_rows}: a positive cap applies to "
+                    "kind synthetic only (Criteo sets its hash buckets in criteo.vocab_sizes)"
+                )
+            if self.id_policy == "reject":
+                raise ValueError(
+                    "data.max_table_rows folds ids into fewer rows: set data.id_policy to "
+                    "'hash' or 'modulo'"
+                )
         if self.kind == "synthetic" and self.tfds_data_dir:
             raise ValueError("data.tfds_data_dir applies to kinds frappe and criteo, not synthetic")

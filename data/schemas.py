@@ -3,8 +3,22 @@ size models with it before launching them)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from data.batch import Schema
 from data.config import DataConfig
+
+
+def capped(schema: Schema, max_rows: int) -> Schema:
+    """``schema`` with every vocabulary larger than ``max_rows`` cut to it (0 = unchanged)."""
+    if not max_rows:
+        return schema
+    return dataclasses.replace(
+        schema,
+        features=tuple(
+            dataclasses.replace(f, vocab_size=min(f.vocab_size, max_rows)) for f in schema.features
+        ),
+    )
 
 
 def schema_of(cfg: DataConfig) -> Schema:
@@ -13,7 +27,7 @@ def schema_of(cfg: DataConfig) -> Schema:
     if cfg.kind == "synthetic":
         from data.synthetic import synthetic_schema
 
-        return synthetic_schema(cfg.synthetic)
+        return capped(synthetic_schema(cfg.synthetic), cfg.max_table_rows)
     if cfg.kind == "frappe":
         from data.frappe.reader import build_frappe_vocab, frappe_schema
 

@@ -41,6 +41,7 @@ from data.pipeline import (
     pad_weights,
     train_dataset,
 )
+from data.schemas import capped
 
 
 @runtime_checkable
@@ -221,7 +222,8 @@ class SyntheticSource:
         host_batch_size(cfg.batch_size, process_count)
         host_batch_size(cfg.eval_batch_size, process_count)
         self._gen = _synthetic_generator(cfg.synthetic, cfg.shuffle_seed)
-        self.schema: Schema = self._gen.schema
+        # With data.max_table_rows the model sees capped tables; the guard folds the ids.
+        self.schema: Schema = capped(self._gen.schema, cfg.max_table_rows)
         self._cfg = cfg
         # The generator only draws valid ids; the guard makes that a checked fact, as for files.
         self._guard = IdGuard(self.schema, cfg.id_policy)

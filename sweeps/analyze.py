@@ -90,8 +90,14 @@ def _quality(df: pd.DataFrame, metric: str, which: str = "final") -> pd.Series:
 # Analysis.
 
 
-def analyze(df: pd.DataFrame, metric: str, *, n_boot: int = 1000) -> dict[str, Any]:
-    """Fits per family; returns a JSON-able dict (also what ``analysis.json`` holds)."""
+def analyze(
+    df: pd.DataFrame, metric: str, *, n_boot: int = 1000, floor: float | None = None
+) -> dict[str, Any]:
+    """Fits per family; returns a JSON-able dict (also what ``analysis.json`` holds).
+
+    ``floor``: the Bayes-optimal value of the fitted quantity, when known (a planted teacher):
+    every law is also fitted with its c fixed there (``law_bayes_floor``, ``holdout_bayes_floor``).
+    """
     out: dict[str, Any] = {"metric": metric, "fitted_quantity": _ylabel(metric), "families": {}}
     if df.empty:
         return out
@@ -118,42 +124,101 @@ def analyze(df: pd.DataFrame, metric: str, *, n_boot: int = 1000) -> dict[str, A
                                 "status": f"SUCCESS without a finite final {metric}"})  # fmt: skip
     ok = ok[np.isfinite(ok["y"].astype(float))]
     for family, g in ok.groupby("family", sort=True):
+        if "@lr" in family:  # a learning-rate check's variant: tabulated by _lr_check, not fitted
+            continue
         # Seeds averaged per (budget, rung); compute differs by rounding only.
         per = g.groupby(["budget", "rung"], as_index=False).agg(
             y=("y", "mean"), compute=("compute", "mean"), fpe=("flops_per_example", "first"),
-            params_dense=("params_dense", "first"), n=("y", "size"),
+            params_dense=("params_dense", "first"), n=("y", "size"), seeds=("y", list),
         )  # fmt: skip
-        frontier = per.loc[per.groupby("budget")["y"].idxmin()].sort_values("budget")
-        fam: dict[str, Any] = {
-            "frontier": frontier[["budget", "rung", "compute", "y"]].to_dict("records"),
-        }
-        c, y = frontier["compute"].to_numpy(), frontier["y"].to_numpy()
+        out["families"][family] = _fit_family(per, n_boot=n_boot, floor=floor)
+    if lr := _lr_check(ok):
+        out["lr_check"] = lr
+    return out
+
+
+def _fit_family(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[str, Any]:
+    """Laws, holdouts and compute-optimal sizes of one family's IsoFLOP grid ``per`` (one row
+    per (budget, rung): seed-mean ``y``, ``compute``, ``fpe`` and the per-seed ``seeds``).
+
+    With several seeds per point, intervals come from bootstraps over seeds (the frontier is
+    re-chosen in every replicate); with one seed, from pairs bootstraps over the frontier's
+    points. ``floor`` (the Bayes-optimal loss, when known) adds the fits with c fixed there.
+    """
+    frontier = per.loc[per.groupby("budget")["y"].idxmin()].sort_values("budget")
+    fam: dict[str, Any] = {
+        "frontier": frontier[["budget", "rung", "compute", "y", "n"]].to_dict("records"),
+        "seeds_per_point": int(per["n"].min()),
+    }
+    seeded = int(per["n"].max()) > 1
+    fam["intervals_from"] = "bootstrap over seeds" if seeded else "pairs bootstrap over budgets"
+    cells = (per["budget"].to_numpy(), per["compute"].to_numpy(), list(per["seeds"]))
+    c, y = frontier["compute"].to_numpy(), frontier["y"].to_numpy()
+    floors = {"": None} if floor is None else {"": None, "_bayes_floor": floor}
+    for suffix, fl in floors.items():
         try:
-            law = fit_lib.fit_power_law(c, y, n_boot=n_boot)
-            fam["law"] = law.to_dict()
-            fam["law_str"] = law.law_str()
-            fam["_fit"] = law
+            if seeded:
+                law = fit_lib.fit_frontier_seeds(*cells, n_boot=n_boot, floor=fl)
+            else:
+                law = fit_lib.fit_power_law(c, y, n_boot=n_boot, floor=fl)
+            fam[f"law{suffix}"] = law.to_dict()
+            fam[f"law{suffix}_str"] = law.law_str()
+            fam[f"_fit{suffix}"] = law
         except ValueError as e:
-            fam["law"] = None
-            fam["reason"] = str(e)
+            fam[f"law{suffix}"] = None
+            fam[f"reason{suffix}"] = str(e)
         try:
-            fam["holdout"] = fit_lib.holdout_extrapolation(c, y, n_boot=n_boot)
+            if seeded:
+                fam[f"holdout{suffix}"] = fit_lib.holdout_frontier_seeds(
+                    *cells, n_boot=n_boot, floor=fl
+                )
+            else:
+                fam[f"holdout{suffix}"] = fit_lib.holdout_extrapolation(
+                    c, y, n_boot=n_boot, floor=fl
+                )
         except ValueError as e:  # e.g. a zero loss (1 - AUC = 0) has no log
-            fam["holdout"] = {"reason": str(e)}
-        iso = []
-        for budget, b in per.groupby("budget"):
-            opt = fit_lib.isoflop_optimum(b["fpe"].to_numpy(), b["y"].to_numpy())
-            iso.append({"budget": float(budget), **_jsonable(opt)})
-        fam["isoflop"] = iso
+            fam[f"holdout{suffix}"] = {"reason": str(e)}
+    iso = []
+    for budget, b in per.groupby("budget"):
+        opt = fit_lib.isoflop_optimum(b["fpe"].to_numpy(), b["y"].to_numpy())
+        iso.append({"budget": float(budget), **_jsonable(opt)})
+    fam["isoflop"] = iso
+    if seeded:
+        osl = fit_lib.optimal_size_seeds(
+            per["budget"].to_numpy(), per["fpe"].to_numpy(), list(per["seeds"]), n_boot=n_boot
+        )
+        osl.pop("per_budget")  # the same optima as "isoflop"
+        fam["optimal_size_law"] = _jsonable(osl)
+    else:
         interior = [r for r in iso if r.get("interior")]
         fam["optimal_size_law"] = _jsonable(
             fit_lib.fit_optimal_size_law(
                 np.array([r["budget"] for r in interior]), np.array([r["size_opt"] for r in interior])
             )
         ) if len(interior) >= 2 else {"reason": f"{len(interior)} budgets with an interior optimum (need 2)"}  # fmt: skip
-        fam["_points"] = per
-        out["families"][family] = fam
-    return out
+    fam["_points"] = per.drop(columns="seeds")
+    return fam
+
+
+def _lr_check(ok: pd.DataFrame) -> list[dict[str, Any]]:
+    """For families named ``<family>@lr<multiplier>`` (a learning-rate check such as
+    ``sweeps.specs.study_lr``): per (family, budget, rung), the loss at each multiplier and the
+    best multiplier."""
+    tagged = ok[ok["family"].str.contains("@lr", regex=False)]
+    if tagged.empty:
+        return []
+    parts = tagged["family"].str.split("@lr", n=1, expand=True)
+    t = tagged.assign(base=parts[0], mult=parts[1].astype(float))
+    rows = []
+    for (base, budget, rung), g in t.groupby(["base", "budget", "rung"], sort=True):
+        losses = g.groupby("mult")["y"].mean().sort_index()
+        rows.append({
+            "family": base, "budget": float(budget), "rung": rung,
+            "flops_per_example": float(g["flops_per_example"].iloc[0]),
+            "loss_by_multiplier": {f"{m:.3g}": float(v) for m, v in losses.items()},
+            "best_multiplier": float(losses.idxmin()),
+        })  # fmt: skip
+    return rows
 
 
 def _jsonable(obj: Any) -> Any:
@@ -203,33 +268,31 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
         )  # fmt: skip
     console.print(t)
     laws = Table(title=f"scaling laws: {_ylabel(metric)} = c + a'·(C/C0)^-b on the frontier")
-    for col in (
-        "family",
-        "law",
-        "b [95% CI]",
-        "c [95% CI]",
-        "dL per decade",
-        "largest budget held out: error, predicted for observed",
-    ):
+    for col in ("family", "floor", "law", "b [95% CI]", "c [95% CI]", "dL per decade",
+                "largest budget held out: error, predicted for observed [band]"):  # fmt: skip
         laws.add_column(col)
     for fam, d in analysis["families"].items():
-        law = d.get("law")
-        if not law:
-            laws.add_row(fam, d.get("reason", "no fit"), "", "", "", "")
-            continue
-        iv = law["intervals"]
-        h = d["holdout"]
-        hold = (
-            f"{h['rel_error']:.2%}: {h['predicted']:.4f} for {h['observed']:.4f}"
-            if h.get("rel_error") is not None
-            else h.get("reason", "")
-        )
-        laws.add_row(
-            fam, d["law_str"],
-            f"{law['b']:.3f} [{iv['b'][0]:.3f}, {iv['b'][1]:.3f}]",
-            f"{law['c']:.4f} [{iv['c'][0]:.4f}, {iv['c'][1]:.4f}]",
-            f"{law['slope_per_decade']:+.4f}", hold,
-        )  # fmt: skip
+        for suffix, label in (("", "free"), ("_bayes_floor", "Bayes")):
+            if f"law{suffix}" not in d:
+                continue
+            law = d[f"law{suffix}"]
+            if not law:
+                laws.add_row(fam, label, d.get(f"reason{suffix}", "no fit"), "", "", "", "")
+                continue
+            iv = law["intervals"]
+            h = d[f"holdout{suffix}"]
+            hold = (
+                f"{h['rel_error']:.2%}: {h['predicted']:.4f} for {h['observed']:.4f} "
+                f"[{h['interval'][0]:.4f}, {h['interval'][1]:.4f}]"
+                if h.get("rel_error") is not None
+                else h.get("reason", "")
+            )
+            c_iv = "fixed" if law.get("floor_fixed") else f"[{iv['c'][0]:.4f}, {iv['c'][1]:.4f}]"
+            laws.add_row(
+                fam, label, d[f"law{suffix}_str"],
+                f"{law['b']:.3f} [{iv['b'][0]:.3f}, {iv['b'][1]:.3f}]",
+                f"{law['c']:.4f} {c_iv}", f"{law['slope_per_decade']:+.4f}", hold,
+            )  # fmt: skip
     console.print(laws)
     for fam, d in analysis["families"].items():
         parts = []
@@ -238,8 +301,14 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
             parts.append(f"C={r['budget']:.2g}: {r['size_opt']:.3g}{tag}")
         console.print(f"IsoFLOP optimum FLOPs/example, {fam}: " + "; ".join(parts))
         osl = d["optimal_size_law"]
-        if "alpha" in osl:
-            console.print(f"  optimal size ~ C^{osl['alpha']:.2f}")
+        if osl.get("alpha") is not None:
+            iv = osl.get("alpha_interval")
+            ivs = f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else ""
+            console.print(f"  optimal size ~ C^{osl['alpha']:.2f}{ivs}")
+    for r in analysis.get("lr_check", []):
+        losses = ", ".join(f"x{m}: {v:.4f}" for m, v in r["loss_by_multiplier"].items())
+        console.print(f"LR check {r['family']} {r['rung']} C={r['budget']:.2g}: {losses} "
+                      f"(best x{r['best_multiplier']:.3g})")  # fmt: skip
 
 
 def _fmt(v) -> str:
@@ -264,12 +333,16 @@ def plot(
         fr = pd.DataFrame(d["frontier"])
         ax.scatter(fr["compute"], fr["y"], s=40, color=col, label=f"{fam} (frontier)", zorder=3)
         law = d.get("_fit")
+        cs = np.geomspace(fr["compute"].min(), fr["compute"].max() * 3, 200)
         if law is not None:
-            cs = np.geomspace(fr["compute"].min(), fr["compute"].max() * 3, 200)
             lo, hi = law.band(cs, 0.95)
             ax.plot(cs, law.predict(cs), color=col, lw=1.5,
                     label=f"{fam}: b={law.b:.2f}, c={law.c:.3f}")  # fmt: skip
             ax.fill_between(cs, lo, hi, color=col, alpha=0.15, lw=0)
+        law_b = d.get("_fit_bayes_floor")
+        if law_b is not None:
+            ax.plot(cs, law_b.predict(cs), color=col, lw=1, ls="--",
+                    label=f"{fam}, c = Bayes: b={law_b.b:.3f}")  # fmt: skip
         h = d.get("holdout") or {}
         if h.get("predicted") is not None:
             ax.scatter([h["holdout_compute"]], [h["predicted"]], marker="x", s=60, color=col,
@@ -318,21 +391,91 @@ def plot(
     paths.append(out_dir / "isoflop.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    paths.append(_plot_optimal_size(plt, fams, colors, out_dir))
+    paths.append(_plot_residuals(plt, fams, colors, out_dir, metric))
     return paths
 
 
-def bayes_reference(sweep_dir: Path, metric: str) -> float | None:
-    """The planted teacher's own eval metric, when every trial reads one synthetic dataset."""
-    sweep = json.loads((sweep_dir / "sweep.json").read_text())
-    datas = {
-        json.dumps(d, sort_keys=True)
-        for d in [_trial_data(sweep_dir, t) for t in sweep["trial_ids"]]
-        if d
-    }
+def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
+    """Compute-optimal size (IsoFLOP vertex) against budget, with the fitted C^alpha."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for fam, d in fams.items():
+        col = colors[fam]
+        iso = d["isoflop"]
+        b = np.array([r["budget"] for r in iso])
+        s = np.array([r["size_opt"] for r in iso])
+        inner = np.array([bool(r.get("interior")) for r in iso])
+        ax.scatter(b[inner], s[inner], color=col, s=36, zorder=3)
+        ax.scatter(b[~inner], s[~inner], facecolors="none", edgecolors=col, s=36, zorder=3)
+        osl = d["optimal_size_law"]
+        if osl.get("alpha") is not None:
+            iv = osl.get("alpha_interval")
+            ivs = f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else ""
+            xs = np.geomspace(b.min(), b.max(), 50)
+            ax.plot(xs, osl["coefficient"] * xs ** osl["alpha"], color=col, lw=1.2,
+                    label=f"{fam}: size ~ C^{osl['alpha']:.2f}{ivs}")  # fmt: skip
+        else:
+            ax.plot([], [], color=col, label=f"{fam}: no law ({osl.get('reason', '')[:40]})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("training compute C (FLOPs)")
+    ax.set_ylabel("optimal size: training FLOPs per example")
+    ax.set_title("compute-optimal size (filled: interior IsoFLOP minimum; open: at an edge)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "optimal_size.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_residuals(plt, fams: dict, colors: dict, out_dir: Path, metric: str) -> Path:
+    """Frontier points' relative residuals against each law (free floor; floor at Bayes)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, (suffix, title) in zip(
+        axes, (("", "floor fitted"), ("_bayes_floor", "floor fixed at the Bayes loss")), strict=True
+    ):
+        for fam, d in fams.items():
+            law = d.get(f"_fit{suffix}")
+            if law is None:
+                continue
+            fr = pd.DataFrame(d["frontier"])
+            rel = fr["y"].to_numpy() / law.predict(fr["compute"].to_numpy()) - 1
+            ax.plot(fr["compute"], 100 * rel, "o-", color=colors[fam], lw=1, label=fam)
+            h = d.get(f"holdout{suffix}") or {}
+            if h.get("predicted") is not None:
+                ax.scatter([h["holdout_compute"]], [100 * (h["observed"] / h["predicted"] - 1)],
+                           marker="x", s=60, color=colors[fam], zorder=4)  # fmt: skip
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("training compute C (FLOPs)")
+        ax.set_title(f"residuals, {title}\n(x: held-out top budget vs its prediction)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel(f"{_ylabel(metric)}: observed / law - 1 (%)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "residuals.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bayes_reference(sweep_dir: str | Path, metric: str) -> float | None:
+    """The planted teacher's own eval metric, when every trial of the sweep reads one synthetic
+    dataset (read from the results' configs: the committed results suffice, no trial folders)."""
+    return bayes_reference_of(load_results(sweep_dir), metric)
+
+
+def bayes_reference_of(df: pd.DataFrame, metric: str) -> float | None:
+    """``bayes_reference`` of a results table (``load_results``)."""
+    if df.empty or "config" not in df:
+        return None
+    datas = {json.dumps(json.loads(c).get("data"), sort_keys=True) for c in df["config"]}
     if len(datas) != 1:
         return None
     data = json.loads(datas.pop())
-    if data["kind"] != "synthetic":
+    if not data or data.get("kind") != "synthetic":
         return None
     from data.config import SyntheticConfig  # noqa: PLC0415
     from data.synthetic import EVAL_INDEX_OFFSET, SyntheticGenerator  # noqa: PLC0415
@@ -352,11 +495,6 @@ def bayes_reference(sweep_dir: Path, metric: str) -> float | None:
     return float(np.mean(np.logaddexp(0.0, z) - yb * z))
 
 
-def _trial_data(sweep_dir: Path, tid: str) -> dict | None:
-    p = sweep_dir / "trials" / tid / "trial.json"
-    return json.loads(p.read_text())["config"]["data"] if p.exists() else None
-
-
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = tyro.cli(AnalyzeArgs, args=argv, prog="python -m sweeps.analyze")
@@ -371,8 +509,8 @@ def main(argv: list[str] | None = None) -> dict:
     df.to_csv(out_dir / "results.csv", index=False)
     if args.parquet:
         df.to_parquet(out_dir / "results.parquet", index=False)
-    analysis = analyze(df, metric, n_boot=args.n_boot)
-    ref = bayes_reference(root, metric) if sweep else None
+    ref = bayes_reference_of(df, metric)
+    analysis = analyze(df, metric, n_boot=args.n_boot, floor=ref)
     analysis["bayes_reference"] = ref
     print_report(df, analysis, metric)
     if ref is not None:

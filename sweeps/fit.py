@@ -77,8 +77,11 @@ def _check_values(compute, loss) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _params(theta_rp: np.ndarray, m_r: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(a_norm, b, c) [R] each from solver coordinates θ; m = min(L) of each row."""
-    return np.exp(theta_rp[:, 0]), np.exp(theta_rp[:, 1]), m_r * special.expit(theta_rp[:, 2])
+    """(a_norm, b, c) [R] each from solver coordinates θ; m = min(L) of each row, or minus the
+    fixed floor of a row whose c is not fitted (then θ's third coordinate is unused)."""
+    free = m_r > 0
+    c = np.where(free, np.abs(m_r) * special.expit(theta_rp[:, 2]), -m_r)
+    return np.exp(theta_rp[:, 0]), np.exp(theta_rp[:, 1]), c
 
 
 def _residuals(theta_rp, lx_rn, y_rn, m_r, jac: bool = False):
@@ -89,7 +92,8 @@ def _residuals(theta_rp, lx_rn, y_rn, m_r, jac: bool = False):
     r_rn = y_rn - np.log(pred_rn)
     if not jac:
         return r_rn
-    dc_rn = np.broadcast_to((c * (1 - special.expit(theta_rp[:, 2])))[:, None], t_rn.shape)
+    dc_r = np.where(m_r > 0, c * (1 - special.expit(theta_rp[:, 2])), 0.0)
+    dc_rn = np.broadcast_to(dc_r[:, None], t_rn.shape)
     return r_rn, np.stack([t_rn, -b[:, None] * lx_rn * t_rn, dc_rn], -1) / pred_rn[..., None]
 
 
@@ -146,9 +150,12 @@ def _starts(lx_rn, y_rn, m_r, delta_r):
         s0, s1, s2 = w_rn.sum(-1), (w_rn * z).sum(-1), (w_rn * z * z).sum(-1)
         t0, t1 = (w_rn * L_rn).sum(-1), (w_rn * z * L_rn).sum(-1)
         a = (s0 * t1 - s1 * t0) / np.maximum(s0 * s2 - s1 * s1, 1e-300)
-        c = np.clip((t0 - a * s1) / s0, 1e-3 * m_r, (1 - 1e-3) * m_r)
-        a = np.maximum((w_rn * z * (L_rn - c[:, None])).sum(-1) / s2, 1e-6 * m_r)
-        th = np.stack([np.log(a), np.full_like(a, np.log(b)), special.logit(c / m_r)], -1)
+        mm = np.abs(m_r)
+        c = np.clip((t0 - a * s1) / s0, 1e-3 * mm, (1 - 1e-3) * mm)
+        c = np.where(m_r > 0, c, mm)  # a fixed floor
+        a = np.maximum((w_rn * z * (L_rn - c[:, None])).sum(-1) / s2, 1e-6 * mm)
+        c_coord = np.where(m_r > 0, special.logit(c / mm), 0.0)  # unused for a fixed floor
+        th = np.stack([np.log(a), np.full_like(a, np.log(b)), c_coord], -1)
         thetas.append(th)
         obj = _objective(th, lx_rn, y_rn, m_r, delta_r)
         objs.append(np.where(np.isnan(obj), np.inf, obj))  # argmin would pick a NaN
@@ -162,10 +169,15 @@ def _starts(lx_rn, y_rn, m_r, delta_r):
     return theta_rgp[rows_all, best], rows, theta_rgp[rows, other[rows].argmin(-1)]
 
 
-def _solve(lx_rn, y_rn, delta_r) -> np.ndarray:
-    """Huber fits of R problems at once: lx, y [R, N], δ [R] → (a_norm, b, c) [R, P]."""
+def _solve(lx_rn, y_rn, delta_r, floor_r=None) -> np.ndarray:
+    """Huber fits of R problems at once: lx, y [R, N], δ [R] → (a_norm, b, c) [R, P].
+
+    ``floor_r`` [R]: rows with a finite value have c fixed there (two parameters fitted), NaN
+    rows fit c; None fits c everywhere."""
     r = len(y_rn)
     m_r = np.exp(y_rn).min(-1)
+    if floor_r is not None:
+        m_r = np.where(np.isfinite(floor_r), -np.asarray(floor_r, dtype=float), m_r)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         th0, rows2, th2 = _starts(lx_rn, y_rn, m_r, delta_r)
         idx = np.concatenate([np.arange(r), rows2])
@@ -177,15 +189,16 @@ def _solve(lx_rn, y_rn, delta_r) -> np.ndarray:
     return np.stack(_params(th[:r], m_r), -1)
 
 
-def _huber_scale(lx_rn, y_rn, rounds: int = 3) -> np.ndarray:
+def _huber_scale(lx_rn, y_rn, rounds: int = 3, floor_r=None) -> np.ndarray:
     """Data-driven δ [R] (see module docstring)."""
     n = y_rn.shape[-1]
+    k = 3 if floor_r is None else np.where(np.isfinite(floor_r), 2, 3)
     delta_r = np.full(len(y_rn), _LEAST_SQUARES)
     for _ in range(rounds):
-        p = _solve(lx_rn, y_rn, delta_r)
+        p = _solve(lx_rn, y_rn, delta_r, floor_r)
         r = y_rn - np.log(p[:, :1] * np.exp(-p[:, 1:2] * lx_rn) + p[:, 2:])
         mad = np.median(np.abs(r - np.median(r, -1, keepdims=True)), -1)
-        delta_r = 1.345 * np.maximum(1.4826 * mad * np.sqrt(n / max(n - 3, 1)), _SIGMA_FLOOR)
+        delta_r = 1.345 * np.maximum(1.4826 * mad * np.sqrt(n / np.maximum(n - k, 1)), _SIGMA_FLOOR)
     return delta_r
 
 
@@ -201,20 +214,21 @@ def _quantities(p_rp: np.ndarray, c0: float, lx_max: float) -> np.ndarray:
     return np.stack([a, a_norm, b, c, slope, 1 - 10.0 ** (-b)], -1)
 
 
-def _interval(boot_rq: np.ndarray, level: float, df: int) -> tuple[np.ndarray, np.ndarray]:
+def _interval(boot_rq: np.ndarray, level: float, df: int | None) -> tuple[np.ndarray, np.ndarray]:
     """t-expanded percentile interval (lo [Q], hi [Q]) from bootstrap values [R, Q]: the tails
-    are Φ(∓t_df) instead of (1 ∓ level)/2 (2.5% → 1.54% at df = 13)."""
-    tail = stats.norm.cdf(-stats.t.ppf(0.5 + level / 2, df))
+    are Φ(∓t_df) instead of (1 ∓ level)/2 (2.5% → 1.54% at df = 13); df None: plain percentile."""
+    tail = (1 - level) / 2 if df is None else stats.norm.cdf(-stats.t.ppf(0.5 + level / 2, df))
     with np.errstate(invalid="ignore"):  # interpolating between +inf samples (a = a_norm·C0^b)
         lo, hi = np.quantile(boot_rq, [tail, 1 - tail], axis=0)
     return lo, hi
 
 
-def _pair_indices(rng, compute: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Trial indices [*shape, N] drawn with replacement; draws with < 3 distinct computes redrawn."""
+def _pair_indices(rng, compute: np.ndarray, shape: tuple[int, ...], need: int = 3) -> np.ndarray:
+    """Trial indices [*shape, N] drawn with replacement; draws with < ``need`` distinct computes
+    (the fit's parameter count) redrawn."""
     n = compute.size
     idx = rng.integers(0, n, size=(*shape, n))
-    while (bad := (np.diff(np.sort(compute[idx], -1), axis=-1) > 0).sum(-1) < 2).any():
+    while (bad := (np.diff(np.sort(compute[idx], -1), axis=-1) > 0).sum(-1) < need - 1).any():
         idx[bad] = rng.integers(0, n, size=(int(bad.sum()), n))
     return idx
 
@@ -241,6 +255,10 @@ class PowerLawFit:
     """Trials fitted (N)."""
     ci: float
     """Level of ``intervals`` and the default level of ``band``."""
+    floor_fixed: bool = False
+    """c was given (e.g. the Bayes-optimal loss), not fitted: 2 parameters."""
+    resampling: str = "pairs"
+    """What the bootstrap resampled: ``pairs`` (trials) or ``seeds`` (each point's seeds)."""
     slope_per_decade: float
     """dL/dlog10(C) at compute_max, in loss units (negative)."""
     reducible_drop_per_decade: float
@@ -262,7 +280,16 @@ class PowerLawFit:
     def band(self, compute, level: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Pointwise (lo [K], hi [K]) interval of the fitted curve, same method as ``intervals``."""
         level = self.ci if level is None else level
-        return _interval(self._curve(self.samples, compute), level, max(self.n_points - 3, 1))
+        return _interval(self._curve(self.samples, compute), level, self.df)
+
+    @property
+    def df(self) -> int | None:
+        """Degrees of freedom of the intervals' t-expansion: points minus fitted parameters for
+        pairs resampling; None (plain percentile) for seed resampling, whose replicates carry
+        the seeds' own noise rather than a small-sample refit of the points."""
+        if self.resampling == "seeds":
+            return None
+        return max(self.n_points - (2 if self.floor_fixed else 3), 1)
 
     def law_str(self) -> str:
         """E.g. ``L(C) = 0.4412 + 0.0213·(C/1.2e12)^-0.231``."""
@@ -279,45 +306,69 @@ class PowerLawFit:
         return d
 
 
+def _check_floor(floor, losses) -> float | None:
+    if floor is None:
+        return None
+    floor = float(floor)
+    if not (np.isfinite(floor) and 0 <= floor < losses.min()):
+        raise ValueError(f"floor {floor:g} must be finite, >= 0 and below every loss "
+                         f"(min {losses.min():g})")  # fmt: skip
+    return floor
+
+
 def fit_power_law_many(
-    compute, losses, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95, huber_delta=None
-) -> list[PowerLawFit]:
+    compute, losses, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95, huber_delta=None,
+    floor: float | None = None,
+) -> list[PowerLawFit]:  # fmt: skip
     """``fit_power_law`` for D datasets sharing one compute grid [N] (losses [D, N]).
 
     Every dataset's fit and bootstrap replicates go through one batched solve, so a coverage
     simulation over hundreds of datasets takes seconds.
     """
     compute, losses = _check_values(compute, np.atleast_2d(losses))
-    if (k := np.unique(compute).size) < 3:
-        raise ValueError(f"need at least 3 distinct compute values to fit a, b, c; got {k}")
+    floor = _check_floor(floor, losses)
+    need = 3 if floor is None else 2
+    if (k := np.unique(compute).size) < need:
+        raise ValueError(f"need at least {need} distinct compute values to fit; got {k}")
     if n_boot < 2 or not 0 < ci < 1:
         raise ValueError(f"need n_boot >= 2 and 0 < ci < 1; got {n_boot}, {ci}")
     (d, n), c0 = losses.shape, float(compute.min())
     lx_n, y_dn = np.log(compute / c0), np.log(losses)
     lx_dn = np.broadcast_to(lx_n, (d, n))
-    delta_d = _huber_scale(lx_dn, y_dn) if huber_delta is None else np.full(d, float(huber_delta))
-    est_dp = _solve(lx_dn, y_dn, delta_d)
-    idx = _pair_indices(np.random.default_rng(seed), compute, (d, n_boot))  # [D, R, N]
+    floor_d = np.full(d, np.nan if floor is None else floor)
+    delta_d = (_huber_scale(lx_dn, y_dn, floor_r=floor_d) if huber_delta is None
+               else np.full(d, float(huber_delta)))  # fmt: skip
+    est_dp = _solve(lx_dn, y_dn, delta_d, floor_d)
+    idx = _pair_indices(np.random.default_rng(seed), compute, (d, n_boot), need)  # [D, R, N]
     y_boot = np.take_along_axis(y_dn[:, None, :], idx, -1).reshape(-1, n)
-    boot_rp = _solve(lx_n[idx].reshape(-1, n), y_boot, np.repeat(delta_d, n_boot))
-    q_est_dq = _quantities(est_dp, c0, float(lx_n.max()))
-    q_boot_rdq = _quantities(boot_rp, c0, float(lx_n.max())).reshape(d, n_boot, -1).swapaxes(0, 1)
-    lo_dq, hi_dq = _interval(q_boot_rdq, ci, max(n - 3, 1))
-    boot_drp = boot_rp.reshape(d, n_boot, 3)
+    boot_rp = _solve(lx_n[idx].reshape(-1, n), y_boot, np.repeat(delta_d, n_boot),
+                     np.repeat(floor_d, n_boot))  # fmt: skip
     return [
-        PowerLawFit(
-            **dict(zip(_NAMES, q_est_dq[k].tolist(), strict=True)),
-            c0=c0, compute_max=float(compute.max()), huber_delta=float(delta_d[k]), n_points=n,
-            ci=ci, samples=boot_drp[k],
-            intervals={nm: (float(lo_dq[k, i]), float(hi_dq[k, i])) for i, nm in enumerate(_NAMES)},
-        )
+        _make_fit(est_dp[k], boot_rp.reshape(d, n_boot, 3)[k], c0=c0,
+                  compute_max=float(compute.max()), huber_delta=float(delta_d[k]), n_points=n,
+                  ci=ci, floor_fixed=floor is not None, resampling="pairs")
         for k in range(d)
     ]  # fmt: skip
 
 
+def _make_fit(est_p, boot_rp, *, c0, compute_max, ci, n_points, floor_fixed, **kw) -> PowerLawFit:
+    """A PowerLawFit from the estimate (a_norm, b, c) [P] and bootstrap replicates [R, P]."""
+    lx_max = float(np.log(compute_max / c0))
+    q_est = _quantities(est_p[None], c0, lx_max)[0]
+    df = max(n_points - (2 if floor_fixed else 3), 1) if kw.get("resampling") != "seeds" else None
+    lo, hi = _interval(_quantities(boot_rp, c0, lx_max), ci, df)
+    return PowerLawFit(
+        **dict(zip(_NAMES, q_est.tolist(), strict=True)),
+        c0=c0, compute_max=compute_max, n_points=n_points, ci=ci, samples=boot_rp,
+        floor_fixed=floor_fixed,
+        intervals={nm: (float(lo[i]), float(hi[i])) for i, nm in enumerate(_NAMES)}, **kw,
+    )  # fmt: skip
+
+
 def fit_power_law(
-    compute, loss, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95, huber_delta=None
-) -> PowerLawFit:
+    compute, loss, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95, huber_delta=None,
+    floor: float | None = None,
+) -> PowerLawFit:  # fmt: skip
     """Robust fit of L(C) = a·C^(−b) + c with bootstrap intervals (see the module docstring).
 
     Args:
@@ -327,15 +378,177 @@ def fit_power_law(
       seed: seed of the resampling.
       ci: level of the intervals.
       huber_delta: Huber scale in log-loss units; None for the data-driven default.
+      floor: fix c at this value (e.g. the Bayes-optimal loss) and fit a and b only.
 
     Raises:
-      ValueError: a non-finite or non-positive value (the index is named), or < 3 distinct C.
+      ValueError: a non-finite or non-positive value (the index is named), < 3 distinct C
+        (2 with a fixed floor), or a floor not below every loss.
     """
     compute, loss = _check_values(compute, loss)  # errors name loss[i], not loss[0, i]
     return fit_power_law_many(
         compute, loss[None], n_boot=n_boot, seed=seed, ci=ci,
-        huber_delta=huber_delta,
+        huber_delta=huber_delta, floor=floor,
     )[0]  # fmt: skip
+
+
+# --- frontiers with seeds ------------------------------------------------------------------------
+
+
+def seed_bootstrap_frontier(budget, compute, seed_losses, *, n_boot: int = 1000, seed: int = 0):
+    """The compute-efficient frontier of an IsoFLOP grid, and its replicates resampled over seeds.
+
+    Args:
+      budget: [K] the budget of each grid cell (a model size at a budget).
+      compute: [K] the cell's training FLOPs (its seeds' mean).
+      seed_losses: K arrays, the final loss of each seed of the cell.
+
+    Each replicate redraws every cell's seeds with replacement and takes their mean, inflated by
+    sqrt(n / (n - 1)) about the cell's mean (with n = 3 seeds a plain resampled mean has 2/3 of
+    the variance of a mean of 3 fresh seeds; a cell of one seed does not vary), then takes, per
+    budget, the best cell: so the intervals carry both the seeds' noise and the frontier's
+    choice of size.
+
+    Returns:
+      (compute [B], loss [B]) of the frontier of the seed means, budgets ascending, and
+      (compute [R, B], loss [R, B]) of the replicates.
+    """
+    budget, compute = np.asarray(budget, dtype=float), np.asarray(compute, dtype=float)
+    if not (budget.shape == compute.shape == (len(seed_losses),)):
+        raise ValueError("budget, compute and seed_losses need one entry per cell")
+    mean_k, boot_rk = _seed_replicates(budget, seed_losses, n_boot, seed)
+    cols_b = [np.flatnonzero(budget == b) for b in np.unique(budget)]
+
+    def frontier(y_rk):
+        r = np.arange(len(y_rk))
+        pick = np.stack([cols[y_rk[:, cols].argmin(-1)] for cols in cols_b], -1)  # [R, B]
+        return compute[pick], y_rk[r[:, None], pick]
+
+    (c_est, y_est), (c_rb, y_rb) = frontier(mean_k[None]), frontier(boot_rk)
+    return (c_est[0], y_est[0]), (c_rb, y_rb)
+
+
+def _seed_replicates(budget, seed_losses, n_boot: int, seed: int):
+    """Cell means [K] and replicate cell means [R, K] (see ``seed_bootstrap_frontier``)."""
+    rng = np.random.default_rng(seed)
+    mean_k = np.array([np.mean(v) for v in seed_losses], dtype=float)
+    boot_rk = np.empty((n_boot, mean_k.size))
+    for j, v in enumerate(seed_losses):
+        v = np.asarray(v, dtype=float)
+        if v.size == 0 or not np.all(np.isfinite(v)):
+            raise ValueError(f"cell {j} (budget {budget[j]:.3g}): seed losses {v.tolist()}")
+        draw = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(-1)
+        scale = np.sqrt(v.size / (v.size - 1)) if v.size > 1 else 0.0
+        boot_rk[:, j] = mean_k[j] + scale * (draw - mean_k[j])
+    return mean_k, boot_rk
+
+
+def optimal_size_seeds(
+    budget, size, seed_losses, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95
+) -> dict[str, Any]:
+    """Compute-optimal size per budget and ``size_opt = k·C^alpha``, with intervals over seeds.
+
+    Per budget, ``isoflop_optimum`` of the cells' seed means (a quadratic in log10 size); alpha
+    by least squares over the budgets whose optimum is interior. The same seed replicates as
+    ``seed_bootstrap_frontier`` (same ``seed``) give alpha's percentile interval; a replicate
+    with fewer than 2 interior budgets has no alpha and is counted, not used.
+    """
+    budget, size = np.asarray(budget, dtype=float), np.asarray(size, dtype=float)
+    mean_k, boot_rk = _seed_replicates(budget, seed_losses, n_boot, seed)
+    budgets = np.unique(budget)
+
+    def optima(y_k):
+        return [isoflop_optimum(size[budget == b], y_k[budget == b]) for b in budgets]
+
+    def alpha_of(opts):
+        ok = [i for i, o in enumerate(opts) if o["interior"]]
+        if len(ok) < 2:
+            return np.nan, np.nan
+        a, lc = np.polyfit(np.log10(budgets[ok]), np.log10([opts[i]["size_opt"] for i in ok]), 1)
+        return a, 10**lc
+
+    est = optima(mean_k)
+    alpha, coef = alpha_of(est)
+    boot = np.array([alpha_of(optima(y))[0] for y in boot_rk])
+    valid = boot[np.isfinite(boot)]
+    out: dict[str, Any] = {
+        "per_budget": [{"budget": float(b), **o} for b, o in zip(budgets, est, strict=True)],
+        "alpha": None if np.isnan(alpha) else float(alpha),
+        "coefficient": None if np.isnan(coef) else float(coef),
+        "n_interior": int(sum(o["interior"] for o in est)),
+        "alpha_interval": None,
+        "replicates_with_alpha": int(valid.size),
+        "n_boot": n_boot,
+    }
+    if valid.size >= max(20, n_boot // 2):
+        out["alpha_interval"] = [float(v[0]) for v in _interval(valid[:, None], ci, None)]
+    else:
+        out["reason"] = (f"{valid.size} of {n_boot} replicates have 2 budgets with an interior "
+                         "optimum")  # fmt: skip
+    return out
+
+
+def fit_frontier_seeds(
+    budget, compute, seed_losses, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95,
+    huber_delta=None, floor: float | None = None,
+) -> PowerLawFit:  # fmt: skip
+    """L(C) fitted on an IsoFLOP grid's frontier (best seed-mean cell per budget), with
+    intervals from bootstrap replicates over seeds (``seed_bootstrap_frontier``): each replicate
+    frontier is refitted (same Huber δ, same floor), percentile intervals."""
+    (c_b, y_b), (c_rb, y_rb) = seed_bootstrap_frontier(
+        budget, compute, seed_losses, n_boot=n_boot, seed=seed
+    )
+    c_b, y_b = _check_values(c_b, y_b)
+    floor = _check_floor(floor, np.concatenate([y_b, y_rb.ravel()]))
+    need = 3 if floor is None else 2
+    if c_b.size < need:
+        raise ValueError(f"need at least {need} budgets to fit; got {c_b.size}")
+    c0 = float(c_b.min())
+    lx_b, y_log = np.log(c_b / c0), np.log(y_b)
+    fl = np.array([np.nan if floor is None else floor])
+    delta = (_huber_scale(lx_b[None], y_log[None], floor_r=fl) if huber_delta is None
+             else np.array([float(huber_delta)]))  # fmt: skip
+    est = _solve(lx_b[None], y_log[None], delta, fl)[0]
+    boot = _solve(np.log(c_rb / c0), np.log(y_rb), np.repeat(delta, n_boot), np.repeat(fl, n_boot))
+    return _make_fit(est, boot, c0=c0, compute_max=float(c_b.max()), ci=ci, n_points=c_b.size,
+                     floor_fixed=floor is not None, huber_delta=float(delta[0]),
+                     resampling="seeds")  # fmt: skip
+
+
+def holdout_frontier_seeds(budget, compute, seed_losses, **fit_kwargs) -> dict[str, Any]:
+    """``holdout_extrapolation`` for a seeded IsoFLOP grid: the top budget's cells are held out,
+    the frontier of the rest fitted (``fit_frontier_seeds``), and the top budget's frontier
+    (its best seed-mean cell) compared with the prediction and its band."""
+    budget = np.asarray(budget, dtype=float)
+    compute = np.asarray(compute, dtype=float)
+    top = float(budget.max())
+    held = budget == top
+    means = np.array([np.mean(v) for v in seed_losses])
+    best = int(np.flatnonzero(held)[means[held].argmin()])
+    out: dict[str, Any] = {"holdout_budget": top, "holdout_compute": float(compute[best]),
+                           "observed": float(means[best])}  # fmt: skip
+    out |= dict.fromkeys(("predicted", "abs_error", "rel_error", "interval", "inside_interval"))
+    out["fit"] = None
+    keep = np.flatnonzero(~held)
+    try:
+        fit = fit_frontier_seeds(budget[keep], compute[keep], [seed_losses[i] for i in keep],
+                                 **fit_kwargs)  # fmt: skip
+    except ValueError as e:
+        return out | {"reason": str(e)}
+    pred = float(fit.predict(compute[best])[0])
+    lo, hi = (float(v[0]) for v in fit.band(compute[best]))
+    out |= {"predicted": pred, "abs_error": abs(pred - out["observed"]), "interval": (lo, hi)}
+    out |= {"rel_error": abs(pred - out["observed"]) / out["observed"], "fit": fit.to_dict()}
+    out["inside_interval"] = bool(lo <= out["observed"] <= hi)
+    # The band is the fitted mean curve's; the observation is a mean of a few seeds with noise
+    # of its own. The prediction interval adds that noise (its standard error, z at the fit's
+    # level) to each half-width in quadrature.
+    v = np.asarray(seed_losses[best], dtype=float)
+    se = float(np.std(v, ddof=1) / np.sqrt(v.size)) if v.size > 1 else 0.0
+    z = float(stats.norm.ppf(0.5 + fit.ci / 2))
+    pi = (pred - float(np.hypot(pred - lo, z * se)), pred + float(np.hypot(hi - pred, z * se)))
+    out |= {"observed_se": se, "prediction_interval": pi}
+    out["inside_prediction_interval"] = bool(pi[0] <= out["observed"] <= pi[1])
+    return out
 
 
 def holdout_extrapolation(compute, loss, **fit_kwargs) -> dict[str, Any]:

@@ -59,6 +59,9 @@ class Rung:
 
     name: str
     model: dict[str, Any]
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Other config fields this rung sets, by dotted path, after everything else (e.g.
+    ``{"data.max_table_rows": 1000}`` for a grid over embedding capacity)."""
 
 
 def wukong_ladder(rows: tuple[tuple[int, int, int, int, int, int], ...], prefix: str = "w"):
@@ -178,6 +181,10 @@ class SweepSpec:
     """The quality metric fits use (AUC is fitted as 1 - AUC, so lower is better for both)."""
     hardware: str = "cpu-local"
     """``tpu_gpu_configs`` preset the trials run on (mesh, XLA flags, SLURM resources)."""
+    analyses: tuple[Literal["sparse_dense"], ...] = ()
+    """Extra analyses ``sweeps.analyze`` runs: ``sparse_dense`` tabulates and plots each
+    budget's grid of embedding capacity (``model.embed_dim`` x ``data.max_table_rows``)
+    against dense size (the rung name's last ``/``-separated part)."""
     code_version: str = "auto"
     """Part of every trial id: ``auto`` = package version + git commit (+ hash of uncommitted
     changes to tracked files)."""
@@ -259,6 +266,7 @@ def resolve(spec: SweepSpec) -> Resolution:
     skipped: list[str] = []
     seen: dict[str, Trial] = {}
     fingerprints: dict[str, str] = {}
+    schemas: dict[str, Any] = {}
     for fam in spec.families:
         importlib.import_module(f"{fam.package}.presets")  # registers the family's presets
         base = _override(config_lib.get_preset(fam.preset), fam.overrides, fam.family)
@@ -269,7 +277,6 @@ def resolve(spec: SweepSpec) -> Resolution:
             base, mesh=dataclasses.replace(base.mesh, data_parallel=hw.data_parallel)
         )
         data = dataclasses.replace(data, batch_size=batch)
-        schema = schema_of(data)
         data_fp = data_fingerprint(data)
         fingerprints[fam.family] = data_fp
         base_batch = base.data.batch_size
@@ -281,9 +288,16 @@ def resolve(spec: SweepSpec) -> Resolution:
                 rung = fam.ladder[ri]
                 try:
                     model = dataclasses.replace(base.model, **rung.model)
+                    rung_data = data
+                    if rung.overrides:  # the schema (table sizes) may depend on them
+                        probe = dataclasses.replace(base, model=model, data=data)
+                        rung_data = _override(probe, rung.overrides, fam.family).data
                 except (TypeError, ValueError) as e:
                     raise ValueError(f"family {fam.family}, rung {rung.name}: {e}") from e
-                cost = model.cost(schema)
+                key = json.dumps(config_lib.to_dict(rung_data), sort_keys=True)
+                if key not in schemas:
+                    schemas[key] = schema_of(rung_data)
+                cost = model.cost(schemas[key])
                 fpe = float(cost.train_flops)
                 steps = round(budget / fpe / batch)
                 where = f"{fam.family} budget {budget:.3g} rung {rung.name}"
@@ -294,7 +308,8 @@ def resolve(spec: SweepSpec) -> Resolution:
                     skipped.append(f"{where}: {steps} steps > max_steps={spec.max_steps}")
                     continue
                 for seed in spec.seeds:
-                    cfg = _trial_config(spec, base, model, data, steps, seed, base_batch)
+                    cfg = _trial_config(spec, base, model, rung_data, steps, seed, base_batch)
+                    cfg = _override(cfg, rung.overrides, fam.family)
                     cdict = config_lib.to_dict(cfg)
                     tid = trial_id(fam.family, cdict, code_version, data_fp)
                     if tid in seen:  # two budgets rounding to the same run: one trial
@@ -385,7 +400,19 @@ def semantic_config(cdict: dict[str, Any]) -> dict[str, Any]:
     # Where the data files are is not what they are: the data fingerprint covers content.
     for key in ("train_path", "eval_path", "tfds_data_dir"):
         out.get("data", {}).pop(key, None)
+    # Fields added after sweeps were recorded, at the default that keeps the old behaviour, are
+    # no part of a trial's identity: adding them does not orphan recorded results.
+    for dotted, default in _ADDED_AT_DEFAULT.items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict) and leaf in node and node[leaf] == default:
+            node.pop(leaf)
     return out
+
+
+_ADDED_AT_DEFAULT: dict[str, Any] = {"data.max_table_rows": 0}
 
 
 def trial_id(family: str, cdict: dict[str, Any], code_version: str, data_fp: str) -> str:

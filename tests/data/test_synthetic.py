@@ -309,3 +309,29 @@ def test_source_reuses_the_held_out_set_and_still_checks_every_batch(monkeypatch
     assert not np.array_equal(
         next(sources.SyntheticSource(other).eval_batches()).labels_b, first[0].labels_b
     )
+
+
+def test_capped_tables_fold_ids_and_count_them():
+    """data.max_table_rows: the model's schema has capped tables, every id lands in them (by the
+    id policy), the fold is counted per feature, and the teacher's labels are unchanged."""
+    from data import sources  # noqa: PLC0415
+    from data.config import DataConfig  # noqa: PLC0415
+    from data.schemas import schema_of  # noqa: PLC0415
+
+    cfg = DataConfig(kind="synthetic", batch_size=512, synthetic=SMALL, max_table_rows=20,
+                     id_policy="hash")  # fmt: skip
+    src = sources.SyntheticSource(cfg)
+    assert [f.vocab_size for f in src.schema.features] == [1, 7, 20, 20]
+    assert schema_of(cfg) == src.schema
+    b = src.train_batch(0)
+    full = sources.SyntheticSource(dataclasses.replace(cfg, max_table_rows=0)).train_batch(0)
+    np.testing.assert_array_equal(b.labels_b, full.labels_b)
+    for f, info in enumerate(src.schema.features):
+        ids = b.ids_bfh[:, f]
+        assert ids[ids != PAD_ID].max() < info.vocab_size
+        np.testing.assert_array_equal(ids == PAD_ID, full.ids_bfh[:, f] == PAD_ID)
+    mapped = src.stats["ids"]["mapped"]
+    folded = [int((full.ids_bfh[:, f] >= 20).sum()) for f in range(4)]
+    assert [mapped.get(f"f{f}", 0) for f in range(4)] == folded and folded[2] > 0
+    with pytest.raises(ValueError, match="'hash' or 'modulo'"):
+        DataConfig(kind="synthetic", max_table_rows=20)

@@ -176,3 +176,81 @@ def test_bad_input_names_the_problem(compute, loss, match):
 def test_module_does_not_import_jax():
     code = "import sys, sweeps.fit; assert 'jax' not in sys.modules, 'sweeps.fit imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(fit.__file__).parents[1])
+
+
+def test_fixed_floor_fits_a_and_b_only():
+    f = fit.fit_power_law(C_N, _law(C_N), n_boot=20, floor=C_IRR)
+    np.testing.assert_allclose([f.a_norm, f.b, f.c], [A_NORM, B, C_IRR], rtol=1e-6)
+    assert f.floor_fixed and f.df == C_N.size - 2
+    assert f.intervals["c"] == (C_IRR, C_IRR)
+    # A wrong floor is not silently fitted away: b moves to absorb it.
+    assert fit.fit_power_law(C_N, _law(C_N), n_boot=20, floor=0.2).b < B - 0.05
+    with pytest.raises(ValueError, match="below every loss"):
+        fit.fit_power_law(C_N, _law(C_N), n_boot=20, floor=0.5)
+    noisy = _noisy(np.random.default_rng(3))
+    free, fixed = (fit.fit_power_law(C_N, noisy, n_boot=300, floor=fl) for fl in (None, C_IRR))
+    width = {k: np.subtract(*f.intervals["b"][::-1]) for k, f in (("free", free), ("fixed", fixed))}
+    assert width["fixed"] < 0.5 * width["free"], width  # knowing c pins b down
+    assert fixed.intervals["b"][0] < B < fixed.intervals["b"][1]
+
+
+def _seeded_grid(rng, sigma=0.003, seeds=3, floor=0.4, a_norm=0.3, b=0.2):
+    """An IsoFLOP grid: 7 budgets half a decade apart, 4 sizes a third of a decade apart on a
+    climbing diagonal; the optimal size (one of the 4) follows the law exactly, the others are
+    worse by a parabola in log10 size; each cell has ``seeds`` log-normal noisy seeds."""
+    budget, compute, size, losses = [], [], [], []
+    for i in range(7):
+        c = 1e9 * 10 ** (0.5 * i)
+        opt = 1 + i // 3  # index of the optimal size among this budget's 4
+        for j in range(4):
+            penalty = 0.2 * (0.33 * (j - opt)) ** 2
+            mean = floor + a_norm * (c / 1e9) ** -b + penalty
+            budget.append(c)
+            compute.append(c)
+            size.append(1e4 * 10 ** (0.33 * (j + 0.83 * i)))
+            losses.append(mean * np.exp(sigma * rng.standard_normal(seeds)))
+    return np.array(budget), np.array(compute), np.array(size), losses
+
+
+def test_seed_bootstrap_intervals_cover_the_law():
+    """60 seeded grids with 3 seeds per point: the frontier law's 95% intervals over seeds
+    (free floor and floor fixed at the truth) cover the true exponent about 95% of the time
+    (binomial s.d. 0.028 at 60 grids; [0.85, 1] allows the 3-seed bootstrap's slight
+    under-coverage), and are not absurdly wide (median width < 2x the estimates' own spread)."""
+    rng = np.random.default_rng(7)
+    grids = [_seeded_grid(rng) for _ in range(60)]
+    for floor in (None, 0.4):
+        fits = [fit.fit_frontier_seeds(bu, co, ls, n_boot=150, seed=k, floor=floor)
+                for k, (bu, co, _, ls) in enumerate(grids)]  # fmt: skip
+        cover = np.mean([f.intervals["b"][0] <= 0.2 <= f.intervals["b"][1] for f in fits])
+        assert 0.85 <= cover <= 1.0, (floor, cover)
+        width = np.median([np.subtract(*f.intervals["b"][::-1]) for f in fits])
+        spread = np.subtract(*np.quantile([f.b for f in fits], [0.975, 0.025]))
+        assert 0.5 < width / spread < 2.0, (floor, width / spread)
+        assert all(f.resampling == "seeds" and f.df is None for f in fits)
+
+
+def test_seed_bootstrap_frontier_rechooses_the_best_size_per_replicate():
+    budget = np.array([1.0, 1.0, 10.0, 10.0, 100.0, 100.0])
+    losses = [[0.50, 0.50], [0.49, 0.53], [0.45, 0.45], [0.40, 0.41], [0.3], [0.2, 0.2]]
+    (c, y), (c_r, y_r) = fit.seed_bootstrap_frontier(budget, budget, losses, n_boot=400)
+    np.testing.assert_allclose(y, [0.50, 0.405, 0.2])
+    # At budget 1 the noisy cell (mean 0.51) wins whenever it draws 0.49 twice.
+    assert 0.15 < np.mean(y_r[:, 0] < 0.5) < 0.35
+    assert np.all(y_r[:, 2] == 0.2)  # identical seeds: no spread
+    with pytest.raises(ValueError, match="cell 1"):
+        fit.seed_bootstrap_frontier(budget, budget, [[0.5], [np.nan]] + losses[2:], n_boot=4)
+
+
+def test_optimal_size_with_seed_interval_and_holdout():
+    bu, co, sz, ls = _seeded_grid(np.random.default_rng(1))
+    osl = fit.optimal_size_seeds(bu, sz, ls, n_boot=200)
+    lo, hi = osl["alpha_interval"]
+    assert lo <= osl["alpha"] <= hi and osl["n_interior"] >= 4
+    # The true optimum sits on the grid at sizes whose log10 climbs 0.83 x 0.33 per half decade
+    # of compute plus 0.33 every third budget: about 0.55 + 0.22 = 0.77 decades per decade.
+    assert 0.5 < osl["alpha"] < 1.0
+    h = fit.holdout_frontier_seeds(bu, co, ls, n_boot=200, floor=0.4)
+    assert h["rel_error"] < 0.01 and h["inside_prediction_interval"]
+    lo, hi = h["prediction_interval"]
+    assert lo <= h["interval"][0] and h["interval"][1] <= hi and h["observed_se"] > 0

@@ -147,3 +147,31 @@ def test_specs_resolve_without_jax():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_rung_overrides_set_the_schema_and_a_field_added_at_default_keeps_identity():
+    from data.config import DataConfig, SyntheticConfig  # noqa: PLC0415
+
+    data = DataConfig(kind="synthetic", batch_size=64,
+                      synthetic=SyntheticConfig(vocab_sizes=(5000, 100), max_hotness=(1, 1)))  # fmt: skip
+    ladder = (
+        spec_lib.Rung("full", dict(embed_dim=8)),
+        spec_lib.Rung(
+            "capped", dict(embed_dim=8), {"data.max_table_rows": 500, "data.id_policy": "hash"}
+        ),  # fmt: skip
+    )
+    fam = FamilySpec(family="dlrm", package="dlrm", preset="dlrm/tiny", ladder=ladder)
+    sweep = SweepSpec(name="t", families=(fam,), budgets=(1e9,), data=data, min_steps=1)
+    full, cap = resolve(sweep).trials
+    assert cap.config["data"]["max_table_rows"] == 500
+    assert (full.params_sparse, cap.params_sparse) == (8 * 5100, 8 * 600)
+    # Trials recorded before data.max_table_rows existed keep their ids: at its default (0)
+    # the field is no part of identity.
+    old = {k: v for k, v in full.config["data"].items() if k != "max_table_rows"}
+    fp = spec_lib.data_fingerprint(data)
+    assert spec_lib.trial_id("dlrm", {**full.config, "data": old}, "v", fp) == spec_lib.trial_id(
+        "dlrm", full.config, "v", fp
+    )
+    assert spec_lib.trial_id("dlrm", cap.config, "v", fp) != spec_lib.trial_id(
+        "dlrm", full.config, "v", fp
+    )
