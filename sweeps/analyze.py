@@ -200,6 +200,74 @@ def _fit_family(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[
     return fam
 
 
+def sparse_dense(df: pd.DataFrame, metric: str) -> dict[str, Any]:
+    """Per family and budget, the grid of embedding capacity x dense size (rungs named
+    ``<embedding>/<rows>/<dense>`` as in ``sweeps.specs.study_grid``): each cell's seed-mean
+    metric, sparse parameters and FLOPs per example, and the best cell."""
+    ok = df[df["status"] == "SUCCESS"].copy()
+    ok["y"] = _quality(ok, metric)
+    ok = ok[np.isfinite(ok["y"].astype(float))]
+    out: dict[str, Any] = {}
+    for (family, budget), g in ok.groupby(["family", "budget"], sort=True):
+        parts = g["rung"].str.rsplit("/", n=1, expand=True)
+        if parts.shape[1] != 2 or parts[1].isna().any():
+            continue
+        g = g.assign(embedding=parts[0], dense=parts[1])
+        cells = g.groupby(["embedding", "dense"], as_index=False).agg(
+            y=("y", "mean"), n=("y", "size"), params_sparse=("params_sparse", "first"),
+            params_dense=("params_dense", "first"), fpe=("flops_per_example", "first"),
+        ).sort_values(["params_sparse", "embedding", "fpe"])  # fmt: skip
+        best = cells.loc[cells["y"].idxmin()]
+        out.setdefault(family, []).append({
+            "budget": float(budget),
+            "cells": _jsonable(cells.to_dict("records")),
+            "best": {"embedding": best["embedding"], "dense": best["dense"],
+                     "y": float(best["y"]), "params_sparse": int(best["params_sparse"]),
+                     "fpe": float(best["fpe"])},
+        })  # fmt: skip
+    return out
+
+
+def _plot_sparse_dense(grid: dict[str, Any], out_dir: Path, metric: str) -> Path:
+    """A heat map per (family, budget): columns embedding configs by sparse parameters, rows
+    dense sizes by FLOPs per example, the best cell outlined."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    panels = [(fam, b) for fam, budgets in grid.items() for b in budgets]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.2), squeeze=False)
+    for ax, (fam, b) in zip(axes[0], panels, strict=True):
+        cells = pd.DataFrame(b["cells"])
+        cols = list(dict.fromkeys(cells.sort_values("params_sparse")["embedding"]))
+        rows = list(cells.groupby("dense")["fpe"].min().sort_values().index)
+        z = np.full((len(rows), len(cols)), np.nan)
+        for _, c in cells.iterrows():
+            z[rows.index(c["dense"]), cols.index(c["embedding"])] = c["y"]
+        im = ax.imshow(z, cmap="viridis_r", aspect="auto", origin="lower")
+        for i in range(len(rows)):
+            for j in range(len(cols)):
+                if np.isfinite(z[i, j]):
+                    ax.text(j, i, f"{z[i, j]:.4f}", ha="center", va="center", fontsize=7,
+                            color="w" if z[i, j] > np.nanmean(z) else "k")  # fmt: skip
+        bi, bj = rows.index(b["best"]["dense"]), cols.index(b["best"]["embedding"])
+        ax.add_patch(plt.Rectangle((bj - 0.5, bi - 0.5), 1, 1, fill=False, ec="r", lw=2.5))
+        psp = cells.drop_duplicates("embedding").set_index("embedding")["params_sparse"]
+        ax.set_xticks(range(len(cols)), [f"{c}\n{psp[c] / 1e6:.2g}M" for c in cols],
+                      fontsize=7, rotation=0)  # fmt: skip
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_xlabel("embedding: dim / rows per table (sparse parameters)")
+        ax.set_ylabel("dense size (FLOPs per example grow upward)")
+        ax.set_title(f"{fam}, C = {b['budget']:.2g} FLOPs: {_ylabel(metric)} (red: best)")
+        fig.colorbar(im, ax=ax, shrink=0.85)
+    fig.tight_layout()
+    path = out_dir / "sparse_dense.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _lr_check(ok: pd.DataFrame) -> list[dict[str, Any]]:
     """For families named ``<family>@lr<multiplier>`` (a learning-rate check such as
     ``sweeps.specs.study_lr``): per (family, budget, rung), the loss at each multiplier and the
@@ -453,7 +521,8 @@ def _plot_residuals(plt, fams: dict, colors: dict, out_dir: Path, metric: str) -
         ax.set_title(f"residuals, {title}\n(x: held-out top budget vs its prediction)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(f"{_ylabel(metric)}: observed / law - 1 (%)")
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
     fig.tight_layout()
     path = out_dir / "residuals.png"
     fig.savefig(path, dpi=120)
@@ -518,6 +587,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plots and analysis["families"]:
         for p in plot(analysis, out_dir, metric, reference=ref):
             print(f"wrote {p}")
+    if "sparse_dense" in (sweep.get("spec") or {}).get("analyses", ()):
+        analysis["sparse_dense"] = grid = sparse_dense(df, metric)
+        for fam, budgets in grid.items():
+            for b in budgets:
+                best = b["best"]
+                print(f"sparse/dense grid {fam} C={b['budget']:.2g}: best {best['embedding']} "
+                      f"x {best['dense']} ({best['y']:.4f}, {best['params_sparse']:,} sparse "
+                      f"parameters, {best['fpe']:.3g} FLOPs/example)")  # fmt: skip
+        if args.plots and grid:
+            print(f"wrote {_plot_sparse_dense(grid, out_dir, metric)}")
     public = _public(analysis)
     (out_dir / "analysis.json").write_text(json.dumps(public, indent=2, default=str) + "\n")
     return public

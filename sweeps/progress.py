@@ -73,14 +73,20 @@ class SweepProgress:
         text = (f"{c['done']} done, {c['running']} running, {c['failed']} failed, "
                 f"{c['remaining']} remaining of {len(self.trials)}")  # fmt: skip
         eta = self.eta(s)
+        if eta is None and s["unfinished"]:
+            return text + ", ETA once a trial near the largest size has finished"
         return text + (f", ETA {_duration(eta)}" if eta is not None else "")
 
     def eta(self, s: dict[str, Any]) -> float | None:
         """Seconds left: each unfinished trial's wall time predicted as ``a + b * compute`` (a
         least-squares line through the finished trials: a trial costs a fixed overhead plus
         its compute), summed and shared among the trials running at once. Before two trials
-        of different sizes have finished, the FLOP rate of this launch so far."""
+        of different sizes have finished, the FLOP rate of this launch so far. None (no ETA)
+        while an unfinished trial is more than 10x the largest finished one: small trials are
+        mostly fixed overhead, and their line says nothing of what a large one costs."""
         walls, running = s["walls"], max(s["counts"]["running"], 1)
+        if s["unfinished"] and max(s["unfinished"]) > 10 * max((c for c, _ in walls), default=0):
+            return None
         if len({c for c, _ in walls}) >= 2:
             x = np.array([c for c, _ in walls])
             y = np.array([w for _, w in walls])

@@ -102,3 +102,80 @@ def test_truncated_results_line_is_reported_not_fatal(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="sweeps.analyze"):
         df = analyze.load_results(tmp_path)
     assert len(df) == 30 and "truncated last line" in caplog.text
+
+
+def make_seeded_sweep(root, *, floor=0.4, seeds=3, grid=False):
+    """A seeded IsoFLOP grid (or, with ``grid``, a sparse/dense grid at 2 budgets) whose losses
+    follow known laws, as results rows and a sweep.json."""
+    rng = np.random.default_rng(5)
+    store = SweepStore(root)
+    ids = []
+    cells = []
+    if grid:
+        for bi, budget in enumerate((1e10, 1e11)):
+            for d, psp in (("d8/rows100", 800), ("d8/rowsall", 8000), ("d16/rowsall", 16000)):
+                for dense, fpe in (("S", 1e4), ("M", 3e4)):
+                    # best: the most sparse parameters with the small dense part at 1e10, the
+                    # large one at 1e11
+                    y = 0.6 - 0.02 * np.log10(psp) - (0.01 if (dense == "M") == (bi == 1) else 0)
+                    cells.append((budget, f"{d}/{dense}", fpe, psp, y))
+    else:
+        for budget in np.geomspace(1e9, 1e12, 7):
+            for ri, size in enumerate(1e4 * (budget / 1e9) ** 0.5 * np.array([0.3, 1.0, 3.0])):
+                y = floor + 0.3 * (budget / 1e9) ** -0.2 + 0.05 * np.log10(size / (1e4 * (
+                    budget / 1e9) ** 0.5)) ** 2  # fmt: skip
+                cells.append((budget, f"r{ri}", size, 1000, y))
+    for k, (budget, rung, fpe, psp, y) in enumerate(cells):
+        for seed in range(seeds):
+            tid = f"t{k}-{seed}"
+            ids.append(tid)
+            v = float(y * np.exp(rng.normal(0, 0.002)))
+            store.append_result({
+                "trial_id": tid, "status": "SUCCESS", "family": "wukong", "rung": rung,
+                "rung_index": k, "budget": float(budget), "compute": float(budget),
+                "flops_per_example": float(fpe), "steps": 100, "params_dense": 10,
+                "params_sparse": psp, "wall_time_s": 1.0, "seed": seed,
+                "final": {"logloss": v, "auc": 0.7, "step": 100},
+                "best": {"logloss": v, "auc": 0.7, "step": 100}, "config": {}, "versions": {},
+                "diverged_at_step": None,
+            })  # fmt: skip
+    spec = {"analyses": ["sparse_dense"]} if grid else {}
+    (root / "sweep.json").write_text(json.dumps({"name": "t", "metric": "logloss",
+                                                 "trial_ids": ids, "spec": spec}))  # fmt: skip
+
+
+def test_seeded_sweep_gets_seed_intervals_and_a_fixed_floor_law(tmp_path, monkeypatch):
+    make_seeded_sweep(tmp_path)
+    monkeypatch.setattr(analyze, "bayes_reference_of", lambda df, metric: 0.4)
+    out = analyze.main([str(tmp_path), "--n-boot", "200"])
+    d = out["families"]["wukong"]
+    assert d["intervals_from"] == "bootstrap over seeds" and d["seeds_per_point"] == 3
+    for key in ("law", "law_bayes_floor"):  # coverage itself is tested in test_fit
+        lo, hi = d[key]["intervals"]["b"]
+        assert lo < d[key]["b"] < hi and abs(d[key]["b"] - 0.2) < 0.02, (key, d[key])
+    assert np.subtract(*d["law_bayes_floor"]["intervals"]["b"][::-1]) < np.subtract(
+        *d["law"]["intervals"]["b"][::-1]
+    )
+    assert d["law_bayes_floor"]["c"] == 0.4 and d["law_bayes_floor"]["floor_fixed"]
+    assert d["holdout_bayes_floor"]["rel_error"] < 0.005
+    osl = d["optimal_size_law"]
+    assert osl["alpha"] == pytest.approx(0.5, abs=0.1)
+    assert osl["alpha_interval"][0] < 0.5 < osl["alpha_interval"][1]
+    for name in ("scaling.png", "isoflop.png", "optimal_size.png", "residuals.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    # Regenerating gives the same bytes (the committed study results are reproduced so).
+    first = {
+        p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix in (".json", ".csv", ".png")
+    }
+    analyze.main([str(tmp_path), "--n-boot", "200"])
+    assert first == {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in first}
+
+
+def test_sparse_dense_grid_finds_the_best_cell_per_budget(tmp_path):
+    make_seeded_sweep(tmp_path, seeds=1, grid=True)
+    out = analyze.main([str(tmp_path), "--n-boot", "50"])
+    best = {b["budget"]: b["best"] for b in out["sparse_dense"]["wukong"]}
+    assert (best[1e10]["embedding"], best[1e10]["dense"]) == ("d16/rowsall", "S")
+    assert (best[1e11]["embedding"], best[1e11]["dense"]) == ("d16/rowsall", "M")
+    assert len(out["sparse_dense"]["wukong"][0]["cells"]) == 6
+    assert (tmp_path / "sparse_dense.png").stat().st_size > 1000

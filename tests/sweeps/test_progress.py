@@ -58,3 +58,13 @@ def test_without_a_terminal_it_prints_lines(tmp_path):
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("sweep: 3 done, 1 running, 1 failed, 1 remaining of 6")
     assert lines[-1].startswith("sweep: 4 done, 0 running, 1 failed, 1 remaining of 6")
+
+
+def test_no_eta_from_trials_far_smaller_than_the_remaining(tmp_path):
+    """Finished trials of 1-3e9 FLOPs do not price one of 1e11: the line says so instead."""
+    store, trials = make(tmp_path)
+    trials = [*trials, trial("g", 1e11)]
+    progress = SweepProgress(store, trials)
+    s = summarise(store, trials)
+    assert progress.eta(s) is None
+    assert progress.line(s).endswith("ETA once a trial near the largest size has finished")
