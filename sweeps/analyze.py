@@ -268,6 +268,56 @@ def _plot_sparse_dense(grid: dict[str, Any], out_dir: Path, metric: str) -> Path
     return path
 
 
+def quality_vs_size(df: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
+    """Per family and rung (smallest first): final and best eval logloss and AUC, mean and s.d.
+    over seeds, with the size (FLOPs per example, dense and sparse parameters)."""
+    ok = df[df["status"] == "SUCCESS"]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for family, g in ok.groupby("family", sort=True):
+        rows = []
+        for rung, r in g.groupby("rung"):
+            row: dict[str, Any] = {
+                "rung": rung, "flops_per_example": float(r["flops_per_example"].iloc[0]),
+                "params_dense": int(r["params_dense"].iloc[0]),
+                "params_sparse": int(r["params_sparse"].iloc[0]), "seeds": int(len(r)),
+            }  # fmt: skip
+            for col in ("final_logloss", "best_logloss", "final_auc", "best_auc"):
+                v = r[col].astype(float).to_numpy() if col in r else np.array([np.nan])
+                row[col] = float(np.mean(v))
+                row[f"{col}_sd"] = float(np.std(v, ddof=1)) if v.size > 1 else 0.0
+            rows.append(row)
+        out[family] = sorted(rows, key=lambda x: x["flops_per_example"])
+    return out
+
+
+def _plot_quality_vs_size(q: dict[str, list[dict[str, Any]]], out_dir: Path) -> Path:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (fam, rows) in enumerate(q.items()):
+        r = pd.DataFrame(rows)
+        for ax, m in zip(axes, ("logloss", "auc"), strict=True):
+            ax.errorbar(r["flops_per_example"], r[f"best_{m}"], yerr=r[f"best_{m}_sd"],
+                        color=f"C{i}", marker="o", ms=4, capsize=2, label=f"{fam} (best eval)")  # fmt: skip
+            ax.plot(r["flops_per_example"], r[f"final_{m}"], color=f"C{i}", ls="--", lw=1,
+                    label=f"{fam} (last eval)")  # fmt: skip
+    for ax, m in zip(axes, ("eval logloss", "eval AUC"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel("model size: training FLOPs per example")
+        ax.set_ylabel(m)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_title("fixed data: quality vs size (mean ± s.d. over seeds)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "quality_vs_size.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _lr_check(ok: pd.DataFrame) -> list[dict[str, Any]]:
     """For families named ``<family>@lr<multiplier>`` (a learning-rate check such as
     ``sweeps.specs.study_lr``): per (family, budget, rung), the loss at each multiplier and the
@@ -584,10 +634,18 @@ def main(argv: list[str] | None = None) -> dict:
     print_report(df, analysis, metric)
     if ref is not None:
         print(f"Bayes-optimal {_ylabel(metric)} of the planted teacher on the eval set: {ref:.4f}")
-    if args.plots and analysis["families"]:
+    if args.plots and analysis["families"] and df["budget"].nunique() > 1:
         for p in plot(analysis, out_dir, metric, reference=ref):
             print(f"wrote {p}")
-    if "sparse_dense" in (sweep.get("spec") or {}).get("analyses", ()):
+    analyses = (sweep.get("spec") or {}).get("analyses", ())
+    if "quality_vs_size" in analyses:
+        analysis["quality_vs_size"] = q = quality_vs_size(df)
+        for fam, rows in q.items():
+            print(f"{fam}: best eval logloss by size " + ", ".join(
+                f"{r['rung']} {r['best_logloss']:.4f}±{r['best_logloss_sd']:.4f}" for r in rows))  # fmt: skip
+        if args.plots and q:
+            print(f"wrote {_plot_quality_vs_size(q, out_dir)}")
+    if "sparse_dense" in analyses:
         analysis["sparse_dense"] = grid = sparse_dense(df, metric)
         for fam, budgets in grid.items():
             for b in budgets:

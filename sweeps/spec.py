@@ -159,6 +159,10 @@ class SweepSpec:
     batch_size: int = 0
     """Global batch of every trial (0 = each base preset's own)."""
     batch_rule: BatchRule = BatchRule()
+    steps_per_trial: int = 0
+    """Nonzero: every trial runs this many steps whatever its size, and ``budgets`` (one,
+    conventionally) only name the run: a fixed-data study of quality against model size, where
+    the data, not compute, is the limit (``sweeps.specs.study_frappe``)."""
     min_steps: int = 20
     """(budget, rung) pairs with fewer steps are skipped (reported by ``--dry-run``)."""
     max_steps: int = 0
@@ -181,10 +185,11 @@ class SweepSpec:
     """The quality metric fits use (AUC is fitted as 1 - AUC, so lower is better for both)."""
     hardware: str = "cpu-local"
     """``tpu_gpu_configs`` preset the trials run on (mesh, XLA flags, SLURM resources)."""
-    analyses: tuple[Literal["sparse_dense"], ...] = ()
+    analyses: tuple[Literal["sparse_dense", "quality_vs_size"], ...] = ()
     """Extra analyses ``sweeps.analyze`` runs: ``sparse_dense`` tabulates and plots each
     budget's grid of embedding capacity (``model.embed_dim`` x ``data.max_table_rows``)
-    against dense size (the rung name's last ``/``-separated part)."""
+    against dense size (the rung name's last ``/``-separated part); ``quality_vs_size`` the
+    final and best eval metrics against model size, seeds averaged (a fixed-data sweep)."""
     code_version: str = "auto"
     """Part of every trial id: ``auto`` = package version + git commit (+ hash of uncommitted
     changes to tracked files)."""
@@ -299,7 +304,7 @@ def resolve(spec: SweepSpec) -> Resolution:
                     schemas[key] = schema_of(rung_data)
                 cost = model.cost(schemas[key])
                 fpe = float(cost.train_flops)
-                steps = round(budget / fpe / batch)
+                steps = spec.steps_per_trial or round(budget / fpe / batch)
                 where = f"{fam.family} budget {budget:.3g} rung {rung.name}"
                 if steps < spec.min_steps:
                     skipped.append(f"{where}: {steps} steps < min_steps={spec.min_steps}")

@@ -179,3 +179,29 @@ def test_sparse_dense_grid_finds_the_best_cell_per_budget(tmp_path):
     assert (best[1e11]["embedding"], best[1e11]["dense"]) == ("d16/rowsall", "M")
     assert len(out["sparse_dense"]["wukong"][0]["cells"]) == 6
     assert (tmp_path / "sparse_dense.png").stat().st_size > 1000
+
+
+def test_quality_vs_size_of_a_fixed_data_sweep(tmp_path):
+    store = SweepStore(tmp_path)
+    ids = []
+    for ri, (fpe, ll) in enumerate(((1e4, 0.20), (1e5, 0.15), (1e6, 0.16))):
+        for seed in range(3):
+            tid = f"r{ri}-{seed}"
+            ids.append(tid)
+            v = ll + 0.001 * seed
+            store.append_result({
+                "trial_id": tid, "status": "SUCCESS", "family": "dlrm", "rung": f"d{ri}",
+                "rung_index": ri, "budget": 1.0, "compute": fpe * 1e6, "flops_per_example": fpe,
+                "steps": 100, "params_dense": 10, "params_sparse": 100, "wall_time_s": 1.0,
+                "final": {"logloss": v + 0.01, "auc": 0.9}, "best": {"logloss": v, "auc": 0.95},
+                "config": {}, "versions": {}, "diverged_at_step": None,
+            })  # fmt: skip
+    (tmp_path / "sweep.json").write_text(json.dumps({"name": "f", "metric": "logloss",
+        "trial_ids": ids, "spec": {"analyses": ["quality_vs_size"]}}))  # fmt: skip
+    out = analyze.main([str(tmp_path), "--n-boot", "20"])
+    rows = out["quality_vs_size"]["dlrm"]
+    assert [r["rung"] for r in rows] == ["d0", "d1", "d2"]
+    assert rows[1]["best_logloss"] == pytest.approx(0.151) and rows[1]["best_logloss_sd"] > 0
+    assert rows[1]["final_logloss"] == pytest.approx(0.161)
+    assert (tmp_path / "quality_vs_size.png").stat().st_size > 1000
+    assert not (tmp_path / "scaling.png").exists()  # one budget: no compute laws to plot
