@@ -111,6 +111,12 @@ def active_mesh() -> Mesh | None:
     return a.mesh if a else None
 
 
+def active_rules() -> Mapping[str, str | None] | None:
+    """The active logical-axis rules (None outside ``activate``)."""
+    a = _ACTIVE.get()
+    return a.rules if a else None
+
+
 def active_engine() -> Any:
     """The active embedding-engine spec (None: the engine is off)."""
     a = _ACTIVE.get()

@@ -7,9 +7,11 @@ family config with the fields ``data``, ``dense_optim``, ``embedding_optim``, ``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -66,6 +68,60 @@ def schedule_args(cfg: Any) -> dict[str, np.ndarray]:
         "embedding_lr": np.float32(e.learning_rate),
         "embedding_warmup": np.int32(e.warmup_steps),
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled programs kept across runs in one process.
+
+_PROGRAMS: collections.OrderedDict[str, Callable] = collections.OrderedDict()
+_PROGRAMS_MAX = 24  # jitted functions (3 per model: init, train step, eval step)
+
+# Config fields that reach the compiled programs only as arguments (``schedule_args`` and the
+# init seed) or not at all (cadences of logging, evaluation and checkpoints): runs that differ
+# in nothing else run the same programs.
+_PROGRAM_FREE_FIELDS = (
+    "train.num_steps", "train.seed", "dense_optim.learning_rate", "dense_optim.warmup_steps",
+    "embedding_optim.learning_rate", "embedding_optim.warmup_steps", "train.log_every",
+    "train.eval_every", "train.eval_max_batches", "train.checkpoint_every",
+    "train.max_checkpoints", "train.progress", "train.async_checkpoint",
+)  # fmt: skip
+
+
+def _program_key(cfg: Any, build_model: BuildModel, schema: Schema, what: str) -> str:
+    """What a jitted function of this run computes: the config without the argument-only
+    fields, the model builder, the data schema (table sizes) and the mesh."""
+    d = config_lib.to_dict(cfg)
+    for dotted in _PROGRAM_FREE_FIELDS:
+        *parents, leaf = dotted.split(".")
+        node = d
+        for p in parents:
+            node = node.get(p, {})
+        node.pop(leaf, None)
+    blob = json.dumps(
+        [what, f"{build_model.__module__}.{build_model.__qualname__}", d, repr(schema),
+         repr(sharding.active_mesh()), repr(sharding.active_rules()),
+         repr(sharding.active_engine()), jax.process_count()],
+        sort_keys=True, default=repr,
+    )  # fmt: skip
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _cached_program(key: str, make: Callable[[], Callable]) -> Callable:
+    """The jitted function stored under ``key`` in this process, else ``make()``'s (stored).
+
+    A sweep's trial server runs many trials in one process; a model size recurs there across
+    seeds, budgets and learning rates. Reusing the jitted function object skips what even a
+    persistent-cache hit pays per run (tracing, lowering, loading: ~6 s a trial for the study's
+    26-table models on 2 cores), and gives the same results: the key holds everything the
+    trace reads except the argument-only fields (``tests/dlrm/test_train.py``)."""
+    fn = _PROGRAMS.get(key)
+    if fn is None:
+        fn = _PROGRAMS[key] = make()
+        while len(_PROGRAMS) > _PROGRAMS_MAX:
+            _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+    return fn
 
 
 def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
@@ -157,9 +213,11 @@ class Experiment:
             eval_only=eval_only,
         )
 
+        schema = source.schema  # closures below must not hold the source (and its rows)
+
         def make_params(seed: Any = cfg.train.seed):
             # jax.random.key(seed) is nnx.Rngs(params=seed)'s own key, and takes a traced seed.
-            model = build_model(cfg, source.schema, nnx.Rngs(params=jax.random.key(seed)))
+            model = build_model(cfg, schema, nnx.Rngs(params=jax.random.key(seed)))
             graphdef, params, batch_stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
             if jax.tree.leaves(rest):
                 raise ValueError(
@@ -199,10 +257,14 @@ class Experiment:
         # the default: unfused random-number code would materialise table-sized temporaries.
         options = {"xla_backend_optimization_level": 0} if state_bytes <= _FAST_INIT_BYTES else None
         # The seed is an argument, not a constant: every seed of a model shares one program.
-        jit_init = jax.jit(init, out_shardings=state_sharding, compiler_options=options)
+        key = functools.partial(_program_key, cfg, build_model, schema)
+        jit_init = _cached_program(
+            key(f"init:{with_optimizer}"),
+            lambda: jax.jit(init, out_shardings=state_sharding, compiler_options=options),
+        )
         abstract_state = jax.eval_shape(jit_init, seed)  # with the state's shardings
         init = functools.partial(jit_init, seed)
-        eval_step = jax.jit(make_eval_step(graphdef))
+        eval_step = _cached_program(key("eval"), lambda: jax.jit(make_eval_step(graphdef)))
         return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step)
 
     def embedding_plans(self) -> dict[str, str]:
@@ -563,19 +625,24 @@ class _TrainRun:
         make_step = (
             make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
         )
-        params = exp.abstract_state.params
+        # The step may outlive this run (``_cached_program``): it closes over plain values, not
+        # over the run or its experiment (their state and data).
+        params, graphdef, nonfinite = exp.abstract_state.params, exp.graphdef, self.tcfg.nonfinite
 
         def train_step(state: TrainState, batch: Batch, args: dict) -> tuple[TrainState, dict]:
             # The optimizer is rebuilt at trace time around the traced schedule numbers: the
             # same structure and state as ``exp.tx``, without run-specific constants.
             tx = make_optimizer(cfg, params, args)
-            return make_step(exp.graphdef, tx, nonfinite=self.tcfg.nonfinite)(state, batch)
+            return make_step(graphdef, tx, nonfinite=nonfinite)(state, batch)
 
-        self._train_step = jax.jit(
-            train_step,
-            in_shardings=(exp.state_sharding, None, sharding.replicated()),
-            out_shardings=(exp.state_sharding, None),
-            donate_argnums=(0,),
+        self._train_step = _cached_program(
+            _program_key(cfg, build_model, exp.source.schema, "train"),
+            lambda: jax.jit(
+                train_step,
+                in_shardings=(exp.state_sharding, None, sharding.replicated()),
+                out_shardings=(exp.state_sharding, None),
+                donate_argnums=(0,),
+            ),
         )
         self.schedule_args = jax.device_put(schedule_args(cfg), sharding.replicated())
 

@@ -18,6 +18,7 @@ from dlrm import evaluate as dlrm_evaluate
 from dlrm.model import build_model
 from recscale import config as config_lib
 from recscale.config import get_preset
+from recscale.train import loop
 from recscale.train.loop import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +70,7 @@ def test_every_tiny_preset_trains_two_steps(tmp_path):
 
 
 def test_tiny_learns_and_accounts_for_its_wall_time(tmp_path):
+    loop._PROGRAMS.clear()  # compiled here, not reused from an earlier test in this process
     wd = tmp_path / "run"
     t0 = time.time()
     cfg = _tiny(num_steps=150, log_every=50, eval_every=50, checkpoint_every=75)
@@ -89,6 +91,42 @@ def test_tiny_learns_and_accounts_for_its_wall_time(tmp_path):
     assert sum(p["seconds"] for p in ph.values()) == pytest.approx(row["total_s"], abs=1e-3)
     assert row["total_s"] <= row["exited_at"] - row["entered_at"]
     assert (row["start_step"], row["end_step"]) == (0, 150)
+
+
+def test_runs_of_one_model_in_one_process_share_programs_and_results(tmp_path):
+    """A second run differing only in length, seed, learning rates and cadences reuses the
+    first run's compiled programs (no compile, no cache load) and gets bitwise the results of
+    compiling its own; a different model compiles its own."""
+    base = get_preset("dlrm/tiny")
+
+    def cfg(steps, seed, lr, **model):
+        c = _tiny(num_steps=steps, seed=seed, log_every=1, eval_every=0, checkpoint_every=steps)
+        return dataclasses.replace(
+            c, model=dataclasses.replace(base.model, **model),
+            dense_optim=dataclasses.replace(base.dense_optim, learning_rate=lr, warmup_steps=2),
+        )  # fmt: skip
+
+    def built(wd):
+        (row,) = map(json.loads, (wd / "timings.jsonl").read_text().splitlines())
+        return {k: v["compiles"] for k, v in row["phases"].items() if v["compiles"]}
+
+    loop._PROGRAMS.clear()
+    train(cfg(6, 0, 3e-3), build_model, tmp_path / "a")
+    second = cfg(9, 1, 1e-3)
+    train(second, build_model, tmp_path / "b")
+    assert built(tmp_path / "b") == {}  # init, train and eval steps all reused
+    loop._PROGRAMS.clear()
+    train(second, build_model, tmp_path / "b_alone")
+    assert built(tmp_path / "b_alone")["train"] == 1
+    assert [r["loss"] for r in _rows(tmp_path / "b")] == [
+        r["loss"] for r in _rows(tmp_path / "b_alone")
+    ]
+    for x, y in zip(jax.tree.leaves(_ckpt_params(tmp_path / "b", 9)),
+                    jax.tree.leaves(_ckpt_params(tmp_path / "b_alone", 9)), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    wider = cfg(6, 0, 3e-3, top_mlp=(32, 1))
+    train(wider, build_model, tmp_path / "c")
+    assert built(tmp_path / "c")["train"] == 1
 
 
 def test_resume_equals_uninterrupted_bitwise_and_differs_from_cold_start(tmp_path, capsys):

@@ -6,6 +6,7 @@ dominate), so these tests are marked slow; CI still runs them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -224,13 +225,21 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
     port = str(portpicker.pick_unused_port())
     # Its own short temp dir (Ray's socket paths must stay under 107 characters).
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    start = subprocess.run(
-        [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
+    # --block keeps the head in this process group, so the test stops its own cluster only
+    # (``ray stop`` would stop every Ray cluster on the machine, a user's included).
+    head = subprocess.Popen(
+        [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
-        capture_output=True, text=True, env=env, timeout=120,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
     )  # fmt: skip
-    assert start.returncode == 0, start.stderr[-2000:]
     try:
+        deadline = time.time() + 120
+        while subprocess.run([str(ray_bin), "status", f"--address=127.0.0.1:{port}"],
+                             capture_output=True, env=env, timeout=60).returncode:  # fmt: skip
+            assert head.poll() is None, head.stderr.read()[-2000:]
+            assert time.time() < deadline, "the Ray head did not come up in 120 s"
+            time.sleep(1)
         spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
         sweep = tmp_path / "sw"
         summary = run_launch(spec, sweep, "--backend", "ray", "--max-parallel", "2",
@@ -241,8 +250,12 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
         owners = {a["owner"] for r in got for a in SweepStore(sweep).attempts(r["trial_id"])}
         assert all(o.startswith("ray") for o in owners)
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env,
-                       timeout=120)  # fmt: skip
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(head.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                head.wait(timeout=30)
+                break
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
