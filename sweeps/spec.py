@@ -156,6 +156,10 @@ class SweepSpec:
     seeds: tuple[int, ...] = (0,)
     data: DataConfig | None = None
     """Dataset of every trial (None = each base preset's own)."""
+    extend_below: int = 0
+    """With ``sizes_per_budget = k``: also run this many rungs below each budget's diagonal
+    window (where the ladder has them), e.g. when the IsoFLOP minima sit at the window's
+    lower edge."""
     batch_size: int = 0
     """Global batch of every trial (0 = each base preset's own)."""
     batch_rule: BatchRule = BatchRule()
@@ -289,7 +293,8 @@ def resolve(spec: SweepSpec) -> Resolution:
         for bi, budget in enumerate(spec.budgets):
             k = spec.sizes_per_budget or n_rungs
             lo = round(bi * (n_rungs - k) / max(n_budgets - 1, 1))
-            for ri in range(lo, lo + k):
+            lo, hi = max(lo - spec.extend_below, 0), lo + k
+            for ri in range(lo, hi):
                 rung = fam.ladder[ri]
                 try:
                     model = dataclasses.replace(base.model, **rung.model)
