@@ -590,11 +590,16 @@ def bayes_reference_of(df: pd.DataFrame, metric: str) -> float | None:
     """``bayes_reference`` of a results table (``load_results``)."""
     if df.empty or "config" not in df:
         return None
-    datas = {json.dumps(json.loads(c).get("data"), sort_keys=True) for c in df["config"]}
+    # What the generator is (kind, generator settings, seed); not how it is batched or capped.
+    datas = {
+        json.dumps({k: (json.loads(c).get("data") or {}).get(k)
+                    for k in ("kind", "synthetic", "shuffle_seed")}, sort_keys=True)
+        for c in df["config"]
+    }  # fmt: skip
     if len(datas) != 1:
         return None
     data = json.loads(datas.pop())
-    if not data or data.get("kind") != "synthetic":
+    if data.get("kind") != "synthetic":
         return None
     from data.config import SyntheticConfig  # noqa: PLC0415
     from data.synthetic import EVAL_INDEX_OFFSET, SyntheticGenerator  # noqa: PLC0415

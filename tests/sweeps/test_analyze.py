@@ -205,3 +205,28 @@ def test_quality_vs_size_of_a_fixed_data_sweep(tmp_path):
     assert rows[1]["final_logloss"] == pytest.approx(0.161)
     assert (tmp_path / "quality_vs_size.png").stat().st_size > 1000
     assert not (tmp_path / "scaling.png").exists()  # one budget: no compute laws to plot
+
+
+def test_bayes_reference_reads_the_generator_from_the_results():
+    """The teacher's eval logloss, from the results' configs alone (no trial folders), the same
+    for trials that differ only in batching or table caps; None for mixed datasets."""
+    from data.config import DataConfig, SyntheticConfig  # noqa: PLC0415
+    from data.synthetic import EVAL_INDEX_OFFSET, SyntheticGenerator  # noqa: PLC0415
+    from recscale import config as config_lib  # noqa: PLC0415
+
+    syn = SyntheticConfig(vocab_sizes=(50, 20), max_hotness=(2, 1), num_eval_examples=2000)
+    a = DataConfig(kind="synthetic", batch_size=64, synthetic=syn)
+    b = DataConfig(kind="synthetic", batch_size=128, synthetic=syn, max_table_rows=10,
+                   id_policy="hash")  # fmt: skip
+    df = pd.DataFrame({"config": [json.dumps({"data": config_lib.to_dict(d)}) for d in (a, b)]})
+    g = SyntheticGenerator(syn, 0)
+    idx = EVAL_INDEX_OFFSET + np.arange(2000)
+    z, y = g.teacher_logits(idx), g.examples(idx).labels_b
+    assert analyze.bayes_reference_of(df, "logloss") == pytest.approx(
+        np.mean(np.logaddexp(0, z) - y * z), rel=1e-12
+    )
+    other = DataConfig(kind="synthetic", synthetic=syn, shuffle_seed=1)
+    df2 = pd.DataFrame(
+        {"config": [json.dumps({"data": config_lib.to_dict(d)}) for d in (a, other)]}
+    )
+    assert analyze.bayes_reference_of(df2, "logloss") is None
