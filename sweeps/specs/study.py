@@ -1,6 +1,37 @@
 """The scaling study (issue 15): Wukong, DLRM, DCNv2 and FinalMLP over three decades of compute.
 
-DRAFT: ladders and budgets being sized.
+Does Wukong keep improving with compute where DLRM and DCNv2 flatten (the Wukong paper's Fig. 1)?
+
+**Data**: the planted generator (``data/synthetic.py``), fresh examples for every step (no
+epoch is ever repeated, so the study is compute-limited, not data-limited), with Criteo's
+shape: 26 sparse features with tables from 10 to 100,000 rows (201k in all), Zipf(1.1) ids,
+five multi-hot bags (up to 5 ids, uniform bag sizes), 13 dense features. The teacher's logit has
+terms of order 1 to 4 (``interaction_order=4``), each scaled to the same standard deviation
+(``order_scales=(1, 1, 1, 1)``): half of the logit's variance is in 3- and 4-way interactions of
+field latent vectors, which pairwise models (DLRM's dot products, FinalMLP's bilinear fusion)
+can reach only through their MLPs, while Wukong's stacked FM blocks build them by construction
+(2^l-order after l layers) and DCNv2's cross layers add one order per layer. With equal term
+scales no single order dominates, so what a model gains from each order shows in its loss. The
+Bayes-optimal predictor is the teacher's logit: its eval logloss (0.3918, 65,536 held-out
+examples) is the floor every law is also fitted with. The base rate's logloss is 0.558.
+
+**Ladders**: 9 sizes per family, from 1.6e4 to 1.2e7 training FLOPs per example, growing the
+embedding dimension (4 to 32) together with the dense part, so no family is held at a size that
+handicaps it.
+
+**Budgets and grid**: 7 budgets half a decade apart, 1e9 to 1e12 training FLOPs; at each, the 4
+sizes of a diagonal window that climbs the ladder with the budget plus one size below it
+(``extend_below``: a first pass found the minima at the windows' lower edge), 3 seeds each; a
+run shorter than 20 steps is skipped. Batch 256 throughout.
+
+**Learning rates**: one rule for every size: Adam 3e-3 on the dense part and row-wise Adagrad
+0.05 on the tables at batch 1,024 (the showcase's tuned values), scaled to batch 256 by the
+square-root rule (1.5e-3 and 0.025), 5% warmup, cosine decay to 10% over each run's own length.
+``sweeps.specs.study_lr`` checks it at the two lowest budgets (results in ``docs/study_lr``).
+
+``ray start --head --num-cpus 2``, then ``python -m sweeps.launch sweeps.specs.study --sweep-dir
+docs/study --backend ray --ray-address auto --max-parallel 2``, then ``python -m sweeps.analyze
+docs/study``.
 """
 
 from __future__ import annotations
@@ -8,8 +39,6 @@ from __future__ import annotations
 from data.config import DataConfig, SyntheticConfig
 from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder
 
-# 26 sparse features (Criteo's count): a few large tables, many small ones, Zipf ids, five
-# multi-hot bags; 13 dense features. Teacher of order 4.
 VOCAB = (100000, 50000, 20000, 10000, 5000, 5000, 2000, 2000, 1000, 1000, 1000, 1000, 500,
          500, 500, 500, 200, 200, 200, 200, 100, 100, 100, 50, 20, 10)  # fmt: skip
 HOTNESS = (1, 1, 3, 1, 5, 1, 1, 2, 1, 1, 3, 1, 1, 1, 4, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1)
