@@ -256,6 +256,7 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 head.wait(timeout=30)
                 break
+        head.stderr.close()
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
