@@ -53,6 +53,20 @@ def test_diagonal_grid_climbs_the_ladder():
         2e7: [0, 1], 6e7: [0, 1], 2e8: [1, 2]}  # round() of 0.5  # fmt: skip
 
 
+def test_extend_below_adds_sizes_under_the_diagonal_window():
+    res = resolve(make_spec(sizes_per_budget=1, extend_below=1))
+    by_budget = {}
+    for t in res.trials:
+        by_budget.setdefault(t.budget, []).append(t.rung_index)
+    assert by_budget == {2e7: [0], 6e7: [0, 1], 2e8: [1, 2]}  # no rung below 0
+
+
+def test_steps_per_trial_fixes_every_run_length():
+    res = resolve(make_spec(budgets=(1.0,), steps_per_trial=30, min_steps=1))
+    assert {t.steps for t in res.trials} == {30} and len(res.trials) == 3
+    assert len({t.compute for t in res.trials}) == 3  # compute follows each size
+
+
 def test_too_few_steps_are_skipped_with_a_reason():
     res = resolve(make_spec(min_steps=200))
     assert res.skipped and all("min_steps=200" in s for s in res.skipped)
