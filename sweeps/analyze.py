@@ -261,11 +261,7 @@ def _plot_sparse_dense(grid: dict[str, Any], out_dir: Path, metric: str) -> Path
         ax.set_ylabel("dense size (FLOPs per example grow upward)")
         ax.set_title(f"{fam}, C = {b['budget']:.2g} FLOPs: {_ylabel(metric)} (red: best)")
         fig.colorbar(im, ax=ax, shrink=0.85)
-    fig.tight_layout()
-    path = out_dir / "sparse_dense.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / "sparse_dense.png")
 
 
 def quality_vs_size(df: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
@@ -311,11 +307,7 @@ def _plot_quality_vs_size(q: dict[str, list[dict[str, Any]]], out_dir: Path) -> 
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_title("fixed data: quality vs size (mean ± s.d. over seeds)")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "quality_vs_size.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / "quality_vs_size.png")
 
 
 def _lr_check(ok: pd.DataFrame) -> list[dict[str, Any]]:
@@ -514,6 +506,13 @@ def plot(
     return paths
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
     """Compute-optimal size (IsoFLOP vertex) against budget, with the fitted C^alpha."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -541,11 +540,7 @@ def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
     ax.set_title("compute-optimal size (filled: interior IsoFLOP minimum; open: at an edge)")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    path = out_dir / "optimal_size.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / "optimal_size.png")
 
 
 def _plot_residuals(plt, fams: dict, colors: dict, out_dir: Path, metric: str) -> Path:
@@ -573,11 +568,7 @@ def _plot_residuals(plt, fams: dict, colors: dict, out_dir: Path, metric: str) -
     axes[0].set_ylabel(f"{_ylabel(metric)}: observed / law - 1 (%)")
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "residuals.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / "residuals.png")
 
 
 def bayes_reference(sweep_dir: str | Path, metric: str) -> float | None:

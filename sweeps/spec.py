@@ -78,6 +78,16 @@ def wukong_ladder(rows: tuple[tuple[int, int, int, int, int, int], ...], prefix:
     )
 
 
+def wukong_rung(name, d, layers, n, k, depth, width, dense, top) -> Rung:
+    """A Wukong rung that also sets d, the dense-feature MLP and the top MLP: ``(name, d, l,
+    n_F = n_L, k, FMB MLP depth, FMB MLP width, dense MLP, top MLP)``."""
+    return Rung(
+        name,
+        dict(embed_dim=d, num_layers=layers, n_fmb=n, n_lcb=n, fmb_rank=k, fmb_mlp_depth=depth,
+             fmb_mlp_width=width, dense_mlp=dense, top_mlp=top),
+    )  # fmt: skip
+
+
 def dlrm_ladder(rows: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], prefix="d"):
     """DLRM rungs from ``(embed_dim, bottom MLP, top MLP)`` rows (MLP widths and embedding
     dim; the bottom MLP must end in ``embed_dim``, the top MLP in 1)."""

@@ -17,7 +17,7 @@ budget) is what the scaling law is fitted to.
 from __future__ import annotations
 
 from data.config import DataConfig, SyntheticConfig
-from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder
+from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder, wukong_rung
 
 DATA = DataConfig(
     kind="synthetic",
@@ -43,14 +43,6 @@ SCHEDULE = {
 }
 
 
-def _wukong(name, d, layers, n, k, depth, width, dense, top):
-    return Rung(
-        name,
-        dict(embed_dim=d, num_layers=layers, n_fmb=n, n_lcb=n, fmb_rank=k, fmb_mlp_depth=depth,
-             fmb_mlp_width=width, dense_mlp=dense, top_mlp=top),
-    )  # fmt: skip
-
-
 WUKONG = FamilySpec(
     family="wukong",
     package="wukong",
@@ -59,11 +51,11 @@ WUKONG = FamilySpec(
     # As the paper's Table 5 grows it: layers first, then n_F = n_L and k, then the FMB MLP;
     # the two smallest rungs also shrink d and the small MLPs to reach DLRM's smallest cost.
     ladder=(
-        _wukong("w1", 8, 1, 2, 2, 1, 16, (16,), (16, 1)),  # 1.2e4 FLOPs/example
-        _wukong("w2", 8, 1, 4, 4, 1, 32, (16,), (32, 1)),  # 3.6e4
-        _wukong("w3", 16, 2, 4, 4, 1, 32, (32,), (64, 1)),  # 1.2e5
-        _wukong("w4", 16, 2, 8, 8, 1, 64, (32,), (64, 1)),  # 3.5e5
-        _wukong("w5", 16, 3, 8, 8, 2, 128, (32,), (64, 1)),  # 1.05e6
+        wukong_rung("w1", 8, 1, 2, 2, 1, 16, (16,), (16, 1)),  # 1.2e4 FLOPs/example
+        wukong_rung("w2", 8, 1, 4, 4, 1, 32, (16,), (32, 1)),  # 3.6e4
+        wukong_rung("w3", 16, 2, 4, 4, 1, 32, (32,), (64, 1)),  # 1.2e5
+        wukong_rung("w4", 16, 2, 8, 8, 1, 64, (32,), (64, 1)),  # 3.5e5
+        wukong_rung("w5", 16, 3, 8, 8, 2, 128, (32,), (64, 1)),  # 1.05e6
     ),
 )
 DLRM = FamilySpec(

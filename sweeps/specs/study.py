@@ -37,7 +37,7 @@ docs/study``.
 from __future__ import annotations
 
 from data.config import DataConfig, SyntheticConfig
-from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder
+from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder, wukong_rung
 
 VOCAB = (100000, 50000, 20000, 10000, 5000, 5000, 2000, 2000, 1000, 1000, 1000, 1000, 500,
          500, 500, 500, 200, 200, 200, 200, 100, 100, 100, 50, 20, 10)  # fmt: skip
@@ -79,14 +79,6 @@ SCHEDULE = {
 }
 
 
-def _wukong(name, d, layers, n, k, depth, width, dense, top):
-    return Rung(
-        name,
-        dict(embed_dim=d, num_layers=layers, n_fmb=n, n_lcb=n, fmb_rank=k, fmb_mlp_depth=depth,
-             fmb_mlp_width=width, dense_mlp=dense, top_mlp=top),
-    )  # fmt: skip
-
-
 WUKONG = FamilySpec(
     family="wukong",
     package="wukong",
@@ -94,15 +86,15 @@ WUKONG = FamilySpec(
     overrides=SCHEDULE,
     # (d, layers, n_F = n_L, k, FMB MLP depth, width, dense MLP, top MLP)
     ladder=(
-        _wukong("w1", 4, 1, 2, 2, 1, 16, (16,), (16, 1)),
-        _wukong("w2", 8, 1, 2, 2, 1, 32, (16,), (16, 1)),
-        _wukong("w3", 8, 1, 4, 4, 1, 64, (32,), (32, 1)),
-        _wukong("w4", 8, 2, 4, 4, 1, 64, (32,), (64, 1)),
-        _wukong("w5", 16, 2, 6, 6, 1, 64, (32,), (64, 1)),
-        _wukong("w6", 16, 2, 8, 8, 1, 128, (64,), (128, 1)),
-        _wukong("w7", 16, 3, 8, 8, 2, 128, (64,), (256, 1)),
-        _wukong("w8", 32, 3, 8, 8, 2, 256, (64,), (256, 1)),
-        _wukong("w9", 32, 3, 16, 16, 2, 256, (128,), (512, 1)),
+        wukong_rung("w1", 4, 1, 2, 2, 1, 16, (16,), (16, 1)),
+        wukong_rung("w2", 8, 1, 2, 2, 1, 32, (16,), (16, 1)),
+        wukong_rung("w3", 8, 1, 4, 4, 1, 64, (32,), (32, 1)),
+        wukong_rung("w4", 8, 2, 4, 4, 1, 64, (32,), (64, 1)),
+        wukong_rung("w5", 16, 2, 6, 6, 1, 64, (32,), (64, 1)),
+        wukong_rung("w6", 16, 2, 8, 8, 1, 128, (64,), (128, 1)),
+        wukong_rung("w7", 16, 3, 8, 8, 2, 128, (64,), (256, 1)),
+        wukong_rung("w8", 32, 3, 8, 8, 2, 256, (64,), (256, 1)),
+        wukong_rung("w9", 32, 3, 16, 16, 2, 256, (128,), (512, 1)),
     ),
 )
 DLRM = FamilySpec(
