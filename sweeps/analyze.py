@@ -26,6 +26,7 @@ import pandas as pd
 import tyro
 
 from sweeps import fit as fit_lib
+from sweeps import surface as surface_lib
 from sweeps.store import read_results
 
 log = logging.getLogger("sweeps.analyze")
@@ -43,6 +44,9 @@ class AnalyzeArgs:
     plots: bool = True
     n_boot: int = 1000
     """Bootstrap replicates of each fit."""
+    surface_from: str = ""
+    """A sweep directory whose loss surfaces (``sweeps.surface``, fitted per family on its
+    results) predict this sweep's cells: an out-of-sample check, written to analysis.json."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,14 +130,61 @@ def analyze(
     for family, g in ok.groupby("family", sort=True):
         if "@lr" in family:  # a learning-rate check's variant: tabulated by _lr_check, not fitted
             continue
-        # Seeds averaged per (budget, rung); compute differs by rounding only.
-        per = g.groupby(["budget", "rung"], as_index=False).agg(
-            y=("y", "mean"), compute=("compute", "mean"), fpe=("flops_per_example", "first"),
-            params_dense=("params_dense", "first"), n=("y", "size"), seeds=("y", list),
-        )  # fmt: skip
-        out["families"][family] = _fit_family(per, n_boot=n_boot, floor=floor)
+        out["families"][family] = _fit_family(_cells(g), n_boot=n_boot, floor=floor)
     if lr := _lr_check(ok):
         out["lr_check"] = lr
+    return out
+
+
+def _successes(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The SUCCESS trials with a finite metric, as column ``y``."""
+    ok = df[df["status"] == "SUCCESS"].copy()
+    ok["y"] = _quality(ok, metric)
+    return ok[np.isfinite(ok["y"].astype(float))]
+
+
+def _cells(g: pd.DataFrame) -> pd.DataFrame:
+    """One family's trials ``g`` as IsoFLOP cells, one row per (budget, rung): seed-mean ``y``
+    (compute differs between seeds by rounding only), the per-seed ``seeds``, and ``examples``
+    D = C / N (N = ``fpe``, training FLOPs per example)."""
+    cells = g.groupby(["budget", "rung"], as_index=False).agg(
+        y=("y", "mean"), compute=("compute", "mean"), fpe=("flops_per_example", "first"),
+        params_dense=("params_dense", "first"), n=("y", "size"), seeds=("y", list),
+    )  # fmt: skip
+    cells["examples"] = cells["compute"] / cells["fpe"]  # so that C = N·D holds exactly
+    return cells
+
+
+def surface_check(df: pd.DataFrame, ref: pd.DataFrame, metric: str, *, n_boot: int) -> dict:
+    """This sweep's cells against the loss surfaces fitted on the reference sweep ``ref`` (per
+    family): an out-of-sample test of ``sweeps.surface`` at sizes or budgets ``ref`` lacks."""
+    ok, ref_ok = _successes(df, metric), _successes(ref, metric)
+    out: dict[str, Any] = {}
+    for family, g in ok.groupby("family", sort=True):
+        rg = ref_ok[ref_ok["family"] == family]
+        if rg.empty:
+            out[family] = {"reason": f"no {family} trials in the reference sweep"}
+            continue
+        rc = _cells(rg)
+        fit = surface_lib.fit_loss_surface(rc["budget"].to_numpy(), rc["fpe"].to_numpy(),
+                                           rc["examples"].to_numpy(), list(rc["seeds"]),
+                                           n_boot=n_boot)  # fmt: skip
+        cells = _cells(g)
+        pred = fit.prediction(cells["fpe"].to_numpy(), cells["examples"].to_numpy())
+        rows = []
+        for (_, c), p in zip(cells.iterrows(), pred, strict=True):
+            same = rc[rc["budget"] == c["budget"]]
+            sd = float(np.std(c["seeds"], ddof=1)) if len(c["seeds"]) > 1 else None
+            rows.append({
+                "budget": float(c["budget"]), "rung": c["rung"], "fpe": float(c["fpe"]),
+                "examples": float(c["examples"]), "observed": float(c["y"]),
+                "observed_sd": sd, "seeds": len(c["seeds"]), **p,
+                "rel_error": abs(p["predicted"] - c["y"]) / c["y"],
+                "inside_interval": bool(p["interval"][0] <= c["y"] <= p["interval"][1]),
+                "reference_best_at_budget": None if same.empty else {
+                    "rung": same.loc[same["y"].idxmin(), "rung"], "y": float(same["y"].min())},
+            })  # fmt: skip
+        out[family] = {"surface": fit.law_str(), "cells": rows}
     return out
 
 
@@ -196,17 +247,32 @@ def _fit_family(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[
                 np.array([r["budget"] for r in interior]), np.array([r["size_opt"] for r in interior])
             )
         ) if len(interior) >= 2 else {"reason": f"{len(interior)} budgets with an interior optimum (need 2)"}  # fmt: skip
+    fam |= _loss_surface(per, n_boot=n_boot)
     fam["_points"] = per.drop(columns="seeds")
     return fam
+
+
+def _loss_surface(per: pd.DataFrame, *, n_boot: int) -> dict[str, Any]:
+    """L(N, D) over every cell (``sweeps.surface``): the compute-optimal size from all of the
+    grid, not only from the budgets whose IsoFLOP minimum is interior."""
+    if per["budget"].nunique() < 2:
+        return {"loss_surface": {"reason": "one budget: size and data are not separable"}}
+    try:
+        fit = surface_lib.fit_loss_surface(
+            per["budget"].to_numpy(), per["fpe"].to_numpy(), per["examples"].to_numpy(),
+            list(per["seeds"]), n_boot=n_boot,
+        )  # fmt: skip
+    except ValueError as e:
+        return {"loss_surface": {"reason": str(e)}}
+    optima = surface_lib.surface_optima(fit, per["budget"].to_numpy(), per["fpe"].to_numpy())
+    return {"loss_surface": fit.to_dict() | {"optima": optima}, "_surface": fit}
 
 
 def sparse_dense(df: pd.DataFrame, metric: str) -> dict[str, Any]:
     """Per family and budget, the grid of embedding capacity x dense size (rungs named
     ``<embedding>/<rows>/<dense>`` as in ``sweeps.specs.study_grid``): each cell's seed-mean
     metric, sparse parameters and FLOPs per example, and the best cell."""
-    ok = df[df["status"] == "SUCCESS"].copy()
-    ok["y"] = _quality(ok, metric)
-    ok = ok[np.isfinite(ok["y"].astype(float))]
+    ok = _successes(df, metric)
     out: dict[str, Any] = {}
     for (family, budget), g in ok.groupby(["family", "budget"], sort=True):
         parts = g["rung"].str.rsplit("/", n=1, expand=True)
@@ -415,6 +481,19 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
             iv = osl.get("alpha_interval")
             ivs = f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else ""
             console.print(f"  optimal size ~ C^{osl['alpha']:.2f}{ivs}")
+        ls = d.get("loss_surface") or {}
+        if "a" in ls:
+            top = ls["optima"][-1]
+            where = ("inside" if top["inside_sampled"] else
+                     "below" if top["size_opt"] < top["sampled_sizes"][0] else "above")  # fmt: skip
+            iv = ls["intervals"]["a"]
+            console.print(
+                f"  loss surface {ls['law']} (rms log residual {ls['rms_log_residual']:.4f}): "
+                f"optimal size ~ C^{ls['a']:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]; at C={top['budget']:.2g} "
+                f"{top['size_opt']:.3g} FLOPs/example, {where} the sizes sampled there"
+            )  # fmt: skip
+        elif ls:
+            console.print(f"  loss surface: {ls['reason']}")
     for r in analysis.get("lr_check", []):
         losses = ", ".join(f"x{m}: {v:.4f}" for m, v in r["loss_by_multiplier"].items())
         console.print(f"LR check {r['family']} {r['rung']} C={r['budget']:.2g}: {losses} "
@@ -514,8 +593,9 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
-    """Compute-optimal size (IsoFLOP vertex) against budget, with the fitted C^alpha."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    """Compute-optimal size against budget: IsoFLOP vertices with their C^alpha, and the loss
+    surface's N_opt(C) with its band, beside the sizes each budget sampled."""
+    fig, ax = plt.subplots(figsize=(8, 5.5))
     for fam, d in fams.items():
         col = colors[fam]
         iso = d["isoflop"]
@@ -532,12 +612,32 @@ def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
             ax.plot(xs, osl["coefficient"] * xs ** osl["alpha"], color=col, lw=1.2,
                     label=f"{fam}: size ~ C^{osl['alpha']:.2f}{ivs}")  # fmt: skip
         else:
-            ax.plot([], [], color=col, label=f"{fam}: no law ({osl.get('reason', '')[:40]})")
+            ax.plot([], [], color=col, label=f"{fam}: no IsoFLOP law")
+        sf = d.get("_surface")
+        if sf is not None:
+            xs = np.geomspace(b.min(), b.max(), 50)
+            with np.errstate(invalid="ignore"):
+                lo, hi = np.nanquantile(sf.optimal_size(xs, samples=True), [0.025, 0.975], axis=0)
+            iv = sf.intervals["a"]
+            ax.plot(xs, sf.optimal_size(xs), color=col, lw=1.2, ls="--",
+                    label=f"{fam}: L(N, D) surface, size ~ C^{sf.a:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]")  # fmt: skip
+            ax.fill_between(xs, lo, hi, color=col, alpha=0.12, lw=0)
+        # The sizes each budget sampled: an optimum outside them is an extrapolation.
+        pts = d["_points"]
+        for j, (bud, g) in enumerate(pts.groupby("budget")):
+            x = bud * 10 ** (0.04 * (list(fams).index(fam) - (len(fams) - 1) / 2))
+            ax.plot([x, x], [g["fpe"].min(), g["fpe"].max()], color=col, lw=3, alpha=0.3,
+                    solid_capstyle="butt", label="sizes sampled" if j == 0 and fam == next(iter(fams)) else None)  # fmt: skip
+    # Frame the sizes run (a surface optimum far below them is off the chart, and says so in
+    # analysis.json), not the surface's extrapolation.
+    sizes = np.concatenate([d["_points"]["fpe"].to_numpy() for d in fams.values()])
+    ax.set_ylim(sizes.min() / 30, sizes.max() * 3)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("optimal size: training FLOPs per example")
-    ax.set_title("compute-optimal size (filled: interior IsoFLOP minimum; open: at an edge)")
+    ax.set_title("compute-optimal size (dots: IsoFLOP minimum, filled if interior;\n"
+                 "dashed: from the L(N, D) surface, 95% band; bars: sizes sampled)")  # fmt: skip
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     return _save(plt, fig, out_dir / "optimal_size.png")
@@ -651,6 +751,18 @@ def main(argv: list[str] | None = None) -> dict:
                       f"parameters, {best['fpe']:.3g} FLOPs/example)")  # fmt: skip
         if args.plots and grid:
             print(f"wrote {_plot_sparse_dense(grid, out_dir, metric)}")
+    if args.surface_from:
+        analysis["surface_check"] = chk = surface_check(
+            df, load_results(args.surface_from), metric, n_boot=args.n_boot
+        )
+        analysis["surface_check_reference"] = args.surface_from
+        for fam, d in chk.items():
+            for c in d.get("cells", []):
+                ref = c["reference_best_at_budget"]
+                print(f"surface check {fam} {c['rung']} C={c['budget']:.2g}: observed "
+                      f"{c['observed']:.4f}, predicted {c['predicted']:.4f} [{c['interval'][0]:.4f}, "
+                      f"{c['interval'][1]:.4f}] ({c['rel_error']:.2%})"
+                      + (f"; {args.surface_from}'s best there: {ref['rung']} {ref['y']:.4f}" if ref else ""))  # fmt: skip
     public = _public(analysis)
     (out_dir / "analysis.json").write_text(json.dumps(public, indent=2, default=str) + "\n")
     return public
