@@ -2,13 +2,20 @@
 limit.
 
 Frappe (BARS Frappe_x1, ``../shared/data/frappe``: 202k training and 58k validation rows, 10
-categorical fields) is small: every size sees the same data, 1,200 steps of 1,024 (about 6
-epochs; the presets' learning rates scaled to the batch by the square-root rule), evaluated on
-the validation split every 200 steps; the best of those evaluations is
-the early-stopping number (BARS's protocol picks the best epoch too), the last one shows
-over-fitting. Each family keeps its Frappe preset's regularisation and optimizers (dropout,
-BatchNorm, Adam with L2 on the tables, cosine decay) and grows embedding dimension and dense
-part together over 5 sizes, d = 4 to 64 (the presets use d = 10 to 64). Three seeds.
+categorical fields) is small: every size sees the same data, 1,000 steps of 4,096 (about 20
+epochs, the Wukong preset's length and half of DLRM's and DCNv2's), at the presets' batch and
+learning rates, evaluated on the whole validation split every 100 steps; the best of those
+evaluations is the early-stopping number (BARS's protocol picks the best epoch too), and the gap
+between it and the last one shows over-fitting. Each family keeps its Frappe preset's
+regularisation and optimizers (dropout, BatchNorm, Adam with L2 on the tables, cosine decay)
+and grows embedding dimension and dense part together over 5 sizes, d = 4 to 64 (the presets
+use d = 10 to 64). Three seeds.
+
+A first pass (1,200 steps of 1,024, about 6 epochs, the learning rates halved by the
+square-root rule; its rows stay in ``results.jsonl`` and are not analysed) was limited by
+training, not data: every one of its 60 runs was still improving at its last evaluation (by
+0.003-0.019 logloss over its last 200 steps, most for the largest sizes), so it ranked how fast
+each size learns, not where it saturates.
 
 ``python -m sweeps.launch sweeps.specs.study_frappe --sweep-dir docs/study_frappe --backend ray
 --ray-address auto --max-parallel 2`` (needs ``../shared/data/frappe``), then ``python -m
@@ -105,11 +112,11 @@ SPEC = SweepSpec(
     name="study_frappe",
     families=(WUKONG, DLRM, DCNV2, FINALMLP),
     budgets=(1.0,),  # a name only: steps_per_trial fixes every run's length
-    batch_size=1024,
-    steps_per_trial=1200,
+    batch_size=4096,
+    steps_per_trial=1000,
     min_steps=1,
     seeds=(0, 1, 2),
-    evals_per_trial=6,
+    evals_per_trial=10,
     eval_max_batches=0,
     checkpoints_per_trial=1,
     metric="logloss",
