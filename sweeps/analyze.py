@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 import tyro
+from scipy import stats
 
 from sweeps import fit as fit_lib
 from sweeps import surface as surface_lib
@@ -166,21 +167,33 @@ def surface_check(df: pd.DataFrame, ref: pd.DataFrame, metric: str, *, n_boot: i
             out[family] = {"reason": f"no {family} trials in the reference sweep"}
             continue
         rc = _cells(rg)
-        fit = surface_lib.fit_loss_surface(rc["budget"].to_numpy(), rc["fpe"].to_numpy(),
-                                           rc["examples"].to_numpy(), list(rc["seeds"]),
-                                           n_boot=n_boot)  # fmt: skip
+        got = _loss_surface(rc, n_boot=n_boot, floor=None)
+        if "_surface" not in got:
+            out[family] = got["loss_surface"]  # its reason
+            continue
+        fit = got["_surface"]
+        z = float(stats.norm.ppf(0.5 + fit.ci / 2))
         cells = _cells(g)
         pred = fit.prediction(cells["fpe"].to_numpy(), cells["examples"].to_numpy())
         rows = []
         for (_, c), p in zip(cells.iterrows(), pred, strict=True):
             same = rc[rc["budget"] == c["budget"]]
             sd = float(np.std(c["seeds"], ddof=1)) if len(c["seeds"]) > 1 else None
+            # As fit.holdout_frontier_seeds: the observation is a mean of a few seeds with
+            # noise of its own; the prediction interval adds its standard error in quadrature.
+            se = sd / np.sqrt(len(c["seeds"])) if sd is not None else 0.0
+            pred, (lo, hi) = p["predicted"], p["interval"]
+            pi = [
+                pred - float(np.hypot(pred - lo, z * se)),
+                pred + float(np.hypot(hi - pred, z * se)),
+            ]
             rows.append({
                 "budget": float(c["budget"]), "rung": c["rung"], "fpe": float(c["fpe"]),
                 "examples": float(c["examples"]), "observed": float(c["y"]),
-                "observed_sd": sd, "seeds": len(c["seeds"]), **p,
-                "rel_error": abs(p["predicted"] - c["y"]) / c["y"],
-                "inside_interval": bool(p["interval"][0] <= c["y"] <= p["interval"][1]),
+                "observed_sd": sd, "seeds": len(c["seeds"]), **p, "prediction_interval": pi,
+                "rel_error": abs(pred - c["y"]) / c["y"],
+                "inside_interval": bool(lo <= c["y"] <= hi),
+                "inside_prediction_interval": bool(pi[0] <= c["y"] <= pi[1]),
                 "reference_best_at_budget": None if same.empty else {
                     "rung": same.loc[same["y"].idxmin(), "rung"], "y": float(same["y"].min())},
             })  # fmt: skip
@@ -247,12 +260,14 @@ def _fit_family(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[
                 np.array([r["budget"] for r in interior]), np.array([r["size_opt"] for r in interior])
             )
         ) if len(interior) >= 2 else {"reason": f"{len(interior)} budgets with an interior optimum (need 2)"}  # fmt: skip
-    fam |= _loss_surface(per, n_boot=n_boot)
+    for suffix, fl in floors.items():
+        got = _loss_surface(per, n_boot=n_boot, floor=fl)
+        fam |= {k.replace("surface", f"surface{suffix}"): v for k, v in got.items()}
     fam["_points"] = per.drop(columns="seeds")
     return fam
 
 
-def _loss_surface(per: pd.DataFrame, *, n_boot: int) -> dict[str, Any]:
+def _loss_surface(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[str, Any]:
     """L(N, D) over every cell (``sweeps.surface``): the compute-optimal size from all of the
     grid, not only from the budgets whose IsoFLOP minimum is interior."""
     if per["budget"].nunique() < 2:
@@ -260,7 +275,7 @@ def _loss_surface(per: pd.DataFrame, *, n_boot: int) -> dict[str, Any]:
     try:
         fit = surface_lib.fit_loss_surface(
             per["budget"].to_numpy(), per["fpe"].to_numpy(), per["examples"].to_numpy(),
-            list(per["seeds"]), n_boot=n_boot,
+            list(per["seeds"]), n_boot=n_boot, floor=floor,
         )  # fmt: skip
     except ValueError as e:
         return {"loss_surface": {"reason": str(e)}}
@@ -485,7 +500,8 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
         if "a" in ls:
             top = ls["optima"][-1]
             where = ("inside" if top["inside_sampled"] else
-                     "below" if top["size_opt"] < top["sampled_sizes"][0] else "above")  # fmt: skip
+                     "below" if top["size_opt"] < top["sampled_sizes"][0] else
+                     "above" if top["size_opt"] > top["sampled_sizes"][1] else "undefined for")  # fmt: skip
             iv = ls["intervals"]["a"]
             console.print(
                 f"  loss surface {ls['law']} (rms log residual {ls['rms_log_residual']:.4f}): "
@@ -617,7 +633,8 @@ def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
         if sf is not None:
             xs = np.geomspace(b.min(), b.max(), 50)
             with np.errstate(invalid="ignore"):
-                lo, hi = np.nanquantile(sf.optimal_size(xs, samples=True), [0.025, 0.975], axis=0)
+                tail = (1 - sf.ci) / 2
+                lo, hi = np.nanquantile(sf.optimal_size(xs, samples=True), [tail, 1 - tail], axis=0)
             iv = sf.intervals["a"]
             ax.plot(xs, sf.optimal_size(xs), color=col, lw=1.2, ls="--",
                     label=f"{fam}: L(N, D) surface, size ~ C^{sf.a:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]")  # fmt: skip
@@ -758,11 +775,13 @@ def main(argv: list[str] | None = None) -> dict:
         analysis["surface_check_reference"] = args.surface_from
         for fam, d in chk.items():
             for c in d.get("cells", []):
-                ref = c["reference_best_at_budget"]
+                best = c["reference_best_at_budget"]
+                pi = c["prediction_interval"]
                 print(f"surface check {fam} {c['rung']} C={c['budget']:.2g}: observed "
-                      f"{c['observed']:.4f}, predicted {c['predicted']:.4f} [{c['interval'][0]:.4f}, "
-                      f"{c['interval'][1]:.4f}] ({c['rel_error']:.2%})"
-                      + (f"; {args.surface_from}'s best there: {ref['rung']} {ref['y']:.4f}" if ref else ""))  # fmt: skip
+                      f"{c['observed']:.4f}, predicted {c['predicted']:.4f} [{pi[0]:.4f}, "
+                      f"{pi[1]:.4f}] ({c['rel_error']:.2%})"
+                      + (f"; {args.surface_from}'s best there: {best['rung']} {best['y']:.4f}"
+                         if best else ""))  # fmt: skip
     public = _public(analysis)
     (out_dir / "analysis.json").write_text(json.dumps(public, indent=2, default=str) + "\n")
     return public

@@ -78,7 +78,11 @@ class LossSurfaceFit:
     n_cells: int
     ci: float
     resampling: str
-    """"seeds": each cell's seeds redrawn; "cells": pairs bootstrap over cells (one seed each)."""
+    """``seeds``: each cell's seeds redrawn; ``cells``: pairs bootstrap over the cells."""
+    df: int | None
+    """Degrees of freedom of the t-expanded tails (``cells``); None: plain percentiles."""
+    replicates_dropped: int
+    """Replicates whose refit failed or did not converge (not in ``samples``)."""
     samples: np.ndarray
 
     @property
@@ -97,17 +101,17 @@ class LossSurfaceFit:
         """Per cell: the surface's L(N, D) and its interval (the mean curve's, from the
         replicates; a new trial's own seed noise comes on top)."""
         est, reps = self.predict(size, examples), self.predict(size, examples, samples=True)
-        lo, hi = fit_lib._interval(reps, self.ci, None)
+        lo, hi = fit_lib._interval(reps, self.ci, self.df)
         return [{"predicted": float(e), "interval": [float(a), float(b)]}
                 for e, a, b in zip(est, lo, hi, strict=True)]  # fmt: skip
 
     def optimal_size(self, compute, samples: bool = False) -> np.ndarray:
         """N_opt(C) [K], or [R, K] of the bootstrap replicates with ``samples``."""
         p = self.samples if samples else np.array([[self.E, self.A, self.alpha, self.B, self.beta]])
-        _, a, al, b, be = (p[:, i : i + 1] for i in range(5))
+        _, ca, al, cb, be = (p[:, i : i + 1] for i in range(5))
         c = np.log(np.atleast_1d(np.asarray(compute, dtype=float)) / (self.n0 * self.d0))[None]
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            log_n = (np.log(al * a / (be * b)) + be * c) / (al + be)
+            log_n = (np.log(al * ca / (be * cb)) + be * c) / (al + be)
         out = self.n0 * np.exp(log_n)
         return out if samples else out[0]
 
@@ -131,7 +135,11 @@ class LossSurfaceFit:
 
 
 def _fit_one(n, d, y_log, delta, floor, min_loss, theta0=None) -> tuple[np.ndarray, float]:
-    """Huber fit of one problem; from ``theta0`` or from the grid of starts. (θ [5], cost)."""
+    """Huber fit of one problem; from ``theta0`` (a bootstrap refit near the estimate) or from
+    the grid of starts. (θ [5], cost); cost inf when the solve failed or did not converge."""
+    # Enough evaluations for ill-determined surfaces too: at 200, a quarter of DCNv2's study
+    # replicates stopped short, and dropping them cut off the low end of a's interval.
+    max_nfev = 1000
 
     ln_n, ln_d = np.log(n), np.log(d)
 
@@ -150,8 +158,8 @@ def _fit_one(n, d, y_log, delta, floor, min_loss, theta0=None) -> tuple[np.ndarr
     def solve(t0):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             s = optimize.least_squares(resid, t0, jac=jac, loss="huber", f_scale=delta,
-                                       x_scale="jac", max_nfev=200)  # fmt: skip
-        return (s.x, float(s.cost)) if np.isfinite(s.cost) else (t0, np.inf)
+                                       x_scale="jac", max_nfev=max_nfev)  # fmt: skip
+        return (s.x, float(s.cost)) if np.isfinite(s.cost) and s.status > 0 else (t0, np.inf)
 
     if theta0 is not None:
         return solve(theta0)
@@ -200,7 +208,11 @@ def fit_loss_surface(
         raise ValueError(f"a surface of 5 parameters needs >= 6 cells varying in size and data; "
                          f"got {size.size}")  # fmt: skip
     mean_k, boot_rk = fit_lib._seed_replicates(budget, seed_losses, n_boot, seed)
-    seeded = max(len(v) for v in seed_losses) > 1
+    if (bad := np.flatnonzero(mean_k <= 0)).size:
+        raise ValueError(f"cell {bad[0]} (budget {budget[bad[0]]:.3g}): mean loss "
+                         f"{mean_k[bad[0]]:g} must be > 0")  # fmt: skip
+    # Seeds are resampled only when every cell has several (a one-seed cell would not vary).
+    seeded = min(len(v) for v in seed_losses) > 1
     if seeded:
         idx_rk = np.broadcast_to(np.arange(size.size), boot_rk.shape)
     else:  # one seed per cell: pairs bootstrap over the cells instead
@@ -222,14 +234,18 @@ def fit_loss_surface(
     for y, idx in zip(boot_rk, idx_rk, strict=True):
         m = float(y.min())  # E's bound follows the replicate's own minimum
         t0 = th.copy()
-        if floor is None:  # the same E in the replicate's coordinates
-            t0[0] = special.logit(min(est[0] / m, 1 - 1e-9))
-        tb, _ = _fit_one(n[idx], d[idx], np.log(y), delta, floor, m, t0)
-        boot.append(_unpack(tb, floor, m))
+        if floor is None:  # the same E in the replicate's coordinates (off the bound, where
+            t0[0] = special.logit(min(est[0] / m, 0.99))  # ∂E/∂θ would vanish)
+        tb, cost = _fit_one(n[idx], d[idx], np.log(y), delta, floor, m, t0)
+        if np.isfinite(cost):
+            boot.append(_unpack(tb, floor, m))
+    if len(boot) < max(20, n_boot // 2):
+        raise ValueError(f"only {len(boot)} of {n_boot} bootstrap refits converged")
     boot = np.array(boot)
     q = np.column_stack([boot, boot[:, 4] / (boot[:, 2] + boot[:, 4])])
     # Pairs over cells: t-expanded tails on K - (fitted parameters) degrees of freedom, as fit.py.
-    lo, hi = fit_lib._interval(q, ci, None if seeded else size.size - k)
+    df = None if seeded else size.size - k
+    lo, hi = fit_lib._interval(q, ci, df)
     resid = np.log(mean_k) - np.log(_predict(est, n, d))
     return LossSurfaceFit(
         E=float(est[0]), A=float(est[1]), alpha=float(est[2]), B=float(est[3]),
@@ -237,6 +253,7 @@ def fit_loss_surface(
         intervals={k: (float(a), float(b)) for k, a, b in zip(_NAMES, lo, hi, strict=True)},
         rms_log_residual=float(np.sqrt(np.mean(resid**2))), huber_delta=float(delta),
         n_cells=int(size.size), ci=ci, samples=boot, resampling="seeds" if seeded else "cells",
+        df=df, replicates_dropped=n_boot - len(boot),
     )  # fmt: skip
 
 
@@ -251,11 +268,15 @@ def surface_optima(surface: LossSurfaceFit, budget, size) -> list[dict[str, Any]
         reps = surface.optimal_size(b, samples=True)[:, 0]
         reps = reps[np.isfinite(reps)]
         lo, hi = (
-            fit_lib._interval(reps[:, None], surface.ci, None) if reps.size else ([np.nan],) * 2
+            fit_lib._interval(reps[:, None], surface.ci, surface.df)
+            if reps.size
+            else ([np.nan], [np.nan])
         )
         out.append({
             "budget": float(b), "size_opt": opt, "size_opt_interval": [float(lo[0]), float(hi[0])],
-            "loss_opt": float(surface.optimal_loss(b)[0]), "sampled_sizes": [float(s.min()), float(s.max())],
+            "loss_opt": float(surface.optimal_loss(b)[0]),
+            "sampled_sizes": [float(s.min()), float(s.max())],
             "inside_sampled": bool(s.min() <= opt <= s.max()),
+            "interval_inside_sampled": bool(s.min() <= lo[0] and hi[0] <= s.max()),
         })  # fmt: skip
     return out

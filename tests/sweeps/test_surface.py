@@ -78,12 +78,39 @@ def test_seed_bootstrap_intervals_contain_the_truth():
 def test_one_seed_per_cell_resamples_cells_and_a_fixed_floor_is_kept():
     b, n, d, y = grid(noise=0.003, seeds=1)
     fit = surface.fit_loss_surface(b, n, d, y, n_boot=100, floor=TRUTH["E"])
-    assert fit.resampling == "cells" and fit.floor_fixed and fit.E == TRUTH["E"]
+    assert fit.resampling == "cells" and fit.df == len(b) - 4
+    assert fit.floor_fixed and fit.E == TRUTH["E"]
     lo, hi = fit.intervals["a"]
     # (Pairs over cells cover a less often than seeds do: 0.83-0.87 over 30 such grids, see
     # sweeps/surface.py; so this checks the estimate and a real spread, not coverage.)
     assert fit.a == pytest.approx(A_TRUE, abs=0.03) and 0.005 < hi - lo < 0.3 and lo < fit.a < hi
     assert np.all(fit.samples[:, 0] == TRUTH["E"])
+
+
+def test_mixed_seed_counts_resample_cells():
+    b, n, d, y = grid(noise=0.003)
+    y[4] = y[4][:1]  # one cell with a single seed would not vary under a seed bootstrap
+    assert surface.fit_loss_surface(b, n, d, y, n_boot=50).resampling == "cells"
+
+
+def test_jacobian_matches_finite_differences():
+    b, n, d, y = grid(noise=0.003)
+    y_log = np.log([v.mean() for v in y])
+    real = optimize.least_squares
+    for floor in (None, 0.44):
+        theta = np.array([0.3, np.log(0.02), np.log(0.5), np.log(0.04), np.log(0.2)])
+        got = {}
+
+        def spy(fun, x0, jac, got=got, **kw):  # the residual and Jacobian the fit hands scipy
+            got.update(fun=fun, jac=jac)
+            return real(fun, x0, jac=jac, **kw)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(surface.optimize, "least_squares", spy)
+            surface._fit_one(n / 1e5, d / 1e6, y_log, 0.01, floor, 0.5, theta)
+        h = 1e-6 * np.eye(5)  # central differences
+        num = np.stack([(got["fun"](theta + e) - got["fun"](theta - e)) / 2e-6 for e in h], -1)
+        np.testing.assert_allclose(got["jac"](theta), num, rtol=1e-6, atol=1e-9)
 
 
 def test_optimum_outside_the_sampled_sizes_is_flagged_as_extrapolated():
@@ -103,6 +130,7 @@ def test_optimum_outside_the_sampled_sizes_is_flagged_as_extrapolated():
         ),
         (lambda b, n, d, y: (b[:5], n[:5], d[:5], y[:5]), "needs >= 6 cells"),
         (lambda b, n, d, y: (b, n, d, y[:-1]), "one entry per cell"),
+        (lambda b, n, d, y: (b, n, d, [*y[:3], np.zeros(1), *y[4:]]), r"cell 3 .*must be > 0"),
     ],
 )
 def test_bad_input_names_the_problem(change, match):
@@ -123,9 +151,9 @@ def _write_sweep(root, b, n, y, family="dlrm"):
                 "best": {"logloss": float(loss), "auc": 0.7}, "config": {}, "versions": {},
                 "diverged_at_step": None,
             })  # fmt: skip
-    (root / "sweep.json").write_text(
-        json.dumps({"name": "t", "metric": "logloss", "trial_ids": ids})
-    )
+    sweep = root / "sweep.json"
+    ids = (json.loads(sweep.read_text())["trial_ids"] if sweep.exists() else []) + ids
+    sweep.write_text(json.dumps({"name": "t", "metric": "logloss", "trial_ids": ids}))
 
 
 def test_analyze_reports_the_surface_and_checks_held_out_cells(tmp_path):
@@ -140,12 +168,16 @@ def test_analyze_reports_the_surface_and_checks_held_out_cells(tmp_path):
     ls = d["loss_surface"]
     assert ls["intervals"]["a"][0] < A_TRUE < ls["intervals"]["a"][1]
     assert not any(o["inside_sampled"] for o in ls["optima"])
-    # The check sweep: the optimum's size at the top budget, which the reference never ran.
-    top = BUDGETS[-1:]
-    _write_sweep(
-        chk, top, [_opt(top[0])], [_loss(_opt(top[0]), top[0] / _opt(top[0])) * np.ones(3)]
-    )
+    # The check sweep: the optimum's size at the top budget, which the reference never ran, 3
+    # noisy seeds; and a family the reference lacks.
+    top, n_opt = BUDGETS[-1], _opt(BUDGETS[-1])
+    noisy = _loss(n_opt, top / n_opt) * np.exp(np.random.default_rng(9).normal(0, 0.002, 3))
+    _write_sweep(chk, [top], [n_opt], [noisy])
+    _write_sweep(chk, [top], [n_opt], [noisy], family="wukong")
     got = analyze.main([str(chk), "--n-boot", "100", "--no-plots", "--surface-from", str(ref)])
     (cell,) = got["surface_check"]["dlrm"]["cells"]
-    assert cell["rel_error"] < 0.005 and cell["inside_interval"]
+    assert cell["rel_error"] < 0.005 and cell["inside_prediction_interval"]
+    pi, iv = cell["prediction_interval"], cell["interval"]
+    assert pi[0] < iv[0] < iv[1] < pi[1]  # the seeds' noise widens the curve's interval
     assert cell["reference_best_at_budget"]["y"] > cell["observed"]  # better than any size run
+    assert "no wukong trials" in got["surface_check"]["wukong"]["reason"]
