@@ -42,6 +42,7 @@ from sweeps import fit as fit_lib
 _EXPONENT_STARTS = (0.1, 0.3, 1.0)
 _FLOOR_STARTS = (0.3, 0.7, 0.95)  # E as a fraction of min(L)
 _NAMES = ("E", "A", "alpha", "B", "beta", "a")
+_MIN_CELLS = 10
 
 
 def _unpack(theta: np.ndarray, floor: float | None, min_loss: float) -> np.ndarray:
@@ -204,9 +205,12 @@ def fit_loss_surface(
     for name, arr in (("size", size), ("examples", examples)):
         if (bad := np.flatnonzero(~(np.isfinite(arr) & (arr > 0)))).size:
             raise ValueError(f"{name}[{bad[0]}] = {arr[bad[0]]:g}: must be finite and > 0")
-    if size.size < 6 or np.unique(size).size < 2 or np.unique(examples).size < 2:
-        raise ValueError(f"a surface of 5 parameters needs >= 6 cells varying in size and data; "
-                         f"got {size.size}")  # fmt: skip
+    # Two cells per parameter at least, over 3 budgets: fewer leave the five parameters (and the
+    # bootstrap's refits) all but undetermined.
+    if size.size < _MIN_CELLS or np.unique(budget).size < 3 or np.unique(size).size < 2:
+        raise ValueError(f"a surface of 5 parameters needs >= {_MIN_CELLS} cells over >= 3 "
+                         f"budgets and >= 2 sizes; got {size.size} cells, "
+                         f"{np.unique(budget).size} budgets")  # fmt: skip
     mean_k, boot_rk = fit_lib._seed_replicates(budget, seed_losses, n_boot, seed)
     if (bad := np.flatnonzero(mean_k <= 0)).size:
         raise ValueError(f"cell {bad[0]} (budget {budget[bad[0]]:.3g}): mean loss "
