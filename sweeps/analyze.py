@@ -24,7 +24,6 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 import tyro
-from scipy import stats
 
 from sweeps import fit as fit_lib
 from sweeps import surface as surface_lib
@@ -172,21 +171,15 @@ def surface_check(df: pd.DataFrame, ref: pd.DataFrame, metric: str, *, n_boot: i
             out[family] = got["loss_surface"]  # its reason
             continue
         fit = got["_surface"]
-        z = float(stats.norm.ppf(0.5 + fit.ci / 2))
         cells = _cells(g)
         pred = fit.prediction(cells["fpe"].to_numpy(), cells["examples"].to_numpy())
         rows = []
         for (_, c), p in zip(cells.iterrows(), pred, strict=True):
             same = rc[rc["budget"] == c["budget"]]
             sd = float(np.std(c["seeds"], ddof=1)) if len(c["seeds"]) > 1 else None
-            # As fit.holdout_frontier_seeds: the observation is a mean of a few seeds with
-            # noise of its own; the prediction interval adds its standard error in quadrature.
-            se = sd / np.sqrt(len(c["seeds"])) if sd is not None else 0.0
             pred, (lo, hi) = p["predicted"], p["interval"]
-            pi = [
-                pred - float(np.hypot(pred - lo, z * se)),
-                pred + float(np.hypot(hi - pred, z * se)),
-            ]
+            # As fit.holdout_frontier_seeds: the observation's own seed noise widens the band.
+            pi = list(fit_lib.prediction_interval(pred, (lo, hi), c["seeds"], fit.ci)[1])
             rows.append({
                 "budget": float(c["budget"]), "rung": c["rung"], "fpe": float(c["fpe"]),
                 "examples": float(c["examples"]), "observed": float(c["y"]),

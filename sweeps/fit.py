@@ -542,13 +542,24 @@ def holdout_frontier_seeds(budget, compute, seed_losses, **fit_kwargs) -> dict[s
     # The band is the fitted mean curve's; the observation is a mean of a few seeds with noise
     # of its own. The prediction interval adds that noise (its standard error, z at the fit's
     # level) to each half-width in quadrature.
-    v = np.asarray(seed_losses[best], dtype=float)
-    se = float(np.std(v, ddof=1) / np.sqrt(v.size)) if v.size > 1 else 0.0
-    z = float(stats.norm.ppf(0.5 + fit.ci / 2))
-    pi = (pred - float(np.hypot(pred - lo, z * se)), pred + float(np.hypot(hi - pred, z * se)))
+    se, pi = prediction_interval(pred, (lo, hi), seed_losses[best], fit.ci)
     out |= {"observed_se": se, "prediction_interval": pi}
     out["inside_prediction_interval"] = bool(pi[0] <= out["observed"] <= pi[1])
     return out
+
+
+def prediction_interval(pred: float, band: tuple[float, float], seed_losses, ci: float):
+    """(standard error of the observed seed mean, prediction interval): ``band``, the fitted
+    mean curve's interval at a point, widened by the observation's own seed noise (its
+    standard error, z at level ``ci``) added to each half-width in quadrature."""
+    v = np.asarray(seed_losses, dtype=float)
+    se = float(np.std(v, ddof=1) / np.sqrt(v.size)) if v.size > 1 else 0.0
+    z = float(stats.norm.ppf(0.5 + ci / 2))
+    lo, hi = band
+    return se, (
+        pred - float(np.hypot(pred - lo, z * se)),
+        pred + float(np.hypot(hi - pred, z * se)),
+    )
 
 
 def holdout_extrapolation(compute, loss, **fit_kwargs) -> dict[str, Any]:
