@@ -724,8 +724,9 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = tyro.cli(AnalyzeArgs, args=argv, prog="python -m sweeps.analyze")
     root = Path(args.sweep_dir)
-    if not (root / "results.jsonl").exists():
-        raise SystemExit(f"{root}: no results.jsonl (launch the sweep first)")
+    for d in (root, *([Path(args.surface_from)] if args.surface_from else [])):
+        if not (d / "results.jsonl").exists():
+            raise SystemExit(f"{d}: no results.jsonl (launch the sweep first)")
     sweep = json.loads((root / "sweep.json").read_text()) if (root / "sweep.json").exists() else {}
     metric = args.metric or sweep.get("metric", "logloss")
     out_dir = Path(args.out) if args.out else root

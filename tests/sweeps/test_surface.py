@@ -182,3 +182,5 @@ def test_analyze_reports_the_surface_and_checks_held_out_cells(tmp_path):
     assert pi[0] < iv[0] < iv[1] < pi[1]  # the seeds' noise widens the curve's interval
     assert cell["reference_best_at_budget"]["y"] > cell["observed"]  # better than any size run
     assert "no wukong trials" in got["surface_check"]["wukong"]["reason"]
+    with pytest.raises(SystemExit, match="nowhere: no results.jsonl"):
+        analyze.main([str(chk), "--surface-from", str(tmp_path / "nowhere")])
