@@ -18,6 +18,17 @@ if os.environ.get("RECSCALE_TEST_JAX_CACHE", "1") != "0":
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# XLA:CPU's LLVM backend at -O0: the suite's programs are tiny and compiled far more often than
+# they run long, and LLVM's optimisation passes are most of each compile (a Wukong train step
+# 19 s -> 12 s; the kernel tests' user CPU -40%, interpreted Pallas included). It changes the
+# machine code, not the HLO or its float semantics: every comparison in the suite is between
+# two programs under the same flags (xdist workers and subprocesses inherit them) or against a
+# numpy reference within a tolerance. RECSCALE_TEST_XLA_OPT=1 keeps XLA's default level.
+if os.environ.get("RECSCALE_TEST_XLA_OPT", "0") != "1":
+    _opt = "--xla_backend_optimization_level=0"
+    if _opt not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_opt}".strip()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
