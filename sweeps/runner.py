@@ -8,8 +8,10 @@ By default a worker runs its trials in one long-lived Python (:class:`TrialServe
 ``sweeps/trial_server.py``), which calls the family's train entry point in-process, so start-up,
 imports and JAX's backend are paid once per worker rather than once per trial; a trial that
 fails (or is killed, preempted or timed out) takes that process with it and the next one gets a
-fresh one. ``WorkerOptions.reuse_process=False`` (``--isolate-trials``), and any
-``command_prefix`` (multi-host trials), run each trial as a process of its own instead.
+fresh one. Such a worker keeps to the model sizes it has compiled (:func:`claim_order`), so
+each size is compiled by as few workers as the schedule allows.
+``WorkerOptions.reuse_process=False`` (``--isolate-trials``), and any ``command_prefix``
+(multi-host trials), run each trial as a process of its own instead.
 
 Either process is started through ``python -m sweeps._child`` which asks the kernel
 (``prctl(PR_SET_PDEATHSIG)``, Linux) to SIGKILL it when its worker dies, so a ``kill -9`` of a
@@ -104,6 +106,10 @@ class TrialServer:
         self.proc.stdin.flush()
         return self.proc
 
+    def alive(self) -> bool:
+        """Whether the process is up (and so holds the programs its trials compiled)."""
+        return self.proc is not None and self.proc.poll() is None
+
     def wait(self) -> int:
         """The running trial's exit code; the process's own (negative for a signal) if it died."""
         line = self.proc.stdout.readline()
@@ -160,14 +166,44 @@ def run_worker(
     return done
 
 
+def program_group(trial: Trial) -> tuple[str, str]:
+    """Trials that share compiled programs: one model size of one family. Within a spec the
+    size fixes everything a train step's trace reads; budgets, seeds and learning rates are
+    arguments of the programs (``recscale.train.loop._cached_program``)."""
+    return trial.family, trial.rung
+
+
+def claim_order(
+    remaining: list[Trial], warm: set[tuple[str, str]], store: SweepStore, owner: str
+) -> list[Trial]:
+    """``remaining`` in the order a worker tries to claim them: first the sizes its process has
+    already compiled (their programs are in memory), then sizes no other worker is running
+    now (so two workers do not both compile the same size), then the rest; spec order within
+    each. Which worker runs a trial never changes its result, only how much it compiles."""
+    busy = set()
+    for t in remaining:
+        state = store.claim_state(t.trial_id)
+        if state and state[0] != owner and state[1] < store.stale_after:
+            busy.add(program_group(t))
+
+    def rank(t: Trial) -> int:
+        g = program_group(t)
+        return 0 if g in warm else 2 if g in busy else 1
+
+    return sorted(remaining, key=rank)  # stable: spec order within a rank
+
+
 def _work(store, todo, opts, owner, stop, done, server) -> None:
+    warm: set[tuple[str, str]] = set()  # sizes this worker's process has compiled
     while not (stop and stop.is_set()):
         finished = store.finished_ids()
         remaining = [t for t in todo if t.trial_id not in finished]
         if not remaining:
             break
+        if server is None or not server.alive():
+            warm.clear()  # a fresh process (or one per trial) holds no programs
         claimed = None
-        for t in remaining:
+        for t in claim_order(remaining, warm, store, owner):
             kind = store.claim(t.trial_id, owner)
             if not kind:
                 continue
@@ -191,6 +227,7 @@ def _work(store, todo, opts, owner, stop, done, server) -> None:
             time.sleep(opts.poll_s)
             continue
         outcome = run_trial(store, claimed, owner, opts, stop, server)
+        warm.add(program_group(claimed))
         done["ran"] += 1
         done[outcome] = done.get(outcome, 0) + 1
 

@@ -118,3 +118,33 @@ def test_a_preempted_trial_is_released_not_recorded(tmp_path):
     assert first["preempted"] and first["exit_code"] == 0 and second["exit_code"] == 1
     (row,) = store.results()
     assert row["status"] == "FAILED" and row["attempts"] == 2
+
+
+def test_claim_order_keeps_a_worker_on_the_sizes_it_has_compiled(tmp_path):
+    """A worker tries the sizes its process has compiled first, then sizes no other worker is
+    running, then the rest (spec order within each); a stale claim does not make a size busy."""
+    import os  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from sweeps.runner import claim_order  # noqa: PLC0415
+
+    store = SweepStore(tmp_path, stale_after=60)
+
+    def trial(rung, budget):
+        t = fake_trial(f"{rung}-{budget:g}")
+        return Trial(**{**t.to_dict(), "rung": rung, "budget": budget})
+
+    spec_order = [trial(r, b) for b in (1e9, 1e10) for r in ("d1", "d2", "d3", "d4")]
+    ids = lambda ts: [t.trial_id for t in ts]  # noqa: E731
+    assert store.claim("d2-1e+09", "other")  # another worker is running d2 now
+    assert store.claim("d4-1e+09", "gone")  # and one that died long ago held a d4 trial
+    stale = store._claim_path("d4-1e+09")
+    os.utime(stale, (time.time() - 600, time.time() - 600))
+    order = claim_order(spec_order, {("dlrm", "d3")}, store, "me")
+    assert ids(order) == [
+        "d3-1e+09", "d3-1e+10",  # compiled here
+        "d1-1e+09", "d4-1e+09", "d1-1e+10", "d4-1e+10",  # nobody's running these sizes
+        "d2-1e+09", "d2-1e+10",  # another worker's size: its programs are there, not here
+    ]  # fmt: skip
+    # A worker's own claim does not make its size busy for it; with nothing warm: spec order.
+    assert ids(claim_order(spec_order, set(), store, "other")) == ids(spec_order)
