@@ -451,6 +451,9 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
             f"{r['wall_time_s']:.0f}",
         )  # fmt: skip
     console.print(t)
+    if df["budget"].nunique() == 1:  # fixed data (e.g. study_frappe): nothing scales with C
+        console.print("one compute budget: no scaling laws, IsoFLOP optima or loss surface to fit")
+        return
     laws = Table(title=f"scaling laws: {_ylabel(metric)} = c + a'·(C/C0)^-b on the frontier")
     for col in ("family", "floor", "law", "b [95% CI]", "c [95% CI]", "dL per decade",
                 "largest budget held out: error, predicted for observed [band]"):  # fmt: skip

@@ -184,7 +184,7 @@ def test_sparse_dense_grid_finds_the_best_cell_per_budget(tmp_path):
     assert (tmp_path / "sparse_dense.png").stat().st_size > 1000
 
 
-def test_quality_vs_size_of_a_fixed_data_sweep(tmp_path):
+def test_quality_vs_size_of_a_fixed_data_sweep(tmp_path, capsys):
     store = SweepStore(tmp_path)
     ids = []
     for ri, (fpe, ll) in enumerate(((1e4, 0.20), (1e5, 0.15), (1e6, 0.16))):
@@ -208,6 +208,10 @@ def test_quality_vs_size_of_a_fixed_data_sweep(tmp_path):
     assert rows[1]["final_logloss"] == pytest.approx(0.161)
     assert (tmp_path / "quality_vs_size.png").stat().st_size > 1000
     assert not (tmp_path / "scaling.png").exists()  # one budget: no compute laws to plot
+    printed = capsys.readouterr().out  # nor a table of laws that cannot be fitted
+    assert "one compute budget: no scaling laws" in printed
+    assert "scaling laws:" not in printed and "need at least" not in printed
+    assert "dlrm: best eval logloss by size d0 0.2010" in printed
 
 
 def test_bayes_reference_reads_the_generator_from_the_results():
