@@ -172,9 +172,9 @@ def surface_check(df: pd.DataFrame, ref: pd.DataFrame, metric: str, *, n_boot: i
             continue
         fit = got["_surface"]
         cells = _cells(g)
-        pred = fit.prediction(cells["fpe"].to_numpy(), cells["examples"].to_numpy())
+        preds = fit.prediction(cells["fpe"].to_numpy(), cells["examples"].to_numpy())
         rows = []
-        for (_, c), p in zip(cells.iterrows(), pred, strict=True):
+        for (_, c), p in zip(cells.iterrows(), preds, strict=True):
             same = rc[rc["budget"] == c["budget"]]
             sd = float(np.std(c["seeds"], ddof=1)) if len(c["seeds"]) > 1 else None
             pred, (lo, hi) = p["predicted"], p["interval"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import pytest
 
-from sweeps.runner import WorkerOptions, run_worker
+from sweeps.runner import WorkerOptions, claim_order, run_worker
 from sweeps.spec import Trial
 from sweeps.store import SweepStore
 
@@ -123,11 +125,6 @@ def test_a_preempted_trial_is_released_not_recorded(tmp_path):
 def test_claim_order_keeps_a_worker_on_the_sizes_it_has_compiled(tmp_path):
     """A worker tries the sizes its process has compiled first, then sizes no other worker is
     running, then the rest (spec order within each); a stale claim does not make a size busy."""
-    import os  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    from sweeps.runner import claim_order  # noqa: PLC0415
-
     store = SweepStore(tmp_path, stale_after=60)
 
     def trial(rung, budget):
@@ -135,7 +132,10 @@ def test_claim_order_keeps_a_worker_on_the_sizes_it_has_compiled(tmp_path):
         return Trial(**{**t.to_dict(), "rung": rung, "budget": budget})
 
     spec_order = [trial(r, b) for b in (1e9, 1e10) for r in ("d1", "d2", "d3", "d4")]
-    ids = lambda ts: [t.trial_id for t in ts]  # noqa: E731
+
+    def ids(trials):
+        return [t.trial_id for t in trials]
+
     assert store.claim("d2-1e+09", "other")  # another worker is running d2 now
     assert store.claim("d4-1e+09", "gone")  # and one that died long ago held a d4 trial
     stale = store._claim_path("d4-1e+09")
