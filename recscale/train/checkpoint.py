@@ -11,7 +11,8 @@ process killed mid-save leaves no step that ``latest_step`` reports. Retention w
 steps in place, file by file, and a step directory counts as complete by its name alone, so a
 kill mid-deletion would leave a half-deleted step listed; old steps are therefore renamed into
 ``deleted/`` (atomic; orbax's ``todelete_subdir``) and purged from there by ``Checkpointer``
-(at construction, before each save and at close: at most one retired step set waits there). What orbax does not check
+(at construction, before each save once the previous save has finished, and at close: at most
+one retired step set waits there). What orbax does not check
 is the bytes: a truncated or bit-flipped file can fail deep in tensorstore or, worse, load as
 garbage. So ``save`` records a fingerprint of every array (``fingerprints``) and of the meta
 itself, and ``restore`` recomputes and compares them: a mismatch, or any error reading the step,
@@ -179,6 +180,11 @@ class Checkpointer:
         unknown = set(trees) - set(ARRAY_ITEMS)
         if unknown:
             raise ValueError(f"unknown checkpoint items {sorted(unknown)}; known: {ARRAY_ITEMS}")
+        # The previous asynchronous save's finalization retires old steps into ``deleted/`` in
+        # orbax's background thread (mkdir, then rename); purging while it runs can remove the
+        # directory between the two. ``CheckpointManager.save`` waits for that thread anyway, so
+        # waiting first costs nothing.
+        self._manager.wait_until_finished()
         self._purge()
         clash = set(_INTEGRITY_KEYS) & set(meta)
         if clash:

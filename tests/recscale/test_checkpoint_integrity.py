@@ -15,6 +15,7 @@ import dataclasses
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -91,6 +92,37 @@ def test_async_save_holds_the_values_at_save_time_though_the_buffers_are_overwri
         np.testing.assert_array_equal(np.asarray(got), want)
         assert not np.array_equal(np.asarray(got), np.asarray(other))
     ckpt.close()
+
+
+def test_retiring_a_step_in_the_background_survives_the_next_save(tmp_path, monkeypatch):
+    """Retention runs in orbax's finalize thread after an asynchronous save: it makes
+    ``deleted/`` and then renames the old step into it. The next ``save`` purges ``deleted/``;
+    it must not do so between the two (a CI run died of exactly that, ``FileNotFoundError`` on
+    the rename). The rename is held here until the purge would have happened."""
+    from etils import epath  # noqa: PLC0415
+
+    path_type = type(epath.Path(tmp_path))
+    original = path_type.replace
+
+    def slow_replace(self, target):
+        if epath.Path(target).parent.name == checkpoint.DELETED:
+            time.sleep(0.5)  # ``deleted/`` exists now; the step is not in it yet
+        return original(self, target)
+
+    monkeypatch.setattr(path_type, "replace", slow_replace)
+    ckpt = Checkpointer(tmp_path, max_to_keep=1, async_save=True)
+    tree = {"w": jnp.arange(16.0)}
+    ckpt.save(0, {"params": tree}, {"step": 0})
+    ckpt.save(1, {"params": tree}, {"step": 1})  # its finalization retires step 0
+    deadline = time.monotonic() + 10
+    while not (tmp_path / checkpoint.DELETED).exists():  # the rename has begun
+        assert time.monotonic() < deadline, "orbax never retired step 0"
+        time.sleep(0.005)
+    ckpt.save(2, {"params": tree}, {"step": 2})
+    ckpt.close()
+    assert ckpt.all_steps() == [2]
+    assert not (tmp_path / checkpoint.DELETED).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
 
 
 # ------------------------------------------------------------------------------------------------
