@@ -74,12 +74,17 @@ label's ``sigmoid``, the init-time tables and calibration, and the analytic Zipf
 libm/numpy transcendentals, which may differ in the last ulp between CPUs or numpy builds; that
 could flip a label or id with probability of order 1e-15 per value.
 
-Cost: pure numpy, vectorised over the batch, single-threaded, no jax. Per 4096 examples on a
-2-core CPU VM: ~3 ms at the default config (13 dense, 8 one-hot features of 1000 rows); ~9 ms
-with 26 one-hot features; ~14 ms with the Criteo Kaggle table sizes (one-hot); ~90 ms with 26
-features of max_hotness 20 (2 M ids); ~0.25 s with the Criteo Terabyte sizes at max_hotness 20
-(six tables too large to cache the teacher). Since examples do not depend on how indices are
-batched, a caller may split a batch over threads or worker processes.
+Cost: a C kernel (``synthetic_kernel.c``, built with the system C compiler on first use,
+``data/_native.py``) computes ids, dense values and teacher terms in one loop per example when
+every table is alias-sampled and teacher-cached (at most 2**20 rows, as in every sweep spec);
+it gives the numpy path's bits exactly, releases the GIL, and is 2-3x faster than it
+(``benchmarks/synthetic_data.py``: ~0.6 us per example for the showcase's data, ~1.9 us for the
+study's 26-feature order-4 teacher, on a 2-core VM). The numpy path (vectorised over the batch,
+single-threaded, no jax) covers everything else and is the reference: per 4096 examples ~3 ms at
+the default config (13 dense, 8 one-hot features of 1000 rows); ~90 ms with 26 features of
+max_hotness 20 (2 M ids); ~0.25 s with the Criteo Terabyte sizes at max_hotness 20 (six tables
+too large to cache the teacher). Since examples do not depend on how indices are batched, a
+caller may split a batch over threads or worker processes.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from data import _native
 from data.batch import PAD_ID, Batch, FeatureInfo, Schema
 from data.config import SyntheticConfig
 
@@ -342,11 +348,13 @@ class SyntheticGenerator:
         self._dense_proj_nd = g[:, :dim] / math.sqrt(max(num_n, 1) * dim)
         self._dense_w_n = g[:, dim] / math.sqrt(max(num_n, 1))
 
+        self._native = self._native_args()
+
         # Calibration: unit-variance terms and the bias that gives positive_rate.
         self._term_scales = np.zeros(_MAX_ORDER)
         self._bias = 0.0
-        terms = self._raw_terms(
-            self._features(_CALIBRATION_INDEX_OFFSET + np.arange(_CALIBRATION_SIZE, dtype=np.int64))
+        *_, terms = self._generate(
+            _CALIBRATION_INDEX_OFFSET + np.arange(_CALIBRATION_SIZE, dtype=np.int64)
         )
         for o in range(cfg.interaction_order):
             std = float(np.std(terms[o]))
@@ -369,9 +377,8 @@ class SyntheticGenerator:
         Training examples are ``[0, 2**62)``; held-out example ``j`` is ``EVAL_INDEX_OFFSET + j``.
         """
         idx = self._check_indices(indices)
-        feats = self._features(idx)
-        dense_bn, ids_bfh, _, keys_b = feats
-        logit_b = self._combine(self._raw_terms(feats))
+        dense_bn, ids_bfh, _, keys_b, terms = self._generate(idx)
+        logit_b = self._combine(terms)
         u_b = _uniform(_mix(keys_b ^ self._label_salt))
         labels_b = (u_b < _sigmoid(logit_b)).astype(np.float32)
         return Batch(
@@ -384,7 +391,7 @@ class SyntheticGenerator:
     def teacher_logits(self, indices: np.ndarray) -> np.ndarray:
         """float64 [B]: the planted teacher's logit of each example (the Bayes-optimal score)."""
         idx = self._check_indices(indices)
-        return self._combine(self._raw_terms(self._features(idx)))
+        return self._combine(self._generate(idx)[-1])
 
     def train_batch(
         self, step: int, batch_size: int, *, process_index: int = 0, process_count: int = 1
@@ -447,6 +454,62 @@ class SyntheticGenerator:
         if idx.size and idx.min() < 0:
             raise ValueError(f"indices must be >= 0, got {int(idx.min())}")
         return idx
+
+    def _native_args(self) -> tuple | None:
+        """The C kernel and its table arguments, when it covers this config: every table
+        alias-sampled and teacher-cached (at most 2**20 rows), sizes within its scratch."""
+        fn = _native.load()
+        if (
+            fn is None
+            or self._analytic_cols.size
+            or self._uncached_f.size
+            or self.cfg.teacher_dim > 64
+            or self.schema.num_sparse >= 1023
+            or self.cfg.num_dense > 1024
+        ):
+            return None
+        lo, step = _normal_tables()
+        keep = (  # contiguous arrays the kernel reads; kept alive with the pointers
+            self._dense_salts, lo, step, self._hot, self._bag_salts,
+            self._slot_f, self._slot_h, self._slot_salts, self._alias_slot_v,
+            self._alias_slot_off, self._alias_thr, self._alias_rows,
+            np.ascontiguousarray(self._cache_pr.T), self._cache_off,
+            np.ascontiguousarray(self._dense_proj_nd), np.ascontiguousarray(self._dense_w_n),
+        )  # fmt: skip
+        assert all(a.flags.c_contiguous for a in keep)
+        return fn, keep
+
+    def _generate(self, idx_b: np.ndarray):
+        """Dense values, ids, bag sizes, example keys and raw teacher terms of ``idx_b``: the C
+        kernel where it covers the config, else numpy (the same bits either way)."""
+        if self._native is None:
+            feats = self._features(idx_b)
+            return (*feats, self._raw_terms(feats))
+        fn, keep = self._native
+        (dense_salts, lo, step, hot, bag_salts, slot_f, slot_h, slot_salts, slot_v, slot_off,
+         alias_thr, alias_rows, cache_rp, cache_off, proj_nd, w_n) = keep  # fmt: skip
+        idx_b = np.ascontiguousarray(idx_b, np.int64)
+        num_b, num_n = idx_b.shape[0], self.cfg.num_dense
+        num_f, num_h = self.schema.num_sparse, self.schema.max_hotness
+        dense_bn = np.empty((num_b, num_n), np.float32)
+        ids_bfh = np.empty((num_b, num_f, num_h), np.int32)
+        n_bf = np.empty((num_b, num_f), np.int64)
+        terms = np.empty((_MAX_ORDER, num_b))
+        keys_b = np.empty(num_b, np.uint64)
+        p = lambda a: a.ctypes.data  # noqa: E731
+        rc = fn(
+            num_b, p(idx_b), int(self._seed_key),
+            num_n, p(dense_salts), p(lo), p(step),
+            num_f, num_h, p(hot), p(bag_salts), int(self.cfg.pooling == "uniform"),
+            slot_f.shape[0], p(slot_f), p(slot_h), p(slot_salts), p(slot_v), p(slot_off),
+            p(alias_thr), p(alias_rows), int(self._alias_total),
+            self.cfg.teacher_dim, p(cache_rp), p(cache_off), p(proj_nd), p(w_n),
+            self.cfg.interaction_order,
+            p(dense_bn), p(ids_bfh), p(n_bf), p(terms), p(keys_b),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"the synthetic generator's C kernel refused its sizes ({rc})")
+        return dense_bn, ids_bfh, n_bf, keys_b, terms
 
     def _row_params(self, f: int, rows: np.ndarray) -> np.ndarray:
         """float32 [..., D + 1]: latent (scaled 1/sqrt(D)) and linear weight of table rows."""
@@ -515,25 +578,31 @@ class SyntheticGenerator:
 
     def _raw_terms(self, feats) -> np.ndarray:
         """float64 [4, B]: unnormalised first- to fourth-order teacher terms (the orders above
-        ``interaction_order`` are left zero)."""
+        ``interaction_order`` are left zero).
+
+        Vectorised over fields and latent dims; every sum over fields, dense features or latent
+        dims is taken one slice after another (``_sum_leading``; no numpy reduction, whose
+        pairwise summation would depend on the array's shape, no BLAS), and each elementwise
+        expression keeps the operation order of the per-dim formula, so the result does not
+        depend on the batch size and equals the per-field loops it replaced bitwise
+        (``tests/data/test_synthetic.py`` keeps them as the reference).
+        """
         dense_bn, ids_bfh, n_bf, _ = feats
         num_b, num_f = ids_bfh.shape[:2]
         dim, order = self.cfg.teacher_dim, self.cfg.interaction_order
-        # Batch-last layouts (P = D + 1 row parameters) keep every per-field slice contiguous.
-        # Explicit loops over slots, fields and dims (no numpy reductions, no BLAS) keep the
-        # summation order independent of the batch size, so results are bitwise reproducible.
-        acc_pfb = np.zeros((dim + 1, num_f, num_b))
+        # Batch-last layout [F, P, B] (P = D + 1 row parameters, the latent then the weight).
+        acc_fpb = np.zeros((num_f, dim + 1, num_b))
         if self._cached_f.size:
             all_cached = self._cached_f.size == num_f
             ids_bch = ids_bfh if all_cached else ids_bfh[:, self._cached_f]
             idx_hcb = ids_bch.transpose(2, 1, 0) + self._cache_off[:, None]
             part_pcb = np.zeros((dim + 1, self._cached_f.size, num_b), np.float32)
-            for h, sel in enumerate(self._cached_by_h):
+            for h, sel in enumerate(self._cached_by_h):  # float32 sums over slots, in order
                 if sel is None:
                     part_pcb += np.take(self._cache_pr, idx_hcb[h], axis=1)
                 else:
                     part_pcb[:, sel] += np.take(self._cache_pr, idx_hcb[h][sel], axis=1)
-            acc_pfb[:, self._cached_f] = part_pcb
+            acc_fpb[self._cached_f] = part_pcb.transpose(1, 0, 2)
         for f in self._uncached_f:
             hot = int(self._hot[f])
             rows_hb = ids_bfh[:, f, :hot].T
@@ -543,41 +612,35 @@ class SyntheticGenerator:
             part_pb = np.zeros((dim + 1, num_b), np.float32)
             for h in range(hot):
                 part_pb += params_hbp[h].T
-            acc_pfb[:, f] = part_pb
-        acc_pfb /= np.maximum(n_bf, 1).T
-        lin_b = np.zeros(num_b)
-        fields = []
-        for f in range(num_f):
-            lin_b += acc_pfb[dim, f]
-            fields.append(acc_pfb[:dim, f])
+            acc_fpb[f] = part_pb
+        acc_fpb /= np.maximum(n_bf, 1).T[:, None, :]
+        # First order: the bags' mean weights, then the dense features' terms, summed in order.
+        # Field vectors [M, D, B]: each bag's mean latent, then the dense field.
         if dense_bn.shape[1]:
             x_nb = dense_bn.T.astype(np.float64)
-            v_db = np.zeros((dim, num_b))
-            for n in range(x_nb.shape[0]):
-                v_db += self._dense_proj_nd[n][:, None] * x_nb[n]
-                lin_b += self._dense_w_n[n] * x_nb[n]
-            fields.append(v_db)
-        p1_db, p2_db, p3_db, p4_db = (np.zeros((dim, num_b)) for _ in range(4))
-        for v_db in fields:
-            p1_db += v_db
-            if order >= 2:
-                sq_db = v_db * v_db
-                p2_db += sq_db
-                if order >= 3:
-                    p3_db += sq_db * v_db
-                    if order >= 4:
-                        p4_db += sq_db * sq_db
+            v_db = _sum_leading(self._dense_proj_nd[:, :, None] * x_nb[:, None, :])
+            lin_b = _sum_leading(np.concatenate([acc_fpb[:, dim], self._dense_w_n[:, None] * x_nb]))
+            v_mdb = np.concatenate([acc_fpb[:, :dim], v_db[None]])
+        else:
+            lin_b = _sum_leading(acc_fpb[:, dim])
+            v_mdb = np.ascontiguousarray(acc_fpb[:, :dim])
         terms = np.zeros((_MAX_ORDER, num_b))
         terms[0] = lin_b
-        for k in range(dim):
-            a, b, c, d = p1_db[k], p2_db[k], p3_db[k], p4_db[k]
-            if order >= 2:
-                terms[1] += 0.5 * (a * a - b)
-            if order >= 3:
-                terms[2] += (a * a * a - 3.0 * a * b + 2.0 * c) / 6.0
-            if order >= 4:  # Newton's identity for e4
-                aa = a * a
-                terms[3] += (aa * aa - 6.0 * aa * b + 3.0 * b * b + 8.0 * a * c - 6.0 * d) / 24.0
+        if order < 2:
+            return terms
+        a = _sum_leading(v_mdb)  # power sums p1..p4, [D, B]
+        sq_mdb = v_mdb * v_mdb
+        b = _sum_leading(sq_mdb)
+        terms[1] = _sum_leading(0.5 * (a * a - b))
+        if order >= 3:
+            c = _sum_leading(sq_mdb * v_mdb)
+            terms[2] = _sum_leading((a * a * a - 3.0 * a * b + 2.0 * c) / 6.0)
+        if order >= 4:  # Newton's identity for e4
+            d = _sum_leading(sq_mdb * sq_mdb)
+            aa = a * a
+            terms[3] = _sum_leading(
+                (aa * aa - 6.0 * aa * b + 3.0 * b * b + 8.0 * a * c - 6.0 * d) / 24.0
+            )
         return terms
 
     def _combine(self, terms: np.ndarray) -> np.ndarray:
@@ -585,6 +648,14 @@ class SyntheticGenerator:
         for o in range(self.cfg.interaction_order):
             z += self._term_scales[o] * terms[o]
         return z
+
+
+def _sum_leading(x: np.ndarray) -> np.ndarray:
+    """``x[0] + x[1] + ...`` over the leading axis, added in that order from zero (float64)."""
+    out = np.zeros(x.shape[1:])
+    for x_i in x:
+        out += x_i
+    return out
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

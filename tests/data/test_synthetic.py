@@ -1,6 +1,8 @@
 """Tests of the stateless synthetic generator (data/synthetic.py)."""
 
 import dataclasses
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -335,3 +337,107 @@ def test_capped_tables_fold_ids_and_count_them():
     assert [mapped.get(f"f{f}", 0) for f in range(4)] == folded and folded[2] > 0
     with pytest.raises(ValueError, match="'hash' or 'modulo'"):
         DataConfig(kind="synthetic", max_table_rows=20)
+
+
+def _loop_raw_terms(g: SyntheticGenerator, feats) -> np.ndarray:
+    """The teacher terms as the generator computed them before they were vectorised: one field
+    and one latent dim at a time (the reference ``_raw_terms`` and the C kernel must equal
+    bitwise, so that data, and the trial ids and results of committed sweeps, do not change)."""
+    dense_bn, ids_bfh, n_bf, _ = feats
+    num_b, num_f = ids_bfh.shape[:2]
+    dim, order = g.cfg.teacher_dim, g.cfg.interaction_order
+    acc_pfb = np.zeros((dim + 1, num_f, num_b))
+    for f in range(num_f):
+        hot = int(g._hot[f])
+        rows_hb = ids_bfh[:, f, :hot].T
+        params_hbp = g._row_params(f, np.where(rows_hb >= 0, rows_hb, 0))
+        params_hbp = np.where((rows_hb >= 0)[..., None], params_hbp, np.float32(0))
+        part_pb = np.zeros((dim + 1, num_b), np.float32)
+        for h in range(hot):
+            part_pb += params_hbp[h].T
+        acc_pfb[:, f] = part_pb
+    acc_pfb /= np.maximum(n_bf, 1).T
+    lin_b = np.zeros(num_b)
+    fields = []
+    for f in range(num_f):
+        lin_b += acc_pfb[dim, f]
+        fields.append(acc_pfb[:dim, f])
+    if dense_bn.shape[1]:
+        x_nb = dense_bn.T.astype(np.float64)
+        v_db = np.zeros((dim, num_b))
+        for n in range(x_nb.shape[0]):
+            v_db += g._dense_proj_nd[n][:, None] * x_nb[n]
+            lin_b += g._dense_w_n[n] * x_nb[n]
+        fields.append(v_db)
+    p1, p2, p3, p4 = (np.zeros((dim, num_b)) for _ in range(4))
+    for v in fields:
+        p1 += v
+        p2 += v * v
+        p3 += v * v * v
+        p4 += (v * v) * (v * v)
+    terms = np.zeros((4, num_b))
+    terms[0] = lin_b
+    for k in range(dim):
+        a, b, c, d = p1[k], p2[k], p3[k], p4[k]
+        if order >= 2:
+            terms[1] += 0.5 * (a * a - b)
+        if order >= 3:
+            terms[2] += (a * a * a - 3.0 * a * b + 2.0 * c) / 6.0
+        if order >= 4:
+            aa = a * a
+            terms[3] += (aa * aa - 6.0 * aa * b + 3.0 * b * b + 8.0 * a * c - 6.0 * d) / 24.0
+    return terms
+
+
+BITWISE_CONFIGS = [
+    SMALL,
+    dataclasses.replace(SMALL, pooling="fixed", num_dense=4),
+    SyntheticConfig(num_dense=0, vocab_sizes=(5, 7000), max_hotness=(3, 1)),
+    SyntheticConfig(
+        num_dense=13, vocab_sizes=(100000, 20, 500, 10), max_hotness=(1, 5, 2, 1), teacher_dim=5
+    ),  # fmt: skip
+    SyntheticConfig(num_dense=3, vocab_sizes=(2**20 + 5, 7), max_hotness=(2, 1)),  # uncached
+]
+# Index sets: one example, an odd batch, a permutation, held-out examples.
+BITWISE_INDICES = [
+    np.array([0]),
+    np.arange(10**6, 10**6 + 257),
+    np.random.default_rng(1).permutation(300),
+    EVAL_INDEX_OFFSET + np.arange(64),
+]
+
+
+@pytest.mark.parametrize("cfg", BITWISE_CONFIGS)
+@pytest.mark.parametrize("order", [1, 2, 3, 4])
+def test_generator_paths_agree_bitwise(cfg, order):
+    """The vectorised numpy terms equal the per-field loops, and the C kernel (where it is
+    built) equals the numpy path, bit for bit: every output of every example, at every order,
+    batch size and index set, and therefore the calibration and the labels too."""
+    cfg = dataclasses.replace(cfg, interaction_order=order, order_scales=(1.0,) * order)
+    g = SyntheticGenerator(cfg, seed=7)
+    numpy_g = SyntheticGenerator(cfg, seed=7)
+    numpy_g._native = None
+    assert numpy_g._bias == g._bias  # calibrated on the same terms
+    for idx in BITWISE_INDICES:
+        feats = numpy_g._features(idx.astype(np.int64))
+        terms = numpy_g._raw_terms(feats)
+        assert terms.tobytes() == _loop_raw_terms(numpy_g, feats).tobytes()
+        if g._native is not None:
+            for x, y in zip(g._generate(idx.astype(np.int64)), (*feats, terms), strict=True):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                assert x.tobytes() == y.tobytes()
+        assert_batches_equal(g.examples(idx), numpy_g.examples(idx))
+
+
+def test_c_kernel_is_built_where_a_compiler_is():
+    """Where a C compiler exists (CI has one), the kernel builds and covers the sweeps' data:
+    cached, alias-sampled tables; the numpy path remains for tables beyond the caches."""
+    if os.environ.get("RECSCALE_CPU_KERNELS") == "0" or not (
+        os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    ):
+        pytest.skip("no C compiler, or RECSCALE_CPU_KERNELS=0: the numpy path runs")
+    from sweeps.specs.study import DATA  # noqa: PLC0415
+
+    assert SyntheticGenerator(DATA.synthetic, seed=0)._native is not None
+    huge = SyntheticConfig(vocab_sizes=(2**21, 10), max_hotness=(1, 1))
+    assert SyntheticGenerator(huge, seed=0)._native is None
