@@ -16,7 +16,9 @@ seed) resolves to one concrete **trial**:
 Which rungs run at a budget (``sizes_per_budget``): ``0`` runs every rung at every budget (a
 full IsoFLOP grid); ``k > 0`` runs ``k`` consecutive rungs on a diagonal that climbs the ladder
 as the budget grows (the first budget gets rungs ``0..k-1``, the last ``n-k..n-1``), which
-still gives ``k``-point IsoFLOP curves at every budget at a fraction of the cost.
+still gives ``k``-point IsoFLOP curves at every budget at a fraction of the cost; a family with
+an ``optimum`` law (``FamilySpec.optimum``) runs instead the ``k`` rungs centred on the
+compute-optimal size that law predicts at each budget.
 
 **Trial identity** is a hash of the canonical resolved config minus
 ``recscale.config.NON_SEMANTIC_FIELDS`` (logging, eval and checkpoint cadence, output paths),
@@ -151,6 +153,21 @@ class FamilySpec:
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Config fields set on the base preset for every trial, by dotted path
     (``{"model.top_mlp": (64, 1), "dense_optim.decay": "cosine"}``); rungs set theirs after."""
+    optimum: tuple[float, float, float] | None = None
+    """``(n0, c0, a)``: the compute-optimal training FLOPs per example predicted for this family,
+    ``N*(C) = n0 * (C / c0) ** a`` (e.g. a previous sweep's loss surface, ``sweeps.surface``).
+    With ``SweepSpec.sizes_per_budget = k``, each budget runs the ``k`` consecutive rungs whose
+    mean log FLOPs per example is nearest ``log N*(C)``, so the IsoFLOP window follows the
+    predicted optimum instead of the climbing diagonal. None: the diagonal."""
+
+    def __post_init__(self):
+        if self.optimum is not None:
+            n0, c0, a = self.optimum
+            if not (n0 > 0 and c0 > 0 and math.isfinite(n0 * c0) and math.isfinite(a)):
+                raise ValueError(
+                    f"family {self.family}: optimum (n0, c0, a) needs n0 > 0, c0 > 0 and a "
+                    f"finite exponent, got {self.optimum}"
+                )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -300,24 +317,31 @@ def resolve(spec: SweepSpec) -> Resolution:
         fingerprints[fam.family] = data_fp
         base_batch = base.data.batch_size
         n_rungs, n_budgets = len(fam.ladder), len(spec.budgets)
+        rungs = []  # (model, data, cost) of every rung
+        for rung in fam.ladder:
+            try:
+                model = dataclasses.replace(base.model, **rung.model)
+                rung_data = data
+                if rung.overrides:  # the schema (table sizes) may depend on them
+                    probe = dataclasses.replace(base, model=model, data=data)
+                    rung_data = _override(probe, rung.overrides, fam.family).data
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"family {fam.family}, rung {rung.name}: {e}") from e
+            key = json.dumps(config_lib.to_dict(rung_data), sort_keys=True)
+            if key not in schemas:
+                schemas[key] = schema_of(rung_data)
+            rungs.append((model, rung_data, model.cost(schemas[key])))
+        log_fpe = [math.log(float(c.train_flops)) for _, _, c in rungs]
         for bi, budget in enumerate(spec.budgets):
             k = spec.sizes_per_budget or n_rungs
-            lo = round(bi * (n_rungs - k) / max(n_budgets - 1, 1))
+            if spec.sizes_per_budget and fam.optimum is not None:
+                lo = _window_on_optimum(log_fpe, k, fam.optimum, budget)
+            else:
+                lo = round(bi * (n_rungs - k) / max(n_budgets - 1, 1))
             lo, hi = max(lo - spec.extend_below, 0), lo + k
             for ri in range(lo, hi):
                 rung = fam.ladder[ri]
-                try:
-                    model = dataclasses.replace(base.model, **rung.model)
-                    rung_data = data
-                    if rung.overrides:  # the schema (table sizes) may depend on them
-                        probe = dataclasses.replace(base, model=model, data=data)
-                        rung_data = _override(probe, rung.overrides, fam.family).data
-                except (TypeError, ValueError) as e:
-                    raise ValueError(f"family {fam.family}, rung {rung.name}: {e}") from e
-                key = json.dumps(config_lib.to_dict(rung_data), sort_keys=True)
-                if key not in schemas:
-                    schemas[key] = schema_of(rung_data)
-                cost = model.cost(schemas[key])
+                model, rung_data, cost = rungs[ri]
                 fpe = float(cost.train_flops)
                 steps = spec.steps_per_trial or round(budget / fpe / batch)
                 where = f"{fam.family} budget {budget:.3g} rung {rung.name}"
@@ -346,6 +370,17 @@ def resolve(spec: SweepSpec) -> Resolution:
                     seen[tid] = t
                     trials.append(t)
     return Resolution(tuple(trials), tuple(skipped), code_version, fingerprints)
+
+
+def _window_on_optimum(
+    log_fpe: list[float], k: int, optimum: tuple[float, float, float], budget: float
+) -> int:
+    """First rung of the ``k`` consecutive rungs whose mean log FLOPs per example is nearest
+    the predicted optimum's at ``budget`` (the lower window on a tie)."""
+    n0, c0, a = optimum
+    target = math.log(n0) + a * (math.log(budget) - math.log(c0))
+    starts = range(len(log_fpe) - k + 1)
+    return min(starts, key=lambda lo: abs(sum(log_fpe[lo : lo + k]) / k - target))
 
 
 def _override(cfg: Any, overrides: dict[str, Any], family: str) -> Any:

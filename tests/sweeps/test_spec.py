@@ -61,6 +61,32 @@ def test_extend_below_adds_sizes_under_the_diagonal_window():
     assert by_budget == {2e7: [0], 6e7: [0, 1], 2e8: [1, 2]}  # no rung below 0
 
 
+def test_windows_follow_the_predicted_optimum():
+    """With an ``optimum`` law each budget runs the k rungs centred (in log FLOPs per example)
+    on the law's prediction there: a flat law keeps one window, a rising law climbs, and the
+    window is clamped to the ladder."""
+    fpe = [t.flops_per_example for t in resolve(make_spec(budgets=(2e8,))).trials]
+
+    def windows(optimum, **kw):
+        fam = dataclasses.replace(DLRM, optimum=optimum)
+        out = {}
+        for t in resolve(make_spec(families=(fam,), sizes_per_budget=2, **kw)).trials:
+            out.setdefault(t.budget, []).append(t.rung_index)
+        return out
+
+    # Flat at the smallest rung: the lowest window at every budget (the diagonal would climb).
+    assert windows((fpe[0], 1e8, 0.0)) == {2e7: [0, 1], 6e7: [0, 1], 2e8: [0, 1]}
+    # Flat at the largest: the top window everywhere.
+    assert windows((fpe[2], 1e8, 0.0)) == {2e7: [1, 2], 6e7: [1, 2], 2e8: [1, 2]}
+    # Rising through the ladder: from the bottom window to the top one.
+    by_budget = windows((fpe[0], 2e7, math.log(fpe[2] / fpe[0]) / math.log(10)))
+    assert by_budget == {2e7: [0, 1], 6e7: [0, 1], 2e8: [1, 2]}
+    # extend_below still adds a rung under each window.
+    assert windows((fpe[2], 1e8, 0.0), extend_below=1)[2e7] == [0, 1, 2]
+    with pytest.raises(ValueError, match="optimum"):
+        dataclasses.replace(DLRM, optimum=(0.0, 1e8, 0.5))
+
+
 def test_steps_per_trial_fixes_every_run_length():
     res = resolve(make_spec(budgets=(1.0,), steps_per_trial=30, min_steps=1))
     assert {t.steps for t in res.trials} == {30} and len(res.trials) == 3
