@@ -456,6 +456,7 @@ def result_row(
         "resumed_from_step": max((s["start_step"] for s in starts), default=0),
         "wall_time_s": round(sum(a.get("duration_s", 0.0) for a in attempts), 2),
         "device_kind": last.get("device_kind"),
+        "host_cpu": last.get("host_cpu"),
         "device_count": last.get("device_count"),
         "process_count": last.get("process_count"),
         "versions": last.get("versions"),

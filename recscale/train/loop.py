@@ -364,6 +364,25 @@ def write_run_files(workdir: Path, cfg: Any, argv: list[str] | None) -> None:
         f.write(cmd + "\n")
 
 
+def host_cpu() -> str:
+    """The host's CPU model (``/proc/cpuinfo``'s model name, else ``platform.processor()``).
+
+    XLA:CPU compiles for the host's instruction set, so runs on two CPU models may differ in
+    the last bits of a step and, over a long training run, visibly (BENCHMARKS.md, the Frappe
+    arm re-run): results rows record it so such differences can be told from a bug.
+    """
+    import platform  # noqa: PLC0415
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def write_run_info(workdir: Path, start_step: int) -> None:
     """``run_info.json``: the devices and library versions of every (re)start of the run."""
     if jax.process_index() != 0:
@@ -379,6 +398,7 @@ def write_run_info(workdir: Path, start_step: int) -> None:
             "time": time.time(),
             "device_kind": devices[0].device_kind,
             "platform": devices[0].platform,
+            "host_cpu": host_cpu(),
             "device_count": len(devices),
             "process_count": jax.process_count(),
             "versions": {

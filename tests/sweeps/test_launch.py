@@ -279,7 +279,7 @@ def test_results_rows_carry_what_fits_and_audits_need(tmp_path):
     (row,) = rows(sweep)
     for key in ("trial_id", "config", "budget", "compute", "flops_per_example",
                 "flops_convention", "examples", "params_dense", "params_sparse", "final", "best",
-                "wall_time_s", "device_kind", "device_count", "seed", "code_version",
+                "wall_time_s", "device_kind", "host_cpu", "device_count", "seed", "code_version",
                 "versions", "status", "data_fingerprint"):  # fmt: skip
         assert row.get(key) is not None, key
     assert row["examples"] == 10 * 64 and row["compute"] == pytest.approx(10 * STEP_FLOPS_D1)
