@@ -51,3 +51,29 @@ def test_the_study_spans_three_decades_with_seeded_isoflop_grids():
         for b in budgets:
             sizes = {t.rung for t in trials if t.budget == b}
             assert len(sizes) >= 4, (fam.family, b, sizes)
+
+
+def test_frappe_rerun_on_another_cpu_agrees_within_seed_noise():
+    """``docs/study_frappe_rerun`` is the Frappe arm's 60 trials run again on another CPU model
+    (README): the same trial ids, and each size's 3-seed mean best logloss within 3 standard
+    errors of the committed run's (single trials differ: XLA:CPU compiles per instruction set)."""
+
+    def by_trial(name):
+        rows = [json.loads(x) for x in (DOCS / name / "results.jsonl").read_text().splitlines()]
+        return {r["trial_id"]: r for r in rows if r["status"] == "SUCCESS"}
+
+    first, rerun = by_trial("study_frappe"), by_trial("study_frappe_rerun")
+    assert len(rerun) == 60 and set(rerun) <= set(first)
+    assert set(rerun) == set(
+        json.loads((DOCS / "study_frappe" / "sweep.json").read_text())["trial_ids"]
+    )
+    groups: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for tid, r in rerun.items():
+        a, b = groups.setdefault((r["family"], r["rung"]), ([], []))
+        a.append(first[tid]["best"]["logloss"])
+        b.append(r["best"]["logloss"])
+    assert len(groups) == 20
+    for key, (a, b) in groups.items():
+        se = np.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b))
+        assert abs(np.mean(a) - np.mean(b)) <= 3 * se, (key, np.mean(a), np.mean(b), se)
+    assert any(first[t]["best"] != r["best"] for t, r in rerun.items())  # not a copy
