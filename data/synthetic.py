@@ -457,15 +457,13 @@ class SyntheticGenerator:
 
     def _native_args(self) -> tuple | None:
         """The C kernel and its table arguments, when it covers this config: every table
-        alias-sampled and teacher-cached (at most 2**20 rows), sizes within its scratch."""
+        alias-sampled and teacher-cached (at most 2**20 rows), latent dim at most 64."""
         fn = _native.load()
         if (
             fn is None
             or self._analytic_cols.size
             or self._uncached_f.size
             or self.cfg.teacher_dim > 64
-            or self.schema.num_sparse >= 1023
-            or self.cfg.num_dense > 1024
         ):
             return None
         lo, step = _normal_tables()
@@ -508,7 +506,8 @@ class SyntheticGenerator:
             p(dense_bn), p(ids_bfh), p(n_bf), p(terms), p(keys_b),
         )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(f"the synthetic generator's C kernel refused its sizes ({rc})")
+            raise RuntimeError(f"the synthetic generator's C kernel failed ({rc}: -1 latent dim "
+                               "over 64, -2 out of memory)")  # fmt: skip
         return dense_bn, ids_bfh, n_bf, keys_b, terms
 
     def _row_params(self, f: int, rows: np.ndarray) -> np.ndarray:

@@ -15,10 +15,10 @@
    ctypes releases the GIL for the call, so the prefetch threads run it in parallel. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_DIM 64
-#define MAX_FIELDS 1024
 #define PREFETCH 4
 
 static inline uint64_t mix(uint64_t x) {
@@ -37,7 +37,9 @@ static inline double normal_u32(uint64_t x, const double* lo, const double* step
   return lo[i] + t;
 }
 
-/* Returns 0, or -1 when a size exceeds the fixed scratch limits (the caller falls back). */
+/* Returns 0, -1 when the latent dim exceeds MAX_DIM, or -2 when scratch memory cannot be
+   allocated (the scratch that grows with the fields and dense features is on the heap, not on
+   a prefetch thread's stack). */
 int recscale_synth(
     int64_t num_b, const int64_t* idx_b, uint64_t seed_key,
     /* dense features */
@@ -55,12 +57,12 @@ int recscale_synth(
     const double* w_n, int32_t order,
     /* outputs */
     float* dense_bn, int32_t* ids_bfh, int64_t* n_bf, double* terms_ob, uint64_t* keys_b) {
-  if (dim > MAX_DIM || num_f + 1 > MAX_FIELDS) return -1;
+  if (dim > MAX_DIM) return -1;
   const int64_t p = dim + 1;
-  double acc_fp[MAX_FIELDS * (MAX_DIM + 1)];
   float part_p[MAX_DIM + 1];
-  double x_n[1024];
-  if (num_n > 1024) return -1;
+  double* acc_fp = malloc(sizeof(double) * (size_t)((num_f + 1) * p + num_n + 1));
+  if (acc_fp == NULL) return -2;
+  double* x_n = acc_fp + (num_f + 1) * p;
   for (int64_t bi = 0; bi < num_b; ++bi) {
     const uint64_t key = mix((uint64_t)idx_b[bi] * 0x9E3779B97F4A7C15ULL + seed_key);
     keys_b[bi] = key;
@@ -194,5 +196,6 @@ int recscale_synth(
     terms_ob[2 * num_b + bi] = order >= 3 ? t3 : 0.0;
     terms_ob[3 * num_b + bi] = order >= 4 ? t4 : 0.0;
   }
+  free(acc_fp);
   return 0;
 }
