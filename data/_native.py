@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("synthetic_kernel.c")
@@ -38,9 +39,45 @@ _ARGTYPES = (
 )
 
 
-def _cache_dir() -> Path:
+def build_library(
+    source: Path,
+    compiler: str,
+    flags: Sequence[str],
+    *,
+    subdir: str,
+    stem: str,
+    key: bytes,
+    fallback: str,
+) -> Path | None:
+    """``source`` compiled into a shared library, cached, or None (with a warning) if it fails.
+
+    The one build path of recscale's C/C++ kernels (this generator's and the embedding
+    engine's, ``recscale/kernels/embedding_bag/cpu_ffi.py``; it lives here, in the lowest
+    layer, so that both can use it). The library is cached as
+    ``$RECSCALE_CACHE/<subdir>/<stem>_<tag>.so`` (default root ``~/.cache/recscale``), the tag
+    hashing the source and ``key`` (compiler, flags, anything else the binary depends on), and
+    is built in a temporary file renamed into place, so concurrent builders never load a
+    partial one. ``fallback`` ends the warning: what runs instead.
+    """  # fmt: skip
     root = os.environ.get("RECSCALE_CACHE") or Path.home() / ".cache" / "recscale"
-    return Path(root) / "data"
+    tag = hashlib.sha256(source.read_bytes() + key).hexdigest()[:16]
+    lib = Path(root) / subdir / f"{stem}_{tag}.so"
+    if lib.is_file():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [compiler, *flags, str(source), "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            warnings.warn(
+                f"building {source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"
+                f"{fallback}",
+                stacklevel=3,
+            )
+            return None
+        os.replace(out, lib)
+    return lib
 
 
 @functools.cache
@@ -51,23 +88,13 @@ def load():
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + cc.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"recscale_synthetic_{tag}.so"
-    if not lib.is_file():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-            out = Path(tmp) / lib.name
-            cmd = [cc, *FLAGS, str(SOURCE), "-o", str(out)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                warnings.warn(
-                    f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"
-                    "the synthetic generator uses its numpy path",
-                    stacklevel=2,
-                )
-                return None
-            os.replace(out, lib)  # atomic: concurrent builders never load a partial file
+    lib = build_library(
+        SOURCE, cc, FLAGS, subdir="data", stem="recscale_synthetic",
+        key=cc.encode() + " ".join(FLAGS).encode(),
+        fallback="the synthetic generator uses its numpy path",
+    )  # fmt: skip
+    if lib is None:
+        return None
     fn = ctypes.CDLL(str(lib)).recscale_synth
     fn.argtypes = _ARGTYPES
     fn.restype = ctypes.c_int

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -27,12 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from data._native import build_library
+
 SOURCE = Path(__file__).with_name("embedding.cc")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("RECSCALE_CACHE") or Path.home() / ".cache" / "recscale"
-    return Path(root) / "kernels"
 
 
 @functools.cache
@@ -45,24 +39,15 @@ def available() -> bool:
         warnings.warn("no C++ compiler: the embedding engine uses its plain-JAX CPU path",
                       stacklevel=2)  # fmt: skip
         return False
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + jax.__version__.encode() + cxx.encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"recscale_embedding_{tag}.so"
-    if not lib.is_file():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-            out = Path(tmp) / lib.name
-            cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-march=native",
-                   f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                warnings.warn(
-                    f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"
-                    "the embedding engine uses its plain-JAX CPU path",
-                    stacklevel=2,
-                )
-                return False
-            os.replace(out, lib)  # atomic: concurrent builders never load a partial file
+    flags = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-march=native",
+             f"-I{jax.ffi.include_dir()}")  # fmt: skip
+    lib = build_library(
+        SOURCE, cxx, flags, subdir="kernels", stem="recscale_embedding",
+        key=jax.__version__.encode() + cxx.encode(),
+        fallback="the embedding engine uses its plain-JAX CPU path",
+    )  # fmt: skip
+    if lib is None:
+        return False
     handle = ctypes.cdll.LoadLibrary(str(lib))
     for name, symbol in (("recscale_pool", "RecscalePool"), ("recscale_update", "RecscaleUpdate")):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(handle, symbol)),
