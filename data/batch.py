@@ -51,6 +51,13 @@ class FeatureInfo:
     """Number of distinct ids; valid ids are ``[0, vocab_size)``."""
     max_hotness: int = 1
     """Maximum number of ids in one bag of this feature."""
+    table: str = ""
+    """Embedding table the feature reads ('' = its own, named after it). Features naming one
+    table share its ids and rows (they must have the same ``vocab_size``)."""
+
+    @property
+    def table_name(self) -> str:
+        return self.table or self.name
 
     def __post_init__(self):
         if self.vocab_size < 1:

@@ -80,6 +80,21 @@ class CriteoConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TabularConfig:
+    """Bring-your-own tabular data from a feature spec (see ``data/tabular/``)."""
+
+    spec: str = ""
+    """Feature spec file (.yaml/.json/.toml): files, joins, split, label and features."""
+    prepared_dir: str = ""
+    """Root of prepared datasets ('' = ``~/.cache/recscale/tabular``); each spec and file set
+    gets its own fingerprinted folder, prepared on first use and reused after."""
+    eval_split: Literal["valid", "test"] = "valid"
+    """Prepared split evaluation reads (unless an eval file is given, e.g. ``--data-path``)."""
+    workers: int = 0
+    """Preparation processes (0 = one per input file, at most the CPU count)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Which dataset, where it is, and how it is batched.
 
@@ -90,7 +105,7 @@ class DataConfig:
     same files and settings. See ``tfds_data_dir`` for how the files map to tfds splits.
     """
 
-    kind: Literal["synthetic", "frappe", "criteo"] = "synthetic"
+    kind: Literal["synthetic", "frappe", "criteo", "tabular"] = "synthetic"
     """Dataset family."""
     train_path: str = ""
     """Training file (Frappe: ``train.csv``; Criteo: a raw TSV, optionally .gz). Unused for synthetic."""
@@ -108,6 +123,9 @@ class DataConfig:
     """Synthetic generator settings (kind='synthetic')."""
     criteo: CriteoConfig = CriteoConfig()
     """Criteo reader settings (kind='criteo')."""
+    tabular: TabularConfig = TabularConfig()
+    """Feature-spec data (kind='tabular'): any CSV/TSV/Parquet CTR dataset, prepared into
+    array_record shards and read by random access."""
     id_policy: Literal["reject", "hash", "modulo"] = "reject"
     """What the host-side id guard (``data/id_guard.py``) does with a sparse id outside
     ``[0, vocab_size)`` other than the pad id -1, before any batch reaches a device: ``reject``
@@ -151,7 +169,14 @@ class DataConfig:
     def __post_init__(self):
         if self.batch_size < 1 or self.eval_batch_size < 1:
             raise ValueError("batch sizes must be >= 1")
-        if self.kind != "synthetic" and not self.train_path:
+        if self.kind == "tabular":
+            if not self.tabular.spec:
+                raise ValueError(
+                    "data.kind='tabular' needs data.tabular.spec (a feature spec file)"
+                )
+            if self.tfds_data_dir:
+                raise ValueError("data.tfds_data_dir does not apply to kind tabular")
+        elif self.kind != "synthetic" and not self.train_path:
             raise ValueError(f"data.kind={self.kind!r} needs data.train_path")
         if self.id_policy not in ("reject", "hash", "modulo"):
             raise ValueError(

@@ -23,7 +23,7 @@ def capped(schema: Schema, max_rows: int) -> Schema:
 
 def schema_of(cfg: DataConfig) -> Schema:
     """The schema ``make_source(cfg)`` would give, without reading any rows (Frappe still reads
-    the training file's vocabulary). Sweeps use it to size models before launching them."""
+    the training file's vocabulary; tabular data is prepared on first use). Sweeps use it to size models before launching them."""
     if cfg.kind == "synthetic":
         from data.synthetic import synthetic_schema
 
@@ -36,4 +36,10 @@ def schema_of(cfg: DataConfig) -> Schema:
         from data.criteo.reader import criteo_schema
 
         return criteo_schema(cfg.criteo.vocab_sizes)
+    if cfg.kind == "tabular":
+        from data.tabular.prepare import prepare
+
+        return prepare(
+            cfg.tabular.spec, cfg.tabular.prepared_dir, workers=cfg.tabular.workers
+        ).schema
     raise ValueError(f"data.kind={cfg.kind!r} has no schema")

@@ -709,4 +709,32 @@ def make_source(
         if cfg.tfds_data_dir:
             return _make_criteo_tfds(cfg, eval_path, rejects_dir, **kw)
         return _make_criteo(cfg, _eval_path(cfg, eval_path), rejects_dir, eval_only=eval_only, **kw)
-    raise ValueError(f"unknown data.kind {cfg.kind!r}; expected synthetic, frappe or criteo")
+    if cfg.kind == "tabular":
+        return _make_tabular(cfg, eval_path or cfg.eval_path, **kw)
+    raise ValueError(
+        f"unknown data.kind {cfg.kind!r}; expected synthetic, frappe, criteo or tabular"
+    )
+
+
+def _make_tabular(cfg: DataConfig, eval_path: str, **kw) -> RandomAccessSource:
+    """A feature spec's data: prepared into array_record shards on first use (every later run
+    reuses them), read by random access; an explicit eval file is encoded in memory with the
+    prepared vocabulary (its unseen values counted as OOV)."""
+    from data.tabular.prepare import prepare
+
+    p = prepare(
+        cfg.tabular.spec,
+        cfg.tabular.prepared_dir,
+        workers=cfg.tabular.workers,
+        progress=kw["process_index"] == 0,
+    )
+    stats: dict[str, Any] = {"kind": "tabular", "prepared": p.folder, **p.stats}
+    if eval_path:
+        evals, eval_stats = p.encode_file(eval_path)
+        stats["eval"] = eval_stats
+    else:
+        evals = p.records(cfg.tabular.eval_split)
+        stats["eval"] = {"split": cfg.tabular.eval_split}
+    return RandomAccessSource(
+        p.schema, p.records("train"), evals, to_batch=p.to_batch, stats=stats, **kw
+    )

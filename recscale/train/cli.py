@@ -25,6 +25,12 @@ def maybe_initialize_distributed() -> None:
         jax.distributed.initialize()
 
 
+def _input_errors() -> tuple[type[BaseException], ...]:
+    from data.tabular import SpecError, TabularFormatError  # noqa: PLC0415
+
+    return (SpecError, TabularFormatError)
+
+
 def train_main(
     family: str, build_model: BuildModel, argv: list[str] | None = None, *, package: str = ""
 ) -> dict:
@@ -42,6 +48,8 @@ def train_main(
     except FloatingPointError:
         traceback.print_exc()
         raise SystemExit(DIVERGED_EXIT_CODE) from None
+    except _input_errors() as e:  # bad data or spec: one line naming file, line and column
+        raise SystemExit(f"error: {e}") from None
     print(json_line(result))
     return result
 
@@ -60,6 +68,9 @@ def evaluate_main(
     """
     args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {package or family}.evaluate")
     maybe_initialize_distributed()
-    result = evaluate_workdir(config_cls, build_model, args)
+    try:
+        result = evaluate_workdir(config_cls, build_model, args)
+    except _input_errors() as e:
+        raise SystemExit(f"error: {e}") from None
     print(json_line(result))
     return result

@@ -1,0 +1,573 @@
+"""Rows of a tabular file -> checked values -> model inputs (the spec's rules, ``spec.py``).
+
+Two passes use this module. The counting pass (:class:`Counts`) sees the training split's rows
+and gathers what the encoding needs: each table's value counts (for vocabularies) and each
+standardised numeric feature's moments. The encoding pass (:class:`Encoder`) turns rows into
+the arrays of a :class:`~data.batch.Batch` with the finished :class:`Vocabulary`.
+
+Both passes parse a chunk the same way (:func:`parse_chunk`): side tables joined, split
+assigned, label, weight and every feature's column parsed and checked. A row that breaks a rule
+(a value that does not parse, a label outside the declared values, a key missing from a side
+table, ...) is a bad row: strict mode raises naming the file, the line and the column; lenient
+mode rejects the row (written out and counted by reason) and goes on. Every array operation is
+a pyarrow compute kernel or numpy; Python loops run only over a chunk's distinct values (hashing
+strings, parsing hex) and over bad rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from data.batch import PAD_ID, FeatureInfo, Schema
+from data.criteo.reader import _seed_offset, fmix64
+from data.tabular.read import Chunk, Reject, TabularFormatError
+from data.tabular.spec import Feature, TabularSpec
+
+TRAIN, VALID, TEST = 0, 1, 2
+SPLITS = ("train", "valid", "test")
+
+_FLOAT_RE = r"^\s*[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*$"
+_INT_RE = r"^\s*[+-]?\d{1,18}\s*$"
+_HEX_RE = r"^\s*(?:0[xX])?[0-9a-fA-F]{1,16}\s*$"
+
+
+@dataclasses.dataclass
+class SideTable:
+    """A joined side table: its key values (unique, as strings) and the columns it adds."""
+
+    file: str
+    key: str
+    keys: pa.Array
+    columns: pa.Table
+
+
+def side_table(table: pa.Table, *, file: str, key: str, columns: tuple[str, ...]) -> SideTable:
+    """Checks a side table (unique, present keys) and keeps ``columns`` (empty = all others)."""
+    keys = pc.cast(table.column(key), pa.string()).combine_chunks()
+    if keys.null_count:
+        raise TabularFormatError(f"{file}: key column {key!r} has an empty value")
+    counts = pc.value_counts(keys)
+    dup = counts.filter(pc.greater(counts.field("counts"), 1))
+    if len(dup):
+        raise TabularFormatError(
+            f"{file}: key column {key!r} repeats value {dup.field('values')[0].as_py()!r} "
+            f"({dup.field('counts')[0].as_py()} rows); side-table keys must be unique"
+        )
+    cols = columns or tuple(c for c in table.column_names if c != key)
+    return SideTable(file, key, keys, table.select(list(cols)))
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+@dataclasses.dataclass
+class Parsed:
+    """One chunk's kept rows, parsed."""
+
+    n: int
+    split: np.ndarray
+    """int8 split code per row (TRAIN, VALID, TEST)."""
+    label: np.ndarray
+    weight: np.ndarray
+    values: dict[str, Any]
+    """Per feature: categorical -> pa.Array (nulls missing); multi -> pa.ListArray of tokens;
+    numeric -> (float64 values after clip/log, missing mask); bucketised -> int32 ids."""
+
+
+class _Bad:
+    """Bad rows of a chunk: the first reason per row, in check order."""
+
+    def __init__(self, n: int):
+        self.mask = np.zeros(n, bool)
+        self.info: dict[int, tuple[str, str, str]] = {}
+
+    def add(self, bad: np.ndarray, column: str, reason: str, values) -> None:
+        new = bad & ~self.mask
+        if not new.any():
+            return
+        for r in np.flatnonzero(new)[:100_000].tolist():
+            v = values[r] if values is not None else None
+            v = v.as_py() if hasattr(v, "as_py") else v
+            self.info[r] = (column, reason, "" if v is None else str(v))
+        self.mask |= new
+
+
+def _mask(arr) -> np.ndarray:
+    """A pyarrow boolean array (nulls false) as numpy."""
+    return pc.fill_null(arr, False).to_numpy(zero_copy_only=False).astype(bool)
+
+
+def _column(table: pa.Table, name: str) -> pa.Array:
+    col = table.column(name)
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+
+def parse_numbers(
+    arr: pa.Array, *, integer: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Numbers of a column: (float64 values, missing mask, bad mask). Strings must be decimal
+    numbers (``integer``: base-10 integers of at most 18 digits); non-finite values are bad."""
+    missing = arr.is_null().to_numpy(zero_copy_only=False)
+    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        ok = _mask(pc.match_substring_regex(arr, _INT_RE if integer else _FLOAT_RE))
+        bad = ~ok & ~missing
+        clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), arr, pa.nulls(len(arr), arr.type)))
+        values = pc.cast(clean, pa.float64()).to_numpy(zero_copy_only=False)
+    elif (
+        pa.types.is_integer(arr.type)
+        or pa.types.is_floating(arr.type)
+        or pa.types.is_boolean(arr.type)
+    ):
+        values = pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False)
+        bad = np.zeros(len(arr), bool)
+        if integer and pa.types.is_floating(arr.type):
+            bad = ~missing & (np.nan_to_num(values) != np.round(np.nan_to_num(values)))
+    else:
+        raise TabularFormatError(f"column of type {arr.type} is not numeric")
+    values = np.where(missing | bad, 0.0, values)
+    bad |= ~np.isfinite(values)
+    return np.where(bad, 0.0, values), missing, bad
+
+
+def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
+    """Categorical values as their vocabulary type (string, int64 or uint64), and a bad mask."""
+    n = len(arr)
+    if parse == "string":
+        out = arr if pa.types.is_string(arr.type) else pc.cast(arr, pa.string())
+        return pc.utf8_trim_whitespace(out), np.zeros(n, bool)
+    if pa.types.is_integer(arr.type):
+        if parse == "int":
+            return pc.cast(arr, pa.int64()), np.zeros(n, bool)
+        arr = pc.cast(arr, pa.string())
+    if not pa.types.is_string(arr.type):
+        arr = pc.cast(arr, pa.string())
+    ok = _mask(pc.match_substring_regex(arr, _INT_RE if parse == "int" else _HEX_RE))
+    missing = arr.is_null().to_numpy(zero_copy_only=False)
+    bad = ~ok & ~missing
+    clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), arr, pa.nulls(n, pa.string())))
+    if parse == "int":
+        return pc.cast(clean, pa.int64()), bad
+    enc = clean.dictionary_encode()
+    words = enc.dictionary.to_pylist()
+    nums = pa.array([int(w[2:] if w[:2] in ("0x", "0X") else w, 16) for w in words], pa.uint64())
+    return pc.take(nums, enc.indices), bad
+
+
+def _split_codes(spec: TabularSpec, table: pa.Table, chunk: Chunk, file_split: int | None,
+                 file_index: int, bad: _Bad) -> np.ndarray:  # fmt: skip
+    n = table.num_rows
+    if file_split is not None:
+        return np.full(n, file_split, np.int8)
+    s = spec.split
+    if s.kind == "random":
+        rows = np.arange(chunk.first_row, chunk.first_row + n, dtype=np.uint64)
+        key = (np.uint64(file_index) << np.uint64(40)) ^ rows
+        u = (fmix64(key + _seed_offset(s.seed)) >> np.uint64(11)).astype(np.float64) / 2.0**53
+        return np.where(u < s.valid_fraction, VALID,
+                        np.where(u < s.valid_fraction + s.test_fraction, TEST, TRAIN)).astype(np.int8)  # fmt: skip
+    arr = _column(table, s.column)
+    t, missing, badt = parse_numbers(arr)
+    bad.add(badt, s.column, "not a number", arr)
+    bad.add(missing, s.column, "missing time", arr)
+    code = np.where(t >= s.valid_from, VALID, TRAIN)
+    if s.test_from is not None:
+        code = np.where(t >= s.test_from, TEST, code)
+    return code.astype(np.int8)
+
+
+def parse_chunk(
+    spec: TabularSpec,
+    chunk: Chunk,
+    sides: list[SideTable],
+    *,
+    file_split: int | None,
+    file_index: int,
+    strict: bool,
+    rejects: list[Reject],
+) -> Parsed:
+    """Joins, splits and parses one chunk; bad rows raise (strict) or go to ``rejects``."""
+    table = chunk.table
+    n = table.num_rows
+    bad = _Bad(n)
+    for side, join in zip(sides, spec.joins, strict=True):
+        key = pc.cast(_column(table, join.key), pa.string())
+        idx = pc.index_in(key, value_set=side.keys)
+        absent = idx.is_null().to_numpy(zero_copy_only=False)
+        bad.add(absent, join.key, f"key not in side table {side.file}", key)
+        taken = side.columns.take(pc.fill_null(idx, 0))
+        for name in taken.column_names:
+            table = table.append_column(name, taken.column(name))
+    split = _split_codes(spec, table, chunk, file_split, file_index, bad)
+
+    arr = _column(table, spec.label.column)
+    y, missing, bady = parse_numbers(arr)
+    bad.add(bady, spec.label.column, "label is not a number", arr)
+    bad.add(missing, spec.label.column, "missing label", arr)
+    if spec.label.threshold is None:
+        bad.add((y != 0) & (y != 1), spec.label.column, "label outside {0, 1}", arr)
+        label = y.astype(np.float32)
+    else:
+        label = (y >= spec.label.threshold).astype(np.float32)
+    if spec.weight:
+        arr = _column(table, spec.weight)
+        w, missing, badw = parse_numbers(arr)
+        bad.add(badw | (w < 0), spec.weight, "weight is not a number >= 0", arr)
+        bad.add(missing, spec.weight, "missing weight", arr)
+        weight = w.astype(np.float32)
+    else:
+        weight = np.ones(n, np.float32)
+
+    values: dict[str, Any] = {}
+    for f in spec.features:
+        arr = _column(table, f.source)
+        if f.kind == "numeric":
+            x, missing, badx = parse_numbers(arr, integer=f.dtype == "int")
+            bad.add(badx, f.source, "not an integer" if f.dtype == "int" else "not a number", arr)
+            if f.boundaries:
+                ids = 1 + np.searchsorted(np.asarray(f.boundaries), x, side="right")
+                values[f.name] = np.where(missing, 0, ids).astype(np.int32)
+                continue
+            if f.clip is not None:
+                x = np.clip(x, f.clip[0], f.clip[1])
+            if f.log:
+                x = np.sign(x) * np.log1p(np.abs(x))
+            values[f.name] = (x, missing)
+        elif f.kind == "categorical":
+            vals, badc = _categorical(arr, f.parse)
+            bad.add(
+                badc, f.source, f"not a {f.parse} value" if f.parse != "hex" else "bad hex", arr
+            )
+            values[f.name] = vals
+        else:
+            tokens = pc.split_pattern(pc.cast(arr, pa.string()), f.separator)
+            flat = pc.utf8_trim_whitespace(pc.list_flatten(tokens))
+            vals, badt = _categorical(flat, f.parse)
+            if badt.any():
+                row_of = pc.list_parent_indices(tokens).to_numpy()
+                rows = np.zeros(n, bool)
+                rows[row_of[badt]] = True
+                bad.add(rows, f.source, f"token not a {f.parse} value", arr)
+            values[f.name] = (tokens, vals)
+
+    if bad.mask.any():
+        first = int(np.flatnonzero(bad.mask)[0])
+        if strict:
+            column, reason, value = bad.info[first]
+            raise TabularFormatError(
+                f"{chunk.file}: {chunk.locate(chunk.first_row + first)}: column {column!r}: "
+                f"{reason}: {value!r}"
+            )
+        for r in np.flatnonzero(bad.mask).tolist():
+            column, reason, value = bad.info.get(r, ("", "bad row", ""))
+            row = {c: chunk.table.column(c)[r].as_py() for c in chunk.table.column_names}
+            rejects.append(
+                Reject(
+                    chunk.file,
+                    chunk.locate(chunk.first_row + r),
+                    reason,
+                    column,
+                    "\t".join("" if v is None else str(v) for v in row.values()),
+                )  # fmt: skip
+            )
+        keep = ~bad.mask
+        kept = pa.array(keep)
+        split, label, weight = split[keep], label[keep], weight[keep]
+        for k, v in values.items():
+            values[k] = _filter_value(v, keep, kept)
+        n = int(keep.sum())
+    return Parsed(n, split, label, weight, values)
+
+
+def _filter_value(v, keep: np.ndarray, kept: pa.Array):
+    if isinstance(v, np.ndarray):
+        return v[keep]
+    if isinstance(v, tuple) and isinstance(v[0], np.ndarray):
+        return v[0][keep], v[1][keep]
+    if isinstance(v, tuple):  # (tokens per row, parsed flat tokens)
+        tokens, flat = v
+        parent = pc.list_parent_indices(tokens).to_numpy()
+        return tokens.filter(kept), flat.filter(pa.array(keep[parent]))
+    return v.filter(kept)
+
+
+def select(parsed: Parsed, code: int) -> Parsed:
+    """The rows of one split."""
+    keep = parsed.split == code
+    if keep.all():
+        return parsed
+    kept = pa.array(keep)
+    return Parsed(
+        int(keep.sum()), parsed.split[keep], parsed.label[keep], parsed.weight[keep],
+        {k: _filter_value(v, keep, kept) for k, v in parsed.values.items()},
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- counting pass
+
+
+@dataclasses.dataclass
+class Counts:
+    """What the counting pass gathers from training rows (mergeable over chunks and files)."""
+
+    tables: dict[str, pa.Table] = dataclasses.field(default_factory=dict)
+    """Vocabulary tables: value -> count (columns ``values``, ``counts``)."""
+    moments: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+    """Standardised numeric features: (count, mean, M2) of present values."""
+    rows: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
+    positives: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+    def add(self, spec: TabularSpec, parsed: Parsed) -> None:
+        for code in range(3):
+            sel = parsed.split == code
+            self.rows[code] += int(sel.sum())
+            self.positives[code] += float(parsed.label[sel].sum())
+        train = select(parsed, TRAIN)
+        if not train.n:
+            return
+        for f in spec.features:
+            v = train.values[f.name]
+            if f.kind == "numeric" and f.standardize and not f.boundaries:
+                x, missing = v
+                self._moments(f.name, x[~missing])
+            elif f.kind != "numeric" and not f.hash_buckets:
+                flat = v[1] if f.kind == "multi_categorical" else v
+                flat = flat.drop_null()
+                if pa.types.is_string(flat.type):
+                    flat = flat.filter(pc.not_equal(flat, ""))
+                counts = pc.value_counts(flat)
+                self._merge(f.table_name, pa.table({"values": counts.field("values"),
+                                                    "counts": counts.field("counts")}))  # fmt: skip
+
+    def _moments(self, name: str, x: np.ndarray) -> None:
+        if not x.size:
+            return
+        n2, m2, s2 = float(x.size), float(x.mean()), float(((x - x.mean()) ** 2).sum())
+        n1, m1, s1 = self.moments.get(name, (0.0, 0.0, 0.0))
+        n = n1 + n2
+        d = m2 - m1
+        self.moments[name] = (n, m1 + d * n2 / n, s1 + s2 + d * d * n1 * n2 / n)
+
+    def _merge(self, table: str, counts: pa.Table) -> None:
+        old = self.tables.get(table)
+        if old is not None:
+            counts = pa.concat_tables([old, counts]).group_by("values").aggregate(
+                [("counts", "sum")]).rename_columns(["values", "counts"])  # fmt: skip
+        self.tables[table] = counts
+
+    def merge(self, other: Counts) -> None:
+        for t, c in other.tables.items():
+            self._merge(t, c)
+        for name, (n2, m2, s2) in other.moments.items():
+            n1, m1, s1 = self.moments.get(name, (0.0, 0.0, 0.0))
+            n = n1 + n2
+            if n:
+                d = m2 - m1
+                self.moments[name] = (n, m1 + d * n2 / n, s1 + s2 + d * d * n1 * n2 / n)
+        self.rows = [a + b for a, b in zip(self.rows, other.rows, strict=True)]
+        self.positives = [a + b for a, b in zip(self.positives, other.positives, strict=True)]
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+
+@dataclasses.dataclass
+class Vocabulary:
+    """Everything encoding needs besides the spec: per table its sorted values (None when
+    hashed or bucketised), per standardised feature its (mean, std)."""
+
+    values: dict[str, pa.Array | None]
+    scales: dict[str, tuple[float, float]]
+
+    @classmethod
+    def build(cls, spec: TabularSpec, counts: Counts) -> Vocabulary:
+        values: dict[str, pa.Array | None] = {}
+        for f in spec.sparse_features:
+            if f.table_name in values:
+                continue
+            if f.hash_buckets or f.boundaries:
+                values[f.table_name] = None
+                continue
+            c = counts.tables.get(f.table_name)
+            if c is None:
+                typ = {"string": pa.string(), "int": pa.int64(), "hex": pa.uint64()}[f.parse]
+                values[f.table_name] = pa.array([], typ)
+                continue
+            kept = c.filter(pc.greater_equal(c.column("counts"), f.min_count)).column("values")
+            kept = kept.combine_chunks() if isinstance(kept, pa.ChunkedArray) else kept
+            values[f.table_name] = pc.take(kept, pc.sort_indices(kept))
+        scales = {}
+        for f in spec.dense_features:
+            if f.standardize:
+                n, mean, m2 = counts.moments.get(f.name, (0.0, 0.0, 0.0))
+                std = float(np.sqrt(m2 / n)) if n else 1.0
+                scales[f.name] = (float(mean), std if std > 0 else 1.0)
+        return cls(values, scales)
+
+    def vocab_size(self, f: Feature) -> int:
+        if f.boundaries:
+            return len(f.boundaries) + 2
+        if f.hash_buckets:
+            return f.hash_buckets
+        return len(self.values[f.table_name]) + 1
+
+    def schema(self, spec: TabularSpec) -> Schema:
+        return Schema(
+            dense_names=tuple(f.name for f in spec.dense_features),
+            features=tuple(
+                FeatureInfo(
+                    name=f.name,
+                    vocab_size=self.vocab_size(f),
+                    max_hotness=f.max_hotness,
+                    table=f.table,
+                )  # fmt: skip
+                for f in spec.sparse_features
+            ),
+        )
+
+    def save(self, folder: str) -> None:
+        import json
+        import os
+
+        import pyarrow.feather as feather
+
+        for t, v in self.values.items():
+            if v is not None:
+                feather.write_feather(
+                    pa.table({"values": v}), os.path.join(folder, f"vocab.{t}.arrow")
+                )
+        with open(os.path.join(folder, "scales.json"), "w") as fh:
+            json.dump({"tables": sorted(self.values), "hashed": sorted(t for t, v in self.values.items() if v is None),
+                       "scales": self.scales}, fh, indent=1)  # fmt: skip
+
+    @classmethod
+    def load(cls, folder: str) -> Vocabulary:
+        import json
+        import os
+
+        import pyarrow.feather as feather
+
+        with open(os.path.join(folder, "scales.json")) as fh:
+            meta = json.load(fh)
+        values: dict[str, pa.Array | None] = {}
+        for t in meta["tables"]:
+            if t in meta["hashed"]:
+                values[t] = None
+            else:
+                col = feather.read_table(os.path.join(folder, f"vocab.{t}.arrow")).column("values")
+                values[t] = col.combine_chunks()
+        return cls(values, {k: tuple(v) for k, v in meta["scales"].items()})
+
+
+# ----------------------------------------------------------------------------- encoding pass
+
+
+def _hash_u64(values: pa.Array, parse: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each value as a uint64 hash key, and the missing mask."""
+    missing = values.is_null().to_numpy(zero_copy_only=False)
+    if parse == "string":
+        enc = values.dictionary_encode()
+        words = enc.dictionary.to_pylist()
+        keys = np.array(
+            [int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little")
+             for w in words], np.uint64)  # fmt: skip
+        idx = enc.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        out = keys[idx] if keys.size else np.zeros(len(values), np.uint64)
+        missing |= pc.equal(values, "").fill_null(False).to_numpy(zero_copy_only=False)
+        return out, missing
+    raw = pc.fill_null(values, 0).to_numpy(zero_copy_only=False)
+    return raw.astype(np.int64).view(np.uint64) if raw.dtype == np.int64 else raw.astype(
+        np.uint64
+    ), missing
+
+
+def hash_ids(values: pa.Array, f: Feature, table_index: int) -> np.ndarray:
+    """``1 + fmix64(((t << 32) + v) + s) mod (V - 1)``; 0 for missing (Criteo's hash, ``data/
+    criteo/reader.py``, for uint32 values v; ``t`` the table's index, ``s`` the seed's offset)."""
+    v, missing = _hash_u64(values, f.parse)
+    key = (np.uint64(table_index) << np.uint64(32)) + v
+    z = fmix64(key + _seed_offset(f.hash_seed))
+    span = np.uint64(max(f.hash_buckets - 1, 1))
+    ids = (np.uint64(1) + z % span).astype(np.int64)
+    return np.where(missing | (f.hash_buckets == 1), 0, ids)
+
+
+class Encoder:
+    """Parsed rows -> Batch arrays with a finished :class:`Vocabulary`; counts OOV per feature."""
+
+    def __init__(self, spec: TabularSpec, vocab: Vocabulary):
+        self.spec = spec
+        self.vocab = vocab
+        self.schema = vocab.schema(spec)
+        self.table_index = {t: i for i, t in enumerate(spec.tables)}
+        self.oov = {f.name: [0, 0, 0] for f in spec.sparse_features}
+        self.missing = {f.name: [0, 0, 0] for f in spec.features}
+        self.truncated = {f.name: 0 for f in spec.features if f.kind == "multi_categorical"}
+
+    def _ids(self, f: Feature, values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of flat values (int64) and the mask of present values that fell out of vocab."""
+        if f.hash_buckets:
+            return hash_ids(values, f, self.table_index[f.table_name]), np.zeros(len(values), bool)
+        vocab = self.vocab.values[f.table_name]
+        if pa.types.is_string(values.type):
+            values = pc.if_else(pc.equal(values, ""), pa.nulls(len(values), pa.string()), values)
+        idx = pc.index_in(values, value_set=vocab)
+        present = values.is_valid().to_numpy(zero_copy_only=False)
+        found = idx.is_valid().to_numpy(zero_copy_only=False)
+        ids = pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+        return ids, present & ~found
+
+    def encode(self, parsed: Parsed) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(dense [n, N] f32, ids [n, F, H] i32, labels [n] f32, weights [n] f32)."""
+        n, split = parsed.n, parsed.split
+        dense = np.zeros((n, len(self.spec.dense_features)), np.float32)
+        for j, f in enumerate(self.spec.dense_features):
+            x, missing = parsed.values[f.name]
+            if f.standardize:
+                mean, std = self.vocab.scales[f.name]
+                x = (x - mean) / std
+            dense[:, j] = np.where(missing, f.fill, x)
+            self._count(self.missing[f.name], missing, split)
+        h = self.schema.max_hotness if self.schema.features else 1
+        ids = np.full((n, len(self.spec.sparse_features), h), PAD_ID, np.int32)
+        for j, f in enumerate(self.spec.sparse_features):
+            v = parsed.values[f.name]
+            if f.boundaries:
+                ids[:, j, 0] = v
+                self._count(self.missing[f.name], v == 0, split)
+            elif f.kind == "categorical":
+                fid, oov = self._ids(f, v)
+                ids[:, j, 0] = fid
+                self._count(self.oov[f.name], oov, split)
+                self._count(self.missing[f.name], v.is_null().to_numpy(zero_copy_only=False), split)
+            else:
+                tokens, flat = v
+                parent = pc.list_parent_indices(tokens).to_numpy()
+                fid, oov = self._ids(f, flat)
+                empty = flat.is_null().to_numpy(zero_copy_only=False)
+                if pa.types.is_string(flat.type):
+                    empty |= pc.equal(flat, "").fill_null(True).to_numpy(zero_copy_only=False)
+                self._count(self.oov[f.name], np.bincount(parent[oov], minlength=n) > 0, split)
+                parent, fid = parent[~empty], fid[~empty]
+                first = np.searchsorted(parent, np.arange(n))
+                pos = np.arange(parent.size) - first[parent]
+                fits = pos < f.max_hotness
+                self.truncated[f.name] += int((~fits).sum())
+                ids[parent[fits], j, pos[fits]] = fid[fits]
+        return dense, ids, parsed.label, parsed.weight
+
+    @staticmethod
+    def _count(counter: list[int], mask: np.ndarray, split: np.ndarray) -> None:
+        if mask.any():
+            for code, c in zip(*np.unique(split[mask], return_counts=True), strict=True):
+                counter[int(code)] += int(c)
+
+    def stats(self) -> dict[str, Any]:
+        per_split = lambda d: {k: dict(zip(SPLITS, v, strict=True)) for k, v in d.items() if any(v)}  # noqa: E731
+        return {"oov": per_split(self.oov), "missing": per_split(self.missing),
+                "truncated_tokens": {k: v for k, v in self.truncated.items() if v}}  # fmt: skip

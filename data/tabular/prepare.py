@@ -1,0 +1,507 @@
+"""Streaming preparation of a tabular dataset into array_record shards, with bounded memory.
+
+``python -m data.tabular.prepare SPEC [--root DIR] [--workers N]`` (or, on first use, the
+trainer's ``--data.kind tabular``) reads the spec's files in two passes:
+
+1. **count**: the training split's rows, for the vocabularies and numeric moments;
+2. **encode**: every row to fixed-width records (label, weight, dense values, ids), written to
+   ``array_record`` shards per split (``shards/<split>/f<file>-p<part>.array_record``, one
+   record per example, group size 1 so grain's ``ArrayRecordDataSource`` reads them by random
+   access).
+
+Work is cut into *parts*: ``rows_per_shard`` consecutive rows of one file. Each finished part
+leaves a marker (its counts, or its shards' row counts and reject tally), written after its
+data by atomic rename, so a killed preparation resumes at the first unfinished part: a CSV is
+re-parsed up to there but nothing is counted or written twice. Files go to ``workers`` processes
+(each parses on a background thread while it encodes). Memory is bounded by the chunk size, the
+side tables and the vocabularies, never by the data's size (hash huge vocabularies).
+
+The output folder is ``<root>/<name>-<fingerprint>``; the fingerprint hashes the spec and every
+input file's path, size and modification time, so a changed spec or file prepares afresh. A
+folder is complete when it holds ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import glob
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from data.batch import Batch, FeatureInfo, Schema
+from data.tabular import encode as enc
+from data.tabular.read import Chunk, Reject, TabularFormatError, iter_chunks, read_whole
+from data.tabular.spec import TabularSpec, load_spec, spec_digest
+
+DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "recscale", "tabular")
+REJECTS_HEADER = "file\tline\treason\tcolumn\trow\n"
+RECORD_OPTIONS = "group_size:1,uncompressed"
+
+
+def record_dtype(schema: Schema) -> np.dtype:
+    """One example's fixed-width record (little-endian)."""
+    h = schema.max_hotness if schema.features else 1
+    return np.dtype([("label", "<f4"), ("weight", "<f4"), ("dense", "<f4", (schema.num_dense,)),
+                     ("ids", "<i4", (schema.num_sparse, h))])  # fmt: skip
+
+
+def decode_records(records, dtype: np.dtype) -> Batch:
+    """Records (bytes) -> a :class:`Batch` (one ``frombuffer`` over the joined bytes)."""
+    arr = np.frombuffer(b"".join(records), dtype=dtype)
+    return Batch(
+        dense_bn=np.ascontiguousarray(arr["dense"]),
+        ids_bfh=np.ascontiguousarray(arr["ids"]),
+        labels_b=np.ascontiguousarray(arr["label"]),
+        weights_b=np.ascontiguousarray(arr["weight"]),
+    )
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The spec's files, expanded: (path, split code or None for a rule-split file)."""
+
+    files: tuple[tuple[str, int | None], ...]
+    sides: tuple[tuple[str, ...], ...]
+
+    def fingerprint(self, spec: TabularSpec) -> str:
+        h = hashlib.sha256(spec_digest(spec).encode())
+        for path in [p for p, _ in self.files] + [p for s in self.sides for p in s]:
+            st = os.stat(path)
+            h.update(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()
+
+
+def _expand(spec: TabularSpec, patterns: tuple[str, ...], what: str) -> list[str]:
+    out: list[str] = []
+    for pat in patterns:
+        path = spec.resolve(pat)
+        found = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+        found = [p for p in found if os.path.isfile(p)]
+        if not found:
+            raise TabularFormatError(f"{what} {pat!r}: no such file ({path})")
+        out += found
+    return out
+
+
+def resolve_inputs(spec: TabularSpec) -> Inputs:
+    rule = spec.split.kind != "files"
+    files = [(p, None if rule else enc.TRAIN) for p in _expand(spec, spec.train, "train file")]
+    files += [(p, enc.VALID) for p in _expand(spec, spec.valid, "valid file")]
+    files += [(p, enc.TEST) for p in _expand(spec, spec.test, "test file")]
+    sides = tuple(tuple(_expand(spec, j.path, f"side table of {j.key!r}")) for j in spec.joins)
+    return Inputs(tuple(files), sides)
+
+
+def load_sides(spec: TabularSpec, inputs: Inputs) -> list[enc.SideTable]:
+    """The side tables, read whole and checked (unique keys, needed columns)."""
+    out = []
+    for join, paths in zip(spec.joins, inputs.sides, strict=True):
+        right = join.right_key or join.key
+        cols = [right, *join.columns] if join.columns else None
+        table = pa.concat_tables([read_whole(p, join.format, cols) for p in paths])
+        side = enc.side_table(table, file=",".join(paths), key=right, columns=join.columns)
+        out.append(side)
+    return out
+
+
+def interaction_columns(spec: TabularSpec, sides: list[enc.SideTable]) -> list[str]:
+    """Columns read from the interaction files: those the spec needs that no join supplies."""
+    supplied = {c for s in sides for c in s.columns.column_names}
+    keys = {j.key for j in spec.joins}
+    clash = sorted(supplied & keys)
+    if clash:
+        raise TabularFormatError(f"side tables supply join key column {clash[0]!r}")
+    return [c for c in spec.needed_columns() if c not in supplied or c in keys]
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def _parts(chunks: Iterator[Chunk], rows: int) -> Iterator[tuple[int, Chunk, bool]]:
+    """Chunks cut at part boundaries: ``(part, piece, last_piece_of_part)``."""
+    pending: tuple[int, Chunk] | None = None
+    for chunk in chunks:
+        start, n = chunk.first_row, chunk.table.num_rows
+        while n:
+            part = start // rows
+            take = min(n, (part + 1) * rows - start)
+            piece = Chunk(chunk.table.slice(start - chunk.first_row, take), chunk.file, start,
+                          chunk.locate)  # fmt: skip
+            if pending is not None:
+                yield pending[0], pending[1], pending[0] != part
+            pending = (part, piece)
+            start, n = start + take, n - take
+    if pending is not None:
+        yield pending[0], pending[1], True
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _part_name(file_index: int, part: int) -> str:
+    return f"f{file_index:05d}-p{part:06d}"
+
+
+_PROGRESS: Any = None  # a worker's queue of row counts (set by the pool initializer)
+
+
+def _init_worker(q) -> None:
+    global _PROGRESS
+    _PROGRESS = q
+
+
+def _report(rows: int) -> None:
+    if _PROGRESS is not None and rows:
+        _PROGRESS.put(rows)
+
+
+def _count_file(spec: TabularSpec, inputs: Inputs, folder: str, file_index: int) -> int:
+    """Pass 1 over one file: a pickled :class:`~data.tabular.encode.Counts` per part."""
+    path, file_split = inputs.files[file_index]
+    sides = load_sides(spec, inputs)
+    cols = interaction_columns(spec, sides)
+    fmt = spec.format
+    counts, rows = enc.Counts(), 0
+    chunks = iter_chunks(path, fmt, cols, strict=spec.strict, on_reject=lambda r: None)
+    for part, piece, last in _parts(chunks, spec.rows_per_shard):
+        marker = os.path.join(folder, "count", _part_name(file_index, part) + ".pkl")
+        if not os.path.exists(marker):
+            parsed = enc.parse_chunk(spec, piece, sides, file_split=file_split,
+                                     file_index=file_index, strict=spec.strict, rejects=[])  # fmt: skip
+            counts.add(spec, parsed)
+            if last:
+                _atomic_write(marker, pickle.dumps(counts, protocol=5))
+        if last:
+            counts = enc.Counts()
+        rows += piece.table.num_rows
+        _report(piece.table.num_rows)
+    return rows
+
+
+def _encode_file(spec: TabularSpec, inputs: Inputs, folder: str, file_index: int) -> int:
+    """Pass 2 over one file: shards per split and a JSON marker per part."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    path, file_split = inputs.files[file_index]
+    sides = load_sides(spec, inputs)
+    cols = interaction_columns(spec, sides)
+    vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
+    encoder = enc.Encoder(spec, vocab)
+    dtype = record_dtype(encoder.schema)
+    read_rejects: list[Reject] = []
+    chunks = iter_chunks(path, spec.format, cols, strict=spec.strict, on_reject=read_rejects.append)
+    writers: dict[int, Any] = {}
+    rows_in: dict[int, int] = {}
+    rejects: list[Reject] = []
+    total = 0
+    for part, piece, last in _parts(chunks, spec.rows_per_shard):
+        name = _part_name(file_index, part)
+        marker = os.path.join(folder, "parts", name + ".json")
+        if os.path.exists(marker):
+            read_rejects.clear()
+        else:
+            parsed = enc.parse_chunk(spec, piece, sides, file_split=file_split,
+                                     file_index=file_index, strict=spec.strict, rejects=rejects)  # fmt: skip
+            dense, ids, labels, weights = encoder.encode(parsed)
+            rec = np.empty(parsed.n, dtype)
+            rec["label"], rec["weight"], rec["dense"], rec["ids"] = labels, weights, dense, ids
+            raw = rec.view(np.uint8).reshape(parsed.n, dtype.itemsize)
+            for code in np.unique(parsed.split).tolist():
+                if code not in writers:
+                    tmp = os.path.join(folder, "shards", enc.SPLITS[code], name + ".tmp")
+                    writers[code] = ArrayRecordWriter(tmp, RECORD_OPTIONS)
+                    rows_in[code] = 0
+                w = writers[code]
+                sel = raw[parsed.split == code]
+                for r in sel:
+                    w.write(r.tobytes())
+                rows_in[code] += len(sel)
+            if last:
+                shard_rows = {}
+                for code, w in writers.items():
+                    w.close()
+                    base = os.path.join(folder, "shards", enc.SPLITS[code], name)
+                    os.replace(base + ".tmp", base + ".array_record")
+                    shard_rows[enc.SPLITS[code]] = rows_in[code]
+                rejects = read_rejects + rejects
+                if rejects:
+                    text = "".join(
+                        f"{r.file}\t{r.line}\t{r.reason}\t{r.column}\t{r.text}\n" for r in rejects
+                    )
+                    _atomic_write(os.path.join(folder, "rejects", name + ".tsv"),
+                                  (REJECTS_HEADER + text).encode())  # fmt: skip
+                info = {"rows": shard_rows, "rejected": dict(Counter(r.reason for r in rejects)),
+                        "stats": encoder.stats()}  # fmt: skip
+                _atomic_write(marker, json.dumps(info).encode())
+                writers, rows_in, rejects, read_rejects[:] = {}, {}, [], []
+                encoder = enc.Encoder(spec, vocab)
+        total += piece.table.num_rows
+        _report(piece.table.num_rows)
+    return total
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A prepared dataset: its folder, spec, schema, vocabulary and shards."""
+
+    folder: str
+    spec: TabularSpec
+    schema: Schema
+    vocab: enc.Vocabulary
+    shards: dict[str, list[tuple[str, int]]]
+    stats: dict[str, Any]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return record_dtype(self.schema)
+
+    def records(self, split: str):
+        """The split's records for random access (grain's ``ArrayRecordDataSource``)."""
+        import grain
+
+        files = [p for p, n in self.shards.get(split, []) if n]
+        if not files:
+            raise ValueError(f"prepared dataset {self.folder} has no {split} rows")
+        return grain.sources.ArrayRecordDataSource(files)
+
+    def to_batch(self, records) -> Batch:
+        return decode_records(records, self.dtype)
+
+    def encode_file(self, path: str, *, strict: bool | None = None) -> tuple[Batch, dict]:
+        """Every row of a new file of this spec, encoded in memory with the prepared vocabulary
+        (unseen ids go to the OOV bucket and are counted; the split rule is not applied)."""
+        spec = self.spec
+        strict = spec.strict if strict is None else strict
+        sides = load_sides(spec, resolve_inputs(spec))
+        cols = interaction_columns(spec, sides)
+        encoder = enc.Encoder(spec, self.vocab)
+        rejects: list[Reject] = []
+        parts = []
+        for chunk in iter_chunks(path, spec.format, cols, strict=strict, on_reject=rejects.append):
+            parsed = enc.parse_chunk(spec, chunk, sides, file_split=enc.VALID, file_index=0,
+                                     strict=strict, rejects=rejects)  # fmt: skip
+            parts.append(encoder.encode(parsed))
+        dense, ids, labels, weights = (np.concatenate(a) for a in zip(*parts, strict=True))
+        stats = {"file": path, "rows": int(labels.size),
+                 "rejected": dict(Counter(r.reason for r in rejects)), **encoder.stats()}  # fmt: skip
+        return Batch(dense, ids, labels, weights), stats
+
+    @classmethod
+    def load(cls, folder: str, spec: TabularSpec) -> Prepared:
+        with open(os.path.join(folder, "manifest.json")) as fh:
+            m = json.load(fh)
+        schema = Schema(dense_names=tuple(m["schema"]["dense"]),
+                        features=tuple(FeatureInfo(**f) for f in m["schema"]["features"]))  # fmt: skip
+        shards = {s: [(os.path.join(folder, p), n) for p, n in v] for s, v in m["shards"].items()}
+        vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
+        return cls(folder, spec, schema, vocab, shards, m["stats"])
+
+
+def prepared_folder(spec: TabularSpec, root: str = "") -> tuple[str, Inputs]:
+    inputs = resolve_inputs(spec)
+    root = os.path.abspath(os.path.expanduser(root or DEFAULT_ROOT))
+    return os.path.join(root, f"{spec.name}-{inputs.fingerprint(spec)[:16]}"), inputs
+
+
+def prepare(
+    spec: TabularSpec | str,
+    root: str = "",
+    *,
+    workers: int = 0,
+    progress: bool = True,
+) -> Prepared:
+    """Prepares ``spec``'s data under ``root`` (resuming a killed run), or loads it if done.
+
+    Args:
+      workers: processes (0 = one per input file, at most the CPU count).
+      progress: show rich progress bars (rows and rows/s per pass).
+
+    Raises:
+      TabularFormatError: bad input (strict spec), naming file, line and column.
+    """
+    if isinstance(spec, str):
+        spec = load_spec(spec)
+    folder, inputs = prepared_folder(spec, root)
+    if os.path.exists(os.path.join(folder, "manifest.json")):
+        return Prepared.load(folder, spec)
+    for sub in ("count", "vocab", "parts", "rejects", *(f"shards/{s}" for s in enc.SPLITS)):
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
+    _atomic_write(os.path.join(folder, "spec.json"),
+                  json.dumps(spec.to_dict(), indent=1).encode())  # fmt: skip
+    load_sides(spec, inputs)  # side-table errors before any pass starts
+    t0 = time.perf_counter()
+    n = len(inputs.files)
+    workers = workers or min(n, os.cpu_count() or 1)
+    count_files = [i for i, (_, s) in enumerate(inputs.files) if s in (None, enc.TRAIN)]
+    if not os.path.exists(os.path.join(folder, "vocab", "scales.json")):
+        _run(_count_file, spec, inputs, folder, count_files, workers, "count", progress)
+        counts = enc.Counts()
+        for name in sorted(os.listdir(os.path.join(folder, "count"))):
+            if name.endswith(".pkl"):
+                with open(os.path.join(folder, "count", name), "rb") as fh:
+                    counts.merge(pickle.load(fh))
+        vocab = enc.Vocabulary.build(spec, counts)
+        tmp = os.path.join(folder, "vocab.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        vocab.save(tmp)
+        shutil.rmtree(os.path.join(folder, "vocab"))
+        os.replace(tmp, os.path.join(folder, "vocab"))
+    t1 = time.perf_counter()
+    _run(_encode_file, spec, inputs, folder, list(range(n)), workers, "encode", progress)
+    t2 = time.perf_counter()
+    _write_manifest(spec, inputs, folder, {"count_s": t1 - t0, "encode_s": t2 - t1})
+    return Prepared.load(folder, spec)
+
+
+def _run(fn: Callable, spec, inputs, folder, indices, workers, label, progress) -> None:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"),
+               TextColumn("{task.completed:,.0f} rows"),
+               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        task = bar.add_task(f"{label} {len(indices)} file(s)", total=None, rate="")
+        start = time.perf_counter()
+
+        def advance(k: int) -> None:
+            bar.advance(task, k)
+            done = bar.tasks[0].completed
+            bar.update(task, rate=f"{done / max(time.perf_counter() - start, 1e-9):,.0f} rows/s")
+
+        if workers <= 1 or len(indices) <= 1:
+            global _PROGRESS
+            q = _Direct(advance)
+            _PROGRESS = q
+            try:
+                for i in indices:
+                    fn(spec, inputs, folder, i)
+            finally:
+                _PROGRESS = None
+            return
+        ctx = mp.get_context("spawn")
+        with ctx.Manager() as manager:
+            q = manager.Queue()
+            with cf.ProcessPoolExecutor(min(workers, len(indices)), mp_context=ctx,
+                                        initializer=_init_worker, initargs=(q,)) as pool:  # fmt: skip
+                futures = [pool.submit(fn, spec, inputs, folder, i) for i in indices]
+                pending = set(futures)
+                while pending:
+                    done, pending = cf.wait(pending, timeout=0.2)
+                    _drain(q, advance)
+                    for fut in done:
+                        fut.result()  # re-raises a worker's error (e.g. a bad row)
+                _drain(q, advance)
+
+
+class _Direct:
+    def __init__(self, fn):
+        self.put = fn
+
+
+def _drain(q, advance) -> None:
+    import queue
+
+    total = 0
+    while True:
+        try:
+            total += q.get_nowait()
+        except queue.Empty:
+            break
+    if total:
+        advance(total)
+
+
+def _write_manifest(spec: TabularSpec, inputs: Inputs, folder: str, timing: dict) -> None:
+    vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
+    schema = vocab.schema(spec)
+    shards: dict[str, list] = {s: [] for s in enc.SPLITS}
+    rejected: Counter = Counter()
+    oov: dict = {}
+    missing: dict = {}
+    truncated: Counter = Counter()
+    for name in sorted(os.listdir(os.path.join(folder, "parts"))):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(folder, "parts", name)) as fh:
+            info = json.load(fh)
+        stem = name[: -len(".json")]
+        for split, rows in info["rows"].items():
+            shards[split].append((os.path.join("shards", split, stem + ".array_record"), rows))
+        rejected.update(info["rejected"])
+        for key, into in (("oov", oov), ("missing", missing)):
+            for feat, per in info["stats"][key].items():
+                acc = into.setdefault(feat, Counter())
+                acc.update(per)
+        truncated.update(info["stats"]["truncated_tokens"])
+    rows = {s: sum(n for _, n in v) for s, v in shards.items()}
+    manifest = {
+        "fingerprint": os.path.basename(folder),
+        "files": [
+            {"path": p, "split": None if s is None else enc.SPLITS[s]} for p, s in inputs.files
+        ],
+        "schema": {
+            "dense": list(schema.dense_names),
+            "features": [dataclasses.asdict(f) for f in schema.features],
+        },  # fmt: skip
+        "shards": shards,
+        "stats": {
+            "rows": rows,
+            "rejected": dict(rejected),
+            "rejects_dir": os.path.join(folder, "rejects") if rejected else None,
+            "oov": {k: dict(v) for k, v in oov.items()},
+            "missing": {k: dict(v) for k, v in missing.items()},
+            "truncated_tokens": dict(truncated),
+            "timing_s": timing,
+        },  # fmt: skip
+    }
+    _atomic_write(os.path.join(folder, "manifest.json"), json.dumps(manifest, indent=1).encode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m data.tabular.prepare", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("spec", help="feature spec (.yaml/.json/.toml)")
+    ap.add_argument("--root", default="", help=f"prepared-data root (default {DEFAULT_ROOT})")
+    ap.add_argument("--workers", type=int, default=0, help="processes (0 = one per file)")
+    args = ap.parse_args(argv)
+    try:
+        p = prepare(args.spec, args.root, workers=args.workers)
+    except (TabularFormatError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    s = p.stats
+    print(f"prepared {p.folder}: rows {s['rows']}, rejected {s['rejected'] or 0}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
