@@ -104,7 +104,7 @@ def _embedding_costs(
     schema: Schema, dim: int, mean_hotness: float | Sequence[float] | None, bytes_per_param: int
 ) -> tuple[int, float, float]:
     """(sparse params, bytes read per example, backward scatter FLOPs per example)."""
-    rows = sum(f.vocab_size for f in schema.features)
+    rows = sum({f.table_name: f.vocab_size for f in schema.features}.values())  # shared once
     pooled = sum(_hotness(schema, mean_hotness))
     return rows * dim, pooled * dim * bytes_per_param, pooled * dim
 

@@ -23,12 +23,10 @@ folder is complete when it holds ``manifest.json``.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import glob
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -44,7 +42,7 @@ import pyarrow as pa
 from data.batch import Batch, FeatureInfo, Schema
 from data.tabular import encode as enc
 from data.tabular.read import Chunk, Reject, TabularFormatError, iter_chunks, read_whole
-from data.tabular.spec import TabularSpec, load_spec, spec_digest
+from data.tabular.spec import TabularSpec, load_spec, spec_digest, spec_from_dict
 
 DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "recscale", "tabular")
 REJECTS_HEADER = "file\tline\treason\tcolumn\trow\n"
@@ -164,17 +162,12 @@ def _part_name(file_index: int, part: int) -> str:
     return f"f{file_index:05d}-p{part:06d}"
 
 
-_PROGRESS: Any = None  # a worker's queue of row counts (set by the pool initializer)
-
-
-def _init_worker(q) -> None:
-    global _PROGRESS
-    _PROGRESS = q
+_PROGRESS: Callable[[int], None] | None = None  # where a pass reports rows (set by _run)
 
 
 def _report(rows: int) -> None:
     if _PROGRESS is not None and rows:
-        _PROGRESS.put(rows)
+        _PROGRESS(rows)
 
 
 def _count_file(spec: TabularSpec, inputs: Inputs, folder: str, file_index: int) -> int:
@@ -351,15 +344,15 @@ def prepare(
         return Prepared.load(folder, spec)
     for sub in ("count", "vocab", "parts", "rejects", *(f"shards/{s}" for s in enc.SPLITS)):
         os.makedirs(os.path.join(folder, sub), exist_ok=True)
-    _atomic_write(os.path.join(folder, "spec.json"),
-                  json.dumps(spec.to_dict(), indent=1).encode())  # fmt: skip
+    saved = {"spec": spec.to_dict(), "base_dir": spec.base_dir}
+    _atomic_write(os.path.join(folder, "spec.json"), json.dumps(saved, indent=1).encode())
     load_sides(spec, inputs)  # side-table errors before any pass starts
     t0 = time.perf_counter()
     n = len(inputs.files)
     workers = workers or min(n, os.cpu_count() or 1)
     count_files = [i for i, (_, s) in enumerate(inputs.files) if s in (None, enc.TRAIN)]
     if not os.path.exists(os.path.join(folder, "vocab", "scales.json")):
-        _run(_count_file, spec, inputs, folder, count_files, workers, "count", progress)
+        _run("count", spec, inputs, folder, count_files, workers, progress)
         counts = enc.Counts()
         for name in sorted(os.listdir(os.path.join(folder, "count"))):
             if name.endswith(".pkl"):
@@ -373,68 +366,96 @@ def prepare(
         shutil.rmtree(os.path.join(folder, "vocab"))
         os.replace(tmp, os.path.join(folder, "vocab"))
     t1 = time.perf_counter()
-    _run(_encode_file, spec, inputs, folder, list(range(n)), workers, "encode", progress)
+    _run("encode", spec, inputs, folder, list(range(n)), workers, progress)
     t2 = time.perf_counter()
     _write_manifest(spec, inputs, folder, {"count_s": t1 - t0, "encode_s": t2 - t1})
     return Prepared.load(folder, spec)
 
 
-def _run(fn: Callable, spec, inputs, folder, indices, workers, label, progress) -> None:
+_PASSES = {"count": "_count_file", "encode": "_encode_file"}
+
+
+def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
+    """Runs pass ``label`` over the files ``indices``: in this process for one worker, else in
+    ``workers`` child interpreters (``python -m data.tabular.prepare --worker``: plain
+    subprocesses, not multiprocessing, so no caller needs a ``__main__`` guard and a parent
+    that holds jax threads is never forked), each reporting its rows on stdout."""
+    import subprocess
+    import threading
+
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    global _PROGRESS
+    fn = globals()[_PASSES[label]]
     columns = (SpinnerColumn(), TextColumn("{task.description}"),
                TextColumn("{task.completed:,.0f} rows"),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn())  # fmt: skip
     with Progress(*columns, disable=not progress, transient=False) as bar:
         task = bar.add_task(f"{label} {len(indices)} file(s)", total=None, rate="")
         start = time.perf_counter()
+        lock = threading.Lock()
 
         def advance(k: int) -> None:
-            bar.advance(task, k)
-            done = bar.tasks[0].completed
-            bar.update(task, rate=f"{done / max(time.perf_counter() - start, 1e-9):,.0f} rows/s")
+            with lock:
+                bar.advance(task, k)
+                done = bar.tasks[0].completed
+                rate = done / max(time.perf_counter() - start, 1e-9)
+                bar.update(task, rate=f"{rate:,.0f} rows/s")
 
         if workers <= 1 or len(indices) <= 1:
-            global _PROGRESS
-            q = _Direct(advance)
-            _PROGRESS = q
+            _PROGRESS = advance
             try:
                 for i in indices:
                     fn(spec, inputs, folder, i)
             finally:
                 _PROGRESS = None
             return
-        ctx = mp.get_context("spawn")
-        with ctx.Manager() as manager:
-            q = manager.Queue()
-            with cf.ProcessPoolExecutor(min(workers, len(indices)), mp_context=ctx,
-                                        initializer=_init_worker, initargs=(q,)) as pool:  # fmt: skip
-                futures = [pool.submit(fn, spec, inputs, folder, i) for i in indices]
-                pending = set(futures)
-                while pending:
-                    done, pending = cf.wait(pending, timeout=0.2)
-                    _drain(q, advance)
-                    for fut in done:
-                        fut.result()  # re-raises a worker's error (e.g. a bad row)
-                _drain(q, advance)
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        todo = list(indices)
+        running: list[tuple[subprocess.Popen, threading.Thread, list[str]]] = []
 
+        def watch(proc: subprocess.Popen) -> None:
+            for line in proc.stdout:
+                if line.startswith("rows "):
+                    advance(int(line.split()[1]))
 
-class _Direct:
-    def __init__(self, fn):
-        self.put = fn
-
-
-def _drain(q, advance) -> None:
-    import queue
-
-    total = 0
-    while True:
         try:
-            total += q.get_nowait()
-        except queue.Empty:
-            break
-    if total:
-        advance(total)
+            while todo or running:
+                while todo and len(running) < workers:
+                    cmd = [sys.executable, "-m", "data.tabular.prepare", "--worker", label,
+                           "--folder", folder, "--file", str(todo.pop(0))]  # fmt: skip
+                    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True, env=env)  # fmt: skip
+                    t = threading.Thread(target=watch, args=(proc,), daemon=True)
+                    t.start()
+                    running.append((proc, t, cmd))
+                proc, t, cmd = running[0]
+                err = proc.stderr.read()
+                proc.wait()
+                t.join()
+                running.pop(0)
+                if proc.returncode:
+                    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+                    if lines and lines[-1].startswith("error: "):
+                        raise TabularFormatError(lines[-1].removeprefix("error: "))
+                    raise RuntimeError(f"preparation worker {' '.join(cmd)} failed: {err[-2000:]}")
+        finally:
+            for proc, _, _ in running:
+                proc.kill()
+                proc.wait()
+
+
+def _worker(label: str, folder: str, file_index: int) -> None:
+    """A child of :func:`_run`: one pass over one file, rows reported on stdout."""
+    global _PROGRESS
+    with open(os.path.join(folder, "spec.json")) as fh:
+        saved = json.load(fh)
+    where = os.path.join(folder, "spec.json")
+    spec = spec_from_dict(saved["spec"], where=where, base_dir=saved["base_dir"])
+    _PROGRESS = lambda k: print(f"rows {k}", flush=True)  # noqa: E731
+    globals()[_PASSES[label]](spec, resolve_inputs(spec), folder, file_index)
 
 
 def _write_manifest(spec: TabularSpec, inputs: Inputs, folder: str, timing: dict) -> None:
@@ -489,11 +510,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m data.tabular.prepare", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("spec", help="feature spec (.yaml/.json/.toml)")
+    ap.add_argument("spec", nargs="?", help="feature spec (.yaml/.json/.toml)")
     ap.add_argument("--root", default="", help=f"prepared-data root (default {DEFAULT_ROOT})")
     ap.add_argument("--workers", type=int, default=0, help="processes (0 = one per file)")
+    ap.add_argument("--worker", choices=sorted(_PASSES), help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--file", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
+        if args.worker:
+            _worker(args.worker, args.folder, args.file)
+            return 0
+        if not args.spec:
+            ap.error("a spec file is required")
         p = prepare(args.spec, args.root, workers=args.workers)
     except (TabularFormatError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

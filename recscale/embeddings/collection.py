@@ -10,6 +10,7 @@ Dimension glossary: ``B`` batch, ``F`` features, ``H`` bag slots, ``D`` embeddin
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
@@ -115,7 +116,8 @@ class EmbeddingCollection(nnx.Module):
         init_scale: float = 0.01,
         rngs: nnx.Rngs,
     ) -> EmbeddingCollection:
-        """The usual layout: one ``dim``-wide table per sparse feature of ``schema``."""
+        """The usual layout: one ``dim``-wide table per sparse feature of ``schema``, except that
+        features naming one ``table`` (``FeatureInfo.table``) share it."""
         tables, features = one_table_per_feature(
             tuple((f.name, f.vocab_size, f.max_hotness) for f in schema.features),
             dim,
@@ -123,6 +125,22 @@ class EmbeddingCollection(nnx.Module):
             init=init,
             init_scale=init_scale,
         )
+        if any(f.table for f in schema.features):
+            rows: dict[str, int] = {}
+            for f in schema.features:
+                if rows.setdefault(f.table_name, f.vocab_size) != f.vocab_size:
+                    raise ValueError(
+                        f"features sharing table {f.table_name!r} have different vocab sizes "
+                        f"({rows[f.table_name]} and {f.vocab_size} for {f.name!r})"
+                    )
+            first = {}
+            for f, t in zip(schema.features, tables, strict=True):
+                first.setdefault(f.table_name, dataclasses.replace(t, name=f.table_name))
+            tables = tuple(first.values())
+            features = tuple(
+                dataclasses.replace(fs, table=f.table_name)
+                for f, fs in zip(schema.features, features, strict=True)
+            )
         return cls(tables, features, rngs=rngs)
 
     def quantize_int8(self) -> None:
