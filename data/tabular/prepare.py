@@ -435,6 +435,8 @@ def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
                 err = proc.stderr.read()
                 proc.wait()
                 t.join()
+                proc.stdout.close()
+                proc.stderr.close()
                 running.pop(0)
                 if proc.returncode:
                     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
@@ -442,9 +444,12 @@ def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
                         raise TabularFormatError(lines[-1].removeprefix("error: "))
                     raise RuntimeError(f"preparation worker {' '.join(cmd)} failed: {err[-2000:]}")
         finally:
-            for proc, _, _ in running:
+            for proc, t, _ in running:
                 proc.kill()
                 proc.wait()
+                t.join()
+                proc.stdout.close()
+                proc.stderr.close()
 
 
 def _worker(label: str, folder: str, file_index: int) -> None:

@@ -1,0 +1,169 @@
+"""Frappe and Criteo re-expressed as feature specs give their dedicated readers' batches, and a
+killed preparation resumes to the same shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CriteoConfig, DataConfig, TabularConfig
+from data.presets import frappe as frappe_preset
+from data.sources import make_source
+from data.tabular import prepare
+from data.tabular.presets import criteo_spec, frappe_spec, write_spec
+from data.tabular.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _assert_same_source(a, b, steps) -> None:
+    assert a.schema == b.schema
+    for step in steps:
+        for name, x, y in zip(a.train_batch(0)._fields, a.train_batch(step), b.train_batch(step),
+                              strict=True):  # fmt: skip
+            np.testing.assert_array_equal(x, y, err_msg=f"train step {step} field {name}")
+    ea, eb = list(a.eval_batches()), list(b.eval_batches())
+    assert len(ea) == len(eb)
+    for j, (x, y) in enumerate(zip(ea, eb, strict=True)):
+        for name, u, v in zip(x._fields, x, y, strict=True):
+            np.testing.assert_array_equal(u, v, err_msg=f"eval batch {j} field {name}")
+
+
+def test_frappe_spec_gives_the_readers_batches(frappe_files, tmp_path):
+    spec_path = tmp_path / "frappe.yaml"
+    write_spec(frappe_spec(str(frappe_files.path)), str(spec_path))
+    base = dataclasses.replace(frappe_preset(str(frappe_files.path)), batch_size=512,
+                               eval_batch_size=1024)  # fmt: skip
+    reader = make_source(base)
+    tab = make_source(dataclasses.replace(base, kind="tabular", tabular=TabularConfig(
+        spec=str(spec_path), prepared_dir=str(tmp_path / "prep"))))  # fmt: skip
+    _assert_same_source(reader, tab, steps=[0, 1, 7, 100])
+    # Values unseen in training map to id 0 in both and are counted alike.
+    reader_oov = {k: v for k, v in reader.stats["eval"]["oov"].items() if v}
+    tab_oov = {k: v["valid"] for k, v in tab.stats["oov"].items() if v["valid"]}
+    assert reader_oov == tab_oov
+
+
+def test_criteo_spec_gives_the_readers_batches(criteo_files, tmp_path):
+    path = str(criteo_files.path)
+    spec_path = tmp_path / "criteo.yaml"
+    write_spec(criteo_spec((path,), valid=(path,)), str(spec_path))
+    base = DataConfig(kind="criteo", train_path=path, eval_path=path, batch_size=256,
+                      eval_batch_size=512, criteo=CriteoConfig(vocab_sizes=CRITEO_KAGGLE_VOCAB_SIZES))  # fmt: skip
+    reader = make_source(base)
+    tab = make_source(dataclasses.replace(base, kind="tabular", tabular=TabularConfig(
+        spec=str(spec_path), prepared_dir=str(tmp_path / "prep"))))  # fmt: skip
+    _assert_same_source(reader, tab, steps=[0, 3, 8])
+
+
+def test_criteo_spec_lenient_rejects_what_the_reader_rejects(generated_criteo, tmp_path):
+    from data.criteo.reader import read_criteo
+
+    lines = generated_criteo.read_text().splitlines()[:300]
+    cols = {i: lines[i].split("\t") for i in (10, 20, 30, 40)}
+    bad = {
+        10: "\t".join([cols[10][0], "abc", *cols[10][2:]]),  # I1 not an integer
+        20: "\t".join(cols[20][:-1]),  # 39 columns
+        30: "\t".join([*cols[30][:20], "xyz", *cols[30][21:]]),  # C7 not hex
+        40: "\t".join(["2", *cols[40][1:]]),  # label 2
+    }
+    for i, text in bad.items():
+        lines[i] = text
+    path, good = tmp_path / "bad.tsv", tmp_path / "good.tsv"
+    path.write_text("".join(line + "\n" for line in lines))
+    good.write_text("".join(line + "\n" for line in lines[:5]))
+    rows, stats = read_criteo(str(path), CriteoConfig(strict=False),
+                              rejects_path=str(tmp_path / "r.tsv"))  # fmt: skip
+    spec = dataclasses.replace(criteo_spec((str(path),), valid=(str(good),)), strict=False)
+    p = prepare(spec, str(tmp_path / "prep"), progress=False)
+    assert stats.rows_rejected == sum(p.stats["rejected"].values()) == len(bad)
+    assert p.stats["rows"]["train"] == stats.rows_kept
+    rejected_lines = []
+    for f in sorted((Path(p.folder) / "rejects").glob("*.tsv")):
+        rejected_lines += [r.split("\t")[1] for r in f.read_text().splitlines()[1:]]
+    assert sorted(rejected_lines) == sorted(f"line {i + 1}" for i in bad)
+    recs = p.records("train")  # the kept rows, encoded as the reader encodes them
+    got = p.to_batch(recs.__getitems__(list(range(len(recs)))))
+    for name, u, v in zip(got._fields, got, rows, strict=True):
+        np.testing.assert_array_equal(u, v, err_msg=name)
+
+
+def _toy_csv(path: Path, n: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    users = rng.integers(0, 500, n)
+    items = rng.integers(0, 2000, n)
+    x = rng.normal(size=n).round(4)
+    y = (rng.random(n) < 0.3).astype(int)
+    text = "".join(f"{a},{b},{c},{d}\n" for a, b, c, d in zip(y, users, items, x, strict=True))
+    path.write_text("label,user,item,x\n" + text)
+
+
+def _spec_file(tmp_path: Path, rows_per_shard: int) -> Path:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "name: toy\ntrain: [data.csv]\nlabel: {column: label}\n"
+        f"rows_per_shard: {rows_per_shard}\n"
+        "features:\n  - {name: user, kind: categorical, parse: int}\n"
+        "  - {name: item, kind: categorical}\n  - {name: x, kind: numeric, standardize: true}\n"
+    )
+    return spec
+
+
+def _all_records(p) -> dict[str, list[bytes]]:
+    out = {}
+    for split in ("train", "valid"):
+        src = p.records(split)
+        out[split] = src.__getitems__(list(range(len(src))))
+    return out
+
+
+@pytest.mark.slow
+def test_killed_preparation_resumes_to_the_same_shards(tmp_path):
+    _toy_csv(tmp_path / "data.csv", 300_000)
+    spec = _spec_file(tmp_path, rows_per_shard=10_000)
+    clean = prepare(str(spec), str(tmp_path / "clean"), progress=False)
+
+    root = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "data.tabular.prepare", str(spec), "--root", str(root)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    parts = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(root.glob("*/parts/*.json"))
+        if len(found) >= 2:
+            parts = {f: f.stat().st_mtime_ns for f in found}
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert parts is not None, "the preparation finished before it could be killed"
+    folder = next(root.iterdir())
+    assert not (folder / "manifest.json").exists()
+    assert len(list((folder / "parts").glob("*.json"))) < 30  # killed mid-way through 30 parts
+
+    resumed = prepare(str(spec), str(root), progress=False)
+    for f, mtime in parts.items():  # parts finished before the kill were not redone
+        assert f.stat().st_mtime_ns == mtime
+    assert not list(folder.glob("shards/*/*.tmp*"))
+    assert resumed.stats["rows"] == clean.stats["rows"]
+    a, b = _all_records(clean), _all_records(resumed)
+    assert a == b
+
+
+def test_spec_round_trips_through_yaml_and_json(tmp_path):
+    spec = criteo_spec(("day_*.gz",), vocab_sizes=CRITEO_KAGGLE_VOCAB_SIZES)
+    for name in ("c.yaml", "c.json"):
+        write_spec(spec, str(tmp_path / name))
+        loaded = load_spec(tmp_path / name)
+        assert dataclasses.replace(loaded, base_dir="") == spec
