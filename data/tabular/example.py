@@ -1,0 +1,88 @@
+"""``python -m data.tabular.example DIR``: a small shop's click log to try the tabular path on.
+
+Writes the layout of most public recommendation datasets (MovieLens, Taobao, Amazon reviews):
+
+* ``interactions.csv``: ``user_id, item_id, timestamp, rating`` (1 to 5), 200,000 rows;
+* ``users.csv``: ``user_id, age, gender, occupation``; ``items.csv``: ``item_id, genres``
+  (a ``|`` list), ``price``;
+* ``new.csv``: 10,000 later interactions, 5% of them by users who never appear in
+  ``interactions.csv`` (present in ``users.csv``), for ``evaluate --data-path``.
+
+The ratings come from a planted model (a user-genre affinity, an age-by-price term, item
+popularity and noise), so a model that reads the joined features beats the base rate. Nothing is
+downloaded; the files are a pure function of ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+
+GENRES = ("action", "comedy", "drama", "horror", "scifi", "romance", "kids", "docs", "music",
+          "sport", "travel", "food")  # fmt: skip
+OCCUPATIONS = ("student", "engineer", "artist", "doctor", "retired", "sales", "teacher", "other")
+
+
+def _write(path: str, columns: dict) -> None:
+    pacsv.write_csv(pa.table(columns), path)
+
+
+def make(directory: str, *, seed: int = 0, rows: int = 200_000) -> None:
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    n_users, n_items, d = 3000, 1500, len(GENRES)
+    age = rng.integers(16, 75, n_users)
+    gender = rng.choice(["f", "m"], n_users)
+    occupation = rng.choice(OCCUPATIONS, n_users)
+    taste = rng.normal(size=(n_users, d)) + (age[:, None] < 30) * np.eye(d)[GENRES.index("scifi")]
+    n_genres = rng.integers(1, 4, n_items)
+    genre_sets = [rng.choice(d, k, replace=False) for k in n_genres]
+    item_vec = np.zeros((n_items, d))
+    for i, g in enumerate(genre_sets):
+        item_vec[i, g] = 1.0 / np.sqrt(len(g))
+    price = np.round(np.exp(rng.normal(2.5, 1.0, n_items)), 2)
+    popularity = rng.normal(0, 0.5, n_items)
+
+    def interactions(n: int, users: np.ndarray, t0: int) -> dict:
+        item_rank = np.minimum(rng.zipf(1.3, n) - 1, n_items - 1)
+        items = item_rank
+        u = rng.choice(users, n)
+        score = (np.einsum("nd,nd->n", taste[u], item_vec[items]) + popularity[items]
+                 - 0.4 * np.log(price[items]) * (age[u] < 30) + rng.normal(0, 0.8, n))  # fmt: skip
+        rating = np.clip(np.digitize(score, np.quantile(score, [0.15, 0.35, 0.6, 0.8])) + 1, 1, 5)
+        ts = t0 + np.sort(rng.integers(0, 86_400 * 60, n))
+        return {"user_id": [f"u{x}" for x in u], "item_id": items, "timestamp": ts,
+                "rating": rating}  # fmt: skip
+
+    known = np.arange(n_users - 150)
+    _write(os.path.join(directory, "interactions.csv"), interactions(rows, known, 1_700_000_000))
+    later = np.concatenate([known, np.arange(n_users - 150, n_users).repeat(20)])
+    new = interactions(10_000, later, 1_700_000_000 + 86_400 * 60)
+    _write(os.path.join(directory, "new.csv"), new)
+    _write(os.path.join(directory, "users.csv"), {
+        "user_id": [f"u{x}" for x in range(n_users)], "age": age, "gender": gender,
+        "occupation": occupation})  # fmt: skip
+    _write(os.path.join(directory, "items.csv"), {
+        "item_id": np.arange(n_items),
+        "genres": ["|".join(GENRES[g] for g in gs) for gs in genre_sets], "price": price})  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data.tabular.example",
+                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap.add_argument("directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rows", type=int, default=200_000)
+    args = ap.parse_args(argv)
+    make(args.directory, seed=args.seed, rows=args.rows)
+    print(f"wrote interactions.csv, users.csv, items.csv, new.csv to {args.directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
