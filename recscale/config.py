@@ -211,6 +211,16 @@ class TrainConfig:
     """``skip``: stop the run (``FloatingPointError``, a diverged run) after this many
     non-finite steps in a row (0 = never); must exceed ``nonfinite_rollback`` when both are
     set, so the rollback is tried first."""
+    early_stopping_metric: Literal["", "auc", "logloss"] = ""
+    """'' = off. Else early stopping with best-checkpoint selection (the BARS protocol): at
+    every evaluation (``eval_every``) the parameters with the best validation value of this
+    metric so far are kept in ``checkpoints_best/``; the run stops after
+    ``early_stopping_patience`` evaluations in a row without an improvement; its result is the
+    best parameters evaluated on the whole evaluation set (``evaluate --best`` repeats it)."""
+    early_stopping_patience: int = 2
+    """Evaluations without improvement before the run stops."""
+    early_stopping_min_delta: float = 0.0
+    """An evaluation improves on the best only by more than this."""
 
     def __post_init__(self):
         if self.num_steps < 0:
@@ -225,6 +235,13 @@ class TrainConfig:
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.early_stopping_metric and not self.eval_every:
+            raise ValueError(
+                f"early_stopping_metric={self.early_stopping_metric!r} needs eval_every > 0 "
+                "(the evaluations it compares)"
+            )
+        if self.early_stopping_patience < 1 or self.early_stopping_min_delta < 0:
+            raise ValueError("early_stopping_patience must be >= 1 and min_delta >= 0")
         if self.max_checkpoints < 1:
             raise ValueError(f"max_checkpoints must be >= 1, got {self.max_checkpoints}")
         if self.nonfinite not in ("skip", "raise", "ignore"):

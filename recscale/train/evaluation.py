@@ -19,7 +19,7 @@ from recscale import sharding
 from recscale.embeddings import engine
 from recscale.train import relayout
 from recscale.train.checkpoint import Checkpointer
-from recscale.train.loop import BuildModel, Experiment
+from recscale.train.loop import BEST_DIR, BuildModel, Experiment
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +30,9 @@ class EvalArgs:
     """The run's directory (holds config.json and checkpoints/)."""
     step: int | None = None
     """Checkpoint step to evaluate (default: the latest)."""
+    best: bool = False
+    """Evaluate the early-stopping best checkpoint (``checkpoints_best/``, written with
+    ``train.early_stopping_metric``) instead of the latest."""
     data_path: str | None = None
     """Evaluate on this file instead of the run's eval set (same format as the run's dataset)."""
     output: str | None = None
@@ -61,7 +64,12 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: is {workdir} a recscale run directory?")
     cfg = config_lib.load_json(config_cls, cfg_path)
-    ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
+    if args.best and not (workdir / BEST_DIR).is_dir():
+        raise FileNotFoundError(
+            f"{workdir / BEST_DIR} not found: --best needs a run trained with "
+            "train.early_stopping_metric"
+        )
+    ckpt = Checkpointer(workdir / (BEST_DIR if args.best else "checkpoints"), async_save=False)
     step = args.step if args.step is not None else ckpt.latest_step()
     if step is None:
         raise FileNotFoundError(f"no checkpoints in {ckpt.directory}")

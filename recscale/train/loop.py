@@ -616,6 +616,48 @@ def _write_run_notes(workdir: Path, exp: Experiment) -> None:
         )
 
 
+class _EarlyStopping:
+    """Best-so-far tracking of one validation metric (``train.early_stopping_*``); its state
+    goes into every checkpoint's meta, so a resumed run keeps its best and its patience."""
+
+    def __init__(self, tcfg: config_lib.TrainConfig):
+        self.metric = tcfg.early_stopping_metric
+        self.patience, self.min_delta = tcfg.early_stopping_patience, tcfg.early_stopping_min_delta
+        self.sign = 1.0 if self.metric == "auc" else -1.0  # larger is better after the sign
+        self.best_value: float | None = None
+        self.best_step: int | None = None
+        self.bad = 0
+        self.stopped = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.metric)
+
+    def observe(self, step: int, ev: dict) -> bool:
+        """Records an evaluation; returns whether it is the new best (``stopped`` is set once
+        ``patience`` evaluations in a row did not improve)."""
+        value = float(ev[self.metric])
+        if self.best_value is None or self.sign * (value - self.best_value) > self.min_delta:
+            self.best_value, self.best_step, self.bad = value, step, 0
+            return True
+        self.bad += 1
+        self.stopped = self.bad >= self.patience
+        return False
+
+    def state(self) -> dict:
+        return {"best_value": self.best_value, "best_step": self.best_step, "bad": self.bad,
+                "stopped": self.stopped}  # fmt: skip
+
+    def load(self, state: dict | None) -> None:
+        if state:
+            self.best_value, self.best_step = state["best_value"], state["best_step"]
+            self.bad, self.stopped = state["bad"], state["stopped"]
+
+
+BEST_DIR = "checkpoints_best"
+"""Workdir folder of the early-stopping best checkpoint (parameters and batch stats)."""
+
+
 class _TrainRun:
     """One ``train()`` call, as named steps: :meth:`restore_or_init`, then :meth:`run`, which
     repeats :meth:`_steps` (train, read flags, log, evaluate, checkpoint, stop on preemption)
@@ -636,6 +678,12 @@ class _TrainRun:
         self.start_step = 0
         self.data_offset = 0
         self.guard = _NonfiniteGuard(self.tcfg)
+        self.early = _EarlyStopping(self.tcfg)
+        self.best_ckpt = (
+            Checkpointer(workdir / BEST_DIR, max_to_keep=1, async_save=False)
+            if self.early.enabled
+            else None
+        )
         self.preempted = False
         # (step index, device metrics) not yet read back; read at log / checkpoint boundaries,
         # on preemption and at the end, so the host does not wait on the device every step.
@@ -727,6 +775,7 @@ class _TrainRun:
         # otherwise (it always records it: ``data_position``).
         self.data_offset = restored_meta.get("data_position", self.start_step) - self.start_step
         self.guard = _NonfiniteGuard(tcfg, total=restored_meta.get("nonfinite_total", 0))
+        self.early.load(restored_meta.get("early_stopping"))
         write_run_info(self.workdir, self.start_step)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -737,6 +786,7 @@ class _TrainRun:
             "data_position": step + self.data_offset,
             "nonfinite_total": self.guard.total,
             "layout": self.layout,
+            "early_stopping": self.early.state() if self.early.enabled else None,
         }
         self.ckpt.save(step, _state_items(self.state), meta)
 
@@ -754,7 +804,7 @@ class _TrainRun:
         self.t_last, self.step_last = time.perf_counter(), start
         prog, task = _progress(tcfg.progress, tcfg.num_steps, start)
         with prog, _SigtermFlag() as sigterm, _closed_on_error(self.ckpt):
-            while start < tcfg.num_steps and not self.preempted:
+            while start < tcfg.num_steps and not self.preempted and not self.early.stopped:
                 bad = self._steps(start, sigterm, prog, task)
                 if bad is None:
                     break
@@ -813,13 +863,33 @@ class _TrainRun:
                         self.state.params, self.state.batch_stats, max_batches=tcfg.eval_max_batches
                     )
                     self.writer.write({"step": done, "split": "eval", **ev})
-            if (is_ckpt or self.preempted) and self.ckpt.latest_step() != done:
+                if self.early.enabled:
+                    self._early_stopping(done, ev)
+            if (
+                is_ckpt or self.preempted or self.early.stopped
+            ) and self.ckpt.latest_step() != done:
                 with timer.phase("checkpoint"):
                     self.save(done)
             if self.preempted:
                 print(f"SIGTERM: saved checkpoint step {done}, stopping", file=sys.stderr)
                 return None
+            if self.early.stopped:
+                e = self.early
+                print(f"early stopping at step {done}: {e.metric} did not improve on "
+                      f"{e.best_value:.6g} (step {e.best_step}) in {e.patience} evaluations",
+                      file=sys.stderr)  # fmt: skip
+                return None
         return None
+
+    def _early_stopping(self, done: int, ev: dict) -> None:
+        """Records an evaluation; a new best is saved to ``checkpoints_best/`` at once."""
+        # A resumed run replays bitwise, so a best step saved before the kill is saved again
+        # identically: it is kept, not overwritten.
+        if self.early.observe(done, ev) and done not in self.best_ckpt.all_steps():
+            with self.timer.phase("checkpoint"):
+                trees = {"params": self.state.params, "batch_stats": self.state.batch_stats}
+                self.best_ckpt.save(done, trees, {"step": done, "layout": self.layout,
+                                                  "metric": ev})  # fmt: skip
 
     def _read_flags(self) -> list[int] | None:
         """Reads back the pending steps' metrics in step order through the non-finite guard;
@@ -888,14 +958,38 @@ class _TrainRun:
         if self.preempted:
             with timer.phase("close"):
                 ckpt.close()
+                if self.best_ckpt is not None:
+                    self.best_ckpt.close()
             return {"step": int(self.state.step), "preempted": True}
         final_step = int(self.state.step)
         if ckpt.latest_step() != final_step:
             with timer.phase("checkpoint"):
                 self.save(final_step)
+        if self.early.enabled and self.early.best_step is not None:
+            return self._finish_best(final_step)
         with timer.phase("final_eval"):
             ev = self.exp.evaluate(self.state.params, self.state.batch_stats)
             self.writer.write({"step": final_step, "split": "eval", **ev})
         with timer.phase("close"):
             ckpt.close()
         return {"step": final_step, **ev}
+
+    def _finish_best(self, final_step: int) -> dict:
+        """Early stopping's result: the best parameters, evaluated on the whole eval set."""
+        best = self.early.best_step
+        if best not in self.best_ckpt.all_steps():
+            raise FileNotFoundError(
+                f"early stopping: best step {best} is not in {self.best_ckpt.directory} (it has "
+                f"{self.best_ckpt.all_steps()}); was train.num_steps lowered on resume?"
+            )
+        with self.timer.phase("final_eval"):
+            items = _state_items(self.exp.abstract_state)
+            trees, _ = self.best_ckpt.restore(
+                best, {"params": items["params"], "batch_stats": items["batch_stats"]}
+            )
+            ev = self.exp.evaluate(trees["params"], trees["batch_stats"])
+            self.writer.write({"step": best, "split": "eval_best", **ev})
+        with self.timer.phase("close"):
+            self.ckpt.close()
+            self.best_ckpt.close()
+        return {"step": final_step, "best_step": best, "stopped_early": self.early.stopped, **ev}

@@ -294,3 +294,34 @@ def test_init_from_another_run_restores_its_parameters(tmp_path):
     assert fresh["logloss"] != a["logloss"]
     with pytest.raises(FileNotFoundError, match="init_from"):
         train(_tiny(num_steps=1, init_from=str(tmp_path / "nope")), build_model, tmp_path / "c")
+
+
+def test_early_stopping_keeps_and_reports_the_best_checkpoint(tmp_path, capsys):
+    """BARS protocol: with a min_delta no evaluation can beat, the first evaluation stays the
+    best, the run stops after `patience` evaluations, and its result is the best parameters'
+    full evaluation, which `evaluate --best` repeats; a relaunch trains no further."""
+    wd = tmp_path / "run"
+    cfg = _tiny(num_steps=40, eval_every=4, log_every=4, early_stopping_metric="logloss",
+                early_stopping_patience=2, early_stopping_min_delta=1.0)  # fmt: skip
+    result = train(cfg, build_model, wd)
+    assert result["stopped_early"] and result["best_step"] == 4 and result["step"] == 12
+    evals = _rows(wd, "eval")
+    assert [r["step"] for r in evals] == [4, 8, 12]
+    best_row = _rows(wd, "eval_best")[-1]
+    assert best_row["step"] == 4 and best_row["logloss"] == result["logloss"]
+    capsys.readouterr()
+    again = dlrm_evaluate.main(["--workdir", str(wd), "--best"])
+    assert again["step"] == 4
+    for key in ("auc", "logloss", "num_examples"):
+        assert again[key] == result[key], key
+    latest = dlrm_evaluate.main(["--workdir", str(wd)])
+    assert latest["step"] == 12 and latest["logloss"] != result["logloss"]
+    relaunch = train(cfg, build_model, wd)
+    assert relaunch["step"] == 12 and relaunch["logloss"] == result["logloss"]
+    assert [r["step"] for r in _rows(wd, "eval")] == [4, 8, 12]  # no training after the stop
+    # Without the impossible min_delta the same run improves and keeps training past step 12.
+    free = train(dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, early_stopping_min_delta=0.0, num_steps=16)), build_model, tmp_path / "free")  # fmt: skip
+    assert free["best_step"] > 4 and free["step"] == 16
+    with pytest.raises(ValueError, match="eval_every"):
+        _tiny(early_stopping_metric="auc")
