@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ SPLITS = ("train", "valid", "test")
 
 _FLOAT_RE = r"^\s*[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*$"
 _INT_RE = r"^\s*[+-]?\d{1,18}\s*$"
-_HEX_RE = r"^\s*(?:0[xX])?[0-9a-fA-F]{1,16}\s*$"
+_HEX_FULL = re.compile(r"\s*(?:0[xX])?[0-9a-fA-F]{1,16}\s*")
 
 
 @dataclasses.dataclass
@@ -114,7 +115,15 @@ def parse_numbers(
     """Numbers of a column: (float64 values, missing mask, bad mask). Strings must be decimal
     numbers (``integer``: base-10 integers of at most 18 digits); non-finite values are bad."""
     missing = arr.is_null().to_numpy(zero_copy_only=False)
+    fast = _cast_or_none(arr, pa.int64() if integer else pa.float64())
+    if fast is not None and (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+        # Clean data: pyarrow's own strict cast (no whitespace, no junk) does all the work.
+        values = fast.to_numpy(zero_copy_only=False).astype(np.float64)
+        values = np.where(missing, 0.0, values)
+        bad = ~np.isfinite(values)
+        return np.where(bad, 0.0, values), missing, bad
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        # Some value does not cast: the regex names which (spaces around a number are allowed).
         ok = _mask(pc.match_substring_regex(arr, _INT_RE if integer else _FLOAT_RE))
         bad = ~ok & ~missing
         clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), arr, pa.nulls(len(arr), arr.type)))
@@ -135,6 +144,43 @@ def parse_numbers(
     return np.where(bad, 0.0, values), missing, bad
 
 
+def _cast_or_none(arr: pa.Array, typ: pa.DataType) -> pa.Array | None:
+    try:
+        return pc.cast(arr, typ)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+
+
+_NIBBLE = np.full(256, -1, np.int8)
+_NIBBLE[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
+_NIBBLE[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
+_NIBBLE[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_SHIFTS = (4 * np.arange(15, -1, -1)).astype(np.uint64)
+
+
+def _parse_hex_words(words: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """uint64 values and bad flags of distinct hex strings (1-16 digits, optional 0x, spaces
+    around). Plain digits are parsed in numpy from the string buffers; only the rest (a prefix,
+    spaces, or bad text) one by one in Python."""
+    n = len(words)
+    offs = np.frombuffer(words.buffers()[1], np.int32)[words.offset : words.offset + n + 1]
+    data = np.frombuffer(words.buffers()[2], np.uint8) if n else np.zeros(1, np.uint8)
+    start, length = offs[:-1].astype(np.int64), np.diff(offs).astype(np.int64)
+    k = np.arange(16)
+    use = k >= (16 - length)[:, None]  # right-aligned digits
+    pos = np.clip(start[:, None] + length[:, None] - 16 + k, 0, max(data.size - 1, 0))
+    nib = np.where(use, _NIBBLE[data[pos]], 0)
+    ok = (length >= 1) & (length <= 16) & (nib >= 0).all(1)
+    out = np.bitwise_or.reduce(nib.clip(0).astype(np.uint64) << _SHIFTS, axis=1)
+    out = np.where(ok, out, np.uint64(0))
+    bad = ~ok
+    for i in np.flatnonzero(~ok).tolist():  # the slow, rare forms
+        w = words[i].as_py()
+        if _HEX_FULL.fullmatch(w):
+            out[i], bad[i] = int(w, 16), False
+    return out, bad
+
+
 def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
     """Categorical values as their vocabulary type (string, int64 or uint64), and a bad mask."""
     n = len(arr)
@@ -147,16 +193,27 @@ def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
         arr = pc.cast(arr, pa.string())
     if not pa.types.is_string(arr.type):
         arr = pc.cast(arr, pa.string())
-    ok = _mask(pc.match_substring_regex(arr, _INT_RE if parse == "int" else _HEX_RE))
+    if parse == "hex":  # parsed per distinct value: a chunk has far fewer than rows
+        enc = arr.dictionary_encode()
+        nums, bad_words = _parse_hex_words(enc.dictionary)
+        idx = enc.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        valid = enc.indices.is_valid().to_numpy(zero_copy_only=False)
+        if len(nums):  # an empty string (e.g. in Parquet) is a missing value, not a bad one
+            empty = np.diff(np.frombuffer(enc.dictionary.buffers()[1], np.int32)[
+                enc.dictionary.offset : enc.dictionary.offset + len(nums) + 1]) == 0  # fmt: skip
+            bad_words &= ~empty
+            valid &= ~empty[idx]
+        bad = valid & bad_words[idx] if len(nums) else np.zeros(n, bool)
+        values = np.where(bad, 0, nums[idx]) if len(nums) else np.zeros(n, np.uint64)
+        return pa.array(values, pa.uint64(), mask=~valid | bad), bad
+    fast = _cast_or_none(arr, pa.int64())
+    if fast is not None:
+        return fast, np.zeros(n, bool)
+    ok = _mask(pc.match_substring_regex(arr, _INT_RE))
     missing = arr.is_null().to_numpy(zero_copy_only=False)
     bad = ~ok & ~missing
     clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), arr, pa.nulls(n, pa.string())))
-    if parse == "int":
-        return pc.cast(clean, pa.int64()), bad
-    enc = clean.dictionary_encode()
-    words = enc.dictionary.to_pylist()
-    nums = pa.array([int(w[2:] if w[:2] in ("0x", "0X") else w, 16) for w in words], pa.uint64())
-    return pc.take(nums, enc.indices), bad
+    return pc.cast(clean, pa.int64()), bad
 
 
 def _split_codes(spec: TabularSpec, table: pa.Table, chunk: Chunk, file_split: int | None,

@@ -315,6 +315,12 @@ class Prepared:
         return cls(folder, spec, schema, vocab, shards, m["stats"])
 
 
+def _counted(f) -> bool:
+    if f.kind == "numeric":
+        return f.standardize and not f.boundaries
+    return not f.hash_buckets
+
+
 def prepared_folder(spec: TabularSpec, root: str = "") -> tuple[str, Inputs]:
     inputs = resolve_inputs(spec)
     root = os.path.abspath(os.path.expanduser(root or DEFAULT_ROOT))
@@ -352,7 +358,10 @@ def prepare(
     workers = workers or min(n, os.cpu_count() or 1)
     count_files = [i for i, (_, s) in enumerate(inputs.files) if s in (None, enc.TRAIN)]
     if not os.path.exists(os.path.join(folder, "vocab", "scales.json")):
-        _run("count", spec, inputs, folder, count_files, workers, progress)
+        # Hashed and bucketised features need no vocabulary, nor unscaled numerics moments:
+        # a spec of only those (e.g. Criteo's) skips the counting pass.
+        if any(_counted(f) for f in spec.features):
+            _run("count", spec, inputs, folder, count_files, workers, progress)
         counts = enc.Counts()
         for name in sorted(os.listdir(os.path.join(folder, "count"))):
             if name.endswith(".pkl"):

@@ -332,10 +332,9 @@ def spec_from_dict(data: Any, *, where: str = "spec", base_dir: str = "") -> Tab
         raise SpecError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
     data = {**data, "base_dir": base_dir}
     try:
-        return _build(TabularSpec, data, where)
+        return _build(TabularSpec, data, "")
     except SpecError as e:
-        msg = str(e)
-        raise SpecError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+        raise SpecError(f"{where}: {e}") from None
 
 
 def load_spec(path: str | os.PathLike) -> TabularSpec:
@@ -370,16 +369,17 @@ def load_spec(path: str | os.PathLike) -> TabularSpec:
 def _build(cls, data: Any, path: str):
     """Hand-written because no installed library does strict nested dataclass loading with
     field paths in its errors (dacite/pydantic are not dependencies); ~40 lines."""
+    at = f"{path}: " if path else ""  # path '' is the top level
     if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a mapping for {cls.__name__}, got {data!r}")
+        raise SpecError(f"{at}expected a mapping for {cls.__name__}, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise SpecError(f"{path}: unknown field {unknown[0]!r} (known: {', '.join(fields)})")
+        raise SpecError(f"{at}unknown field {unknown[0]!r} (known: {', '.join(fields)})")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
-        kwargs[name] = _convert(hints[name], value, f"{path}.{name}")
+        kwargs[name] = _convert(hints[name], value, f"{path}.{name}" if path else name)
     missing = [
         n
         for n, f in fields.items()
@@ -388,11 +388,11 @@ def _build(cls, data: Any, path: str):
         and f.default_factory is dataclasses.MISSING
     ]
     if missing:
-        raise SpecError(f"{path}: missing field {missing[0]!r}")
+        raise SpecError(f"{at}missing field {missing[0]!r}")
     try:
         return cls(**kwargs)
     except SpecError as e:
-        raise SpecError(f"{path}: {e}") from None
+        raise SpecError(f"{at}{e}") from None
 
 
 def _convert(tp, value: Any, path: str):
