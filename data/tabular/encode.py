@@ -217,14 +217,19 @@ def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
 
 
 def _split_codes(spec: TabularSpec, table: pa.Table, chunk: Chunk, file_split: int | None,
-                 file_index: int, bad: _Bad) -> np.ndarray:  # fmt: skip
+                 file_index: int, piece_index: int, bad: _Bad) -> np.ndarray:  # fmt: skip
     n = table.num_rows
     if file_split is not None:
         return np.full(n, file_split, np.int8)
     s = spec.split
     if s.kind == "random":
         rows = np.arange(chunk.first_row, chunk.first_row + n, dtype=np.uint64)
-        key = (np.uint64(file_index) << np.uint64(40)) ^ rows
+        # (file, piece, row) -> a uniform draw: fixed for the file whatever the worker count.
+        key = (
+            (np.uint64(file_index) << np.uint64(48))
+            + (np.uint64(piece_index) << np.uint64(32))
+            + rows
+        )
         u = (fmix64(key + _seed_offset(s.seed)) >> np.uint64(11)).astype(np.float64) / 2.0**53
         return np.where(u < s.valid_fraction, VALID,
                         np.where(u < s.valid_fraction + s.test_fraction, TEST, TRAIN)).astype(np.int8)  # fmt: skip
@@ -245,6 +250,7 @@ def parse_chunk(
     *,
     file_split: int | None,
     file_index: int,
+    piece_index: int = 0,
     strict: bool,
     rejects: list[Reject],
 ) -> Parsed:
@@ -260,7 +266,7 @@ def parse_chunk(
         taken = side.columns.take(pc.fill_null(idx, 0))
         for name in taken.column_names:
             table = table.append_column(name, taken.column(name))
-    split = _split_codes(spec, table, chunk, file_split, file_index, bad)
+    split = _split_codes(spec, table, chunk, file_split, file_index, piece_index, bad)
 
     arr = _column(table, spec.label.column)
     y, missing, bady = parse_numbers(arr)

@@ -24,6 +24,7 @@ folder is complete when it holds ``manifest.json``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -41,7 +42,7 @@ import pyarrow as pa
 
 from data.batch import Batch, FeatureInfo, Schema
 from data.tabular import encode as enc
-from data.tabular.read import Chunk, Reject, TabularFormatError, iter_chunks, read_whole
+from data.tabular.read import Chunk, Reject, TabularFormatError, iter_chunks, pieces, read_whole
 from data.tabular.spec import TabularSpec, load_spec, spec_digest, spec_from_dict
 
 DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "recscale", "tabular")
@@ -131,8 +132,8 @@ def interaction_columns(spec: TabularSpec, sides: list[enc.SideTable]) -> list[s
 # ----------------------------------------------------------------------------- parts
 
 
-def _parts(chunks: Iterator[Chunk], rows: int) -> Iterator[tuple[int, Chunk, bool]]:
-    """Chunks cut at part boundaries: ``(part, piece, last_piece_of_part)``."""
+def _parts(chunks: Iterator[Chunk], rows: int) -> Iterator[tuple[int, Chunk, bool, bool]]:
+    """Chunks cut at part boundaries: ``(part, piece, last_piece_of_part, last_of_all)``."""
     pending: tuple[int, Chunk] | None = None
     for chunk in chunks:
         start, n = chunk.first_row, chunk.table.num_rows
@@ -142,11 +143,11 @@ def _parts(chunks: Iterator[Chunk], rows: int) -> Iterator[tuple[int, Chunk, boo
             piece = Chunk(chunk.table.slice(start - chunk.first_row, take), chunk.file, start,
                           chunk.locate)  # fmt: skip
             if pending is not None:
-                yield pending[0], pending[1], pending[0] != part
+                yield pending[0], pending[1], pending[0] != part, False
             pending = (part, piece)
             start, n = start + take, n - take
     if pending is not None:
-        yield pending[0], pending[1], True
+        yield pending[0], pending[1], True, True
 
 
 def _atomic_write(path: str, data: bytes) -> None:
@@ -158,8 +159,25 @@ def _atomic_write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _part_name(file_index: int, part: int) -> str:
-    return f"f{file_index:05d}-p{part:06d}"
+def work_units(spec: TabularSpec, inputs: Inputs) -> tuple[tuple[int, int, int, int], ...]:
+    """``(file, piece, start, end)``: each file, large uncompressed CSVs cut into pieces at line
+    ends (``spec.piece_bytes``), in order; the unit of parallel work."""
+    out = []
+    for i, (path, _) in enumerate(inputs.files):
+        st = os.stat(path)
+        cut = _pieces(path, st.st_size, st.st_mtime_ns, spec.format, spec.piece_bytes)
+        out += [(i, k, a, b) for k, (a, b) in enumerate(cut)]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(path: str, size: int, mtime_ns: int, fmt, piece_bytes: int):
+    del size, mtime_ns  # cache key only: a changed file is cut again
+    return tuple(pieces(path, fmt, piece_bytes))
+
+
+def _part_name(file_index: int, piece: int, part: int) -> str:
+    return f"f{file_index:05d}-c{piece:04d}-p{part:06d}"
 
 
 _PROGRESS: Callable[[int], None] | None = None  # where a pass reports rows (set by _run)
@@ -170,19 +188,21 @@ def _report(rows: int) -> None:
         _PROGRESS(rows)
 
 
-def _count_file(spec: TabularSpec, inputs: Inputs, folder: str, file_index: int) -> int:
-    """Pass 1 over one file: a pickled :class:`~data.tabular.encode.Counts` per part."""
+def _count_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> int:
+    """Pass 1 over one unit: a pickled :class:`~data.tabular.encode.Counts` per part."""
+    file_index, piece_index, start, end = work_units(spec, inputs)[unit]
     path, file_split = inputs.files[file_index]
     sides = load_sides(spec, inputs)
     cols = interaction_columns(spec, sides)
-    fmt = spec.format
     counts, rows = enc.Counts(), 0
-    chunks = iter_chunks(path, fmt, cols, strict=spec.strict, on_reject=lambda r: None)
-    for part, piece, last in _parts(chunks, spec.rows_per_shard):
-        marker = os.path.join(folder, "count", _part_name(file_index, part) + ".pkl")
+    chunks = iter_chunks(path, spec.format, cols, strict=spec.strict, on_reject=lambda r: None,
+                         piece=(start, end))  # fmt: skip
+    for part, piece, last, _ in _parts(chunks, spec.rows_per_shard):
+        marker = os.path.join(folder, "count", _part_name(file_index, piece_index, part) + ".pkl")
         if not os.path.exists(marker):
             parsed = enc.parse_chunk(spec, piece, sides, file_split=file_split,
-                                     file_index=file_index, strict=spec.strict, rejects=[])  # fmt: skip
+                                     file_index=file_index, piece_index=piece_index,
+                                     strict=spec.strict, rejects=[])  # fmt: skip
             counts.add(spec, parsed)
             if last:
                 _atomic_write(marker, pickle.dumps(counts, protocol=5))
@@ -193,10 +213,11 @@ def _count_file(spec: TabularSpec, inputs: Inputs, folder: str, file_index: int)
     return rows
 
 
-def _encode_file(spec: TabularSpec, inputs: Inputs, folder: str, file_index: int) -> int:
-    """Pass 2 over one file: shards per split and a JSON marker per part."""
+def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> int:
+    """Pass 2 over one unit: shards per split and a JSON marker per part."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
+    file_index, piece_index, start, end = work_units(spec, inputs)[unit]
     path, file_split = inputs.files[file_index]
     sides = load_sides(spec, inputs)
     cols = interaction_columns(spec, sides)
@@ -204,19 +225,31 @@ def _encode_file(spec: TabularSpec, inputs: Inputs, folder: str, file_index: int
     encoder = enc.Encoder(spec, vocab)
     dtype = record_dtype(encoder.schema)
     read_rejects: list[Reject] = []
-    chunks = iter_chunks(path, spec.format, cols, strict=spec.strict, on_reject=read_rejects.append)
+    chunks = iter_chunks(path, spec.format, cols, strict=spec.strict,
+                         on_reject=read_rejects.append, piece=(start, end))  # fmt: skip
     writers: dict[int, Any] = {}
     rows_in: dict[int, int] = {}
     rejects: list[Reject] = []
     total = 0
-    for part, piece, last in _parts(chunks, spec.rows_per_shard):
-        name = _part_name(file_index, part)
+    per_part = spec.rows_per_shard
+
+    def malformed_of(part: int, final: bool) -> list[Reject]:
+        """The malformed lines read so far that fall in ``part`` (by the kept rows before
+        them); the final part takes the rest."""
+        mine = [r for r in read_rejects if final or r.row < (part + 1) * per_part]
+        read_rejects[:] = [r for r in read_rejects if not (final or r.row < (part + 1) * per_part)]
+        return mine
+
+    for part, piece, last, final in _parts(chunks, per_part):
+        name = _part_name(file_index, piece_index, part)
         marker = os.path.join(folder, "parts", name + ".json")
         if os.path.exists(marker):
-            read_rejects.clear()
+            if last:  # done before a kill: its malformed lines are in its rejects file
+                malformed_of(part, final)
         else:
             parsed = enc.parse_chunk(spec, piece, sides, file_split=file_split,
-                                     file_index=file_index, strict=spec.strict, rejects=rejects)  # fmt: skip
+                                     file_index=file_index, piece_index=piece_index,
+                                     strict=spec.strict, rejects=rejects)  # fmt: skip
             dense, ids, labels, weights = encoder.encode(parsed)
             rec = np.empty(parsed.n, dtype)
             rec["label"], rec["weight"], rec["dense"], rec["ids"] = labels, weights, dense, ids
@@ -238,17 +271,18 @@ def _encode_file(spec: TabularSpec, inputs: Inputs, folder: str, file_index: int
                     base = os.path.join(folder, "shards", enc.SPLITS[code], name)
                     os.replace(base + ".tmp", base + ".array_record")
                     shard_rows[enc.SPLITS[code]] = rows_in[code]
-                rejects = read_rejects + rejects
+                rejects = malformed_of(part, final) + rejects
                 if rejects:
                     text = "".join(
-                        f"{r.file}\t{r.line}\t{r.reason}\t{r.column}\t{r.text}\n" for r in rejects
+                        f"{r.file}\t{r.where()}\t{r.reason}\t{r.column}\t{r.text}\n"
+                        for r in rejects
                     )
                     _atomic_write(os.path.join(folder, "rejects", name + ".tsv"),
                                   (REJECTS_HEADER + text).encode())  # fmt: skip
                 info = {"rows": shard_rows, "rejected": dict(Counter(r.reason for r in rejects)),
                         "stats": encoder.stats()}  # fmt: skip
                 _atomic_write(marker, json.dumps(info).encode())
-                writers, rows_in, rejects, read_rejects[:] = {}, {}, [], []
+                writers, rows_in, rejects = {}, {}, []
                 encoder = enc.Encoder(spec, vocab)
         total += piece.table.num_rows
         _report(piece.table.num_rows)
@@ -354,14 +388,14 @@ def prepare(
     _atomic_write(os.path.join(folder, "spec.json"), json.dumps(saved, indent=1).encode())
     load_sides(spec, inputs)  # side-table errors before any pass starts
     t0 = time.perf_counter()
-    n = len(inputs.files)
-    workers = workers or min(n, os.cpu_count() or 1)
-    count_files = [i for i, (_, s) in enumerate(inputs.files) if s in (None, enc.TRAIN)]
+    units = work_units(spec, inputs)
+    workers = workers or min(len(units), os.cpu_count() or 1)
+    count_units = [u for u, (i, *_) in enumerate(units) if inputs.files[i][1] in (None, enc.TRAIN)]
     if not os.path.exists(os.path.join(folder, "vocab", "scales.json")):
         # Hashed and bucketised features need no vocabulary, nor unscaled numerics moments:
         # a spec of only those (e.g. Criteo's) skips the counting pass.
         if any(_counted(f) for f in spec.features):
-            _run("count", spec, inputs, folder, count_files, workers, progress)
+            _run("count", spec, inputs, folder, count_units, workers, progress)
         counts = enc.Counts()
         for name in sorted(os.listdir(os.path.join(folder, "count"))):
             if name.endswith(".pkl"):
@@ -375,13 +409,13 @@ def prepare(
         shutil.rmtree(os.path.join(folder, "vocab"))
         os.replace(tmp, os.path.join(folder, "vocab"))
     t1 = time.perf_counter()
-    _run("encode", spec, inputs, folder, list(range(n)), workers, progress)
+    _run("encode", spec, inputs, folder, list(range(len(units))), workers, progress)
     t2 = time.perf_counter()
     _write_manifest(spec, inputs, folder, {"count_s": t1 - t0, "encode_s": t2 - t1})
     return Prepared.load(folder, spec)
 
 
-_PASSES = {"count": "_count_file", "encode": "_encode_file"}
+_PASSES = {"count": "_count_unit", "encode": "_encode_unit"}
 
 
 def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
@@ -400,7 +434,7 @@ def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
                TextColumn("{task.completed:,.0f} rows"),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn())  # fmt: skip
     with Progress(*columns, disable=not progress, transient=False) as bar:
-        task = bar.add_task(f"{label} {len(indices)} file(s)", total=None, rate="")
+        task = bar.add_task(f"{label} {len(indices)} file piece(s)", total=None, rate="")
         start = time.perf_counter()
         lock = threading.Lock()
 
@@ -422,54 +456,64 @@ def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, "PYTHONPATH": path}
-        todo = list(indices)
-        running: list[tuple[subprocess.Popen, threading.Thread, list[str]]] = []
+        # Units dealt round-robin: one child per worker and pass (pieces are of similar size).
+        todo = [indices[w::workers] for w in range(min(workers, len(indices)))]
+        running: list[tuple[subprocess.Popen, list[threading.Thread], list[str], list[str]]] = []
 
         def watch(proc: subprocess.Popen) -> None:
             for line in proc.stdout:
                 if line.startswith("rows "):
                     advance(int(line.split()[1]))
 
+        def drain(proc: subprocess.Popen, err: list[str]) -> None:  # no child blocks on stderr
+            err.extend(proc.stderr)
+
         try:
             while todo or running:
                 while todo and len(running) < workers:
                     cmd = [sys.executable, "-m", "data.tabular.prepare", "--worker", label,
-                           "--folder", folder, "--file", str(todo.pop(0))]  # fmt: skip
+                           "--folder", folder, "--units", ",".join(map(str, todo.pop(0)))]  # fmt: skip
                     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             text=True, env=env)  # fmt: skip
-                    t = threading.Thread(target=watch, args=(proc,), daemon=True)
-                    t.start()
-                    running.append((proc, t, cmd))
-                proc, t, cmd = running[0]
-                err = proc.stderr.read()
+                    err: list[str] = []
+                    threads = [threading.Thread(target=watch, args=(proc,), daemon=True),
+                               threading.Thread(target=drain, args=(proc, err), daemon=True)]  # fmt: skip
+                    for t in threads:
+                        t.start()
+                    running.append((proc, threads, cmd, err))
+                proc, threads, cmd, err = running.pop(0)
                 proc.wait()
-                t.join()
+                for t in threads:
+                    t.join()
                 proc.stdout.close()
                 proc.stderr.close()
-                running.pop(0)
+                err = "".join(err)
                 if proc.returncode:
                     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
                     if lines and lines[-1].startswith("error: "):
                         raise TabularFormatError(lines[-1].removeprefix("error: "))
                     raise RuntimeError(f"preparation worker {' '.join(cmd)} failed: {err[-2000:]}")
         finally:
-            for proc, t, _ in running:
+            for proc, threads, _, _ in running:
                 proc.kill()
                 proc.wait()
-                t.join()
+                for t in threads:
+                    t.join()
                 proc.stdout.close()
                 proc.stderr.close()
 
 
-def _worker(label: str, folder: str, file_index: int) -> None:
-    """A child of :func:`_run`: one pass over one file, rows reported on stdout."""
+def _worker(label: str, folder: str, units: list[int]) -> None:
+    """A child of :func:`_run`: one pass over some units, rows reported on stdout."""
     global _PROGRESS
     with open(os.path.join(folder, "spec.json")) as fh:
         saved = json.load(fh)
     where = os.path.join(folder, "spec.json")
     spec = spec_from_dict(saved["spec"], where=where, base_dir=saved["base_dir"])
     _PROGRESS = lambda k: print(f"rows {k}", flush=True)  # noqa: E731
-    globals()[_PASSES[label]](spec, resolve_inputs(spec), folder, file_index)
+    inputs = resolve_inputs(spec)
+    for unit in units:
+        globals()[_PASSES[label]](spec, inputs, folder, unit)
 
 
 def _write_manifest(spec: TabularSpec, inputs: Inputs, folder: str, timing: dict) -> None:
@@ -529,11 +573,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="processes (0 = one per file)")
     ap.add_argument("--worker", choices=sorted(_PASSES), help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
-    ap.add_argument("--file", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--units", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
         if args.worker:
-            _worker(args.worker, args.folder, args.file)
+            _worker(args.worker, args.folder, [int(u) for u in args.units.split(",")])
             return 0
         if not args.spec:
             ap.error("a spec file is required")

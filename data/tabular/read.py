@@ -13,6 +13,7 @@ makes the lines after it in the same file one later than reported.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import queue
 import threading
@@ -32,13 +33,20 @@ class TabularFormatError(ValueError):
 
 @dataclasses.dataclass
 class Reject:
-    """One rejected row: where, why, and its text (CSV: the line; else the row's values)."""
+    """One rejected row: where, why, and its text (a malformed CSV line verbatim; a row with a
+    bad value as its needed columns' values joined by tabs)."""
 
     file: str
-    line: str
+    line: str | Callable[[], str]
+    """``"line 12"`` (or a function giving it: a piece's line numbers are resolved lazily)."""
     reason: str
     column: str
     text: str
+    row: int = -1
+    """Kept rows of the piece before it (files a malformed line under its part)."""
+
+    def where(self) -> str:
+        return self.line() if callable(self.line) else self.line
 
 
 @dataclasses.dataclass
@@ -102,6 +110,9 @@ def _parse_options(path: str, fmt: FileFormat, handler) -> pacsv.ParseOptions:
         delimiter=_delimiter(path, fmt),
         quote_char=fmt.quote_char or False,
         invalid_row_handler=handler,
+        # A blank line is a row (a malformed one unless the file has one column), so line
+        # numbers stay physical and nothing is skipped without a count.
+        ignore_empty_lines=False,
     )
 
 
@@ -114,15 +125,91 @@ def check_columns(path: str, have: Sequence[str], need: Sequence[str], what: str
         )
 
 
-def _csv_locator(first_line: int, skipped: list[int]) -> Callable[[int], str]:
+def _csv_locator(
+    first_rel: int, skipped: list[int], base: Callable[[], int]
+) -> Callable[[int], str]:
     def locate(row: int) -> str:
-        line = first_line + row
-        for s in sorted(skipped):  # physical lines pyarrow skipped as malformed
+        line = first_rel + row
+        for s in sorted(skipped):  # piece lines pyarrow skipped as malformed
             if s <= line:
                 line += 1
-        return f"line {line}"
+        return f"line {base() + line}"
 
     return locate
+
+
+_COMPRESSED = (".gz", ".bz2", ".zst", ".zstd", ".lz4", ".xz", ".br", ".snappy")
+
+
+def pieces(path: str, fmt: FileFormat, piece_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` that cut a large uncompressed CSV file at line ends into
+    pieces of about ``piece_bytes`` (read by separate processes); one range for anything else.
+    A quoted field may not hold a newline (pyarrow's CSV reader does not allow it either)."""
+    size = os.path.getsize(path)
+    if is_parquet(path, fmt) or path.lower().endswith(_COMPRESSED) or size <= piece_bytes:
+        return [(0, size)]
+    cuts = [0]
+    with open(path, "rb") as fh:
+        for k in range(1, -(-size // piece_bytes)):
+            at = max(k * piece_bytes, cuts[-1] + 1)
+            if at >= size:
+                break
+            fh.seek(at - 1)
+            while True:  # the first line end at or after at - 1
+                block = fh.read(1 << 20)
+                i = block.find(b"\n")
+                if i >= 0 or not block:
+                    break
+            end = fh.tell() - len(block) + i + 1 if block else size
+            if end >= size:
+                break
+            if end > cuts[-1]:
+                cuts.append(end)
+    cuts.append(size)
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def lines_before(path: str, offset: int) -> int:
+    """Line ends in the file's first ``offset`` bytes (a piece's line-number offset): counted
+    from the nearest offset counted before in this process."""
+    done = [o for o in _COUNTED.get(path, {}) if o <= offset]
+    start = max(done) if done else 0
+    count = _COUNTED[path][start] if done else 0
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        left = offset - start
+        while left > 0:
+            block = fh.read(min(left, 1 << 24))
+            if not block:
+                break
+            count += int(np.count_nonzero(np.frombuffer(block, np.uint8) == 10))
+            left -= len(block)
+    _COUNTED.setdefault(path, {})[offset] = count
+    return count
+
+
+_COUNTED: dict[str, dict[int, int]] = {}
+
+
+class _Range(io.RawIOBase):
+    """Bytes ``[start, end)`` of a file as a readable stream (one CSV piece for pyarrow)."""
+
+    def __init__(self, path: str, start: int, end: int):
+        self._fh = open(path, "rb")  # noqa: SIM115 (closed with the stream)
+        self._fh.seek(start)
+        self._left = end - start
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self._fh.readinto(memoryview(b)[: min(len(b), self._left)]) if self._left else 0
+        self._left -= n
+        return n
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
 
 
 def iter_chunks(
@@ -133,8 +220,10 @@ def iter_chunks(
     strict: bool,
     on_reject: Callable[[Reject], None],
     string_columns: bool = True,
+    piece: tuple[int, int] | None = None,
 ) -> Iterator[Chunk]:
-    """Streams ``columns`` of one file in chunks (about 1 MB of CSV each).
+    """Streams ``columns`` of one file (or of one CSV ``piece``, a byte range from
+    :func:`pieces`) in chunks of about 1 MB of CSV.
 
     Args:
       strict: a malformed CSV row (wrong column count) or a truncated compressed stream raises
@@ -152,28 +241,37 @@ def iter_chunks(
     if is_parquet(path, fmt):
         yield from _iter_parquet(path, columns)
         return
-    first_line = 2 if fmt.header else 1
-    skipped: list[int] = []
+    start, end = piece if piece is not None else (0, os.path.getsize(path))
+    header = fmt.header and start == 0
+    # pyarrow numbers a piece's lines from 1; the file's line of piece line n is base() + n.
+    base = (lambda: lines_before(path, start)) if start else (lambda: 0)
+    first_rel = 2 if header else 1  # piece line of the first data row
+    skipped: list[int] = []  # piece lines pyarrow skipped as malformed
     first_error: list[TabularFormatError] = []
 
     def handler(row) -> str:
         reason = f"wrong column count (expected {row.expected_columns}, got {row.actual_columns})"
+        n = int(row.number)
         if strict:  # an exception raised here would be swallowed by pyarrow: keep it
             first_error.append(
-                TabularFormatError(f"{path}: line {row.number}: {reason}: {row.text[:200]!r}")
+                TabularFormatError(f"{path}: line {base() + n}: {reason}: {row.text[:200]!r}")
             )
             return "error"
-        skipped.append(int(row.number))
-        on_reject(Reject(path, f"line {row.number}", "wrong column count", "", row.text))
+        kept_before = n - first_rel - len(skipped)
+        skipped.append(n)
+        on_reject(Reject(path, lambda: f"line {base() + n}", "wrong column count", "",
+                         row.text, row=kept_before))  # fmt: skip
         return "skip"
 
+    whole = start == 0 and end >= os.path.getsize(path)  # a whole file may be compressed
+    source = path if whole else io.BufferedReader(_Range(path, start, end), 1 << 20)
     try:
         reader = pacsv.open_csv(
-            path,
+            source,
             read_options=pacsv.ReadOptions(
                 use_threads=False,
                 block_size=1 << 20,
-                column_names=list(fmt.column_names) if not fmt.header else None,
+                column_names=None if header else have,
             ),
             parse_options=_parse_options(path, fmt, handler),
             convert_options=pacsv.ConvertOptions(
@@ -190,26 +288,26 @@ def iter_chunks(
         if "Empty CSV file" in str(e):
             raise TabularFormatError(f"{path}: empty file") from None
         raise TabularFormatError(f"{path}: {e}") from None
-    locate = _csv_locator(first_line, skipped)
+    locate = _csv_locator(first_rel, skipped, base)
     row = 0
     for batch in _background(reader, path):
         if isinstance(batch, BaseException):
             if first_error:
                 raise first_error[0]
-            where = locate(row - 1) if row else f"line {first_line - 1}"
+            where = locate(row - 1) if row else f"line {base() + first_rel - 1}"
             msg = str(batch)
             if "ompressed" in msg or isinstance(batch, OSError):
                 if strict:
                     raise TabularFormatError(
                         f"{path}: truncated or corrupt compressed stream after {where} ({msg})"
                     ) from None
-                on_reject(Reject(path, f"after {where}", "truncated stream", "", ""))
+                on_reject(Reject(path, f"after {where}", "truncated stream", "", "", row=row))
                 break
             raise TabularFormatError(f"{path}: after {where}: {msg}") from None
         if batch.num_rows:
             yield Chunk(pa.Table.from_batches([batch]), path, row, locate)
             row += batch.num_rows
-    if row == 0 and not skipped:
+    if row == 0 and not skipped and start == 0:
         raise TabularFormatError(f"{path}: empty file (no data rows)")
 
 

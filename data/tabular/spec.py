@@ -251,6 +251,10 @@ class TabularSpec:
     written to a rejects file and counted by reason; nothing is dropped silently."""
     rows_per_shard: int = 1 << 20
     """Examples per array_record shard (also the unit of resumption after a kill)."""
+    piece_bytes: int = 256 << 20
+    """Uncompressed CSV files larger than this are cut at line ends into pieces of about this
+    size, prepared by parallel processes (the random split hashes (file, piece, row), so this
+    is part of the spec)."""
     base_dir: str = ""
     """Folder relative paths are resolved against (set by :func:`load_spec` to the file's)."""
 
@@ -267,8 +271,8 @@ class TabularSpec:
             raise SpecError("split kind files needs valid files")
         if self.split.kind != "files" and (self.valid or self.test):
             raise SpecError(f"valid/test files are given but split kind is {self.split.kind!r}")
-        if self.rows_per_shard < 1:
-            raise SpecError("rows_per_shard must be >= 1")
+        if self.rows_per_shard < 1 or self.piece_bytes < 1:
+            raise SpecError("rows_per_shard and piece_bytes must be >= 1")
         by_table: dict[str, Feature] = {}
         for f in self.features:
             if not f.sparse:

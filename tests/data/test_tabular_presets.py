@@ -167,3 +167,58 @@ def test_spec_round_trips_through_yaml_and_json(tmp_path):
         write_spec(spec, str(tmp_path / name))
         loaded = load_spec(tmp_path / name)
         assert dataclasses.replace(loaded, base_dir="") == spec
+
+
+def _piece_spec(tmp_path: Path, *, piece_bytes: int, strict: bool = True, rows: int = 0) -> Path:
+    spec = tmp_path / f"spec_{piece_bytes}_{strict}_{rows}.yaml"
+    spec.write_text(
+        "name: toy\ntrain: [data.csv]\nvalid: [valid.csv]\nsplit: {kind: files}\n"
+        f"label: {{column: label}}\npiece_bytes: {piece_bytes}\nstrict: {str(strict).lower()}\n"
+        + (f"rows_per_shard: {rows}\n" if rows else "")
+        + "features:\n  - {name: user, kind: categorical, parse: int}\n"
+        "  - {name: item, kind: categorical}\n  - {name: x, kind: numeric, standardize: true}\n"
+    )
+    return spec
+
+
+def test_pieces_of_a_large_csv_give_the_whole_files_records(tmp_path):
+    """A CSV cut at line ends into byte-range pieces (prepared in parallel) gives the records,
+    vocabularies and scales of the uncut file, with one worker or two."""
+    _toy_csv(tmp_path / "data.csv", 3000)
+    _toy_csv(tmp_path / "valid.csv", 200, seed=1)
+    whole = prepare(str(_piece_spec(tmp_path, piece_bytes=10**9)), str(tmp_path / "a"),
+                    progress=False)  # fmt: skip
+    spec = _piece_spec(tmp_path, piece_bytes=8000)
+    from data.tabular.prepare import resolve_inputs, work_units
+
+    units = work_units(load_spec(spec), resolve_inputs(load_spec(spec)))
+    assert sum(u[0] == 0 for u in units) > 5  # the training file is cut into pieces
+    one = prepare(str(spec), str(tmp_path / "b"), workers=1, progress=False)
+    two = prepare(str(spec), str(tmp_path / "c"), workers=2, progress=False)
+    for p in (one, two):
+        assert _all_records(p) == _all_records(whole)
+        assert p.vocab.scales == whole.vocab.scales
+        assert p.vocab.values["item"].equals(whole.vocab.values["item"])
+
+
+def test_bad_lines_in_later_pieces_are_named_by_their_file_line(tmp_path):
+    _toy_csv(tmp_path / "data.csv", 3000)
+    _toy_csv(tmp_path / "valid.csv", 50, seed=1)
+    lines = (tmp_path / "data.csv").read_text().splitlines()
+    bad_lines = {700: "1,2", 1501: "1,2,3,4,5", 2600: "0,5,7,abc"}  # 1-based file lines
+    for n, text in bad_lines.items():
+        lines[n - 1] = text
+    (tmp_path / "data.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(Exception, match=r"data.csv: line 700: wrong column count"):
+        prepare(str(_piece_spec(tmp_path, piece_bytes=8000)), str(tmp_path / "s"),
+                progress=False)  # fmt: skip
+    lenient = _piece_spec(tmp_path, piece_bytes=8000, strict=False, rows=250)
+    p = prepare(str(lenient), str(tmp_path / "l"), workers=2, progress=False)
+    found = {}
+    for f in sorted((Path(p.folder) / "rejects").glob("*.tsv")):
+        for r in f.read_text().splitlines()[1:]:
+            _, where, reason, *_ = r.split("\t")
+            found[int(where.removeprefix("line "))] = reason
+    assert found == {700: "wrong column count", 1501: "wrong column count",
+                     2600: "not a number"}  # fmt: skip
+    assert p.stats["rows"]["train"] == 3000 - 3
