@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -50,17 +49,36 @@ def _write_criteo(path: Path, gigabytes: float) -> int:
     return rows
 
 
-_READ = """
+# Each child samples the resident memory of itself plus its own children (the preparation's
+# workers) every 20 ms: ru_maxrss would carry over the forking parent's peak across exec.
+_SAMPLER = """
+import os, threading, time, psutil
+PEAK = [0]
+def _sample():
+    me = psutil.Process()
+    while True:
+        total = 0
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        PEAK[0] = max(PEAK[0], total)
+        time.sleep(0.02)
+threading.Thread(target=_sample, daemon=True).start()
+"""
+
+_READ = _SAMPLER + """
 import sys, time, pyarrow.csv as c
 t = time.perf_counter(); n = 0
 r = c.open_csv(sys.argv[1], read_options=c.ReadOptions(autogenerate_column_names=True, block_size=1 << 22),
                parse_options=c.ParseOptions(delimiter="\\t"))
 for b in r:
     n += b.num_rows
-print(n, time.perf_counter() - t)
+print(n, time.perf_counter() - t, PEAK[0])
 """
 
-_PREP = """
+_PREP = _SAMPLER + """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 from data.tabular.prepare import prepare
@@ -68,25 +86,22 @@ from data.tabular.presets import criteo_spec
 import dataclasses
 spec = dataclasses.replace(criteo_spec((sys.argv[1],), valid_fraction=0.05), rows_per_shard=1 << 21)
 t = time.perf_counter()
-p = prepare(spec, sys.argv[2], progress=False)
-print(sum(p.stats["rows"].values()), time.perf_counter() - t)
+p = prepare(spec, sys.argv[2], progress=False, workers=int(sys.argv[4]))
+print(sum(p.stats["rows"].values()), time.perf_counter() - t, PEAK[0])
 """
 
 
 def _child(code: str, *args: str) -> tuple[int, float, float]:
-    """(rows, seconds, peak RSS GB) of ``python -c code args`` (each child measured alone)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """(rows, seconds, peak RSS GB of the child or any of its own children) of a fresh
+    ``python -c code args`` (memory: the sum over the child and its workers, sampled)."""
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if peak <= before:  # ru_maxrss of children is a running max: run the smaller file first
-        peak = before
-    rows, secs = out.stdout.split()[-2:]
-    return int(rows), float(secs), peak / 1e6
+    rows, secs, rss = out.stdout.split()[-3:]
+    return int(rows), float(secs), int(rss) / 1e9
 
 
-def bench_prepare(sizes: list[float], directory: str, keep: bool) -> list[dict]:
+def bench_prepare(sizes: list[float], directory: str, keep: bool, workers: int) -> list[dict]:
     from rich.console import Console
     from rich.table import Table
 
@@ -101,7 +116,8 @@ def bench_prepare(sizes: list[float], directory: str, keep: bool) -> list[dict]:
             print(f"wrote {size / 1e9:.1f} GB, {rows:,} rows in {time.perf_counter() - t:.0f} s",
                   flush=True)  # fmt: skip
             r_rows, r_s, r_rss = _child(_READ, str(path))
-            p_rows, p_s, p_rss = _child(_PREP, str(path), str(work / "prep"), str(REPO))
+            p_rows, p_s, p_rss = _child(_PREP, str(path), str(work / "prep"), str(REPO),
+                                        str(workers))  # fmt: skip
             assert r_rows == rows and p_rows == rows, (r_rows, p_rows, rows)
             results.append({"gb": size / 1e9, "rows": rows, "read_rows_s": rows / r_s,
                             "read_rss_gb": r_rss, "prepare_rows_s": rows / p_s,
@@ -171,11 +187,12 @@ def main() -> None:
     p.add_argument("--gigabytes", type=float, nargs="+", default=[10.0, 2.0])
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--workers", type=int, default=0, help="preparation processes (0: CPUs)")
     i = sub.add_parser("input")
     i.add_argument("--frappe", default=str(REPO.parent / "shared" / "data" / "frappe"))
     args = ap.parse_args()
     if args.cmd == "prepare":
-        bench_prepare(args.gigabytes, args.dir, args.keep)
+        bench_prepare(args.gigabytes, args.dir, args.keep, args.workers)
     else:
         bench_input(args.frappe)
 

@@ -430,26 +430,36 @@ class _ExampleDecoder:
         return out
 
 
-class _ArrayRecordSplit:
-    """The serialized records of one prepared tfds split, read with array_record directly.
+class ArrayRecordFiles:
+    """Records ``[skip, skip + take)`` of each of several array_record files, in order, as one
+    random-access sequence (``len``, ``[]``, ``__getitems__``: a grain data source).
 
-    Same records as ``builder.as_data_source(split, deserialize_method=RAW_BYTES)``, but one
-    ``ArrayRecordReader.read`` per shard and batch: tfds' data source sorts keys per shard and
-    re-orders its results in Python, which made batch reads 2-3x slower (~5 ms per call).
+    One ``ArrayRecordReader.read`` per file and batch: grain's and tfds' array_record sources
+    sort keys per file and re-order results in Python, which made batch reads about 2x slower
+    (tfds ~5 ms per call; ``benchmarks/tabular_prepare.py`` measured grain's too).
     """
 
-    def __init__(self, builder, split: str):
-        instructions = builder.info.splits[split].file_instructions
-        self._files = [os.fspath(fi.filename) for fi in instructions]
+    def __init__(
+        self, files: Sequence[str], takes: Sequence[int], skips: Sequence[int] | None = None
+    ):
+        self._files = [os.fspath(f) for f in files]
         self._readers: list[Any] = [None] * len(self._files)  # opened on first use
         self._lock = threading.Lock()
-        takes = np.asarray([fi.take for fi in instructions], np.int64)
+        takes = np.asarray(takes, np.int64)
+        skips = np.zeros_like(takes) if skips is None else np.asarray(skips, np.int64)
         self._ends = np.cumsum(takes)
-        self._first = np.asarray([fi.skip for fi in instructions], np.int64) - (self._ends - takes)
+        self._first = skips - (self._ends - takes)
         self._len = int(self._ends[-1]) if takes.size else 0
 
     def __len__(self) -> int:
         return self._len
+
+    def __getstate__(self):  # readers are reopened where the sequence is unpickled
+        return {**self.__dict__, "_readers": [None] * len(self._files), "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def _reader(self, shard: int):
         from array_record.python.array_record_module import ArrayRecordReader
@@ -480,6 +490,16 @@ class _ArrayRecordSplit:
             for i, record in zip(sel.tolist(), records, strict=True):
                 out[i] = record
         return out
+
+
+class _ArrayRecordSplit(ArrayRecordFiles):
+    """The serialized records of one prepared tfds split (the same records as
+    ``builder.as_data_source(split, deserialize_method=RAW_BYTES)``)."""
+
+    def __init__(self, builder, split: str):
+        instructions = builder.info.splits[split].file_instructions
+        super().__init__([fi.filename for fi in instructions], [fi.take for fi in instructions],
+                         [fi.skip for fi in instructions])  # fmt: skip
 
 
 def _ones_batch(dense_bn: np.ndarray, ids_bf: np.ndarray, labels_b: np.ndarray) -> Batch:

@@ -5,9 +5,9 @@ trainer's ``--data.kind tabular``) reads the spec's files in two passes:
 
 1. **count**: the training split's rows, for the vocabularies and numeric moments;
 2. **encode**: every row to fixed-width records (label, weight, dense values, ids), written to
-   ``array_record`` shards per split (``shards/<split>/f<file>-p<part>.array_record``, one
-   record per example, group size 1 so grain's ``ArrayRecordDataSource`` reads them by random
-   access).
+   ``array_record`` shards per split (``shards/<split>/f<file>-c<piece>-p<part>.array_record``,
+   one record per example, read by random access through
+   :class:`data.sources.ArrayRecordFiles`, a grain data source).
 
 Work is cut into *parts*: ``rows_per_shard`` consecutive rows of one file. Each finished part
 leaves a marker (its counts, or its shards' row counts and reject tally), written after its
@@ -47,7 +47,10 @@ from data.tabular.spec import TabularSpec, load_spec, spec_digest, spec_from_dic
 
 DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "recscale", "tabular")
 REJECTS_HEADER = "file\tline\treason\tcolumn\trow\n"
-RECORD_OPTIONS = "group_size:1,uncompressed"
+RECORD_OPTIONS = "group_size:16,uncompressed"
+"""16 records per chunk: writes 2.6x faster than one per chunk and random reads as fast or faster
+(measured, 164-byte records: 0.74 against 1.91 us per write, 7.4 against 12.0 ms per 4,096 random
+reads with ``ArrayRecordReader``); uncompressed, as a random read would inflate a whole chunk."""
 
 
 def record_dtype(schema: Schema) -> np.dtype:
@@ -308,13 +311,13 @@ class Prepared:
         return record_dtype(self.schema)
 
     def records(self, split: str):
-        """The split's records for random access (grain's ``ArrayRecordDataSource``)."""
-        import grain
+        """The split's records for random access (a grain data source over its shards)."""
+        from data.sources import ArrayRecordFiles
 
-        files = [p for p, n in self.shards.get(split, []) if n]
-        if not files:
+        shards = [(p, n) for p, n in self.shards.get(split, []) if n]
+        if not shards:
             raise ValueError(f"prepared dataset {self.folder} has no {split} rows")
-        return grain.sources.ArrayRecordDataSource(files)
+        return ArrayRecordFiles([p for p, _ in shards], [n for _, n in shards])
 
     def to_batch(self, records) -> Batch:
         return decode_records(records, self.dtype)
