@@ -2,6 +2,7 @@
 
     python benchmarks/frappe_table.py --root runs/frappe_table [--models dlrm wukong ...]
         [--seeds 0 1 2] [--data-dir ../shared/data/frappe]
+        [--early-stopping auc --eval-every 100 --patience 2]
 
 For each (model, seed) it runs the model's normal command, one after another (the runs share
 the machine's cores, so they are never run concurrently)::
@@ -11,7 +12,9 @@ the machine's cores, so they are never run concurrently)::
 
 timing the whole command (reading the CSVs, compiling, training, evaluations, checkpoints), and
 then prints a Markdown table of validation AUC and logloss (mean ± sample std over seeds, of the
-final checkpoint, which the trainer evaluates on all of ``valid.csv``), wall time, parameters
+final checkpoint, which the trainer evaluates on all of ``valid.csv``; with ``--early-stopping``
+the best checkpoint by that validation metric, the BARS protocol, and the steps column shows the
+best step / the step the run stopped at), wall time, parameters
 and FLOPs per example (``recscale.flops`` conventions) beside the published test numbers. A run
 whose workdir already holds its final evaluation is not run again, so the script resumes.
 """
@@ -39,7 +42,7 @@ MODELS = {
 }
 
 
-def run(family: str, seed: int, root: Path, data_dir: str | None) -> dict:
+def run(family: str, seed: int, root: Path, data_dir: str | None, extra: list[str]) -> dict:
     """Trains one (family, seed) unless done; returns its final eval row and wall time."""
     package = MODELS[family][0]
     workdir = root / f"{family}_s{seed}"
@@ -50,6 +53,7 @@ def run(family: str, seed: int, root: Path, data_dir: str | None) -> dict:
         sys.executable, "-m", f"{package}.train", f"{family}/frappe", "--workdir", str(workdir),
         "--train.seed", str(seed), "--data.shuffle-seed", str(seed), "--train.no-progress",
     ]  # fmt: skip
+    cmd += extra
     if data_dir:
         d = Path(data_dir).absolute()
         cmd += ["--data.train-path", str(d / "train.csv"), "--data.eval-path", str(d / "valid.csv")]
@@ -83,6 +87,12 @@ def cost(family: str, workdir: Path):
     return cfg.model.cost(schema), cfg
 
 
+def cfg_steps(root: Path, family: str, seed: int) -> int:
+    return json.loads((root / f"{family}_s{seed}" / "config.json").read_text())["train"][
+        "num_steps"
+    ]
+
+
 def fmt(xs: list[float], digits: int) -> str:
     if len(xs) == 1:
         return f"{xs[0]:.{digits}f}"
@@ -97,17 +107,28 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--data-dir", default=None, help="Frappe directory (default: the presets')")
+    p.add_argument("--early-stopping", default="", choices=["", "auc", "logloss"],
+                   help="stop on this validation metric and report the best checkpoint")  # fmt: skip
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--patience", type=int, default=2)
     args = p.parse_args()
+    extra = []
+    if args.early_stopping:
+        extra = ["--train.early-stopping-metric", args.early_stopping, "--train.eval-every",
+                 str(args.eval_every), "--train.early-stopping-patience", str(args.patience)]  # fmt: skip
     root = Path(args.root).absolute()
     root.mkdir(parents=True, exist_ok=True)
     rows = []
     for family in args.models:
-        results = [run(family, s, root, args.data_dir) for s in args.seeds]
+        results = [run(family, s, root, args.data_dir, extra) for s in args.seeds]
+        steps = f"{cfg_steps(root, family, args.seeds[0]):,}"
+        if args.early_stopping:
+            steps = " ".join(f"{r['best_step']}/{r['step']}" for r in results)
         c, cfg = cost(family, root / f"{family}_s{args.seeds[0]}")
         _, paper, bars = MODELS[family]
         rows.append(
             f"| {family}/frappe | {fmt([r['auc'] for r in results], 4)} | "
-            f"{fmt([r['logloss'] for r in results], 4)} | {cfg.train.num_steps:,} | "
+            f"{fmt([r['logloss'] for r in results], 4)} | {steps} | "
             f"{fmt([r['wall_s'] / 60 for r in results], 1)} | {c.dense_params:,} | "
             f"{c.sparse_params:,} | {c.forward_flops / 1e6:.3f} | {c.train_flops / 1e6:.3f} | "
             f"{paper} | {bars} |"

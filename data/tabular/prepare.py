@@ -337,8 +337,12 @@ class Prepared:
                                      strict=strict, rejects=rejects)  # fmt: skip
             parts.append(encoder.encode(parsed))
         dense, ids, labels, weights = (np.concatenate(a) for a in zip(*parts, strict=True))
+        counts = encoder.stats()  # per split; every row of the file counts as "valid"
         stats = {"file": path, "rows": int(labels.size),
-                 "rejected": dict(Counter(r.reason for r in rejects)), **encoder.stats()}  # fmt: skip
+                 "rejected": dict(Counter(r.reason for r in rejects)),
+                 "oov": {k: v["valid"] for k, v in counts["oov"].items() if v["valid"]},
+                 "missing": {k: v["valid"] for k, v in counts["missing"].items() if v["valid"]},
+                 "truncated_tokens": counts["truncated_tokens"]}  # fmt: skip
         return Batch(dense, ids, labels, weights), stats
 
     @classmethod

@@ -117,6 +117,9 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     if args.embeddings_int8:
         result["embeddings"] = "int8"
     result["data_path"] = args.data_path or cfg.data.eval_path or f"synthetic:{cfg.data.kind}"
+    eval_stats = (getattr(exp.source, "stats", None) or {}).get("eval")
+    if isinstance(eval_stats, dict) and "oov" in eval_stats:
+        result["eval_data"] = eval_stats  # rows read and rejected, unseen values per feature
     if args.output and jax.process_index() == 0:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json_line(result) + "\n")
