@@ -68,7 +68,9 @@ def _sample():
 threading.Thread(target=_sample, daemon=True).start()
 """
 
-_READ = _SAMPLER + """
+_READ = (
+    _SAMPLER
+    + """
 import sys, time, pyarrow.csv as c
 t = time.perf_counter(); n = 0
 r = c.open_csv(sys.argv[1], read_options=c.ReadOptions(autogenerate_column_names=True, block_size=1 << 22),
@@ -77,8 +79,11 @@ for b in r:
     n += b.num_rows
 print(n, time.perf_counter() - t, PEAK[0])
 """
+)
 
-_PREP = _SAMPLER + """
+_PREP = (
+    _SAMPLER
+    + """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 from data.tabular.prepare import prepare
@@ -89,6 +94,7 @@ t = time.perf_counter()
 p = prepare(spec, sys.argv[2], progress=False, workers=int(sys.argv[4]))
 print(sum(p.stats["rows"].values()), time.perf_counter() - t, PEAK[0])
 """
+)
 
 
 def _child(code: str, *args: str) -> tuple[int, float, float]:

@@ -5,7 +5,7 @@ Writes the layout of most public recommendation datasets (MovieLens, Taobao, Ama
 * ``interactions.csv``: ``user_id, item_id, timestamp, rating`` (1 to 5), 200,000 rows;
 * ``users.csv``: ``user_id, age, gender, occupation``; ``items.csv``: ``item_id, genres``
   (a ``|`` list), ``price``;
-* ``new.csv``: 10,000 later interactions, 5% of them by users who never appear in
+* ``new.csv``: 10,000 later interactions, about 5% of them by 150 users who never appear in
   ``interactions.csv`` (present in ``users.csv``), for ``evaluate --data-path``.
 
 The ratings come from a planted model (a user-genre affinity, an age-by-price term, item
@@ -61,7 +61,7 @@ def make(directory: str, *, seed: int = 0, rows: int = 200_000) -> None:
 
     known = np.arange(n_users - 150)
     _write(os.path.join(directory, "interactions.csv"), interactions(rows, known, 1_700_000_000))
-    later = np.concatenate([known, np.arange(n_users - 150, n_users).repeat(20)])
+    later = np.arange(n_users)  # the last 150 users (5%) appear only here
     new = interactions(10_000, later, 1_700_000_000 + 86_400 * 60)
     _write(os.path.join(directory, "new.csv"), new)
     _write(os.path.join(directory, "users.csv"), {
