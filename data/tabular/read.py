@@ -1,13 +1,15 @@
 """Reading tabular files with pyarrow: CSV/TSV (header or not, quoting, compressed) and Parquet.
 
-:func:`iter_chunks` streams one file as :class:`Chunk`\\ s of the columns a spec needs, each
-remembering where its rows came from, so every later error can name the file and the line (CSV)
-or row group and row (Parquet). CSV is parsed single-threaded (pyarrow gives the line number of a
-malformed row only then) on a background thread, so parsing overlaps the caller's encoding;
-several files are read by several processes (``data/tabular/prepare.py``).
+:func:`iter_chunks` streams one file (or one byte-range piece of a large uncompressed CSV, cut at
+a line end by :func:`pieces`) as :class:`Chunk`\\ s of the columns a spec needs, each remembering
+where its rows came from, so every later error can name the file and the line (CSV) or row group
+and row (Parquet). CSV is parsed single-threaded (pyarrow gives the line number of a malformed
+row only then) on a background thread, so parsing overlaps the caller's encoding; pieces and
+files are read by several processes (``data/tabular/prepare.py``).
 
-Line numbers count physical lines from 1 (the header is line 1). A quoted field holding a newline
-makes the lines after it in the same file one later than reported.
+Line numbers count physical lines from 1 (the header is line 1; a blank line is a malformed row,
+never skipped). A quoted field may not hold a newline (pyarrow's CSV reader's default): such a
+row reads as malformed.
 """
 
 from __future__ import annotations
