@@ -23,6 +23,7 @@ folder is complete when it holds ``manifest.json``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -389,6 +390,36 @@ def prepare(
     folder, inputs = prepared_folder(spec, root)
     if os.path.exists(os.path.join(folder, "manifest.json")):
         return Prepared.load(folder, spec)
+    os.makedirs(folder, exist_ok=True)
+    with _exclusive(folder):  # two processes (e.g. a multi-process run's) prepare it once
+        if os.path.exists(os.path.join(folder, "manifest.json")):
+            return Prepared.load(folder, spec)
+        _prepare_locked(spec, inputs, folder, workers, progress)
+    return Prepared.load(folder, spec)
+
+
+@contextlib.contextmanager
+def _exclusive(folder: str):
+    """An exclusive ``flock`` on ``<folder>/.lock`` (local filesystems; on a shared one,
+    prepare once before launching the hosts)."""
+    import fcntl
+
+    with open(os.path.join(folder, ".lock"), "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process preparing {folder}", file=sys.stderr)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _prepare_locked(spec: TabularSpec, inputs: Inputs, folder: str, workers: int,
+                    progress: bool) -> None:  # fmt: skip
+    for stale in glob.glob(os.path.join(folder, "shards", "*", "*.tmp*")):
+        os.remove(stale)  # a killed run's unfinished shard (its part has no marker)
     for sub in ("count", "vocab", "parts", "rejects", *(f"shards/{s}" for s in enc.SPLITS)):
         os.makedirs(os.path.join(folder, sub), exist_ok=True)
     saved = {"spec": spec.to_dict(), "base_dir": spec.base_dir}
@@ -419,7 +450,6 @@ def prepare(
     _run("encode", spec, inputs, folder, list(range(len(units))), workers, progress)
     t2 = time.perf_counter()
     _write_manifest(spec, inputs, folder, {"count_s": t1 - t0, "encode_s": t2 - t1})
-    return Prepared.load(folder, spec)
 
 
 _PASSES = {"count": "_count_unit", "encode": "_encode_unit"}

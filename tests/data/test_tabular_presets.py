@@ -222,3 +222,21 @@ def test_bad_lines_in_later_pieces_are_named_by_their_file_line(tmp_path):
     assert found == {700: "wrong column count", 1501: "wrong column count",
                      2600: "not a number"}  # fmt: skip
     assert p.stats["rows"]["train"] == 3000 - 3
+
+
+def test_two_processes_preparing_at_once_prepare_once(tmp_path):
+    """Two launches at the same time (a multi-process run's hosts on one machine) take turns on
+    the folder's lock: the second finds the first's result."""
+    _toy_csv(tmp_path / "data.csv", 20_000)
+    spec = _spec_file(tmp_path, rows_per_shard=2_000)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "data.tabular.prepare", str(spec), "--root", str(tmp_path / "r")]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    clean = prepare(str(spec), str(tmp_path / "clean"), progress=False)
+    (folder,) = (tmp_path / "r").iterdir()
+    from data.tabular.prepare import Prepared
+
+    assert _all_records(Prepared.load(str(folder), load_spec(spec))) == _all_records(clean)
