@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tpu_gpu_configs
-from data.config import DataConfig
+from data.config import DataConfig, TabularConfig
 from recscale import __version__
 from recscale import config as config_lib
 from wukong.presets import TABLE5
@@ -464,10 +464,22 @@ def semantic_config(cdict: dict[str, Any]) -> dict[str, Any]:
             node = node.get(p, {}) if isinstance(node, dict) else {}
         if isinstance(node, dict) and leaf in node and node[leaf] == default:
             node.pop(leaf)
+    # A feature spec's file and prepared folder are where the data is (the fingerprint covers
+    # what it is).
+    tabular = out.get("data", {}).get("tabular")
+    if isinstance(tabular, dict):
+        for key in ("spec", "prepared_dir", "workers"):
+            tabular.pop(key, None)
     return out
 
 
-_ADDED_AT_DEFAULT: dict[str, Any] = {"data.max_table_rows": 0}
+_ADDED_AT_DEFAULT: dict[str, Any] = {
+    "data.max_table_rows": 0,
+    "data.tabular": config_lib.to_dict(TabularConfig()),
+    "train.early_stopping_metric": "",
+    "train.early_stopping_patience": 2,
+    "train.early_stopping_min_delta": 0.0,
+}
 
 
 def trial_id(family: str, cdict: dict[str, Any], code_version: str, data_fp: str) -> str:
@@ -487,7 +499,16 @@ def data_fingerprint(data: DataConfig) -> str:
         blob = json.dumps(config_lib.to_dict(data.synthetic), sort_keys=True)
         return "synthetic:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
     h = hashlib.sha256()
-    for path in (data.train_path, data.eval_path):
+    paths = [data.train_path, data.eval_path]
+    if data.kind == "tabular":  # the spec's content and every file it names
+        from data.tabular.prepare import resolve_inputs
+        from data.tabular.spec import load_spec, spec_digest
+
+        spec = load_spec(data.tabular.spec)
+        h.update(spec_digest(spec).encode())
+        inputs = resolve_inputs(spec)
+        paths = [p for p, _ in inputs.files] + [p for side in inputs.sides for p in side]
+    for path in paths:
         if not path:
             continue
         p = Path(path).expanduser()

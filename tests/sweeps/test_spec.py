@@ -155,6 +155,33 @@ def test_data_fingerprint_tracks_file_content(tmp_path):
     assert spec_lib.data_fingerprint(cfg) != fp
 
 
+def test_tabular_identity_is_the_spec_and_files_not_their_paths(tmp_path):
+    from data.config import DataConfig, TabularConfig
+
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "x.csv").write_text("label,u\n1,a\n0,b\n")
+        (tmp_path / d / "s.yaml").write_text(
+            "train: [x.csv]\nlabel: {column: label}\nfeatures: [{name: u, kind: categorical}]\n"
+        )
+    cfgs = [DataConfig(kind="tabular", tabular=TabularConfig(spec=str(tmp_path / d / "s.yaml"),
+                                                             prepared_dir=f"/p/{d}"))
+            for d in ("a", "b")]  # fmt: skip
+    fps = [spec_lib.data_fingerprint(c) for c in cfgs]
+    assert fps[0] == fps[1]  # same content, other folder
+    from recscale import config as config_lib
+
+    ids = [spec_lib.semantic_config({"data": config_lib.to_dict(c)}) for c in cfgs]
+    assert ids[0] == ids[1]
+    (tmp_path / "b" / "x.csv").write_text("label,u\n1,a\n0,c\n")
+    assert spec_lib.data_fingerprint(cfgs[1]) != fps[0]
+    (tmp_path / "a" / "s.yaml").write_text(
+        "train: [x.csv]\nlabel: {column: label}\nfeatures: [{name: u, kind: categorical, "
+        "min_count: 2}]\n"
+    )
+    assert spec_lib.data_fingerprint(cfgs[0]) != fps[0]
+
+
 def test_overrides_and_wukong_ladder():
     fam = FamilySpec(
         family="wukong", package="wukong", preset="wukong/tiny",
