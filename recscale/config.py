@@ -266,6 +266,7 @@ NON_SEMANTIC_FIELDS = frozenset(
         "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
         "train.checkpoint_fallback",
         "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",
+        "data.tabular.prepared_dir", "data.tabular.workers",
     }
 )  # fmt: skip
 
@@ -394,7 +395,8 @@ def _build(tp: Any, data: Any, path: str) -> Any:
 
 
 def absolute_paths(cfg: T) -> T:
-    """``cfg`` with every non-empty ``*_path``/``*_dir``/``init_from`` field made absolute.
+    """``cfg`` with every non-empty ``*_path``/``*_dir``/``init_from``/``spec`` (a tabular feature
+    spec file) field made absolute.
 
     Runs store absolute paths in ``config.json``, so evaluation works from any directory.
     """
@@ -408,7 +410,7 @@ def absolute_paths(cfg: T) -> T:
         elif (
             isinstance(v, str)
             and v
-            and (f.name.endswith(("_path", "_dir")) or f.name == "init_from")
+            and (f.name.endswith(("_path", "_dir")) or f.name in ("init_from", "spec"))
         ):
             changes[f.name] = str(Path(v).expanduser().absolute())
     return dataclasses.replace(cfg, **changes)
