@@ -124,9 +124,11 @@ def parse_numbers(
         return np.where(bad, 0.0, values), missing, bad
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
         # Some value does not cast: the regex names which (spaces around a number are allowed).
+        arr = _blank_is_null(arr)
+        missing = arr.is_null().to_numpy(zero_copy_only=False)
         ok = _mask(pc.match_substring_regex(arr, _INT_RE if integer else _FLOAT_RE))
         bad = ~ok & ~missing
-        clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), arr, pa.nulls(len(arr), arr.type)))
+        clean = _plain(pc.if_else(pa.array(ok), arr, pa.nulls(len(arr), arr.type)))
         values = pc.cast(clean, pa.float64()).to_numpy(zero_copy_only=False)
     elif (
         pa.types.is_integer(arr.type)
@@ -209,11 +211,27 @@ def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
     fast = _cast_or_none(arr, pa.int64())
     if fast is not None:
         return fast, np.zeros(n, bool)
+    arr = _blank_is_null(arr)  # only here: an empty string fails the cast above
     ok = _mask(pc.match_substring_regex(arr, _INT_RE))
     missing = arr.is_null().to_numpy(zero_copy_only=False)
     bad = ~ok & ~missing
-    clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), arr, pa.nulls(n, pa.string())))
+    clean = _plain(pc.if_else(pa.array(ok), arr, pa.nulls(n, pa.string())))
     return pc.cast(clean, pa.int64()), bad
+
+
+def _blank_is_null(arr: pa.Array) -> pa.Array:
+    """Empty or all-blank strings (a quoted "" in CSV, "" in Parquet, an empty list token) as
+    missing values, as an unquoted empty CSV field already is."""
+    blank = pc.equal(pc.utf8_trim_whitespace(arr), "")
+    if not pc.any(blank).as_py():
+        return arr
+    return pc.if_else(blank, pa.nulls(len(arr), arr.type), arr)
+
+
+def _plain(arr: pa.Array) -> pa.Array:
+    """Checked number text ready for pyarrow's strict cast: spaces and a leading '+' removed
+    (the float cast takes '+', the integer cast does not)."""
+    return pc.replace_substring_regex(pc.utf8_trim_whitespace(arr), r"^\+", "")
 
 
 def _split_codes(spec: TabularSpec, table: pa.Table, chunk: Chunk, file_split: int | None,

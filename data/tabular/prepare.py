@@ -104,9 +104,16 @@ def _expand(spec: TabularSpec, patterns: tuple[str, ...], what: str) -> list[str
 
 def resolve_inputs(spec: TabularSpec) -> Inputs:
     rule = spec.split.kind != "files"
-    files = [(p, None if rule else enc.TRAIN) for p in _expand(spec, spec.train, "train file")]
-    files += [(p, enc.VALID) for p in _expand(spec, spec.valid, "valid file")]
-    files += [(p, enc.TEST) for p in _expand(spec, spec.test, "test file")]
+    files: list[tuple[str, int | None]] = []
+    seen: dict[tuple[str, str], str] = {}
+    for what, patterns, code in (("train", spec.train, None if rule else enc.TRAIN),
+                                 ("valid", spec.valid, enc.VALID), ("test", spec.test, enc.TEST)):  # fmt: skip
+        for p in _expand(spec, patterns, f"{what} file"):
+            key = (os.path.realpath(p), what)
+            if key in seen:  # overlapping globs of one split would read a file twice
+                continue
+            seen[key] = p
+            files.append((p, code))
     sides = tuple(tuple(_expand(spec, j.path, f"side table of {j.key!r}")) for j in spec.joins)
     return Inputs(tuple(files), sides)
 
@@ -123,13 +130,34 @@ def load_sides(spec: TabularSpec, inputs: Inputs) -> list[enc.SideTable]:
     return out
 
 
-def interaction_columns(spec: TabularSpec, sides: list[enc.SideTable]) -> list[str]:
-    """Columns read from the interaction files: those the spec needs that no join supplies."""
-    supplied = {c for s in sides for c in s.columns.column_names}
+def interaction_columns(
+    spec: TabularSpec, sides: list[enc.SideTable], first_file: str | None = None
+) -> list[str]:
+    """Columns read from the interaction files: those the spec needs that no join supplies.
+    A column name supplied twice (by two side tables, or by a side table and ``first_file``,
+    the first interaction file) is an error: neither would silently replace the other."""
+    supplied: dict[str, str] = {}
+    for side in sides:
+        for c in side.columns.column_names:
+            if c in supplied:
+                raise TabularFormatError(
+                    f"column {c!r} is in two side tables ({supplied[c]}, {side.file}); "
+                    "list each join's columns"
+                )
+            supplied[c] = side.file
     keys = {j.key for j in spec.joins}
-    clash = sorted(supplied & keys)
+    clash = sorted(set(supplied) & keys)
     if clash:
         raise TabularFormatError(f"side tables supply join key column {clash[0]!r}")
+    if first_file is not None:
+        from data.tabular.read import file_columns
+
+        both = sorted(set(supplied) & set(file_columns(first_file, spec.format)) - keys)
+        if both:
+            raise TabularFormatError(
+                f"column {both[0]!r} is in {first_file} and in side table {supplied[both[0]]}; "
+                "list the join's columns to take one"
+            )
     return [c for c in spec.needed_columns() if c not in supplied or c in keys]
 
 
@@ -424,7 +452,8 @@ def _prepare_locked(spec: TabularSpec, inputs: Inputs, folder: str, workers: int
         os.makedirs(os.path.join(folder, sub), exist_ok=True)
     saved = {"spec": spec.to_dict(), "base_dir": spec.base_dir}
     _atomic_write(os.path.join(folder, "spec.json"), json.dumps(saved, indent=1).encode())
-    load_sides(spec, inputs)  # side-table errors before any pass starts
+    # Side-table and column errors before any pass starts.
+    interaction_columns(spec, load_sides(spec, inputs), inputs.files[0][0])
     t0 = time.perf_counter()
     units = work_units(spec, inputs)
     workers = workers or min(len(units), os.cpu_count() or 1)

@@ -203,6 +203,11 @@ class Feature:
             raise SpecError(f"{where}: boundaries must be strictly increasing")
         if self.clip is not None and not self.clip[0] <= self.clip[1]:
             raise SpecError(f"{where}: clip must be [lo, hi] with lo <= hi")
+        if self.boundaries and (self.clip or self.log or self.standardize):
+            raise SpecError(
+                f"{where}: boundaries bucketise the raw value; clip, log and standardize apply "
+                "to dense values only (give the boundaries on the raw scale)"
+            )
         if self.kind != "numeric" and (
             self.boundaries or self.clip or self.log or self.standardize
         ):
@@ -263,6 +268,11 @@ class TabularSpec:
             raise SpecError("train lists no file")
         if not self.features:
             raise SpecError("features is empty")
+        if not any(f.sparse for f in self.features):
+            raise SpecError(
+                "features: the models need at least one sparse feature (categorical, "
+                "multi_categorical, or numeric with boundaries)"
+            )
         names = [f.name for f in self.features]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

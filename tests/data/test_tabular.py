@@ -616,7 +616,7 @@ def _bad_spec(tmp_path: Path, files, **extra) -> TabularSpec:
 
 U_INT = [{"name": "u", "kind": "categorical", "parse": "int"}]
 U_HEX = [{"name": "u", "kind": "categorical", "parse": "hex", "hash_buckets": 9}]
-X_INT = [{"name": "x", "kind": "numeric", "dtype": "int"}]
+X_INT = [{"name": "u", "kind": "categorical"}, {"name": "x", "kind": "numeric", "dtype": "int"}]
 BAD_CASES = {
     # name: (file name, text, spec extras, message)
     "not_a_number": ("bad.csv", BASE_HEADER + GOOD + "0,d,abc\n", {},
@@ -632,7 +632,8 @@ BAD_CASES = {
     "empty_file": ("bad.csv", "", {}, r"bad\.csv: empty file"),
     "header_only": ("bad.csv", BASE_HEADER, {}, r"bad\.csv: empty file \(no data rows\)"),
     "missing_column": ("bad.csv", BASE_HEADER + GOOD,
-                       {"features": [{"name": "nope", "kind": "numeric"}]},
+                       {"features": [{"name": "u", "kind": "categorical"},
+                                     {"name": "nope", "kind": "numeric"}]},
                        r"bad\.csv: column 'nope' named by the spec .* not in the file"),
     "bad_int": ("bad.csv", BASE_HEADER + "1,7,1\n0,x7,2\n", {"features": U_INT},
                 r"bad\.csv: line 3: column 'u': .*'x7'"),
@@ -688,7 +689,7 @@ def test_bad_rows_in_a_valid_file_are_found_by_the_encoding_pass(tmp_path):
         valid=["va.csv"],
         split={"kind": "files"},
         label={"column": "label"},
-        features=[{"name": "x", "kind": "numeric"}],
+        features=[{"name": "u", "kind": "categorical"}, {"name": "x", "kind": "numeric"}],
     )
     with pytest.raises(TabularFormatError, match=r"va\.csv: line 5: column 'x': not a number"):
         _prepare(spec, tmp_path)
