@@ -444,6 +444,7 @@ class ArrayRecordFiles:
     ):
         self._files = [os.fspath(f) for f in files]
         self._readers: list[Any] = [None] * len(self._files)  # opened on first use
+        self._open: list[int] = []  # open readers, oldest first (at most MAX_OPEN)
         self._lock = threading.Lock()
         takes = np.asarray(takes, np.int64)
         skips = np.zeros_like(takes) if skips is None else np.asarray(skips, np.int64)
@@ -454,8 +455,13 @@ class ArrayRecordFiles:
     def __len__(self) -> int:
         return self._len
 
+    MAX_OPEN = 256
+    """Open readers at most (a file descriptor each): Criteo Terabyte's prepared shards number
+    in the thousands, past a common open-file limit of 1,024."""
+
     def __getstate__(self):  # readers are reopened where the sequence is unpickled
-        return {**self.__dict__, "_readers": [None] * len(self._files), "_lock": None}
+        return {**self.__dict__, "_readers": [None] * len(self._files), "_open": [],
+                "_lock": None}  # fmt: skip
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -465,12 +471,16 @@ class ArrayRecordFiles:
         from array_record.python.array_record_module import ArrayRecordReader
 
         with self._lock:
-            if self._readers[shard] is None:
+            reader = self._readers[shard]
+            if reader is None:
                 # readahead 0: random access, as the array_record data source opens its readers.
-                self._readers[shard] = ArrayRecordReader(
-                    self._files[shard], "readahead_buffer_size:0"
-                )
-            return self._readers[shard]
+                reader = ArrayRecordReader(self._files[shard], "readahead_buffer_size:0")
+                self._readers[shard] = reader
+                self._open.append(shard)
+                if len(self._open) > self.MAX_OPEN:
+                    # Dropped, not closed: a thread reading it keeps it until it is done.
+                    self._readers[self._open.pop(0)] = None
+            return reader
 
     def __getitem__(self, key: int) -> bytes:
         return self.__getitems__([key])[0]

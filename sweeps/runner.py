@@ -13,7 +13,7 @@ each size is compiled by as few workers as the schedule allows.
 ``WorkerOptions.reuse_process=False`` (``--isolate-trials``), and any ``command_prefix``
 (multi-host trials), run each trial as a process of its own instead.
 
-Either process is started through ``python -m sweeps._child`` which asks the kernel
+Either process is started through ``python -m data._child`` which asks the kernel
 (``prctl(PR_SET_PDEATHSIG)``, Linux) to SIGKILL it when its worker dies, so a ``kill -9`` of a
 launcher never leaves an orphan training into a workdir another launcher will take over.
 """
@@ -92,7 +92,7 @@ class TrialServer:
         """Sends a trial; returns the process running it (what a kill must take down)."""
         if self.proc is None or self.proc.poll() is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "sweeps._child", str(os.getpid()), sys.executable,
+            cmd = [sys.executable, "-m", "data._child", str(os.getpid()), sys.executable,
                    "-m", "sweeps.trial_server", str(self.log_path)]  # fmt: skip
             env = {**os.environ, **self.opts.env, "PYTHONUNBUFFERED": "1"}
             with open(self.log_path, "ab") as err:
@@ -277,7 +277,7 @@ def run_trial(
             wait = server.wait
         else:
             # The trampoline goes first, so a prefix (srun) is what dies with this worker.
-            cmd = [sys.executable, "-m", "sweeps._child", str(os.getpid()), *opts.command_prefix,
+            cmd = [sys.executable, "-m", "data._child", str(os.getpid()), *opts.command_prefix,
                    sys.executable, *argv]  # fmt: skip
             env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
             log.write(f"\n=== {owner} {time.ctime()}: {' '.join(cmd)}\n".encode())

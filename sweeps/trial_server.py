@@ -18,7 +18,7 @@ preempted one and after ``max_trials_per_process`` trials, so a failed trial nev
 behind for the next one; between trials the server drops JAX's in-memory compilation caches
 (the finished trial's programs; repeats come back from the persistent cache). The worker kills
 the server (process group, SIGKILL) for a timeout, a lost claim or a stop, exactly as it killed
-a per-trial process, and the server is started through ``sweeps._child``, so it dies with its
+a per-trial process, and the server is started through ``data._child``, so it dies with its
 worker: a killed worker still leaves no orphan and loses no trial (its claim goes stale and the
 trial is taken over and resumed from its checkpoints).
 """

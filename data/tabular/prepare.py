@@ -33,6 +33,7 @@ import os
 import pickle
 import shutil
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -256,9 +257,15 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
     vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
     encoder = enc.Encoder(spec, vocab)
     dtype = record_dtype(encoder.schema)
-    read_rejects: list[Reject] = []
-    chunks = iter_chunks(path, spec.format, cols, strict=spec.strict,
-                         on_reject=read_rejects.append, piece=(start, end))  # fmt: skip
+    read_rejects: list[Reject] = []  # appended by the CSV reader's thread
+    lock = threading.Lock()
+
+    def on_reject(r: Reject) -> None:
+        with lock:
+            read_rejects.append(r)
+
+    chunks = iter_chunks(path, spec.format, cols, strict=spec.strict, on_reject=on_reject,
+                         piece=(start, end))  # fmt: skip
     writers: dict[int, Any] = {}
     rows_in: dict[int, int] = {}
     rejects: list[Reject] = []
@@ -268,9 +275,18 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
     def malformed_of(part: int, final: bool) -> list[Reject]:
         """The malformed lines read so far that fall in ``part`` (by the kept rows before
         them); the final part takes the rest."""
-        mine = [r for r in read_rejects if final or r.row < (part + 1) * per_part]
-        read_rejects[:] = [r for r in read_rejects if not (final or r.row < (part + 1) * per_part)]
+        with lock:
+            mine = [r for r in read_rejects if final or r.row < (part + 1) * per_part]
+            read_rejects[:] = [r for r in read_rejects if not (final or r.row < (part + 1) * per_part)]  # fmt: skip
         return mine
+
+    def write_rejects(name: str, rejects: list[Reject]) -> None:
+        if rejects:
+            text = "".join(
+                f"{r.file}\t{r.where()}\t{r.reason}\t{r.column}\t{r.text}\n" for r in rejects
+            )
+            _atomic_write(os.path.join(folder, "rejects", name + ".tsv"),
+                          (REJECTS_HEADER + text).encode())  # fmt: skip
 
     for part, piece, last, final in _parts(chunks, per_part):
         name = _part_name(file_index, piece_index, part)
@@ -304,13 +320,7 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
                     os.replace(base + ".tmp", base + ".array_record")
                     shard_rows[enc.SPLITS[code]] = rows_in[code]
                 rejects = malformed_of(part, final) + rejects
-                if rejects:
-                    text = "".join(
-                        f"{r.file}\t{r.where()}\t{r.reason}\t{r.column}\t{r.text}\n"
-                        for r in rejects
-                    )
-                    _atomic_write(os.path.join(folder, "rejects", name + ".tsv"),
-                                  (REJECTS_HEADER + text).encode())  # fmt: skip
+                write_rejects(name, rejects)
                 info = {"rows": shard_rows, "rejected": dict(Counter(r.reason for r in rejects)),
                         "stats": encoder.stats()}  # fmt: skip
                 _atomic_write(marker, json.dumps(info).encode())
@@ -318,7 +328,19 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
                 encoder = enc.Encoder(spec, vocab)
         total += piece.table.num_rows
         _report(piece.table.num_rows)
+    # A piece whose every line was malformed yields no part: its rejects get a part of no rows.
+    name = _part_name(file_index, piece_index, _NO_ROWS_PART)
+    marker = os.path.join(folder, "parts", name + ".json")
+    rest = malformed_of(0, True)
+    if rest and not os.path.exists(marker):
+        write_rejects(name, rest)
+        info = {"rows": {}, "rejected": dict(Counter(r.reason for r in rest)),
+                "stats": enc.Encoder(spec, vocab).stats()}  # fmt: skip
+        _atomic_write(marker, json.dumps(info).encode())
     return total
+
+
+_NO_ROWS_PART = 999_999
 
 
 # ----------------------------------------------------------------------------- driver
@@ -490,7 +512,6 @@ def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
     subprocesses, not multiprocessing, so no caller needs a ``__main__`` guard and a parent
     that holds jax threads is never forked), each reporting its rows on stdout."""
     import subprocess
-    import threading
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -537,7 +558,10 @@ def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
         try:
             while todo or running:
                 while todo and len(running) < workers:
-                    cmd = [sys.executable, "-m", "data.tabular.prepare", "--worker", label,
+                    # Through data._child: a worker dies with this process, so a relaunch never
+                    # races an orphan writing the same parts.
+                    cmd = [sys.executable, "-m", "data._child", str(os.getpid()), sys.executable,
+                           "-m", "data.tabular.prepare", "--worker", label,
                            "--folder", folder, "--units", ",".join(map(str, todo.pop(0)))]  # fmt: skip
                     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             text=True, env=env)  # fmt: skip

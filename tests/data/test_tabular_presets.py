@@ -106,15 +106,29 @@ def _toy_csv(path: Path, n: int, seed: int = 0) -> None:
     path.write_text("label,user,item,x\n" + text)
 
 
-def _spec_file(tmp_path: Path, rows_per_shard: int) -> Path:
+def _spec_file(tmp_path: Path, rows_per_shard: int, piece_bytes: int = 256 << 20) -> Path:
     spec = tmp_path / "spec.yaml"
     spec.write_text(
         "name: toy\ntrain: [data.csv]\nlabel: {column: label}\n"
-        f"rows_per_shard: {rows_per_shard}\n"
+        f"rows_per_shard: {rows_per_shard}\npiece_bytes: {piece_bytes}\n"
         "features:\n  - {name: user, kind: categorical, parse: int}\n"
         "  - {name: item, kind: categorical}\n  - {name: x, kind: numeric, standardize: true}\n"
     )
     return spec
+
+
+def _workers_of(folder: Path) -> list[int]:
+    """Pids of live preparation workers writing into ``folder``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--worker" in cmd and str(folder).encode() in cmd:
+                out.append(int(d.name))
+    return out
 
 
 def _all_records(p) -> dict[str, list[bytes]]:
@@ -126,15 +140,19 @@ def _all_records(p) -> dict[str, list[bytes]]:
 
 
 @pytest.mark.slow
-def test_killed_preparation_resumes_to_the_same_shards(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_killed_preparation_resumes_to_the_same_shards(tmp_path, workers):
+    """SIGKILL mid-way (in-process, or the parent of two worker processes, which die with it):
+    the relaunch keeps the finished parts and ends with the uninterrupted run's shards."""
     _toy_csv(tmp_path / "data.csv", 300_000)
-    spec = _spec_file(tmp_path, rows_per_shard=10_000)
+    spec = _spec_file(tmp_path, rows_per_shard=10_000, piece_bytes=2_000_000)
     clean = prepare(str(spec), str(tmp_path / "clean"), progress=False)
 
     root = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "data.tabular.prepare", str(spec), "--root", str(root)],
+        [sys.executable, "-m", "data.tabular.prepare", str(spec), "--root", str(root),
+         "--workers", str(workers)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     parts = None
@@ -149,6 +167,10 @@ def test_killed_preparation_resumes_to_the_same_shards(tmp_path):
     proc.wait()
     assert parts is not None, "the preparation finished before it could be killed"
     folder = next(root.iterdir())
+    deadline = time.monotonic() + 10  # orphaned workers would still write parts
+    while _workers_of(folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _workers_of(folder)
     assert not (folder / "manifest.json").exists()
     assert len(list((folder / "parts").glob("*.json"))) < 30  # killed mid-way through 30 parts
 
@@ -240,3 +262,42 @@ def test_two_processes_preparing_at_once_prepare_once(tmp_path):
     from data.tabular.prepare import Prepared
 
     assert _all_records(Prepared.load(str(folder), load_spec(spec))) == _all_records(clean)
+
+
+def test_lenient_rejects_of_a_piece_with_no_good_line_are_counted(tmp_path):
+    """Tiny pieces, some of only malformed lines: every malformed line is written and counted,
+    with one worker or two (nothing is dropped because a piece has no rows)."""
+    good = [f"{i % 2},{i},{i % 7},0.5" for i in range(50)]
+    lines = good[:10] + ["1,2"] * 4 + good[10:30] + ["1,2,3,4,5"] * 4 + good[30:]
+    (tmp_path / "data.csv").write_text("label,user,item,x\n" + "\n".join(lines) + "\n")
+    _toy_csv(tmp_path / "valid.csv", 20, seed=1)
+    spec = _piece_spec(tmp_path, piece_bytes=60, strict=False, rows=5)
+    for workers in (1, 2):
+        p = prepare(str(spec), str(tmp_path / f"w{workers}"), workers=workers, progress=False)
+        assert p.stats["rejected"] == {"wrong column count": 8}
+        assert p.stats["rows"]["train"] == 50
+        found = []
+        for f in sorted((Path(p.folder) / "rejects").glob("*.tsv")):
+            found += [
+                int(r.split("\t")[1].removeprefix("line ")) for r in f.read_text().splitlines()[1:]
+            ]
+        assert sorted(found) == [12, 13, 14, 15, 36, 37, 38, 39]
+
+
+def test_array_record_files_keep_few_readers_open(tmp_path, monkeypatch):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from data.sources import ArrayRecordFiles
+
+    files = []
+    for i in range(12):
+        files.append(str(tmp_path / f"{i}.array_record"))
+        w = ArrayRecordWriter(files[-1], "group_size:16,uncompressed")
+        for j in range(3):
+            w.write(bytes([i, j]))
+        w.close()
+    monkeypatch.setattr(ArrayRecordFiles, "MAX_OPEN", 4)
+    src = ArrayRecordFiles(files, [3] * 12, [0] * 12)
+    keys = list(range(35, -1, -1))
+    assert src.__getitems__(keys) == [bytes([k // 3, k % 3]) for k in keys]
+    assert len(src._open) == 4 and sum(r is not None for r in src._readers) == 4

@@ -1,9 +1,11 @@
-"""``python -m sweeps._child PARENT_PID PROGRAM ARGS...``: exec PROGRAM, killed when PARENT dies.
+"""``python -m data._child PARENT_PID PROGRAM ARGS...``: exec PROGRAM, killed when PARENT dies.
 
 Sets ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux; it survives ``execv``) and then replaces
-itself with the trial's command, so a worker killed with SIGKILL takes its trial down with it
-instead of leaving an orphan that keeps writing into a workdir another worker takes over.
-Elsewhere it just execs (the heartbeat timeout still guards take-overs).
+itself with the command, so a process killed with SIGKILL takes its child down with it instead
+of leaving an orphan that keeps writing where a relaunch takes over: a sweep worker's trial
+(``sweeps/runner.py``), a tabular preparation's workers (``data/tabular/prepare.py``). It lives
+in ``data``, the lowest layer, so both can use it. Elsewhere it just execs (a sweep's heartbeat
+timeout still guards take-overs).
 """
 
 from __future__ import annotations
