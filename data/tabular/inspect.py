@@ -67,7 +67,10 @@ def read_sample(path: str, rows: int) -> tuple[pa.Table, dict[str, Any]]:
     except csv.Error:
         header = True
     read = pacsv.ReadOptions(autogenerate_column_names=not header, block_size=1 << 22)
-    reader = pacsv.open_csv(path, read_options=read,
+    # Only an empty field is missing, as in a spec's default null_values (pyarrow's own list
+    # would also take "NA" or "null", which the preparation would then reject as bad values).
+    convert = pacsv.ConvertOptions(null_values=[""], strings_can_be_null=True)
+    reader = pacsv.open_csv(path, read_options=read, convert_options=convert,
                             parse_options=pacsv.ParseOptions(delimiter=delimiter,
                                                              invalid_row_handler=lambda r: "skip"))  # fmt: skip
     batches, n, whole = [], 0, True
@@ -91,6 +94,14 @@ def describe(table: pa.Table) -> list[dict[str, Any]]:
     for name in table.column_names:
         col = table.column(name).combine_chunks()
         t = col.type
+        if not (
+            pa.types.is_integer(t)
+            or pa.types.is_floating(t)
+            or pa.types.is_boolean(t)
+            or pa.types.is_string(t)
+        ):  # dates, times, ...: described as their text
+            col = pc.cast(col, pa.string())
+            t = col.type
         kind = ("int" if pa.types.is_integer(t) else "float" if pa.types.is_floating(t)
                 else "bool" if pa.types.is_boolean(t) else "string")  # fmt: skip
         present = col.drop_null()

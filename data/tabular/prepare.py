@@ -387,6 +387,9 @@ class Prepared:
             parsed = enc.parse_chunk(spec, chunk, sides, file_split=enc.VALID, file_index=0,
                                      strict=strict, rejects=rejects)  # fmt: skip
             parts.append(encoder.encode(parsed))
+        if not parts or not sum(len(p[2]) for p in parts):
+            reasons = dict(Counter(r.reason for r in rejects))
+            raise TabularFormatError(f"{path}: no rows to evaluate (rejected: {reasons or 'none'})")
         dense, ids, labels, weights = (np.concatenate(a) for a in zip(*parts, strict=True))
         counts = encoder.stats()  # per split; every row of the file counts as "valid"
         stats = {"file": path, "rows": int(labels.size),

@@ -171,6 +171,13 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
+    def delete(self, step: int) -> None:
+        """Deletes ``step`` (after any save in flight; renamed into ``deleted/`` first, as
+        retention does, so a kill never leaves it half deleted and listed)."""
+        self._manager.wait_until_finished()
+        self._manager.delete(step)
+        self._purge()
+
     def save(self, step: int, trees: dict[str, Any], meta: dict, *, force: bool = True) -> None:
         """Starts saving ``step`` (asynchronously if configured); arrays are copied before return.
 

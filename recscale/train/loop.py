@@ -637,6 +637,10 @@ class _EarlyStopping:
         """Records an evaluation; returns whether it is the new best (``stopped`` is set once
         ``patience`` evaluations in a row did not improve)."""
         value = float(ev[self.metric])
+        if not np.isfinite(value):  # e.g. a one-class AUC on few batches: never a best
+            self.bad += 1
+            self.stopped = self.bad >= self.patience
+            return False
         if self.best_value is None or self.sign * (value - self.best_value) > self.min_delta:
             self.best_value, self.best_step, self.bad = value, step, 0
             return True
@@ -679,11 +683,15 @@ class _TrainRun:
         self.data_offset = 0
         self.guard = _NonfiniteGuard(self.tcfg)
         self.early = _EarlyStopping(self.tcfg)
+        # Every best is kept until a committed regular checkpoint records a later one (see
+        # ``save``): a kill between a new best and the next checkpoint must not lose the best
+        # the resumed state points at.
         self.best_ckpt = (
-            Checkpointer(workdir / BEST_DIR, max_to_keep=1, async_save=False)
+            Checkpointer(workdir / BEST_DIR, max_to_keep=None, async_save=False)
             if self.early.enabled
             else None
         )
+        self._best_in_saved: int | None = None  # best step recorded by the last regular save
         self.preempted = False
         # (step index, device metrics) not yet read back; read at log / checkpoint boundaries,
         # on preemption and at the end, so the host does not wait on the device every step.
@@ -776,6 +784,11 @@ class _TrainRun:
         self.data_offset = restored_meta.get("data_position", self.start_step) - self.start_step
         self.guard = _NonfiniteGuard(tcfg, total=restored_meta.get("nonfinite_total", 0))
         self.early.load(restored_meta.get("early_stopping"))
+        if self.early.enabled:  # bests saved after the restored step belong to a lost future
+            for s in self.best_ckpt.all_steps():
+                if s > self.start_step:
+                    self.best_ckpt.delete(s)
+            self._best_in_saved = self.early.best_step
         write_run_info(self.workdir, self.start_step)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -789,6 +802,16 @@ class _TrainRun:
             "early_stopping": self.early.state() if self.early.enabled else None,
         }
         self.ckpt.save(step, _state_items(self.state), meta)
+        if self.early.enabled:
+            # ``ckpt.save`` waited for the previous regular save: it is committed, and so is the
+            # best it records; older bests are no longer reachable by any resume.
+            self._purge_bests(below=self._best_in_saved)
+            self._best_in_saved = self.early.best_step
+
+    def _purge_bests(self, below: int | None) -> None:
+        for s in self.best_ckpt.all_steps():
+            if below is not None and s < below:
+                self.best_ckpt.delete(s)
 
     def _restore(self, ckpt_step: int, at_step: int) -> TrainState:
         self.ckpt.wait()  # an asynchronous save of that step may still be in flight
@@ -853,11 +876,13 @@ class _TrainRun:
                 if is_log or self.preempted:
                     self._log(done, prog, task)
                 prog.update(task, completed=done)
-                if (is_eval and not self.preempted) or is_ckpt or self.preempted:
+                if is_eval or is_ckpt or self.preempted:
                     # Attributes the queued steps' device time to training, not to what
                     # waits for them next.
                     jax.block_until_ready(self.state)
-            if is_eval and not self.preempted:
+            # Early stopping needs every evaluation (the resumed run goes on after this step),
+            # so a preemption on an evaluation step still evaluates, before the checkpoint.
+            if is_eval and (not self.preempted or self.early.enabled):
                 with timer.phase("eval"):
                     ev = self.exp.evaluate(
                         self.state.params, self.state.batch_stats, max_batches=tcfg.eval_max_batches
@@ -990,6 +1015,7 @@ class _TrainRun:
             ev = self.exp.evaluate(trees["params"], trees["batch_stats"])
             self.writer.write({"step": best, "split": "eval_best", **ev})
         with self.timer.phase("close"):
-            self.ckpt.close()
+            self.ckpt.close()  # every regular checkpoint committed: only the best is needed
+            self._purge_bests(below=best)
             self.best_ckpt.close()
         return {"step": final_step, "best_step": best, "stopped_early": self.early.stopped, **ev}

@@ -325,3 +325,46 @@ def test_early_stopping_keeps_and_reports_the_best_checkpoint(tmp_path, capsys):
     assert free["best_step"] > 4 and free["step"] == 16
     with pytest.raises(ValueError, match="eval_every"):
         _tiny(early_stopping_metric="auc")
+
+
+def test_early_stopping_best_survives_a_resume_that_replays_differently(tmp_path, monkeypatch):
+    """Killed after a new best (step 6) but before the regular checkpoint that records it: the
+    resumed state (step 4) names best 4, which must still be there though the resumed run,
+    with another evaluation cadence (resumes allow it), never evaluates step 6 again; the stale
+    later best is dropped."""
+    from recscale.train.checkpoint import Checkpointer
+
+    wd = tmp_path / "run"
+    cfg = _tiny(num_steps=8, eval_every=2, checkpoint_every=4, log_every=2,
+                early_stopping_metric="logloss", early_stopping_patience=10)  # fmt: skip
+    original = loop._TrainRun._early_stopping
+
+    def killed_after_best_6(self, done, ev):
+        original(self, done, ev)
+        if done == 6:
+            raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(loop._TrainRun, "_early_stopping", killed_after_best_6)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, build_model, wd)
+    monkeypatch.setattr(loop._TrainRun, "_early_stopping", original)
+    assert Checkpointer(wd / "checkpoints", async_save=False).all_steps() == [4]
+    assert 6 in Checkpointer(wd / "checkpoints_best", async_save=False).all_steps()
+    no_evals = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=100))
+    resumed = train(no_evals, build_model, wd)
+    assert resumed["step"] == 8 and resumed["best_step"] == 4
+    assert Checkpointer(wd / "checkpoints_best", async_save=False).all_steps() == [4]
+    # The best's parameters are step 4's: an uninterrupted run's evaluation at step 4.
+    ref = train(dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, num_steps=4, eval_every=0, early_stopping_metric="")), build_model,
+        tmp_path / "ref")  # fmt: skip
+    assert resumed["logloss"] == ref["logloss"] and resumed["auc"] == ref["auc"]
+
+
+def test_early_stopping_never_takes_a_nonfinite_evaluation_as_best():
+    es = loop._EarlyStopping(_tiny(eval_every=1, early_stopping_metric="auc",
+                                   early_stopping_patience=3).train)  # fmt: skip
+    assert not es.observe(1, {"auc": float("nan")})  # a one-class AUC on few batches
+    assert es.observe(2, {"auc": 0.7}) and es.best_step == 2
+    assert not es.observe(3, {"auc": float("nan")}) and es.best_step == 2
+    assert es.observe(4, {"auc": 0.8}) and es.best_step == 4 and not es.stopped
