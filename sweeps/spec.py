@@ -445,6 +445,10 @@ def _trial_config(spec, base, model, data, steps, seed, base_batch):
 def semantic_config(cdict: dict[str, Any]) -> dict[str, Any]:
     """``cdict`` without the non-semantic fields (logging, eval/checkpoint cadence, paths)."""
     out = copy.deepcopy(cdict)
+    # Feature-spec settings at their defaults (every trial that is not tabular) go first, whole:
+    # the non-semantic fields below are some of their keys.
+    if out.get("data", {}).get("tabular") == _ADDED_AT_DEFAULT["data.tabular"]:
+        out["data"].pop("tabular")
     for dotted in config_lib.NON_SEMANTIC_FIELDS:
         node = out
         *parents, leaf = dotted.split(".")
