@@ -628,6 +628,7 @@ class _EarlyStopping:
         self.best_step: int | None = None
         self.bad = 0
         self.stopped = False
+        self.observed: int | None = None  # the last step evaluated
 
     @property
     def enabled(self) -> bool:
@@ -637,6 +638,7 @@ class _EarlyStopping:
         """Records an evaluation; returns whether it is the new best (``stopped`` is set once
         ``patience`` evaluations in a row did not improve)."""
         value = float(ev[self.metric])
+        self.observed = step
         if not np.isfinite(value):  # e.g. a one-class AUC on few batches: never a best
             self.bad += 1
             self.stopped = self.bad >= self.patience
@@ -650,12 +652,13 @@ class _EarlyStopping:
 
     def state(self) -> dict:
         return {"best_value": self.best_value, "best_step": self.best_step, "bad": self.bad,
-                "stopped": self.stopped}  # fmt: skip
+                "stopped": self.stopped, "observed": self.observed}  # fmt: skip
 
     def load(self, state: dict | None) -> None:
         if state:
             self.best_value, self.best_step = state["best_value"], state["best_step"]
             self.bad, self.stopped = state["bad"], state["stopped"]
+            self.observed = state.get("observed")
 
 
 BEST_DIR = "checkpoints_best"
@@ -987,11 +990,21 @@ class _TrainRun:
                     self.best_ckpt.close()
             return {"step": int(self.state.step), "preempted": True}
         final_step = int(self.state.step)
+        last = None
+        if self.early.enabled and not self.early.stopped and self.early.observed != final_step:
+            # The last step is a candidate too (BARS evaluates after the last epoch): observed
+            # before the final checkpoint, whose meta then records it.
+            with timer.phase("final_eval"):
+                last = self.exp.evaluate(self.state.params, self.state.batch_stats,
+                                         max_batches=self.tcfg.eval_max_batches)  # fmt: skip
+                self.writer.write({"step": final_step, "split": "eval", **last})
+            self._early_stopping(final_step, last)
         if ckpt.latest_step() != final_step:
             with timer.phase("checkpoint"):
                 self.save(final_step)
         if self.early.enabled and self.early.best_step is not None:
-            return self._finish_best(final_step)
+            full = self.tcfg.eval_max_batches == 0 and self.early.best_step == final_step
+            return self._finish_best(final_step, last if full else None)
         with timer.phase("final_eval"):
             ev = self.exp.evaluate(self.state.params, self.state.batch_stats)
             self.writer.write({"step": final_step, "split": "eval", **ev})
@@ -999,8 +1012,9 @@ class _TrainRun:
             ckpt.close()
         return {"step": final_step, **ev}
 
-    def _finish_best(self, final_step: int) -> dict:
-        """Early stopping's result: the best parameters, evaluated on the whole eval set."""
+    def _finish_best(self, final_step: int, ev: dict | None = None) -> dict:
+        """Early stopping's result: the best parameters, evaluated on the whole eval set
+        (``ev``: that evaluation, when the last step is the best and was just evaluated)."""
         best = self.early.best_step
         if best not in self.best_ckpt.all_steps():
             raise FileNotFoundError(
@@ -1008,11 +1022,12 @@ class _TrainRun:
                 f"{self.best_ckpt.all_steps()}); was train.num_steps lowered on resume?"
             )
         with self.timer.phase("final_eval"):
-            items = _state_items(self.exp.abstract_state)
-            trees, _ = self.best_ckpt.restore(
-                best, {"params": items["params"], "batch_stats": items["batch_stats"]}
-            )
-            ev = self.exp.evaluate(trees["params"], trees["batch_stats"])
+            if ev is None:
+                items = _state_items(self.exp.abstract_state)
+                trees, _ = self.best_ckpt.restore(
+                    best, {"params": items["params"], "batch_stats": items["batch_stats"]}
+                )
+                ev = self.exp.evaluate(trees["params"], trees["batch_stats"])
             self.writer.write({"step": best, "split": "eval_best", **ev})
         with self.timer.phase("close"):
             self.ckpt.close()  # every regular checkpoint committed: only the best is needed

@@ -327,7 +327,9 @@ def test_early_stopping_keeps_and_reports_the_best_checkpoint(tmp_path, capsys):
         _tiny(early_stopping_metric="auc")
 
 
-def test_early_stopping_best_survives_a_resume_that_replays_differently(tmp_path, monkeypatch):
+def test_early_stopping_best_survives_a_resume_that_replays_differently(
+    tmp_path, monkeypatch, capsys
+):
     """Killed after a new best (step 6) but before the regular checkpoint that records it: the
     resumed state (step 4) names best 4, which must still be there though the resumed run,
     with another evaluation cadence (resumes allow it), never evaluates step 6 again; the stale
@@ -351,14 +353,27 @@ def test_early_stopping_best_survives_a_resume_that_replays_differently(tmp_path
     assert Checkpointer(wd / "checkpoints", async_save=False).all_steps() == [4]
     assert 6 in Checkpointer(wd / "checkpoints_best", async_save=False).all_steps()
     no_evals = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=100))
+    # The resume's restore: the state is step 4's, naming best 4; the bests after it are gone.
+    from recscale import sharding
+    from recscale.embeddings import engine
+    from recscale.train.timing import PhaseTimer
+
+    run_cfg = config_lib.absolute_paths(no_evals)
+    mesh = sharding.make_mesh(run_cfg.mesh)
+    with sharding.activate(mesh, run_cfg.mesh.rules, engine=engine.EngineSpec.from_config(run_cfg)):
+        exp = loop.Experiment.build(run_cfg, build_model, workdir=str(wd))
+        run = loop._TrainRun(run_cfg, build_model, exp, wd, PhaseTimer())
+        run.restore_or_init()
+        assert run.start_step == 4 and run.early.best_step == 4
+        assert run.best_ckpt.all_steps() == [2, 4]
+        run.ckpt.close()
+        run.best_ckpt.close()
+    # Going on, the last step is a candidate too (logloss still falls): it is the best.
     resumed = train(no_evals, build_model, wd)
-    assert resumed["step"] == 8 and resumed["best_step"] == 4
-    assert Checkpointer(wd / "checkpoints_best", async_save=False).all_steps() == [4]
-    # The best's parameters are step 4's: an uninterrupted run's evaluation at step 4.
-    ref = train(dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, num_steps=4, eval_every=0, early_stopping_metric="")), build_model,
-        tmp_path / "ref")  # fmt: skip
-    assert resumed["logloss"] == ref["logloss"] and resumed["auc"] == ref["auc"]
+    assert resumed["step"] == 8 and resumed["best_step"] == 8
+    assert Checkpointer(wd / "checkpoints_best", async_save=False).all_steps() == [8]
+    final = dlrm_evaluate.main(["--workdir", str(wd)])  # the last checkpoint is the best
+    assert final["logloss"] == resumed["logloss"]
 
 
 def test_early_stopping_never_takes_a_nonfinite_evaluation_as_best():
