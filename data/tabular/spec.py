@@ -381,8 +381,10 @@ def load_spec(path: str | os.PathLike) -> TabularSpec:
 
 
 def _build(cls, data: Any, path: str):
-    """Hand-written because no installed library does strict nested dataclass loading with
-    field paths in its errors (dacite/pydantic are not dependencies); ~40 lines."""
+    """Strict nested dataclass loading with field paths in its errors (dacite/pydantic are not
+    dependencies). ``recscale.config`` has a loader of the same shape for run configs, but
+    ``data`` may not import ``recscale``; moving that one down into ``data`` and sharing it is
+    left to a follow-up (its error types and messages differ from a spec's)."""
     at = f"{path}: " if path else ""  # path '' is the top level
     if not isinstance(data, dict):
         raise SpecError(f"{at}expected a mapping for {cls.__name__}, got {data!r}")
