@@ -63,6 +63,30 @@ class DataSource(Protocol):
         """Real (unpadded) examples in the eval set, over all hosts."""
         ...
 
+    reads: ReadCounts
+    """Examples this process has read or generated (each host reads only its share)."""
+
+
+class ReadCounts:
+    """Examples a source handed out on this process, by split (``train``, ``eval``: padding
+    examples of the last eval batch included), and rows it holds in memory (an in-memory source
+    loads whole files on every process; random-access and synthetic sources hold none).
+    Thread-safe: the trainer may draw batches on two threads."""
+
+    def __init__(self, rows_held: int = 0):
+        self.rows_held = rows_held
+        self._counts = {"train": 0, "eval": 0}
+        self._lock = threading.Lock()
+
+    def add(self, split: str, batch: Batch) -> Batch:
+        with self._lock:
+            self._counts[split] += int(batch.labels_b.shape[0])
+        return batch
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._counts, "rows_held": self.rows_held}
+
 
 class InMemorySource:
     """A :class:`DataSource` over datasets held as one :class:`Batch` of all rows each."""
@@ -102,6 +126,8 @@ class InMemorySource:
         self.process_index = process_index
         self.process_count = process_count
         self.stats: dict[str, Any] = {**(stats or {}), "ids": guard.stats}
+        held = eval_rows.batch_size + (0 if train_rows is None else train_rows.batch_size)
+        self.reads = ReadCounts(rows_held=held)
         self.train_indices = None
         """grain MapDataset: step -> this host's example indices (see ``data.pipeline``);
         None for an eval-only source (``train_rows=None``)."""
@@ -125,7 +151,7 @@ class InMemorySource:
     def train_batch(self, step: int) -> Batch:
         if self.train_indices is None:
             raise RuntimeError("this source was built eval-only (no training rows were read)")
-        return gather(self.train_rows, self.train_indices[step])
+        return self.reads.add("train", gather(self.train_rows, self.train_indices[step]))
 
     def eval_batches(self) -> Iterator[Batch]:
         for indices, num_valid in eval_index_batches(
@@ -134,7 +160,7 @@ class InMemorySource:
             process_index=self.process_index,
             process_count=self.process_count,
         ):
-            yield pad_weights(gather(self.eval_rows, indices), num_valid)
+            yield self.reads.add("eval", pad_weights(gather(self.eval_rows, indices), num_valid))
 
 
 class RandomAccessSource:
@@ -173,6 +199,9 @@ class RandomAccessSource:
         self.process_index = process_index
         self.process_count = process_count
         self.stats: dict[str, Any] = {**(stats or {}), "ids": self._guard.stats}
+        self.reads = ReadCounts(
+            rows_held=eval_records.batch_size if isinstance(eval_records, Batch) else 0
+        )
         self.train_indices = train_dataset(
             len(train_records),
             batch_size=batch_size,
@@ -200,7 +229,7 @@ class RandomAccessSource:
         return self._guard(self._to_batch(recs), where=f"{split} records", example_ids=indices)
 
     def train_batch(self, step: int) -> Batch:
-        return self._fetch(self._train, self.train_indices[step], "train")
+        return self.reads.add("train", self._fetch(self._train, self.train_indices[step], "train"))
 
     def eval_batches(self) -> Iterator[Batch]:
         for indices, num_valid in eval_index_batches(
@@ -209,7 +238,8 @@ class RandomAccessSource:
             process_index=self.process_index,
             process_count=self.process_count,
         ):
-            yield pad_weights(self._fetch(self._eval, indices, "eval"), num_valid)
+            batch = pad_weights(self._fetch(self._eval, indices, "eval"), num_valid)
+            yield self.reads.add("eval", batch)
 
 
 class SyntheticSource:
@@ -234,6 +264,7 @@ class SyntheticSource:
             "num_eval_examples": cfg.synthetic.num_eval_examples,
             "ids": self._guard.stats,
         }
+        self.reads = ReadCounts()
 
     @property
     def num_eval_examples(self) -> int:
@@ -246,7 +277,7 @@ class SyntheticSource:
             process_index=self.process_index,
             process_count=self.process_count,
         )
-        return self._guard(batch, where=f"synthetic train step {step}")
+        return self.reads.add("train", self._guard(batch, where=f"synthetic train step {step}"))
 
     def eval_batches(self) -> Iterator[Batch]:
         key = (self._cfg.synthetic, self._cfg.shuffle_seed, self._cfg.eval_batch_size,
@@ -264,7 +295,9 @@ class SyntheticSource:
                 for a in batch:
                     a.setflags(write=False)
                 cached.append(batch)
-                yield self._guard(batch, where=f"synthetic eval batch {len(cached) - 1}")
+                yield self.reads.add(
+                    "eval", self._guard(batch, where=f"synthetic eval batch {len(cached) - 1}")
+                )
             nbytes = sum(a.nbytes for b in cached for a in b)
             if nbytes <= _EVAL_CACHE_MAX_BYTES:
                 with _EVAL_CACHE_LOCK:
@@ -272,7 +305,7 @@ class SyntheticSource:
                     _EVAL_CACHE[key] = cached
             return
         for j, batch in enumerate(cached):
-            yield self._guard(batch, where=f"synthetic eval batch {j}")
+            yield self.reads.add("eval", self._guard(batch, where=f"synthetic eval batch {j}"))
 
 
 # The held-out set is a pure function of the generator's config and seed, and every evaluation

@@ -2,33 +2,31 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 
 import tyro
 
 from recscale.config import parse_preset_cli
+from recscale.launch import initialize_from_env
 from recscale.train import DIVERGED_EXIT_CODE
 from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
 from recscale.train.loop import BuildModel, train
-
-DISTRIBUTED_ENV = "RECSCALE_DISTRIBUTED"
-"""When set to 1, entry points call ``jax.distributed.initialize()`` first (multi-host TPU/GPU
-trials; with no arguments JAX reads the cluster from SLURM, TPU-VM or ``JAX_*`` variables)."""
-
-
-def maybe_initialize_distributed() -> None:
-    if os.environ.get(DISTRIBUTED_ENV, "") == "1":
-        import jax  # noqa: PLC0415
-
-        jax.distributed.initialize()
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
     from data.tabular import SpecError, TabularFormatError  # noqa: PLC0415
 
     return (SpecError, TabularFormatError)
+
+
+def _print_result(result: dict) -> None:
+    """The result's JSON line, from process 0 only (every process computes the same result;
+    the last line of stdout is the contract sweeps read)."""
+    import jax  # noqa: PLC0415
+
+    if jax.process_index() == 0:
+        print(json_line(result))
 
 
 def train_main(
@@ -42,7 +40,7 @@ def train_main(
     module = f"{package or family}.train"
     args = sys.argv[1:] if argv is None else argv
     workdir, cfg = parse_preset_cli(f"{family}/", args, prog=f"python -m {module}")
-    maybe_initialize_distributed()
+    initialize_from_env()
     try:
         result = train(cfg, build_model, workdir, argv=["-m", module, *args])
     except FloatingPointError:
@@ -50,7 +48,7 @@ def train_main(
         raise SystemExit(DIVERGED_EXIT_CODE) from None
     except _input_errors() as e:  # bad data or spec: one line naming file, line and column
         raise SystemExit(f"error: {e}") from None
-    print(json_line(result))
+    _print_result(result)
     return result
 
 
@@ -67,10 +65,10 @@ def evaluate_main(
     Prints one JSON object on the last line of stdout (the contract later tooling reads).
     """
     args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {package or family}.evaluate")
-    maybe_initialize_distributed()
+    initialize_from_env()
     try:
         result = evaluate_workdir(config_cls, build_model, args)
     except _input_errors() as e:
         raise SystemExit(f"error: {e}") from None
-    print(json_line(result))
+    _print_result(result)
     return result

@@ -593,11 +593,29 @@ def train(
         with timer.phase("init"):
             run.restore_or_init()
         result = run.run()
+        reads = _reads_per_process(exp.source)
     if jax.process_index() == 0:
         row = {"start_step": run.start_step, "end_step": result["step"], **timer.summary()}
         with open(workdir / "timings.jsonl", "a") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
+        row = {"start_step": run.start_step, "end_step": result["step"], "processes": reads}
+        with open(workdir / "data_reads.jsonl", "a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
     return result
+
+
+def _reads_per_process(source: DataSource) -> list[dict[str, int]]:
+    """Examples each process read in this start (``data.sources.ReadCounts``), gathered from
+    every process (a collective: all of them call it)."""
+    mine = source.reads.as_dict()
+    if jax.process_count() == 1:
+        return [mine]
+    keys = sorted(mine)
+    # int32 halves (JAX arrays are 32-bit here): counts pass 2^31 in long runs.
+    local = np.asarray([[mine[k] >> 31, mine[k] & 0x7FFFFFFF] for k in keys], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(keys), 2)
+    every = (every[..., 0].astype(np.int64) << 31) | every[..., 1]
+    return [dict(zip(keys, map(int, row), strict=True)) for row in every]
 
 
 def _write_run_notes(workdir: Path, exp: Experiment) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import tpu_gpu_configs
-from recscale.train import cli
+from recscale import launch
 from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder, resolve
 
 
@@ -43,11 +43,24 @@ def test_hardware_sets_the_global_batch_and_mesh():
 def test_distributed_env_initialises_jax_distributed(monkeypatch):
     import jax
 
-    calls = []
+    calls, updates = [], []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
-    monkeypatch.delenv(cli.DISTRIBUTED_ENV, raising=False)
-    cli.maybe_initialize_distributed()
+    monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
+    for name in (launch.DISTRIBUTED_ENV, launch.COORDINATOR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert not launch.initialize_from_env()
     assert calls == []
-    monkeypatch.setenv(cli.DISTRIBUTED_ENV, "1")
-    cli.maybe_initialize_distributed()
+    monkeypatch.setenv(launch.DISTRIBUTED_ENV, "1")
+    assert launch.initialize_from_env()
     assert calls == [((), {})]  # no arguments: JAX reads SLURM / TPU / JAX_* settings
+    assert updates[-1] == ("jax_cpu_collectives_implementation", "gloo")
+    # The local launcher's variables: an explicit coordinator, count and id.
+    env = launch.process_env({}, process_id=1, num_processes=2, port=4242, devices_per_process=3)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert env[launch.CPU_DEVICES_ENV] == "3"
+    launch.initialize_from_env()
+    assert calls[-1] == (("127.0.0.1:4242",), {"num_processes": 2, "process_id": 1})
+    monkeypatch.setenv(launch.PROCESS_ID_ENV, "one")
+    with pytest.raises(ValueError, match="RECSCALE_PROCESS_ID"):
+        launch.initialize_from_env()

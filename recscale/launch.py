@@ -1,0 +1,209 @@
+"""Multi-process JAX: start-up from the environment, and a launcher for one machine.
+
+Every entry point (``python -m dlrm.train``, ``... .evaluate``) calls :func:`initialize_from_env`
+first. With ``RECSCALE_DISTRIBUTED=1`` it calls ``jax.distributed.initialize``:
+
+- with ``RECSCALE_COORDINATOR`` (``host:port``), ``RECSCALE_NUM_PROCESSES`` and
+  ``RECSCALE_PROCESS_ID`` set, with those (this module's launcher sets them);
+- otherwise with no arguments: JAX reads the cluster from SLURM (``srun``), the TPU VM's
+  metadata, or its own ``JAX_*`` variables.
+
+CPU processes exchange collectives through JAX's own gloo implementation
+(``jax_cpu_collectives_implementation``), set before the runtime starts; GPU and TPU backends
+use their own (NCCL, ICI/DCN) and ignore it.
+
+``python -m recscale.launch --processes N [--devices-per-process K] -- COMMAND ...`` starts N
+copies of COMMAND on this machine, each one JAX process of one run (a coordinator on
+127.0.0.1): what ``srun`` does across hosts, for tests, for debugging a multi-host job on a
+laptop, and for the sweep launcher's local multi-process trials. Process 0 writes to this
+terminal, the others to ``LOG_DIR/process_<i>.log``. When any process fails, the others are
+stopped (a JAX process whose peer died blocks in its next collective) and the launcher exits
+with the failed process's code, printing the tail of its log. SIGTERM and SIGINT are passed on
+to every process (the trainer checkpoints on SIGTERM). JAX ships no such launcher and
+``torchrun`` is PyTorch's; this one only starts processes and sets their environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DISTRIBUTED_ENV = "RECSCALE_DISTRIBUTED"
+COORDINATOR_ENV = "RECSCALE_COORDINATOR"
+NUM_PROCESSES_ENV = "RECSCALE_NUM_PROCESSES"
+PROCESS_ID_ENV = "RECSCALE_PROCESS_ID"
+CPU_DEVICES_ENV = "JAX_NUM_CPU_DEVICES"
+"""JAX's own setting (``jax_num_cpu_devices``): CPU devices a process simulates."""
+
+
+def initialize_from_env() -> bool:
+    """Starts JAX's distributed runtime when ``RECSCALE_DISTRIBUTED=1`` (see the module
+    docstring); returns whether it did. Must run before any JAX computation."""
+    if os.environ.get(DISTRIBUTED_ENV, "") != "1":
+        return False
+    import jax  # noqa: PLC0415
+
+    try:  # multi-process CPU collectives (all-reduce, all-to-all) through gloo
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, KeyError, ValueError):  # a JAX without the option: its default
+        pass
+    coordinator = os.environ.get(COORDINATOR_ENV, "")
+    if not coordinator:
+        jax.distributed.initialize()
+        return True
+    try:
+        num_processes = int(os.environ[NUM_PROCESSES_ENV])
+        process_id = int(os.environ[PROCESS_ID_ENV])
+    except (KeyError, ValueError) as e:
+        raise ValueError(
+            f"{COORDINATOR_ENV}={coordinator} needs integer {NUM_PROCESSES_ENV} and "
+            f"{PROCESS_ID_ENV}: {e}"
+        ) from None
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    return True
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(
+    base: dict[str, str], *, process_id: int, num_processes: int, port: int,
+    devices_per_process: int = 0,
+) -> dict[str, str]:  # fmt: skip
+    """The environment of process ``process_id`` of a local run."""
+    env = dict(base)
+    env.update({
+        DISTRIBUTED_ENV: "1",
+        COORDINATOR_ENV: f"127.0.0.1:{port}",
+        NUM_PROCESSES_ENV: str(num_processes),
+        PROCESS_ID_ENV: str(process_id),
+    })  # fmt: skip
+    if devices_per_process:
+        env[CPU_DEVICES_ENV] = str(devices_per_process)
+    return env
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchArgs:
+    """``python -m recscale.launch --processes N [...] -- COMMAND ...``"""
+
+    processes: int
+    """JAX processes to start (one run)."""
+    devices_per_process: int = 0
+    """CPU devices each process simulates (``JAX_NUM_CPU_DEVICES``); 0 = as the environment
+    says."""
+    port: int = 0
+    """Coordinator port on 127.0.0.1 (0 = a free one)."""
+    log_dir: str = ""
+    """Where processes 1.. write their output (default: a new temporary directory)."""
+    grace_s: float = 10.0
+    """After a failure or a signal: seconds the other processes get to exit before SIGKILL."""
+
+
+def launch(args: LaunchArgs, command: list[str]) -> int:
+    """Runs ``command`` as ``args.processes`` JAX processes; returns the run's exit code (0 when
+    every process exits 0, else the first failure's)."""
+    if args.processes < 1:
+        raise ValueError(f"--processes must be >= 1, got {args.processes}")
+    if not command:
+        raise ValueError("no command given: python -m recscale.launch --processes N -- COMMAND")
+    port = args.port or free_port()
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="recscale-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    logs = []
+    for i in range(args.processes):
+        env = process_env(dict(os.environ), process_id=i, num_processes=args.processes,
+                          port=port, devices_per_process=args.devices_per_process)  # fmt: skip
+        out = None
+        if i:
+            out = open(log_dir / f"process_{i}.log", "wb")  # noqa: SIM115 (closed below)
+            logs.append(out)
+        procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=out))
+    stop = {"signal": None}
+
+    def forward(signum, _frame):
+        stop["signal"] = signum
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = _wait(procs, args.grace_s, log_dir)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for f in logs:
+            f.close()
+    return code
+
+
+def _wait(procs: list[subprocess.Popen], grace_s: float, log_dir: Path) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, code = failed[0]
+            _stop(procs, grace_s)
+            where = "" if i == 0 else f"; its log: {log_dir / f'process_{i}.log'}"
+            print(f"recscale.launch: process {i} exited with {code}; stopped the others{where}",
+                  file=sys.stderr)  # fmt: skip
+            if i:
+                _print_tail(log_dir / f"process_{i}.log")
+            return code
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _print_tail(path: Path, lines: int = 20) -> None:
+    try:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return
+    for line in tail:
+        print(f"  | {line}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tyro  # noqa: PLC0415
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        raise SystemExit("error: usage: python -m recscale.launch --processes N [...] -- COMMAND")
+    cut = argv.index("--")
+    args = tyro.cli(LaunchArgs, args=argv[:cut], prog="python -m recscale.launch")
+    try:
+        code = launch(args, argv[cut + 1 :])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()
