@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import types
 import typing
@@ -417,7 +418,12 @@ def absolute_paths(cfg: T) -> T:
 
 
 def save_json(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    """Writes ``cfg`` atomically (a temporary file renamed over ``path``): the other processes
+    of a multi-process run read the file while process 0 rewrites it on a resume."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def load_json(cls: type[T], path: str | Path) -> T:

@@ -25,6 +25,7 @@ to every process (the trainer checkpoints on SIGTERM). JAX ships no such launche
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -33,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 DISTRIBUTED_ENV = "RECSCALE_DISTRIBUTED"
@@ -68,6 +71,38 @@ def initialize_from_env() -> bool:
         ) from None
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
     return True
+
+
+@contextlib.contextmanager
+def exit_at_once_on_error() -> Iterator[None]:
+    """Wraps an entry point: in a multi-process run, a process that fails (an exception, or
+    ``SystemExit`` with a non-zero code) prints why and exits at once with ``os._exit``.
+
+    Without it, JAX's exit handler waits at the distributed runtime's shutdown barrier for the
+    other processes, which are blocked in a collective waiting for this one: every process
+    hangs until the barrier times out (minutes). Exiting at once lets the launcher (or
+    ``srun --kill-on-bad-exit``) stop the others."""
+    try:
+        yield
+    except SystemExit as e:
+        if e.code in (None, 0) or os.environ.get(DISTRIBUTED_ENV, "") != "1":
+            raise
+        code = e.code
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        _exit_now(code)
+    except BaseException:
+        if os.environ.get(DISTRIBUTED_ENV, "") != "1":
+            raise
+        traceback.print_exc()
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ import traceback
 import tyro
 
 from recscale.config import parse_preset_cli
-from recscale.launch import initialize_from_env
+from recscale.launch import exit_at_once_on_error, initialize_from_env
 from recscale.train import DIVERGED_EXIT_CODE
 from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
 from recscale.train.loop import BuildModel, train
@@ -41,14 +41,15 @@ def train_main(
     args = sys.argv[1:] if argv is None else argv
     workdir, cfg = parse_preset_cli(f"{family}/", args, prog=f"python -m {module}")
     initialize_from_env()
-    try:
-        result = train(cfg, build_model, workdir, argv=["-m", module, *args])
-    except FloatingPointError:
-        traceback.print_exc()
-        raise SystemExit(DIVERGED_EXIT_CODE) from None
-    except _input_errors() as e:  # bad data or spec: one line naming file, line and column
-        raise SystemExit(f"error: {e}") from None
-    _print_result(result)
+    with exit_at_once_on_error():
+        try:
+            result = train(cfg, build_model, workdir, argv=["-m", module, *args])
+        except FloatingPointError:
+            traceback.print_exc()
+            raise SystemExit(DIVERGED_EXIT_CODE) from None
+        except _input_errors() as e:  # bad data or spec: one line naming file, line and column
+            raise SystemExit(f"error: {e}") from None
+        _print_result(result)
     return result
 
 
@@ -66,9 +67,10 @@ def evaluate_main(
     """
     args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {package or family}.evaluate")
     initialize_from_env()
-    try:
-        result = evaluate_workdir(config_cls, build_model, args)
-    except _input_errors() as e:
-        raise SystemExit(f"error: {e}") from None
-    _print_result(result)
+    with exit_at_once_on_error():
+        try:
+            result = evaluate_workdir(config_cls, build_model, args)
+        except _input_errors() as e:
+            raise SystemExit(f"error: {e}") from None
+        _print_result(result)
     return result

@@ -1,0 +1,79 @@
+"""One JAX process of a multi-process test run (``tests/recscale/test_multiprocess.py``).
+
+``python -m recscale.launch --processes N -- python multiprocess_child.py JOBS.json``: every
+process starts JAX's distributed runtime from the launcher's environment, then runs the jobs
+one after another with the real trainer and evaluator (one start-up for many runs):
+``{"kind": "train", "family": "dlrm", "args": [preset, "--workdir", DIR, ...]}`` or
+``{"kind": "evaluate", "family": "dlrm", "workdir": DIR, "output": FILE}``.
+
+``MP_KILL='{"process": 1, "step": 6}'``: that process dies by SIGKILL right after dispatching
+its 6th train step (0-based count of this start's steps), while the step's collectives are in
+flight on every process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from recscale.launch import exit_at_once_on_error, initialize_from_env  # noqa: E402
+
+initialize_from_env()
+
+import jax  # noqa: E402
+
+from recscale.config import parse_preset_cli  # noqa: E402
+from recscale.train import loop  # noqa: E402
+from recscale.train.evaluation import EvalArgs, evaluate_workdir  # noqa: E402
+
+CONFIGS = {"dlrm": "DLRMConfig", "wukong": "WukongConfig"}
+
+
+def _install_kill(spec: dict) -> None:
+    if jax.process_index() != spec["process"]:
+        return
+    init = loop._TrainRun.__init__
+
+    def patched(self, *a, **k):
+        init(self, *a, **k)
+        step_fn, calls = self._train_step, [0]
+
+        def killing(*args):
+            out = step_fn(*args)  # dispatched: its collectives are running
+            if calls[0] == spec["step"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            calls[0] += 1
+            return out
+
+        self._train_step = killing
+
+    loop._TrainRun.__init__ = patched
+
+
+def main() -> None:
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    if os.environ.get("MP_KILL"):
+        _install_kill(json.loads(os.environ["MP_KILL"]))
+    for job in jobs:
+        package = job["family"]
+        importlib.import_module(f"{package}.presets")
+        build_model = importlib.import_module(f"{package}.model").build_model
+        if job["kind"] == "train":
+            workdir, cfg = parse_preset_cli(f"{job['family']}/", job["args"], prog="child")
+            loop.train(cfg, build_model, workdir)
+        else:
+            config_cls = getattr(importlib.import_module(f"{package}.config"), CONFIGS[package])
+            evaluate_workdir(
+                config_cls, build_model, EvalArgs(workdir=job["workdir"], output=job["output"])
+            )
+
+
+if __name__ == "__main__":
+    with exit_at_once_on_error():
+        main()
