@@ -38,7 +38,6 @@ import optax  # noqa: E402
 from data.batch import Batch  # noqa: E402
 from recscale import config as config_lib  # noqa: E402
 from recscale import optim, sharding  # noqa: E402
-from recscale.embeddings import engine  # noqa: E402
 from recscale.train import loop  # noqa: E402
 from recscale.train.steps import SparseOptimizer, make_sparse_train_step, make_train_step  # noqa: E402
 from sweeps.spec import resolve  # noqa: E402
@@ -113,7 +112,7 @@ def main() -> None:
                                           if f.family == t.family))  # fmt: skip
         cfg = config_lib.from_dict(type(base), json.loads(json.dumps(t.config)))
         mesh = sharding.make_mesh(cfg.mesh)
-        with sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)):
+        with sharding.activate(mesh, cfg.mesh.rules):
             exp = loop.Experiment.build(cfg, build_model)
             sargs = jax.device_put(loop.schedule_args(cfg), sharding.replicated())
             dev = [exp.device_batch(exp.source.train_batch(s)) for s in range(args.k)]

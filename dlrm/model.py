@@ -15,6 +15,7 @@ from dlrm.config import DLRMModelConfig
 from recscale import sharding
 from recscale.config import KernelConfig
 from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.layout import EngineSpec
 from recscale.kernels.dot_interaction import api as dot_interaction_api
 from recscale.nn import MLP
 
@@ -37,6 +38,7 @@ class DLRM(nnx.Module):
         schema: Schema,
         *,
         kernels: KernelConfig | None = None,
+        engine: EngineSpec | None = None,
         rngs: nnx.Rngs,
     ):
         self.cfg = nnx.static(cfg)
@@ -48,6 +50,7 @@ class DLRM(nnx.Module):
             init=cfg.embedding_init,
             init_scale=cfg.embedding_init_scale,
             rngs=rngs,
+            engine=engine,
         )
         self.has_dense = schema.num_dense > 0
         if self.has_dense:
@@ -98,4 +101,5 @@ class DLRM(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> DLRM:
     """Trainer hook: the DLRM of a DLRMConfig for a dataset schema."""
-    return DLRM(cfg.model, schema, kernels=cfg.kernels, rngs=rngs)
+    return DLRM(cfg.model, schema, kernels=cfg.kernels, engine=EngineSpec.from_config(cfg),
+                rngs=rngs)  # fmt: skip

@@ -274,7 +274,7 @@ NON_SEMANTIC_FIELDS = frozenset(
 
 # Fields that only lay the same computation out differently (the embedding plan; the device
 # count, ``mesh.data_parallel``, is non-semantic): a run may resume with them changed (its
-# checkpoint is re-laid out, ``recscale.train.relayout``), but they stay in trial identities, as a
+# checkpoint is re-laid out, ``recscale.embeddings.relayout``), but they stay in trial identities, as a
 # sweep may compare layouts.
 LAYOUT_FIELDS = frozenset(
     {"embeddings.sharding", "embeddings.per_table", "embeddings.profile", "embeddings.host_size"}

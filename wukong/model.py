@@ -26,6 +26,7 @@ from data.batch import Schema
 from recscale import sharding
 from recscale.config import KernelConfig
 from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.layout import EngineSpec
 from recscale.kernels.fm_interaction import api as fm_interaction_api
 from recscale.nn import MLP, LayerNorm
 from wukong.config import WukongModelConfig
@@ -155,6 +156,7 @@ class Wukong(nnx.Module):
         schema: Schema,
         *,
         kernels: KernelConfig | None = None,
+        engine: EngineSpec | None = None,
         rngs: nnx.Rngs,
     ):
         self.cfg = nnx.static(cfg)
@@ -166,6 +168,7 @@ class Wukong(nnx.Module):
             init=cfg.embedding_init,
             init_scale=cfg.embedding_init_scale,
             rngs=rngs,
+            engine=engine,
         )
         self.num_dense_emb = cfg.dense_embeddings(schema)
         if self.num_dense_emb:
@@ -214,4 +217,5 @@ class Wukong(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> Wukong:
     """Trainer hook: the Wukong of a WukongConfig for a dataset schema."""
-    return Wukong(cfg.model, schema, kernels=cfg.kernels, rngs=rngs)
+    return Wukong(cfg.model, schema, kernels=cfg.kernels, engine=EngineSpec.from_config(cfg),
+                  rngs=rngs)  # fmt: skip

@@ -25,6 +25,7 @@ from baselines.dcnv2.config import DCNv2ModelConfig
 from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.layout import EngineSpec
 from recscale.nn import MLP, Linear
 
 
@@ -61,7 +62,10 @@ class CrossLayer(nnx.Module):
 
 
 class DCNv2(nnx.Module):
-    def __init__(self, cfg: DCNv2ModelConfig, schema: Schema, *, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: DCNv2ModelConfig, schema: Schema, *, engine: EngineSpec | None = None,
+        rngs: nnx.Rngs,
+    ):  # fmt: skip
         self.cfg = nnx.static(cfg)
         self.embeddings = EmbeddingCollection.one_table_per_feature(
             schema,
@@ -70,6 +74,7 @@ class DCNv2(nnx.Module):
             init=cfg.embedding_init,
             init_scale=cfg.embedding_init_scale,
             rngs=rngs,
+            engine=engine,
         )
         if cfg.dense_mlp:
             if not schema.num_dense:
@@ -152,4 +157,4 @@ class DCNv2(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> DCNv2:
     """Trainer hook: the DCNv2 of a DCNv2Config for a dataset schema."""
-    return DCNv2(cfg.model, schema, rngs=rngs)
+    return DCNv2(cfg.model, schema, engine=EngineSpec.from_config(cfg), rngs=rngs)

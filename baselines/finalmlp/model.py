@@ -41,6 +41,7 @@ from baselines.finalmlp.config import FinalMLPModelConfig
 from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.layout import EngineSpec
 from recscale.nn import MLP
 
 
@@ -85,6 +86,7 @@ class FeatureGate(nnx.Module):
         context: tuple[str, ...],
         cfg: FinalMLPModelConfig,
         *,
+        engine: EngineSpec | None = None,
         rngs: nnx.Rngs,
     ):
         d = cfg.embed_dim
@@ -103,6 +105,7 @@ class FeatureGate(nnx.Module):
                 init=cfg.embedding_init,
                 init_scale=cfg.embedding_init_scale,
                 rngs=rngs,
+                engine=engine,
             )
             self.context_vector = None
         else:
@@ -164,7 +167,10 @@ class InteractionAggregation(nnx.Module):
 
 
 class FinalMLP(nnx.Module):
-    def __init__(self, cfg: FinalMLPModelConfig, schema: Schema, *, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: FinalMLPModelConfig, schema: Schema, *, engine: EngineSpec | None = None,
+        rngs: nnx.Rngs,
+    ):  # fmt: skip
         self.cfg = nnx.static(cfg)
         self.embeddings = EmbeddingCollection.one_table_per_feature(
             schema,
@@ -173,11 +179,14 @@ class FinalMLP(nnx.Module):
             init=cfg.embedding_init,
             init_scale=cfg.embedding_init_scale,
             rngs=rngs,
+            engine=engine,
         )
         self.in_dim = schema.num_dense + schema.num_sparse * cfg.embed_dim
         if cfg.use_fs:
-            self.fs1 = FeatureGate(self.in_dim, schema, cfg.fs1_context, cfg, rngs=rngs)
-            self.fs2 = FeatureGate(self.in_dim, schema, cfg.fs2_context, cfg, rngs=rngs)
+            self.fs1 = FeatureGate(self.in_dim, schema, cfg.fs1_context, cfg, engine=engine,
+                                   rngs=rngs)  # fmt: skip
+            self.fs2 = FeatureGate(self.in_dim, schema, cfg.fs2_context, cfg, engine=engine,
+                                   rngs=rngs)  # fmt: skip
         else:
             self.fs1 = self.fs2 = None
         self.mlp1 = Stream(
@@ -237,4 +246,4 @@ class FinalMLP(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> FinalMLP:
     """Trainer hook: the FinalMLP of a FinalMLPConfig for a dataset schema."""
-    return FinalMLP(cfg.model, schema, rngs=rngs)
+    return FinalMLP(cfg.model, schema, engine=EngineSpec.from_config(cfg), rngs=rngs)

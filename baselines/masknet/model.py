@@ -31,6 +31,7 @@ from baselines.masknet.config import MaskNetModelConfig
 from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.layout import EngineSpec
 from recscale.nn import MLP, LayerNorm, Linear, dropout
 
 
@@ -121,7 +122,10 @@ def num_fields(schema: Schema) -> int:
 
 
 class MaskNet(nnx.Module):
-    def __init__(self, cfg: MaskNetModelConfig, schema: Schema, *, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: MaskNetModelConfig, schema: Schema, *, engine: EngineSpec | None = None,
+        rngs: nnx.Rngs,
+    ):  # fmt: skip
         self.cfg = nnx.static(cfg)
         d = cfg.embed_dim
         self.embeddings = EmbeddingCollection.one_table_per_feature(
@@ -131,6 +135,7 @@ class MaskNet(nnx.Module):
             init=cfg.embedding_init,
             init_scale=cfg.embedding_init_scale,
             rngs=rngs,
+            engine=engine,
         )
         # FuxiCTR's numeric embedding: dense feature j is the field x_j · w_j.
         self.dense_embed = (
@@ -238,4 +243,4 @@ class MaskNet(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> MaskNet:
     """Trainer hook: the MaskNet of a MaskNetConfig for a dataset schema."""
-    return MaskNet(cfg.model, schema, rngs=rngs)
+    return MaskNet(cfg.model, schema, engine=EngineSpec.from_config(cfg), rngs=rngs)

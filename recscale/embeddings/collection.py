@@ -1,7 +1,7 @@
 """EmbeddingCollection: the tables of a model and the pooled lookup of multi-hot bags.
 
 Models call only ``EmbeddingCollection(ids_bfh) -> emb_bfd``. How rows are stored, sharded,
-looked up and updated is this module's business (and, when the trainer activates it, the
+looked up and updated is this module's business (and, when the model passes it an ``EngineSpec``, the
 sharded engine's: ``recscale.embeddings.engine``), so it can change without touching model code.
 
 Dimension glossary: ``B`` batch, ``F`` features, ``H`` bag slots, ``D`` embedding dim,
@@ -20,7 +20,8 @@ from flax import nnx
 
 from data.batch import Schema
 from recscale import sharding
-from recscale.embeddings import engine
+from recscale.embeddings import layout as layout_lib
+from recscale.embeddings import lookup as lookup_lib
 from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature
 from recscale.kernels.embedding_bag import api as bag_api
 from recscale.kernels.quantized_embedding_bag import api as q_api
@@ -55,7 +56,11 @@ class EmbeddingCollection(nnx.Module):
         *,
         rngs: nnx.Rngs,
         param_dtype=jnp.float32,
+        engine: layout_lib.EngineSpec | None = None,
     ):
+        """``engine``: lay the tables out in the sharded engine's buffers on the active mesh
+        (``recscale.embeddings.engine``); None: one array per table, laid out by the active
+        sharding rules."""
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names in {names}")
@@ -66,21 +71,24 @@ class EmbeddingCollection(nnx.Module):
         self.table_specs = nnx.static(tuple(tables))
         self.feature_specs = nnx.static(tuple(features))
         self.int8 = nnx.static(False)
-        spec = sharding.active_engine()
-        if spec is not None:
+        if engine is not None:
             # The sharded engine: tables cut into shards and packed into per-width buffers.
             mesh = sharding.active_mesh()
+            if mesh is None:
+                raise RuntimeError("an engine-backed EmbeddingCollection needs an active mesh")
             n = int(mesh.shape[sharding.DATA_AXIS])
-            self.layout = nnx.static(engine.build_layout(tuple(tables), tuple(features), n, spec))
+            self.layout = nnx.static(
+                layout_lib.build_layout(tuple(tables), tuple(features), n, engine)
+            )
             keys = [rngs.params() for _ in tables]  # drawn in table order, as the per-table path
 
             def make_table(i):
                 t = tables[i]
-                rows = engine.generated_rows(t.num_rows)
+                rows = layout_lib.generated_rows(t.num_rows)
                 return _init_table(t, rows, keys[i], param_dtype)[: t.num_rows]
 
             index = {t.name: i for i, t in enumerate(tables)}
-            buffers = engine.init_buffers(
+            buffers = layout_lib.init_buffers(
                 self.layout, make_table, [index[f.table] for f in features], len(tables)
             )
             self.buffers = nnx.Dict(
@@ -115,6 +123,7 @@ class EmbeddingCollection(nnx.Module):
         init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows",
         init_scale: float = 0.01,
         rngs: nnx.Rngs,
+        engine: layout_lib.EngineSpec | None = None,
     ) -> EmbeddingCollection:
         """The usual layout: one ``dim``-wide table per sparse feature of ``schema``, except that
         features naming one ``table`` (``FeatureInfo.table``) share it."""
@@ -141,7 +150,7 @@ class EmbeddingCollection(nnx.Module):
                 dataclasses.replace(fs, table=f.table_name)
                 for f, fs in zip(schema.features, features, strict=True)
             )
-        return cls(tables, features, rngs=rngs)
+        return cls(tables, features, rngs=rngs, engine=engine)
 
     def quantize_int8(self) -> None:
         """Replaces the float tables by int8 row-wise quantized ones (FBGEMM's format: per row
@@ -188,7 +197,7 @@ class EmbeddingCollection(nnx.Module):
                 buffers = {k: (v["q"][...], v["scale_bias"][...]) for k, v in self.buffers.items()}
             else:
                 buffers = {k: v[...] for k, v in self.buffers.items()}
-            flat_bd = engine.lookup(self, self.layout, buffers, ids_bfh)
+            flat_bd = lookup_lib.lookup(self, self.layout, buffers, ids_bfh)
             offsets = np.cumsum((0,) + self.layout.feature_dims)
             return [flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
         # One array per table, laid out by the sharding rules: XLA partitions the reference's

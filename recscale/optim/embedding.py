@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from recscale.config import EmbeddingOptimConfig
+from recscale.kernels.embedding_update.reference import rowwise_adagrad_rows
 from recscale.optim.schedules import config_schedule
 
 __all__ = [
@@ -96,17 +97,15 @@ def scale_by_rowwise_adagrad(
     def update_fn(updates, state, params=None):
         del params
 
-        def accumulate(g, acc):
-            # Rows without gradient add exactly 0.0, so their accumulator is bitwise unchanged.
-            return acc + jnp.mean(jnp.square(g.astype(jnp.float32)), axis=-1)
-
-        def precondition(g, acc):
+        def step(g, acc):
+            # The row math shared with the engine and the update kernels' reference. Rows
+            # without gradient gain exactly 0.0 and do not move.
             g32 = g.astype(jnp.float32)
-            touched_v = _rows_with_grad(g32)
-            # The where on the denominator keeps 0/0 out of untouched rows when acc == eps == 0.
-            denom_v = jnp.where(touched_v, jnp.sqrt(acc) + eps, 1.0)
-            u = jnp.where(touched_v[..., None], g32 / denom_v[..., None], 0.0)
-            return u.astype(g.dtype)
+            row_sq = jnp.sum(jnp.square(g32), axis=-1)
+            u, acc = rowwise_adagrad_rows(
+                g32, acc, row_sq, _rows_with_grad(g32), g32.shape[-1], eps
+            )
+            return u.astype(g.dtype), acc
 
         # Flat leaves: the accumulator's Variables carry trimmed sharding metadata (no embedding
         # axis), so its treedef differs from the gradients' in metadata though not in layout.
@@ -114,8 +113,8 @@ def scale_by_rowwise_adagrad(
         acc_leaves, acc_def = jax.tree.flatten(state.sum_of_squares)
         if len(g_leaves) != len(acc_leaves):
             raise ValueError(f"{len(g_leaves)} gradient leaves but {len(acc_leaves)} accumulators")
-        new_acc = [accumulate(g, a) for g, a in zip(g_leaves, acc_leaves, strict=True)]
-        new_g = [precondition(g, a) for g, a in zip(g_leaves, new_acc, strict=True)]
+        out = [step(g, a) for g, a in zip(g_leaves, acc_leaves, strict=True)]
+        new_g, new_acc = [u for u, _ in out], [a for _, a in out]
         return g_def.unflatten(new_g), RowwiseAdagradState(acc_def.unflatten(new_acc))
 
     return optax.GradientTransformation(init_fn, update_fn)

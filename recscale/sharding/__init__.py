@@ -61,7 +61,6 @@ ROW_PAD_MULTIPLE = 64
 class _Active:
     mesh: Mesh
     rules: Mapping[str, str | None]
-    engine: Any = None
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
@@ -87,19 +86,13 @@ def get_rules(name: str) -> dict[str, str | None]:
 
 
 @contextlib.contextmanager
-def activate(
-    mesh: Mesh, rules: str | Mapping[str, str | None], *, engine: Any = None
-) -> Iterator[None]:
-    """Makes ``mesh`` and ``rules`` the ones models and the trainer resolve against.
-
-    ``engine``: an ``recscale.embeddings.engine.EngineSpec`` (or None: every table one array,
-    laid out by ``rules``); embedding collections built inside read it.
-    """
+def activate(mesh: Mesh, rules: str | Mapping[str, str | None]) -> Iterator[None]:
+    """Makes ``mesh`` and ``rules`` the ones models and the trainer resolve against."""
     rules = get_rules(rules) if isinstance(rules, str) else dict(rules)
     unknown = set(rules) - set(LOGICAL_AXES)
     if unknown:
         raise ValueError(f"rule set names unknown logical axes {sorted(unknown)}")
-    token = _ACTIVE.set(_Active(mesh, rules, engine))
+    token = _ACTIVE.set(_Active(mesh, rules))
     try:
         yield
     finally:
@@ -115,12 +108,6 @@ def active_rules() -> Mapping[str, str | None] | None:
     """The active logical-axis rules (None outside ``activate``)."""
     a = _ACTIVE.get()
     return a.rules if a else None
-
-
-def active_engine() -> Any:
-    """The active embedding-engine spec (None: the engine is off)."""
-    a = _ACTIVE.get()
-    return a.engine if a else None
 
 
 def logical_to_spec(

@@ -16,8 +16,7 @@ import jax
 
 from recscale import config as config_lib
 from recscale import sharding
-from recscale.embeddings import engine
-from recscale.train import relayout
+from recscale.embeddings import engine, relayout
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.loop import BEST_DIR, BuildModel, Experiment
 
@@ -78,7 +77,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     n = args.num_devices or math.gcd(cfg.data.eval_batch_size, jax.device_count())
     spec = engine.EngineSpec.from_config(cfg)
     mesh = sharding.make_mesh(dataclasses.replace(cfg.mesh, data_parallel=n))
-    with sharding.activate(mesh, cfg.mesh.rules, engine=spec):
+    with sharding.activate(mesh, cfg.mesh.rules):
         exp = Experiment.build(
             cfg,
             build_model,

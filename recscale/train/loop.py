@@ -34,9 +34,8 @@ from data.batch import Batch, Schema
 from data.sources import DataSource, make_source
 from recscale import config as config_lib
 from recscale import optim, sharding
-from recscale.embeddings import EmbeddingTable, engine
+from recscale.embeddings import EmbeddingTable, engine, relayout
 from recscale.metrics import EvalAccumulator
-from recscale.train import relayout
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.steps import (
     SparseOptimizer,
@@ -100,7 +99,7 @@ def _program_key(cfg: Any, build_model: BuildModel, schema: Schema, what: str) -
     blob = json.dumps(
         [what, f"{build_model.__module__}.{build_model.__qualname__}", d, repr(schema),
          repr(sharding.active_mesh()), repr(sharding.active_rules()),
-         repr(sharding.active_engine()), jax.process_count()],
+         repr(engine.EngineSpec.from_config(cfg)), jax.process_count()],
         sort_keys=True, default=repr,
     )  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -126,7 +125,7 @@ def _cached_program(key: str, make: Callable[[], Callable]) -> Callable:
 
 def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
     """The combined optimizer: dense optax chain + the tables' own optimizer (the engine's
-    sparse updates when the embedding engine is active).
+    sparse updates when ``cfg.embeddings`` turns the embedding engine on).
 
     Tables are routed by type (``EmbeddingTable``); the label tree is computed once from the
     typed state, because optax calls a label function on params at init but on grads at update.
@@ -138,7 +137,7 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
         cfg.dense_optim, steps, peak=a.get("dense_lr"), warmup_steps=a.get("dense_warmup")
     )
     e = cfg.embedding_optim
-    if sharding.active_engine() is not None:
+    if engine.EngineSpec.from_config(cfg) is not None:
         return SparseOptimizer(
             dense=dense,
             embedding_lr=optim.embedding_schedule(
@@ -585,7 +584,7 @@ def train(
     with timer.phase("setup"):
         write_run_files(workdir, cfg, argv)
         mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)):
+    with sharding.activate(mesh, cfg.mesh.rules):
         with timer.phase("setup"):
             exp = Experiment.build(cfg, build_model, workdir=str(workdir))
             _write_run_notes(workdir, exp)

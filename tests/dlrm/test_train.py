@@ -355,12 +355,11 @@ def test_early_stopping_best_survives_a_resume_that_replays_differently(
     no_evals = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=100))
     # The resume's restore: the state is step 4's, naming best 4; the bests after it are gone.
     from recscale import sharding
-    from recscale.embeddings import engine
     from recscale.train.timing import PhaseTimer
 
     run_cfg = config_lib.absolute_paths(no_evals)
     mesh = sharding.make_mesh(run_cfg.mesh)
-    with sharding.activate(mesh, run_cfg.mesh.rules, engine=engine.EngineSpec.from_config(run_cfg)):
+    with sharding.activate(mesh, run_cfg.mesh.rules):
         exp = loop.Experiment.build(run_cfg, build_model, workdir=str(wd))
         run = loop._TrainRun(run_cfg, build_model, exp, wd, PhaseTimer())
         run.restore_or_init()

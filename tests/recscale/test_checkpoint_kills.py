@@ -34,7 +34,6 @@ import dlrm.presets  # noqa: F401  (registers dlrm/tiny)
 from dlrm.model import build_model
 from recscale import sharding
 from recscale.config import get_preset
-from recscale.embeddings import engine
 from recscale.train.checkpoint import DELETED, Checkpointer
 from recscale.train.loop import Experiment
 
@@ -166,7 +165,7 @@ def likes() -> dict[str, Any]:
     (their tree structure, which the checkpoint's fingerprints are keyed by)."""
     cfg = get_preset("dlrm/tiny")
     mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)):
+    with sharding.activate(mesh, cfg.mesh.rules):
         abstract = Experiment.build(cfg, build_model).abstract_state
     return {"params": abstract.params, "opt_state": abstract.opt_state}
 

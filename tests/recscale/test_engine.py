@@ -30,6 +30,7 @@ from recscale.config import (
     get_preset,
 )
 from recscale.embeddings import engine
+from recscale.kernels.embedding_update import reference as update_ref
 from recscale.train.loop import make_optimizer, train
 from recscale.train.steps import (
     TrainState,
@@ -111,7 +112,7 @@ def _run(cfg, batches):
     """Eval logits before each step, then the tables and dense parameters after the steps."""
     mesh = sharding.make_mesh(cfg.mesh)
     spec = engine.EngineSpec.from_config(cfg)
-    with sharding.activate(mesh, cfg.mesh.rules, engine=spec):
+    with sharding.activate(mesh, cfg.mesh.rules):
         model, graphdef, state, step = _build(cfg, SCHEMA, spec)
         step = jax.jit(step, donate_argnums=0)
         ev = jax.jit(make_eval_step(graphdef))
@@ -180,9 +181,8 @@ def _run_init_table(name):
 def test_the_plan_is_what_was_asked_for():
     mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
     pins = ("f0=row_wise", "f1=table_wise", "f2=column_wise", "f3=table_row_wise")
-    spec = engine.EngineSpec.from_config(_cfg("auto", 8, per_table=pins))
-    with sharding.activate(mesh, "replicated", engine=spec):
-        model = build_model(_cfg("auto", 8), SCHEMA, nnx.Rngs(params=0))
+    with sharding.activate(mesh, "replicated"):
+        model = build_model(_cfg("auto", 8, per_table=pins), SCHEMA, nnx.Rngs(params=0))
     layout = model.embeddings.layout
     for pin in pins:
         name, kind = pin.split("=")
@@ -265,7 +265,7 @@ def test_batched_unique_matches_numpy():
     # slot s reads rows [30 s, 30 s + 30): disjoint, as the layout guarantees
     keys = (rng.integers(0, 30, (3, 50)) + 30 * np.arange(3)[:, None]).astype(np.int32)
     keys[rng.random((3, 50)) < 0.2] = sentinel
-    uids, inv = jax.jit(engine.batched_unique, static_argnums=1)(keys, sentinel)
+    uids, inv = jax.jit(update_ref.batched_distinct_rows, static_argnums=1)(keys, sentinel)
     for s in range(3):
         valid = keys[s] < sentinel
         firsts = list(dict.fromkeys(keys[s][valid].tolist()))  # first-occurrence order
@@ -286,7 +286,7 @@ def test_the_train_step_builds_no_table_sized_temporary(path):
         cfg = _xla_kernels(_cfg(kind, 1)) if path == "plain" else _cfg(kind, 1)
         mesh = sharding.make_mesh(cfg.mesh)
         spec = engine.EngineSpec.from_config(cfg)
-        with sharding.activate(mesh, "replicated", engine=spec):
+        with sharding.activate(mesh, "replicated"):
             _, _, state, step = _build(cfg, schema, spec)
             b = _batches(1)[0]
             mem = jax.jit(step, donate_argnums=0).lower(state, b).compile()
@@ -310,22 +310,23 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="expected off, auto"):
         EmbeddingShardingConfig(sharding="rows")
     mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
-    spec = engine.EngineSpec.from_config(_cfg("auto", 8, per_table=("nope=row_wise",)))
+    cfg = _cfg("auto", 8, per_table=("nope=row_wise",))
     with (
-        sharding.activate(mesh, "replicated", engine=spec),
+        sharding.activate(mesh, "replicated"),
         pytest.raises(ValueError, match="unknown tables"),
     ):
-        build_model(_cfg("auto", 8), SCHEMA, nnx.Rngs(params=0))
+        build_model(cfg, SCHEMA, nnx.Rngs(params=0))
     from recscale.embeddings import EmbeddingCollection, FeatureSpec, TableSpec
 
     with (
-        sharding.activate(mesh, "replicated", engine=spec),
+        sharding.activate(mesh, "replicated"),
         pytest.raises(ValueError, match="table 't' is read by 2 features"),
     ):
         EmbeddingCollection(
             (TableSpec(name="t", num_rows=10, dim=4),),
             (FeatureSpec(name="a", table="t"), FeatureSpec(name="b", table="t")),
             rngs=nnx.Rngs(params=0),
+            engine=engine.EngineSpec.from_config(cfg),
         )
 
 

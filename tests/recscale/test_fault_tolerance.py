@@ -22,7 +22,6 @@ from data.batch import Batch
 from dlrm.model import build_model as dlrm_build_model
 from recscale import sharding
 from recscale.config import EmbeddingShardingConfig, get_preset
-from recscale.embeddings import engine
 from recscale.train import loop
 from recscale.train.loop import Experiment, train
 from recscale.train.steps import SparseOptimizer, make_sparse_train_step, make_train_step
@@ -81,7 +80,7 @@ def _step_run(cfg, corrupt, nonfinite="skip"):
     """Steps on batches 0 (good), 1 (corrupted), 2 (good); host copies of the state before and
     after each step, and each step's metrics."""
     mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh.rules, engine=engine.EngineSpec.from_config(cfg)):
+    with sharding.activate(mesh, cfg.mesh.rules):
         exp = Experiment.build(cfg, BUILD["dlrm"])
         make = make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
         step = jax.jit(

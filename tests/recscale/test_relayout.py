@@ -24,8 +24,8 @@ from dlrm.model import build_model
 from recscale import config as config_lib
 from recscale import sharding
 from recscale.config import EmbeddingShardingConfig, get_preset
-from recscale.embeddings import engine
-from recscale.train import checkpoint, relayout
+from recscale.embeddings import engine, relayout
+from recscale.train import checkpoint
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.evaluation import EvalArgs, evaluate_workdir
 from recscale.train.loop import Experiment
@@ -59,8 +59,7 @@ def _cfg(kind, n, opt="rowwise_adagrad", **emb):
 @contextlib.contextmanager
 def _active(cfg):
     """The experiment of ``cfg`` inside its mesh and engine."""
-    spec = engine.EngineSpec.from_config(cfg)
-    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules, engine=spec):
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules):
         yield Experiment.build(cfg, build_model)
 
 

@@ -7,7 +7,7 @@ headers (once per source / jaxlib version, cached under ``$RECSCALE_CACHE`` or
 kernels match (``tests/recscale/kernels/test_embedding_bag.py``, ``test_embedding_update.py``).
 
 ``pool(buf, keys)`` and ``update(buf, acc, keys, grad, lr, table_dim, eps=, adagrad=)`` follow
-``recscale.embeddings.engine._pool`` and ``row_gradients`` + ``_update_rows``.
+``recscale.embeddings.lookup._pool`` and ``recscale.embeddings.update`` (row gradients + row updates).
 """
 
 from __future__ import annotations

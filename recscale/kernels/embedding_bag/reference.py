@@ -22,7 +22,7 @@ XLA: a loop over the ``H`` bag slots, each one row gather masked and added to a 
 accumulator. XLA does not fuse gather + sum, so ``jnp.take(table, ids).sum(1)`` would
 materialise ``[N, H, D]``; and a ``fori_loop`` rather than an unrolled Python loop, because
 unrolled XLA fuses the index arithmetic into each of the ``H`` gathers and recomputes it ``H``
-times. This matches ``recscale.embeddings.engine._pool`` (and ``EmbeddingCollection.lookup``).
+times. This matches ``recscale.embeddings.lookup._pool`` (and ``EmbeddingCollection.lookup``).
 """
 
 from __future__ import annotations

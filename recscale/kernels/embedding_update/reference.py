@@ -5,7 +5,12 @@ jnp: the spec, the tests' oracle of the kernels' building blocks, and the XLA im
 Dimension glossary: ``V`` table rows, ``D`` embedding width, ``N`` bags (examples), ``H`` bag
 slots (ids per bag), ``P = N·H`` (row, bag) pairs, ``U`` distinct-row bound (``U = P``).
 
-Equations (exactly the engine's ``row_gradients`` + ``_update_rows``, one slot, ``groups=0``)::
+The row math here (:func:`batched_distinct_rows`, :func:`batched_row_gradients`,
+:func:`rowwise_adagrad_rows`) is the only copy: the sharded engine's update
+(``recscale.embeddings.update``) runs it on every slot of a device at once, and the dense optax
+row-wise Adagrad (``recscale.optim.embedding``) calls :func:`rowwise_adagrad_rows`.
+
+Equations (the engine's update of one slot of a table that is not column-split)::
 
     valid(n, h) = 0 <= ids[n, h] < V           (other ids are padding)
     c_n         = #{h : valid(n, h)}
@@ -18,8 +23,8 @@ Equations (exactly the engine's ``row_gradients`` + ``_update_rows``, one slot, 
 
 Update arithmetic is float32; the table is stored back in its own dtype, the rows no id touches
 stay bit-identical. No ``[V, D]`` temporary: the touched rows are found as distinct ids (a
-scatter-min of positions into a ``[V + 1]`` int32 array, the engine's ``batched_unique``: no sort,
-which is ~30x slower on XLA:CPU), their gradients summed into ``[U, D]`` by scatter-add, and only
+scatter-min of positions into a ``[V + 1]`` int32 array, :func:`batched_distinct_rows`: no
+sort, which is ~30x slower on XLA:CPU), their gradients summed into ``[U, D]`` by scatter-add, and only
 those rows gathered, updated and scattered back.
 
 :func:`sorted_segments` is the XLA prologue of the Pallas kernels (FBGEMM's layout): the pairs
@@ -83,47 +88,94 @@ def weighted_grad(ids_nh: jax.Array, grad_nd: jax.Array, num_rows: int, pooling:
     return grad_nd / jnp.maximum(count_n, 1).astype(jnp.float32)[:, None]
 
 
+def batched_distinct_rows(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Array]:
+    """Distinct keys of every row of ``keys [S, N]``: buffer rows in ``[0, sentinel)``, disjoint
+    between rows of ``keys`` (the engine's slots each read their own rows), ``sentinel`` = none.
+
+    Returns ``uids [S, N]`` (each row's distinct keys in order of first occurrence, then
+    ``sentinel``) and ``inv [S, N]`` (each key's index into its row of ``uids``; arbitrary for
+    ``sentinel``). No sort: a scatter-min of positions into a ``[sentinel + 1]`` int32 array
+    finds each key's first occurrence (XLA's CPU sort is ~30x slower at these sizes; the array
+    is 4 bytes per row, a sixteenth of a 16-wide float32 table, and lives for one step), a
+    cumsum ranks them. First-occurrence order makes column shards of one table, on different
+    devices, list their rows in the same order (the column-wise row-wise-Adagrad reduction
+    relies on it).
+    """
+    s, n = keys_sn.shape
+    pos = jnp.arange(s * n, dtype=jnp.int32).reshape(s, n)
+    first = jnp.full((sentinel + 1,), s * n, jnp.int32).at[keys_sn].min(pos)
+    first_sn = first[keys_sn]  # flat position of each key's first occurrence (same row)
+    is_first = (first_sn == pos) & (keys_sn < sentinel)
+    rank = jnp.cumsum(is_first, axis=1, dtype=jnp.int32) - 1
+    inv = rank.reshape(-1)[first_sn]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (s, n), 0)
+    slots = jnp.where(is_first, rank, n)
+    uids = jnp.full((s, n), sentinel, keys_sn.dtype).at[rows, slots].set(keys_sn, mode="drop")
+    return uids, inv
+
+
 def distinct_rows(keys_p: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """Distinct rows of ``keys [P]`` (``V`` = padding): ``uids [P]`` (in order of first
     occurrence, then ``V``) and ``inv [P]`` (each pair's index into ``uids``; ``P`` for padding,
-    so a scatter with ``mode="drop"`` skips it).
-
-    The engine's ``batched_unique`` for one slot: a scatter-min of positions into a ``[V + 1]``
-    int32 array finds each key's first occurrence, a cumsum ranks them.
-    """
+    so a scatter with ``mode="drop"`` skips it). :func:`batched_distinct_rows` of one row."""
     (p,) = keys_p.shape
-    pos_p = jnp.arange(p, dtype=jnp.int32)
-    first_v = jnp.full((num_rows + 1,), p, jnp.int32).at[keys_p].min(pos_p)
-    first_p = first_v[keys_p]
-    is_first = (first_p == pos_p) & (keys_p < num_rows)
-    rank_p = jnp.cumsum(is_first, dtype=jnp.int32) - 1
-    inv_p = jnp.where(keys_p < num_rows, rank_p[first_p], p)
-    uids_u = (
-        jnp.full((p,), num_rows, jnp.int32)
-        .at[jnp.where(is_first, rank_p, p)]
-        .set(keys_p, mode="drop")
-    )
-    return uids_u, inv_p
+    uids, inv = batched_distinct_rows(keys_p[None].astype(jnp.int32), num_rows)
+    return uids[0], jnp.where(keys_p < num_rows, inv[0], p)
+
+
+def batched_row_gradients(keys_snh: jax.Array, g_snd: jax.Array, sentinel: int):
+    """The touched rows and their gradients, per row ``s`` of a batch of independent problems
+    (the engine's slots): ``keys [S, N, H]`` the rows each (bag, slot) read (``sentinel`` =
+    padding), ``g [S, N, D]`` the bags' gradients. A sum-pooled bag's gradient reaches each of
+    its rows whole, so a row's gradient is the sum of the gradients of the bags that read it
+    (repeats included). Returns ``uids [S, U]`` (``U = N·H``; ``sentinel`` in unused entries)
+    and ``grad [S, U, D]`` float32 (zero rows there).
+
+    One scatter-add of ``g`` per bag slot (a ``fori_loop`` over ``H``): a single scatter of all
+    slots would first materialise the ``[S, N, H, D]`` repeated gradients.
+    """
+    s, n, h = keys_snh.shape
+    d = g_snd.shape[-1]
+    u = n * h
+    uids, inv = batched_distinct_rows(keys_snh.reshape(s, u), sentinel)
+    flat = inv.reshape(s, n, h) + (jnp.arange(s, dtype=jnp.int32) * u)[:, None, None]
+    flat = jnp.where(keys_snh < sentinel, flat, s * u)  # padding: out of range, dropped
+    flat_hsn = jnp.moveaxis(flat, 2, 0)
+    g_snd = g_snd.astype(jnp.float32)
+
+    def add(j, acc):
+        return acc.at[flat_hsn[j]].add(g_snd, mode="drop")
+
+    # The first slot outside the loop: inside shard_map the carry must start device-varying.
+    grad = add(0, jnp.zeros((s * u, d), jnp.float32))
+    if h > 1:
+        grad = jax.lax.fori_loop(1, h, add, grad)
+    return uids, grad.reshape(s, u, d)
 
 
 def row_gradients(keys_nh: jax.Array, g_nd: jax.Array, num_rows: int):
     """``uids [U]`` and the row gradients ``[U, D]`` float32 (``U = N·H``; zero rows at the
-    ``V`` entries of ``uids``).
+    ``V`` entries of ``uids``): :func:`batched_row_gradients` of one problem."""
+    uids, grad = batched_row_gradients(keys_nh[None].astype(jnp.int32), g_nd[None], num_rows)
+    return uids[0], grad[0]
 
-    One scatter-add of ``g [N, D]`` per bag slot (a ``fori_loop`` over ``H``): a single scatter
-    of all slots would first materialise the ``[N, H, D]`` repeated gradients.
+
+def rowwise_adagrad_rows(g: jax.Array, acc: jax.Array, row_sq: jax.Array, touched: jax.Array,
+                         dim, eps: float) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Row-wise Adagrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``) on rows ``g [..., D]`` (float32) with
+    accumulators ``acc [...]``: the one copy of its arithmetic, which the XLA update, the
+    engine's sparse update and the dense optax transform (``recscale.optim``) all call.
+
+    ``row_sq [...]``: each row's sum of squared gradients and ``touched [...]``: whether it has
+    a nonzero gradient, over the whole row (a column-split row's shards sum theirs first);
+    ``dim``: the row's full width (broadcastable to ``acc``). Returns ``(g / (sqrt(acc') + eps)
+    where touched else 0, acc' = acc + row_sq / dim)``: the preconditioned gradient, to be
+    scaled by ``-lr``. An untouched row gains exactly 0 and does not move (the ``where`` on the
+    denominator keeps ``0/0`` out when ``acc == eps == 0``).
     """
-    n, h = keys_nh.shape
-    uids_u, inv_p = distinct_rows(keys_nh.reshape(-1), num_rows)
-    inv_hn = inv_p.reshape(n, h).T
-
-    def add(j, g_ud):
-        return g_ud.at[inv_hn[j]].add(g_nd, mode="drop")
-
-    g_ud = add(0, jnp.zeros((n * h, g_nd.shape[1]), jnp.float32))
-    if h > 1:
-        g_ud = jax.lax.fori_loop(1, h, add, g_ud)
-    return uids_u, g_ud
+    acc = acc + row_sq / jnp.asarray(dim, jnp.float32)
+    denom = jnp.where(touched, jnp.sqrt(acc) + jnp.float32(eps), 1.0)
+    return jnp.where(touched[..., None], g / denom[..., None], 0.0), acc
 
 
 def row_step(g_ud: jax.Array, acc_u: jax.Array | None, lr: jax.Array, eps: float, width: int):
@@ -132,11 +184,9 @@ def row_step(g_ud: jax.Array, acc_u: jax.Array | None, lr: jax.Array, eps: float
     (Adagrad: their accumulator gains zero)."""
     if acc_u is None:
         return g_ud * -lr, None
-    acc_u = acc_u + jnp.sum(g_ud * g_ud, axis=1) / jnp.float32(width)
-    touched_u = jnp.any(g_ud != 0, axis=1)
-    denom_u = jnp.where(touched_u, jnp.sqrt(acc_u) + jnp.float32(eps), 1.0)
-    upd_ud = jnp.where(touched_u[:, None], g_ud / denom_u[:, None], 0.0) * -lr
-    return upd_ud, acc_u
+    row_sq = jnp.sum(g_ud * g_ud, axis=1)
+    pre, acc_u = rowwise_adagrad_rows(g_ud, acc_u, row_sq, jnp.any(g_ud != 0, axis=1), width, eps)
+    return pre * -lr, acc_u
 
 
 def update(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Array, lr, *,

@@ -151,11 +151,20 @@ def check_relayout(saved: dict, cfg: Any) -> None:
             )
 
 
-def _saved_spec(saved: dict, now: engine.EngineSpec) -> engine.EngineSpec:
+def _saved_config(saved: dict, cfg: Any) -> Any:
+    """``cfg`` with the plan inputs the checkpoint was saved under (``_PLAN_FIELDS``), so that
+    ``build_model`` lays the saved model out as it was (its ``EngineSpec.from_config`` gives
+    the saved spec)."""
     e = saved["engine"]
+    emb = dataclasses.replace(
+        cfg.embeddings, sharding=e["sharding"], per_table=tuple(e["per_table"]),
+        profile=e["profile"], host_size=e["host_size"], storage_dtype=e["storage_dtype"],
+    )  # fmt: skip
     return dataclasses.replace(
-        now, **{k: tuple(e[k]) if k == "per_table" else e[k] for k in _PLAN_FIELDS}
-    )
+        cfg, embeddings=emb,
+        embedding_optim=dataclasses.replace(cfg.embedding_optim, name=e["optimizer"]),
+        data=dataclasses.replace(cfg.data, batch_size=e["batch_size"]),
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,14 +201,13 @@ def restore_relaid(
             raise ValueError("with_opt_state=True needs an Experiment built with its optimizer")
     n_old = int(saved["device_count"])
     mesh = jax.sharding.AbstractMesh((n_old,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    now = sharding.active_engine() or engine.EngineSpec.from_config(cfg)
-    old_spec = None if saved["engine"] is None else _saved_spec(saved, now)
-    with sharding.activate(mesh, cfg.mesh.rules, engine=old_spec):
+    old_cfg = cfg if saved["engine"] is None else _saved_config(saved, cfg)
+    with sharding.activate(mesh, cfg.mesh.rules):
         old_model = nnx.eval_shape(
-            lambda: build_model(cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
+            lambda: build_model(old_cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
         )
     old_params = nnx.state(old_model, nnx.Param)
-    if old_spec is None:
+    if saved["engine"] is None:
         _check_same_shapes(old_params, abstract.params, n_old)
         likes["params"] = abstract.params
         if with_opt_state:

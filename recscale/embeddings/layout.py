@@ -1,0 +1,270 @@
+"""The engine's layout: tables cut into shards by a plan and packed into per-width buffers.
+
+A plan (``recscale.embeddings.planner``) cuts every table into shards ``(device, rows,
+columns)``. Shards of equal width and storage dtype share one **buffer**: a ``[N·R, w]`` array
+sharded over the mesh's ``data`` axis, whose device block ``d`` (rows ``[d·R, (d+1)·R)``) holds
+that device's shards one after another (each at an ``offset``). That one layout expresses every
+sharding type: table-wise is one shard on one device, row-wise a row range on every device,
+column-wise a column range on each of ``k`` devices, the hybrids the same within a host's
+devices. Data-parallel tables live in a replicated ``[R, w]`` buffer instead. Each device's
+shards are its **slots** (padded to the same count ``S`` on every device, as SPMD needs).
+
+:class:`EngineSpec` says what to plan for (the trainer builds it from the config and models pass
+it to their embedding collections); :func:`build_layout` plans and lays out; :func:`init_buffers`
+and :func:`export_tables` copy tables into and out of the buffers. Host-side and static: nothing
+here runs inside a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recscale import sharding
+from recscale.embeddings import planner as planner_lib
+from recscale.embeddings.spec import FeatureSpec, TableSpec
+from tpu_gpu_configs.profiles import get_profile
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+COLUMN_TYPES = ("column_wise", "table_column_wise")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What embedding collections need to lay their tables out (set by the trainer)."""
+
+    sharding: str
+    per_table: tuple[str, ...]
+    profile: str
+    host_size: int
+    storage_dtype: str
+    comm_dtype: str
+    optimizer: str
+    batch_size: int
+    bag_kernel: str = "auto"
+    """Implementation of the pooled lookups (``recscale.kernels.embedding_bag``)."""
+    update_kernel: str = "auto"
+    """Implementation of the fused backward + row update (``recscale.kernels.embedding_update``)."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> EngineSpec | None:
+        """The spec of an experiment config (None when ``embeddings.sharding`` is ``off``)."""
+        e = cfg.embeddings
+        if e.sharding == "off":
+            return None
+        if cfg.embedding_optim.l2 > 0:
+            raise ValueError(
+                f"embedding_optim.l2={cfg.embedding_optim.l2}: coupled L2 touches every row each "
+                "step, which the sparse engine does not do; set embeddings.sharding=off or l2=0"
+            )
+        return cls(e.sharding, tuple(e.per_table), e.profile, e.host_size, e.storage_dtype,
+                   e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size,
+                   cfg.kernels.embedding_bag, cfg.kernels.embedding_update)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+    """One buffer: its shape, and per device (outer) and slot (inner) what each slot holds."""
+
+    key: str
+    width: int
+    dtype: str
+    replicated: bool
+    rows: int
+    """R: rows per device block (replicated: rows of the buffer)."""
+    feature: tuple[tuple[int, ...], ...]
+    row_start: tuple[tuple[int, ...], ...]
+    row_count: tuple[tuple[int, ...], ...]
+    """Rows of the shard (0: a padding slot)."""
+    offset: tuple[tuple[int, ...], ...]
+    col_start: tuple[tuple[int, ...], ...]
+    table_dim: tuple[tuple[int, ...], ...]
+    cw_group: tuple[tuple[int, ...], ...]
+    """Index of the slot's table among column-split tables (``num_cw_groups``: not split)."""
+
+    def arr(self, name: str) -> np.ndarray:
+        return np.asarray(getattr(self, name), np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    num_devices: int
+    buffers: tuple[BufferLayout, ...]
+    feature_dims: tuple[int, ...]
+    feature_hotness: tuple[int, ...]
+    feature_pooling: tuple[str, ...]
+    num_cw_groups: int
+    comm_dtype: str
+    plan_text: str
+    bag_kernel: str = "auto"
+    """Implementation of the pooled lookups (``kernels.embedding_bag``, from the kernel config)."""
+    update_kernel: str = "auto"
+    """Implementation of the fused backward + row update (``kernels.embedding_update``)."""
+
+    def buffer(self, key: str) -> BufferLayout:
+        return next(b for b in self.buffers if b.key == key)
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning.
+
+
+def default_profile() -> str:
+    platform = jax.devices()[0].platform
+    return {"gpu": "gpu-h100", "tpu": "tpu-v5p"}.get(platform, "cpu-2core")
+
+
+def build_layout(
+    tables: tuple[TableSpec, ...], features: tuple[FeatureSpec, ...], num_devices: int,
+    spec: EngineSpec,
+) -> Layout:  # fmt: skip
+    """Plans ``tables`` on ``num_devices`` devices and lays the shards out in buffers."""
+    by_table: dict[str, list[int]] = {t.name: [] for t in tables}
+    for i, f in enumerate(features):
+        by_table[f.table].append(i)
+    for name, fs in by_table.items():
+        if len(fs) != 1:
+            raise ValueError(
+                f"embedding engine: table {name!r} is read by {len(fs)} features; the engine "
+                "needs exactly one feature per table (set embeddings.sharding=off for shared or "
+                "unused tables)"
+            )
+    pins = dict(item.split("=", 1) for item in spec.per_table)
+    unknown = set(pins) - set(by_table)
+    if unknown:
+        raise ValueError(f"embeddings.per_table names unknown tables {sorted(unknown)}")
+    profile = get_profile(spec.profile or default_profile())
+    if spec.host_size:
+        profile = dataclasses.replace(profile, devices_per_host=spec.host_size)
+    itemsize = jnp.dtype(DTYPES[spec.storage_dtype]).itemsize
+    default = () if spec.sharding == "auto" else (spec.sharding,)
+    hot = {f.table: f.max_hotness for f in features}
+
+    def allowed(name: str) -> tuple[str, ...]:
+        kinds = (pins[name],) if name in pins else default
+        if num_devices == 1 and kinds and kinds != ("data_parallel",):
+            return ("table_wise",)  # on one device every split is the whole table there
+        return kinds
+
+    ptables = [
+        planner_lib.PlannerTable(
+            name=t.name, num_rows=t.num_rows, dim=t.dim, bytes_per_element=itemsize,
+            pooling_factor=float(hot[t.name]), optimizer=spec.optimizer,
+            allowed=allowed(t.name),
+        )
+        for t in tables
+    ]  # fmt: skip
+    plan = planner_lib.plan(ptables, profile, num_devices, batch_size=spec.batch_size)
+    table_plans = plan.by_table()
+    cw_tables = [t.name for t in tables if table_plans[t.name].sharding in COLUMN_TYPES]
+    cw_index = {name: i for i, name in enumerate(cw_tables)}
+    # groups: key -> per device list of (feature, row_start, row_count, col_start, dim, cw)
+    groups: dict[tuple[int, bool], list[list[tuple]]] = {}
+    for t in tables:
+        tp = table_plans[t.name]
+        (f,) = by_table[t.name]
+        replicated = tp.sharding == "data_parallel"
+        shards = tp.shards[:1] if replicated else tp.shards
+        for sh in shards:
+            r0, r1 = sh.rows
+            c0, c1 = sh.cols[0], min(sh.cols[1], t.dim)
+            if r1 <= r0 or c1 <= c0:
+                continue
+            devs = groups.setdefault((c1 - c0, replicated), [[] for _ in range(num_devices)])
+            cw = cw_index.get(t.name, len(cw_tables))
+            devs[0 if replicated else sh.device].append((f, r0, r1 - r0, c0, t.dim, cw))
+    buffers = []
+    for (width, replicated), devs in sorted(groups.items()):
+        if replicated:
+            devs = devs[:1]
+        num_slots = max(len(d) for d in devs)
+        fields: dict[str, list[list[int]]] = {
+            k: [] for k in ("feature", "row_start", "row_count", "offset", "col_start",
+                            "table_dim", "cw_group")
+        }  # fmt: skip
+        rows = 1
+        for slots in devs:
+            off, per = 0, {k: [] for k in fields}
+            for f, r0, count, c0, dim, cw in slots:
+                for k, v in zip(fields, (f, r0, count, off, c0, dim, cw), strict=True):
+                    per[k].append(v)
+                off += count
+            for _ in range(num_slots - len(slots)):  # padding slots: no rows
+                for k, v in zip(fields, (0, 0, 0, off, 0, 1, len(cw_tables)), strict=True):
+                    per[k].append(v)
+            rows = max(rows, off)
+            for k in fields:
+                fields[k].append(tuple(per[k]))
+        rows = -(-rows // 8) * 8
+        kind = "replicated" if replicated else "sharded"
+        buffers.append(
+            BufferLayout(
+                key=f"{kind}_w{width}_{spec.storage_dtype}", width=width,
+                dtype=spec.storage_dtype, replicated=replicated, rows=rows,
+                **{k: tuple(v) for k, v in fields.items()},
+            )
+        )  # fmt: skip
+    return Layout(
+        num_devices=num_devices,
+        buffers=tuple(buffers),
+        feature_dims=tuple(next(t.dim for t in tables if t.name == f.table) for f in features),
+        feature_hotness=tuple(f.max_hotness for f in features),
+        feature_pooling=tuple(f.pooling for f in features),
+        num_cw_groups=len(cw_tables),
+        comm_dtype=spec.comm_dtype,
+        plan_text=plan.render(),
+        bag_kernel=spec.bag_kernel,
+        update_kernel=spec.update_kernel,
+    )
+
+
+def init_buffers(layout: Layout, make_table, table_of_feature: list[int], num_tables: int):
+    """Buffers holding the tables as the layout places them. ``make_table(t)`` returns table
+    ``t`` (``[V_t, D_t]``); tables are made one at a time and copied into their shards, so the
+    peak is the buffers plus one table."""
+    out = {}
+    for bl in layout.buffers:
+        n_blocks = 1 if bl.replicated else layout.num_devices
+        out[bl.key] = jnp.zeros((n_blocks * bl.rows, bl.width), DTYPES[bl.dtype])
+    for t in range(num_tables):
+        value = None
+        for bl in layout.buffers:
+            for d in range(1 if bl.replicated else layout.num_devices):
+                for s in range(len(bl.feature[d])):
+                    count = bl.row_count[d][s]
+                    if not count or table_of_feature[bl.feature[d][s]] != t:
+                        continue
+                    value = make_table(t) if value is None else value
+                    r0, c0 = bl.row_start[d][s], bl.col_start[d][s]
+                    piece = value[r0 : r0 + count, c0 : c0 + bl.width].astype(out[bl.key].dtype)
+                    start = (d * bl.rows + bl.offset[d][s], 0)
+                    out[bl.key] = jax.lax.dynamic_update_slice(out[bl.key], piece, start)
+    return out
+
+
+def export_tables(layout: Layout, buffers: dict, tables: tuple[TableSpec, ...],
+                  features: tuple[FeatureSpec, ...]) -> dict[str, np.ndarray]:  # fmt: skip
+    """The tables ``{name: [V, D]}`` reassembled from the buffers (host numpy)."""
+    out = {t.name: np.zeros((t.num_rows, t.dim), np.float32) for t in tables}
+    for bl in layout.buffers:
+        buf = np.asarray(jax.device_get(buffers[bl.key]), np.float32)
+        for d in range(1 if bl.replicated else layout.num_devices):
+            for s in range(len(bl.feature[d])):
+                count = bl.row_count[d][s]
+                if count:
+                    name = features[bl.feature[d][s]].table
+                    r0, c0, base = bl.row_start[d][s], bl.col_start[d][s], d * bl.rows
+                    rows = buf[base + bl.offset[d][s] : base + bl.offset[d][s] + count]
+                    out[name][r0 : r0 + count, c0 : c0 + bl.width] = rows
+    return out
+
+
+def generated_rows(num_rows: int) -> int:
+    """Rows a table is generated with (as the per-table path pads them), so both paths draw
+    the same initial values."""
+    return math.ceil(num_rows / sharding.ROW_PAD_MULTIPLE) * sharding.ROW_PAD_MULTIPLE

@@ -1,0 +1,162 @@
+"""The engine's sparse updates: the rows a batch read, updated in place (never a table gradient).
+
+The train step differentiates with respect to the lookups' zero deltas
+(``recscale.embeddings.lookup``): exactly the touched rows' gradients, duplicate ids combined by
+the transpose of the gather. :func:`apply_update` then updates those rows in place (buffers
+donated; ``mode="drop"`` skips the padding slots): SGD, row-wise Adagrad (FBGEMM's
+``EXACT_ROWWISE_ADAGRAD``; a column-split table's per-row sum of squares is summed over its
+column shards with a ``psum``, so it equals the unsharded update) and lazy Adam (moments and
+rows of touched rows only, bias correction by the global step, as TF's LazyAdam). SGD and
+row-wise Adagrad of whole rows run in the configured update kernel
+(``recscale.kernels.embedding_update``); the row math is that package's reference, shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from recscale import sharding
+from recscale.embeddings.layout import BufferLayout, Layout
+from recscale.kernels.embedding_update import api as update_api
+from recscale.kernels.embedding_update import reference as ref
+
+AXIS = sharding.DATA_AXIS
+
+
+class EngineOptState(nnx.Variable):
+    """Optimizer state of an engine buffer (row-wise Adagrad accumulators, Adam moments)."""
+
+
+def init_opt_state_for(buffer: nnx.Variable, optimizer: str, initial_accumulator: float) -> dict:
+    """Optimizer state of one buffer Variable, as Variables carrying the buffer's sharding."""
+    shape = buffer[...].shape
+    ax = (buffer.get_metadata().get("logical_axes") or (None,))[0]
+    if optimizer == "sgd":
+        return {}
+    if optimizer == "rowwise_adagrad":
+        acc = jnp.full(shape[:1], initial_accumulator, jnp.float32)
+        return {"acc": EngineOptState(acc, logical_axes=(ax,))}
+    if optimizer == "adam":
+        return {
+            m: EngineOptState(jnp.zeros(shape, jnp.float32), logical_axes=(ax, None))
+            for m in ("m", "v")
+        }
+    raise ValueError(f"unknown embedding optimizer {optimizer!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRule:
+    optimizer: str
+    eps: float = 1e-8
+    b1: float = 0.9
+    b2: float = 0.999
+
+
+def row_gradients(keys_sbh: jax.Array, g_sbw: jax.Array, sentinel: int):
+    """The touched rows ``uids [S, U]`` (``U = B·H``; ``sentinel`` in unused entries) and their
+    gradients ``[S, U, w]`` from the slots' read rows ``keys [S, B, H]`` and the gradients of
+    their pooled outputs ``[S, B, w]`` (the kernels' reference row math, every slot at once)."""
+    return ref.batched_row_gradients(keys_sbh, g_sbw, sentinel)
+
+
+def apply_update(
+    layout: Layout, bl: BufferLayout, buf, state: dict, keys, grad_pooled, lr, step,
+    rule: UpdateRule,
+):  # fmt: skip
+    """Updates the rows read at ``keys [S, B, H]`` given the gradients of the slots' pooled
+    outputs ``[S, B, w]``; returns ``(buf, state, [sum of squared updates, sum of squared row
+    gradients])``."""
+    values = {k: v[...] for k, v in state.items()}
+    names = sorted(values)
+    slot = {k: jnp.asarray(bl.arr(k)) for k in ("cw_group", "table_dim")}
+    groups = 0 if bl.replicated else layout.num_cw_groups
+    split = groups and bool((bl.arr("cw_group") < groups).any())
+    # SGD and row-wise Adagrad of whole rows run in the update kernel (recscale.kernels
+    # .embedding_update); a column-split table's row statistic needs a psum across its column
+    # shards, and lazy Adam keeps per-column moments, so those stay here.
+    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split
+    impl = layout.update_kernel
+
+    def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
+        st = dict(zip(names, vals, strict=True))
+        if kernel:
+            s, b, h = keys_sbh.shape
+            new_buf, acc, sq = update_api.update(
+                buf_rw, st.get("acc"), keys_sbh.reshape(s * b, h), g_sbw.reshape(s * b, -1), lr,
+                optimizer=rule.optimizer, eps=rule.eps, impl=impl,
+            )  # fmt: skip
+            new_st = {"acc": acc} if "acc" in st else {}
+        else:
+            uids, grad = row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
+            new_buf, new_st, sq = _update_rows(
+                buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups
+            )
+            sq = jnp.stack([sq, jnp.sum(jnp.square(grad))])  # padding slots: zero gradients
+        if not bl.replicated:
+            sq = jax.lax.psum(sq, AXIS)
+        return new_buf, tuple(new_st[k] for k in names), sq
+
+    args = (buf, keys, grad_pooled, slot["cw_group"], slot["table_dim"], lr, step,
+            *(values[k] for k in names))  # fmt: skip
+    if bl.replicated:
+        new_buf, new_vals, sq = body(*args)
+    else:
+        specs = {"acc": P(AXIS), "m": P(AXIS, None), "v": P(AXIS, None)}
+        new_buf, new_vals, sq = jax.shard_map(
+            body,
+            mesh=sharding.active_mesh(),
+            in_specs=(P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
+                      *(specs[k] for k in names)),
+            out_specs=(P(AXIS, None), tuple(specs[k] for k in names), P()),
+            check_vma=False,
+        )(*args)  # fmt: skip
+    new_state = {k: state[k].replace(v) for k, v in zip(names, new_vals, strict=True)}
+    return new_buf, new_state, sq
+
+
+def _update_rows(buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRule, groups: int):
+    s, u, w = g_suw.shape
+    flat_u = uids_su.reshape(-1)
+    g = g_suw.astype(jnp.float32)
+    if rule.optimizer == "sgd":
+        upd = -lr * g
+        new_st = st
+    elif rule.optimizer == "rowwise_adagrad":
+        sq_su = jnp.sum(jnp.square(g), axis=-1)
+        nz_su = jnp.any(g != 0, axis=-1).astype(jnp.float32)
+        if groups:
+            # A column-split table's row statistic spans all its column shards (other devices).
+            tot = jnp.zeros((groups + 1, u), jnp.float32).at[cw_s].add(sq_su)
+            nzt = jnp.zeros((groups + 1, u), jnp.float32).at[cw_s].add(nz_su)
+            tot, nzt = jax.lax.psum((tot, nzt), AXIS)
+            split = (cw_s < groups)[:, None]
+            sq_su = jnp.where(split, tot[cw_s], sq_su)
+            nz_su = jnp.where(split, nzt[cw_s], nz_su)
+        acc_su = st["acc"].at[uids_su].get(mode="clip")
+        pre, acc_su = ref.rowwise_adagrad_rows(
+            g, acc_su, sq_su, nz_su > 0, tdim_s[:, None], rule.eps
+        )
+        upd = pre * -lr
+        new_st = {"acc": st["acc"].at[flat_u].set(acc_su.reshape(-1), mode="drop")}
+    elif rule.optimizer == "adam":
+        t = (step + 1).astype(jnp.float32)
+        m = rule.b1 * st["m"].at[uids_su].get(mode="clip") + (1 - rule.b1) * g
+        v = rule.b2 * st["v"].at[uids_su].get(mode="clip") + (1 - rule.b2) * g * g
+        m_hat = m / (1 - rule.b1**t)
+        v_hat = v / (1 - rule.b2**t)
+        upd = -lr * m_hat / (jnp.sqrt(v_hat) + rule.eps)
+        new_st = {
+            "m": st["m"].at[flat_u].set(m.reshape(-1, w), mode="drop"),
+            "v": st["v"].at[flat_u].set(v.reshape(-1, w), mode="drop"),
+        }
+    else:
+        raise ValueError(f"unknown embedding optimizer {rule.optimizer!r}")
+    valid = (uids_su < buf.shape[0])[..., None]
+    sq = jnp.sum(jnp.where(valid, jnp.square(upd), 0.0))
+    new_buf = buf.at[flat_u].add(upd.reshape(-1, w).astype(buf.dtype), mode="drop")
+    return new_buf, new_st, sq
