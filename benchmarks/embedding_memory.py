@@ -47,7 +47,6 @@ from recscale.train.loop import make_optimizer  # noqa: E402
 from recscale.train.steps import (  # noqa: E402
     TrainState,
     initial_rng,
-    make_sparse_train_step,
     make_train_step,
 )
 
@@ -102,9 +101,12 @@ def main() -> None:
         a_state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=a_params,
                              opt_state=jax.eval_shape(tx.init, a_params), batch_stats=a_stats,
                              rng=jax.eval_shape(initial_rng, 0))  # fmt: skip
-        make = make_sparse_train_step if spec is not None else make_train_step
         dbatch = jax.device_put(batch)
-        step = jax.jit(make(graphdef, tx), donate_argnums=0).lower(a_state, dbatch).compile()
+        step = (
+            jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
+            .lower(a_state, dbatch)
+            .compile()
+        )
         analysis = step.memory_analysis()
         base = _status("VmRSS")
 

@@ -39,7 +39,7 @@ from data.batch import Batch  # noqa: E402
 from recscale import config as config_lib  # noqa: E402
 from recscale import optim, sharding  # noqa: E402
 from recscale.train import loop  # noqa: E402
-from recscale.train.steps import SparseOptimizer, make_sparse_train_step, make_train_step  # noqa: E402
+from recscale.train.steps import make_train_step  # noqa: E402
 from sweeps.spec import resolve  # noqa: E402
 from sweeps.specs import study  # noqa: E402
 
@@ -57,12 +57,11 @@ def _flat_dense():
 
 def _programs(cfg, exp):
     """The trainer's step (as ``_TrainRun`` builds it) and a ``lax.scan`` of it."""
-    make_step = make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
     params, graphdef = exp.abstract_state.params, exp.graphdef
 
     def train_step(state, batch, args):
         tx = loop.make_optimizer(cfg, params, args)
-        return make_step(graphdef, tx, nonfinite=cfg.train.nonfinite)(state, batch)
+        return make_train_step(graphdef, tx, nonfinite=cfg.train.nonfinite)(state, batch)
 
     def multi(state, batches, args):
         return jax.lax.scan(lambda s, b: train_step(s, b, args), state, batches)

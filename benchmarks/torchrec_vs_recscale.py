@@ -43,14 +43,12 @@ from recscale.config import (
     EmbeddingShardingConfig,
     MeshConfig,
 )
-from recscale.embeddings import engine
 from recscale.flops import dlrm_cost
 from recscale.train.loop import make_optimizer
 from recscale.train.steps import (
     TrainState,
     initial_rng,
     make_eval_step,
-    make_sparse_train_step,
     make_train_step,
 )
 
@@ -121,7 +119,6 @@ def recscale_run(c: dict, steps: int, warmup: int, sharding_kind: str, windows: 
         )
         for _ in range(8)
     ]
-    spec = engine.EngineSpec.from_config(cfg)
     with sharding.activate(mesh, cfg.mesh.rules):
         model = build_model(cfg, schema, nnx.Rngs(params=0))
         graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
@@ -129,8 +126,7 @@ def recscale_run(c: dict, steps: int, warmup: int, sharding_kind: str, windows: 
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
         batches = [jax.device_put(b) for b in host]
-        make_step = make_sparse_train_step if spec is not None else make_train_step
-        train = jax.jit(make_step(graphdef, tx), donate_argnums=(0,))
+        train = jax.jit(make_train_step(graphdef, tx), donate_argnums=(0,))
         infer = jax.jit(make_eval_step(graphdef))
         for i in range(warmup):
             state, m = train(state, batches[i % 8])

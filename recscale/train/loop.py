@@ -42,7 +42,6 @@ from recscale.train.steps import (
     TrainState,
     initial_rng,
     make_eval_step,
-    make_sparse_train_step,
     make_train_step,
 )
 from recscale.train.timing import PhaseTimer
@@ -718,9 +717,6 @@ class _TrainRun:
         self.pending: list[tuple[int, dict]] = []
         self.window: list[dict] = []  # host metrics of the steps since the last train row
         self.t_last, self.step_last = time.perf_counter(), 0
-        make_step = (
-            make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
-        )
         # The step may outlive this run (``_cached_program``): it closes over plain values, not
         # over the run or its experiment (their state and data).
         params, graphdef, nonfinite = exp.abstract_state.params, exp.graphdef, self.tcfg.nonfinite
@@ -729,7 +725,7 @@ class _TrainRun:
             # The optimizer is rebuilt at trace time around the traced schedule numbers: the
             # same structure and state as ``exp.tx``, without run-specific constants.
             tx = make_optimizer(cfg, params, args)
-            return make_step(graphdef, tx, nonfinite=nonfinite)(state, batch)
+            return make_train_step(graphdef, tx, nonfinite=nonfinite)(state, batch)
 
         self._train_step = _cached_program(
             _program_key(cfg, build_model, exp.source.schema, "train"),

@@ -79,61 +79,6 @@ def _check_mode(nonfinite: str) -> None:
         raise ValueError(f"nonfinite={nonfinite!r}: expected one of {NONFINITE_MODES}")
 
 
-def make_train_step(
-    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, nonfinite: str = "skip"
-):
-    """The pure train step for a model ``graphdef`` and optimizer ``tx``.
-
-    A step whose loss or gradients are not all finite is, unless ``nonfinite="ignore"``,
-    skipped: parameters, optimizer state (Adam's count and moments included) and BatchNorm
-    statistics come back bitwise unchanged, only ``step`` and ``rng`` advance; ``metrics["nonfinite"]``
-    is 1.0 for it (0.0 otherwise). The selection reads whole tables here, as this path's
-    optax update does anyway; the engine path (``make_sparse_train_step``) never does.
-    ``optax.apply_if_finite`` is not used: it checks gradients only and leaves the BatchNorm
-    statistics a NaN input has already corrupted.
-    """
-    _check_mode(nonfinite)
-
-    def loss_fn(params, batch_stats, batch: Batch, dropout_key):
-        # copy=True: fresh Variables at this trace level, so BatchNorm may update its statistics.
-        model = nnx.merge(graphdef, params, batch_stats, copy=True)
-        logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=dropout_key)
-        loss = weighted_bce(logits_b, batch.labels_b, batch.weights_b)
-        return loss, nnx.state(model, nnx.BatchStat)
-
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        rng, dropout_key = _split_rng(state.rng)
-        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, state.batch_stats, batch, dropout_key
-        )
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        ok = jnp.isfinite(loss) & _all_finite(grads)
-        if nonfinite != "ignore":
-            params, opt_state, batch_stats = _keep_if(
-                ok,
-                (params, opt_state, batch_stats),
-                (state.params, state.opt_state, state.batch_stats),
-            )
-        metrics = {
-            "loss": loss,
-            "grad_norm": _norm(grads),
-            "update_norm": _norm(updates),
-            "param_norm": _norm(params),
-            "nonfinite": 1.0 - ok.astype(jnp.float32),
-        }
-        new = TrainState(
-            step=state.step + 1,
-            params=params,
-            opt_state=opt_state,
-            batch_stats=batch_stats,
-            rng=rng,
-        )
-        return new, metrics
-
-    return train_step
-
-
 @dataclasses.dataclass(frozen=True)
 class SparseOptimizer:
     """The optimizer of a model whose tables live in the embedding engine: ``dense`` (optax) on
@@ -162,38 +107,67 @@ def _buffer_path(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
 
-def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, *, nonfinite: str = "skip"):
-    """The train step of an engine-backed model: gradients with respect to the pooled outputs
-    of the tables' slots (the engine's deltas), never a whole table; the rows they read are
-    updated in place.
+def make_train_step(
+    graphdef: nnx.GraphDef, tx: optax.GradientTransformation | SparseOptimizer, *,
+    nonfinite: str = "skip",
+):  # fmt: skip
+    """The pure train step of a model ``graphdef`` with optimizer ``tx``, whatever stores its
+    tables.
 
-    A non-finite step (see ``make_train_step``) keeps the dense parameters, their optimizer
-    state and the BatchNorm statistics (small) by selection, and skips the table update by
-    turning every looked-up row into padding with a zero gradient: no row is touched, so the
-    rows and their row-wise Adagrad accumulators / lazy Adam moments stay bitwise unchanged
-    (Adam's moments do not decay), and no whole table is read or selected.
+    - ``tx`` an optax transformation (``embeddings.sharding=off``): every parameter, tables
+      included (one array each), gets its gradient and goes through ``tx``
+      (``recscale.optim.combine`` routes tables to the embedding optimizer).
+    - ``tx`` a :class:`SparseOptimizer` (the sharded engine): the dense parameters go through
+      ``tx.dense``; the tables are never differentiated. The step takes gradients with respect
+      to the engine lookups' zero deltas (the pooled outputs of the slots,
+      ``recscale.embeddings.lookup``) and the rows they read are updated in place
+      (``recscale.embeddings.update``).
+
+    A step whose loss or gradients are not all finite is, unless ``nonfinite="ignore"``,
+    skipped: parameters, optimizer state (Adam's count and moments included) and BatchNorm
+    statistics come back bitwise unchanged, only ``step`` and ``rng`` advance;
+    ``metrics["nonfinite"]`` is 1.0 for it (0.0 otherwise). Dense parameters, their optimizer
+    state and the statistics are kept by selection (the per-table path's whole tables too, as
+    its optax update reads them anyway); the engine's update is skipped by turning every
+    looked-up row into padding with a zero gradient: no row is touched, so rows and their
+    row-wise Adagrad accumulators / lazy Adam moments stay bitwise unchanged and no whole
+    table is read. ``optax.apply_if_finite`` is not used: it checks gradients only and leaves
+    the BatchNorm statistics a NaN input has already corrupted.
     """
     _check_mode(nonfinite)
+    sparse = isinstance(tx, SparseOptimizer)
+    dense_tx = tx.dense if sparse else tx
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         rng, dropout_key = _split_rng(state.rng)
-        emb, dense = nnx.split_state(state.params, EmbeddingTable, ...)
+        if sparse:
+            emb, dense = nnx.split_state(state.params, EmbeddingTable, ...)
+            dense_opt = state.opt_state["dense"]
+        else:
+            emb, dense, dense_opt = None, state.params, state.opt_state
 
         def forward(dense_params, deltas):
-            model = nnx.merge(graphdef, emb, dense_params, state.batch_stats, copy=True)
+            # copy=True: fresh Variables at this trace level, so BatchNorm may update its
+            # statistics.
+            trees = (dense_params, state.batch_stats) if emb is None else (emb, dense_params,
+                                                                          state.batch_stats)  # fmt: skip
+            model = nnx.merge(graphdef, *trees, copy=True)
             with engine.step_context(model, deltas) as ctx:
                 logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=dropout_key)
             return logits_b, model, ctx
 
-        shapes = {}
+        deltas = {}
+        if sparse:  # the deltas' shapes: one per buffer of every engine collection
+            shapes = {}
 
-        def discover(dense_params):
-            _, _, ctx = forward(dense_params, None)
-            shapes.update(ctx.shapes)
-            return 0.0
+            def discover(dense_params):
+                _, _, ctx = forward(dense_params, None)
+                shapes.update(ctx.shapes)
+                return 0.0
 
-        jax.eval_shape(discover, dense)
-        deltas = {ck: {bk: _zeros(sds) for bk, sds in per.items()} for ck, per in shapes.items()}
+            jax.eval_shape(discover, dense)
+            deltas = {ck: {bk: _zeros(sds) for bk, sds in per.items()}
+                      for ck, per in shapes.items()}  # fmt: skip
 
         def loss_fn(dense_params, deltas):
             logits_b, model, ctx = forward(dense_params, deltas)
@@ -205,15 +179,19 @@ def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, *, nonfi
         )(dense, deltas)
         ok = jnp.isfinite(loss) & _all_finite(g_dense, g_delta)
         skip = nonfinite != "ignore"
-        old_dense = dense
-        updates, dense_state = tx.dense.update(g_dense, state.opt_state["dense"], dense)
-        dense = optax.apply_updates(dense, updates)
+        updates, new_opt = dense_tx.update(g_dense, dense_opt, dense)
+        new_dense = optax.apply_updates(dense, updates)
         if skip:
-            dense, dense_state, batch_stats = _keep_if(
-                ok,
-                (dense, dense_state, batch_stats),
-                (old_dense, state.opt_state["dense"], state.batch_stats),
+            new_dense, new_opt, batch_stats = _keep_if(
+                ok, (new_dense, new_opt, batch_stats), (dense, dense_opt, state.batch_stats)
             )
+        metrics = {"loss": loss, "nonfinite": 1.0 - ok.astype(jnp.float32)}
+        if not sparse:
+            metrics.update(grad_norm=_norm(g_dense), update_norm=_norm(updates),
+                           param_norm=_norm(new_dense))  # fmt: skip
+            new = TrainState(step=state.step + 1, params=new_dense, opt_state=new_opt,
+                             batch_stats=batch_stats, rng=rng)  # fmt: skip
+            return new, metrics
 
         lr = tx.embedding_lr(state.step)
         model = nnx.merge(graphdef, state.params, state.batch_stats, copy=True)
@@ -235,21 +213,18 @@ def make_sparse_train_step(graphdef: nnx.GraphDef, tx: SparseOptimizer, *, nonfi
                 var.value = buf
                 emb_state[path] = st
                 emb_sq.append(sq)
-        nnx.update(model, dense, batch_stats)
-        params = nnx.state(model, nnx.Param)
-        metrics = {
-            "loss": loss,
+        nnx.update(model, new_dense, batch_stats)
+        metrics.update(
             # The tables' gradient rows (repeats combined), as the dense path's table gradients.
-            "grad_norm": jnp.sqrt(jnp.square(_norm(g_dense)) + sum(q[1] for q in emb_sq)),
-            "update_norm": jnp.sqrt(jnp.square(_norm(updates)) + sum(q[0] for q in emb_sq)),
+            grad_norm=jnp.sqrt(jnp.square(_norm(g_dense)) + sum(q[1] for q in emb_sq)),
+            update_norm=jnp.sqrt(jnp.square(_norm(updates)) + sum(q[0] for q in emb_sq)),
             # The tables' norm would read every table every step; the dense part is cheap.
-            "dense_param_norm": _norm(dense),
-            "nonfinite": 1.0 - ok.astype(jnp.float32),
-        }
+            dense_param_norm=_norm(new_dense),
+        )
         new = TrainState(
             step=state.step + 1,
-            params=params,
-            opt_state={"dense": dense_state, "embedding": emb_state},
+            params=nnx.state(model, nnx.Param),
+            opt_state={"dense": new_opt, "embedding": emb_state},
             batch_stats=batch_stats,
             rng=rng,
         )

@@ -12,6 +12,7 @@ import baselines.dcnv2.presets  # noqa: F401
 from baselines.dcnv2.config import DCNv2Config, DCNv2ModelConfig
 from baselines.dcnv2.model import CrossLayer, DCNv2, build_model
 from data.batch import FeatureInfo, Schema
+from recscale import sharding
 from recscale.config import from_dict, get_preset, preset_names, to_dict
 
 SCHEMA = Schema(
@@ -167,7 +168,9 @@ def test_every_preset_builds(name):
     assert isinstance(cfg, DCNv2Config)
     assert from_dict(DCNv2Config, to_dict(cfg)) == cfg  # what config.json round-trips
     schema = _schema(cfg)
-    model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
+    # Inside the preset's mesh: a preset with the sharded engine lays its tables out on it.
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules):
+        model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     tables = sum(
         int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model.embeddings, nnx.Param))

@@ -11,6 +11,7 @@ from data.batch import FeatureInfo, Schema
 from data.criteo.reader import criteo_schema
 from dlrm.config import DLRMModelConfig
 from dlrm.model import DLRM, build_model
+from recscale import sharding
 from recscale.config import get_preset, preset_names
 
 SCHEMA = Schema(
@@ -82,7 +83,9 @@ def test_every_preset_builds(name):
 
         schema = SyntheticGenerator(cfg.data.synthetic, seed=0).schema
     # Abstract build: the Criteo presets have billions of parameters.
-    model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
+    # Inside the preset's mesh: a preset with the sharded engine lays its tables out on it.
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules):
+        model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
     params = nnx.state(model, nnx.Param)
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     emb_rows = sum(f.vocab_size for f in schema.features)

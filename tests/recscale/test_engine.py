@@ -36,7 +36,6 @@ from recscale.train.steps import (
     TrainState,
     initial_rng,
     make_eval_step,
-    make_sparse_train_step,
     make_train_step,
 )
 
@@ -104,8 +103,7 @@ def _build(cfg, schema, spec):
     tx = make_optimizer(cfg, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                        opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
-    make = make_sparse_train_step if spec else make_train_step
-    return model, graphdef, state, make(graphdef, tx)
+    return model, graphdef, state, make_train_step(graphdef, tx)
 
 
 def _run(cfg, batches):

@@ -24,7 +24,7 @@ from recscale import sharding
 from recscale.config import EmbeddingShardingConfig, get_preset
 from recscale.train import loop
 from recscale.train.loop import Experiment, train
-from recscale.train.steps import SparseOptimizer, make_sparse_train_step, make_train_step
+from recscale.train.steps import make_train_step
 from tests.run_files import checkpoint_item, metric_rows
 from wukong.model import build_model as wukong_build_model
 
@@ -82,9 +82,8 @@ def _step_run(cfg, corrupt, nonfinite="skip"):
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh.rules):
         exp = Experiment.build(cfg, BUILD["dlrm"])
-        make = make_sparse_train_step if isinstance(exp.tx, SparseOptimizer) else make_train_step
         step = jax.jit(
-            make(exp.graphdef, exp.tx, nonfinite=nonfinite),
+            make_train_step(exp.graphdef, exp.tx, nonfinite=nonfinite),
             in_shardings=(exp.state_sharding, None),
             out_shardings=(exp.state_sharding, None),
             donate_argnums=(0,),

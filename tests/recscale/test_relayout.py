@@ -29,7 +29,7 @@ from recscale.train import checkpoint
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.evaluation import EvalArgs, evaluate_workdir
 from recscale.train.loop import Experiment
-from recscale.train.steps import TrainState, make_sparse_train_step
+from recscale.train.steps import TrainState, make_train_step
 
 STEPS = 3
 PINS = ("f0=column_wise", "f1=data_parallel", "f2=table_row_wise", "f3=table_column_wise")
@@ -86,7 +86,7 @@ def _logits(exp, state) -> np.ndarray:
 
 
 def _next_loss(exp, state) -> float:
-    step = jax.jit(make_sparse_train_step(exp.graphdef, exp.tx), donate_argnums=0)
+    step = jax.jit(make_train_step(exp.graphdef, exp.tx), donate_argnums=0)
     _, metrics = step(state, exp.device_batch(exp.source.train_batch(int(state.step))))
     return float(metrics["loss"])
 
@@ -213,7 +213,7 @@ def trained(tmp_path_factory):
     ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
     with _active(cfg) as exp:
         state = exp.init_state()
-        step = jax.jit(make_sparse_train_step(exp.graphdef, exp.tx), donate_argnums=0)
+        step = jax.jit(make_train_step(exp.graphdef, exp.tx), donate_argnums=0)
         for s in range(STEPS):
             state, _ = step(state, exp.device_batch(exp.source.train_batch(s)))
         _save(ckpt, state, cfg)

@@ -11,6 +11,7 @@ from flax import nnx
 import wukong.presets  # noqa: F401
 from data.batch import FeatureInfo, Schema
 from data.criteo.reader import criteo_schema
+from recscale import sharding
 from recscale.config import from_dict, get_preset, preset_names, to_dict
 from wukong.config import WukongConfig, WukongModelConfig
 from wukong.model import FactorizationMachineBlock, Wukong, WukongLayer, build_model
@@ -164,7 +165,9 @@ def _schema(cfg) -> Schema:
 def _param_counts(cfg) -> tuple[int, int]:
     """(all parameters, parameters outside the embedding tables), from an abstract build."""
     schema = _schema(cfg)
-    model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
+    # Inside the preset's mesh: a preset with the sharded engine lays its tables out on it.
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules):
+        model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     tables = sum(
         int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model.embeddings, nnx.Param))

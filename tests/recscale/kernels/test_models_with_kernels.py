@@ -34,7 +34,7 @@ from recscale.train.steps import (
     TrainState,
     initial_rng,
     make_eval_step,
-    make_sparse_train_step,
+    make_train_step,
 )
 from wukong import model as wukong_model
 from wukong.config import WukongConfig, WukongModelConfig
@@ -89,7 +89,7 @@ def _state_and_step(cfg, build):
     tx = make_optimizer(cfg, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                        opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
-    return graphdef, state, jax.jit(make_sparse_train_step(graphdef, tx), donate_argnums=0)
+    return graphdef, state, jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
 
 
 def _train(family: str, impl: str, devices: int):
