@@ -60,6 +60,7 @@ def initialize_from_env() -> bool:
     coordinator = os.environ.get(COORDINATOR_ENV, "")
     if not coordinator:
         jax.distributed.initialize()
+        _no_persistent_cache_on_cpu()
         return True
     try:
         num_processes = int(os.environ[NUM_PROCESSES_ENV])
@@ -70,7 +71,22 @@ def initialize_from_env() -> bool:
             f"{PROCESS_ID_ENV}: {e}"
         ) from None
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    _no_persistent_cache_on_cpu()
     return True
+
+
+def _no_persistent_cache_on_cpu() -> None:
+    """Turns JAX's persistent compilation cache off in a multi-process CPU run.
+
+    Measured here (jax 0.10.2): XLA:CPU's cache keys differ between the processes of one run,
+    and only process 0 writes entries, so on a second run process 0 loads its programs from
+    the cache while the others compile theirs; a sweep's second trial then hung in its first
+    train step. Compiling everywhere costs seconds on CPU; GPU and TPU runs keep the cache.
+    """
+    import jax  # noqa: PLC0415
+
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        jax.config.update("jax_enable_compilation_cache", False)
 
 
 @contextlib.contextmanager
@@ -166,17 +182,17 @@ def launch(args: LaunchArgs, command: list[str]) -> int:
             out = open(log_dir / f"process_{i}.log", "wb")  # noqa: SIM115 (closed below)
             logs.append(out)
         procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=out))
-    stop = {"signal": None}
+    stopping: list[float] = []  # when a signal was passed on
 
     def forward(signum, _frame):
-        stop["signal"] = signum
+        stopping.append(time.monotonic())
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = _wait(procs, args.grace_s, log_dir)
+        code = _wait(procs, args.grace_s, log_dir, stopping)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -185,8 +201,19 @@ def launch(args: LaunchArgs, command: list[str]) -> int:
     return code
 
 
-def _wait(procs: list[subprocess.Popen], grace_s: float, log_dir: Path) -> int:
+def _wait(procs: list[subprocess.Popen], grace_s: float, log_dir: Path,
+          stopping: list[float]) -> int:  # fmt: skip
     while True:
+        if stopping and time.monotonic() > stopping[0] + grace_s:
+            # A process blocked in a collective never reaches its signal handler's exit.
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            print(f"recscale.launch: killed the processes still running {grace_s:g} s after "
+                  "the signal", file=sys.stderr)  # fmt: skip
+            return 128 + signal.SIGKILL
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:

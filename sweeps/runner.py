@@ -64,7 +64,8 @@ class WorkerOptions:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     """Extra environment of trial processes (XLA flags, RECSCALE_DISTRIBUTED, ...)."""
     command_prefix: tuple[str, ...] = ()
-    """Prepended to the trial command (e.g. ``srun --ntasks-per-node=1`` for multi-host)."""
+    """Prepended to the trial command (e.g. ``srun --ntasks-per-node=1`` for multi-host;
+    ``{python}`` stands for this worker's interpreter, e.g. ``{python} -m recscale.launch``)."""
     sweep: str = ""
     code_version: str = ""
     data_fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -277,7 +278,8 @@ def run_trial(
             wait = server.wait
         else:
             # The trampoline goes first, so a prefix (srun) is what dies with this worker.
-            cmd = [sys.executable, "-m", "data._child", str(os.getpid()), *opts.command_prefix,
+            prefix = [sys.executable if a == "{python}" else a for a in opts.command_prefix]
+            cmd = [sys.executable, "-m", "data._child", str(os.getpid()), *prefix,
                    sys.executable, *argv]  # fmt: skip
             env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
             log.write(f"\n=== {owner} {time.ctime()}: {' '.join(cmd)}\n".encode())

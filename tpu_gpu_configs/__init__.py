@@ -36,7 +36,8 @@ class LaunchPreset:
     slurm: dict[str, Any] = dataclasses.field(default_factory=dict)
     """submitit ``update_parameters`` keywords for one trial worker (nodes, gpus_per_node, ...)."""
     command_prefix: tuple[str, ...] = ()
-    """Prepended to each trial command: starts one process per host (e.g. ``srun``)."""
+    """Prepended to each trial command: starts one process per host (e.g. ``srun``).
+    ``{python}`` stands for the sweep worker's interpreter."""
 
     @property
     def num_devices(self) -> int:
@@ -82,6 +83,26 @@ PRESETS: dict[str, LaunchPreset] = {
             platform="cpu",
             slurm={"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 2, "timeout_min": 60},
         ),
+        LaunchPreset(
+            name="cpu-local-2proc",
+            description="This machine's CPU as 2 JAX processes x 4 simulated devices (one "
+            "run, gloo collectives, started by python -m recscale.launch): a multi-host trial "
+            "rehearsed on one machine.",
+            platform="cpu",
+            num_hosts=2,
+            devices_per_host=4,
+            slurm={"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 2, "timeout_min": 60},
+            command_prefix=(
+                "{python}",
+                "-m",
+                "recscale.launch",
+                "--processes",
+                "2",
+                "--devices-per-process",
+                "4",
+                "--",
+            ),
+        ),  # fmt: skip
         LaunchPreset(
             name="gpu-h100x1",
             description="One H100 80GB.",

@@ -22,8 +22,10 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -279,6 +281,7 @@ def test_two_process_evaluation_counts_every_example_once(runs):
 
 FAILING_CHILD = """
 import sys
+import time
 from recscale.launch import exit_at_once_on_error, initialize_from_env
 initialize_from_env()
 import jax, jax.numpy as jnp
@@ -303,3 +306,23 @@ def test_a_failing_process_stops_the_run(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "process 1 exited with 1" in proc.stderr
     assert "ValueError: process 1 fails" in proc.stderr  # the log's tail, shown
+
+
+def test_a_signal_stops_processes_that_ignore_it(tmp_path):
+    """SIGTERM reaches every process; one that cannot act on it (here: ignores it, as a
+    process blocked in a collective never reaches its handler) is killed after the grace
+    period, and the launcher exits 128 + SIGKILL."""
+    hang = ("import os, pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            f"pathlib.Path({str(tmp_path)!r}, 'ready' + os.environ['RECSCALE_PROCESS_ID'])"
+            ".touch(); time.sleep(600)")  # fmt: skip
+    cmd = [sys.executable, "-m", "recscale.launch", "--processes", "2", "--log-dir",
+           str(tmp_path), "--grace-s", "1", "--", sys.executable, "-c", hang]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):  # both ignore it now
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert "killed the processes still running" in err

@@ -18,7 +18,12 @@ def test_presets_are_consistent():
         assert ("RECSCALE_DISTRIBUTED" in env) == (p.num_hosts > 1)
         if p.xla_flags:
             assert env["XLA_FLAGS"].split() == list(p.xla_flags)
-        if p.slurm and p.num_hosts > 1:
+        if "recscale.launch" in p.command_prefix:  # processes on one machine
+            args = p.command_prefix
+            assert args[args.index("--processes") + 1] == str(p.num_hosts)
+            assert args[args.index("--devices-per-process") + 1] == str(p.devices_per_host)
+            assert p.platform == "cpu" and p.slurm.get("nodes", 1) == 1
+        elif p.slurm and p.num_hosts > 1:
             assert p.slurm["nodes"] == p.num_hosts and p.command_prefix[0] == "srun"
     with pytest.raises(KeyError, match="known: "):
         tpu_gpu_configs.get("gpu-nonexistent")

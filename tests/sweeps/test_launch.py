@@ -272,6 +272,26 @@ def test_slurm_backend_with_submitits_local_executor(tmp_path):
     assert any((sweep / "submitit").iterdir())  # submitit's own job folders
 
 
+@pytest.mark.parametrize("backend", ["local", "slurm"])
+def test_trials_that_are_themselves_multi_process(tmp_path, backend):
+    """``--hardware cpu-local-2proc``: every trial is one run of 2 JAX processes (the local
+    launcher as the trial's command prefix, as ``srun`` on a cluster), through the local
+    backend and through submitit's local executor; each trial succeeds once and its run
+    recorded 2 processes on 8 devices."""
+    spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
+    sweep = tmp_path / "sw"
+    extra = ("--submitit-cluster", "local") if backend == "slurm" else ()
+    summary = run_launch(spec, sweep, "--backend", backend, "--max-parallel", "1",
+                         "--hardware", "cpu-local-2proc", *extra)  # fmt: skip
+    assert summary["statuses"] == {"SUCCESS": 2}
+    got = rows(sweep)
+    assert sorted(r["trial_id"] for r in got) == sorted(set(r["trial_id"] for r in got))
+    store = SweepStore(sweep)
+    for r in got:
+        info = json.loads((store.workdir(r["trial_id"]) / "run_info.json").read_text())
+        assert [(s["process_count"], s["device_count"]) for s in info["starts"]] == [(2, 8)]
+
+
 def test_results_rows_carry_what_fits_and_audits_need(tmp_path):
     spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1])
     sweep = tmp_path / "sw"
