@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend == "local":
             counts = _run_local(str(sweep_dir), trials, opts, n)
         elif args.backend == "ray":
-            counts = _run_ray(str(sweep_dir), trials, opts, n, args)
+            counts = _run_ray(str(sweep_dir), trials, opts, n, args, hw)
         else:
             counts = _run_submitit(str(sweep_dir), trials, opts, n, args, hw)
     rows = {r["trial_id"]: r for r in store.results()}
@@ -181,12 +181,31 @@ def _run_local(sweep_dir: str, trials: list[dict], opts: WorkerOptions, n: int) 
             raise
 
 
-def _run_ray(sweep_dir, trials, opts, n, args) -> list[dict]:
+def ray_task_options(hw: tpu_gpu_configs.LaunchPreset, cpus_per_trial: float) -> dict:
+    """Ray resources of one worker task: its CPUs, and the accelerators of the machine a trial
+    runs on (the preset's GPUs, or its TPU chips as Ray's ``TPU`` resource), so Ray places each
+    worker on a node that has them. A trial spanning several hosts is started by ``srun`` or
+    the TPU VM's tooling, not from inside one Ray task: refused."""
+    if hw.num_hosts > 1 and "recscale.launch" not in hw.command_prefix:
+        raise ValueError(
+            f"hardware {hw.name!r} spans {hw.num_hosts} hosts: run it with --backend slurm "
+            "(srun starts one process per host); a Ray task runs on one node"
+        )
+    options: dict = {"num_cpus": cpus_per_trial, "max_retries": 0}
+    if hw.platform == "gpu":
+        options["num_gpus"] = hw.devices_per_host
+    elif hw.platform == "tpu":
+        options["resources"] = {"TPU": hw.devices_per_host}
+    return options
+
+
+def _run_ray(sweep_dir, trials, opts, n, args, hw) -> list[dict]:
     import ray  # noqa: PLC0415
 
+    options = ray_task_options(hw, args.ray_cpus_per_trial)  # before starting anything
     ray.init(address=args.ray_address or None, include_dashboard=False, log_to_driver=False)
     try:
-        remote = ray.remote(num_cpus=args.ray_cpus_per_trial, max_retries=0)(_ray_worker)
+        remote = ray.remote(**options)(_ray_worker)
         refs = [remote.remote(sweep_dir, trials, opts, i) for i in range(n)]
         return ray.get(refs)
     finally:

@@ -312,6 +312,11 @@ def resolve(spec: SweepSpec) -> Resolution:
         base = dataclasses.replace(
             base, mesh=dataclasses.replace(base.mesh, data_parallel=hw.data_parallel)
         )
+        if hw.profile and base.embeddings.sharding != "off" and not base.embeddings.profile:
+            # The engine plans for the machine the trial runs on (its memory, bandwidths and
+            # devices per host), not for the backend's default profile.
+            base = dataclasses.replace(base, embeddings=dataclasses.replace(
+                base.embeddings, profile=hw.profile, host_size=hw.devices_per_host))  # fmt: skip
         data = dataclasses.replace(data, batch_size=batch)
         data_fp = data_fingerprint(data)
         fingerprints[fam.family] = data_fp

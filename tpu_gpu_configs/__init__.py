@@ -2,11 +2,12 @@
 
 A :class:`LaunchPreset` says what a sweep's trials need from the cluster and the runtime:
 hosts and devices, the mesh, the per-device batch, XLA flags and environment, the SLURM
-resources submitit asks for, and the prefix that starts one process per host. Multi-host
-trials set ``RECSCALE_DISTRIBUTED=1``, which makes the train command call
-``jax.distributed.initialize()`` with no arguments: JAX then reads the coordinator, process
-count and process id from SLURM (``srun``), from the TPU VM metadata, or from ``JAX_*``
-variables.
+resources submitit asks for, the planner's hardware profile, and the prefix that starts one
+process per host. Multi-host trials set ``RECSCALE_DISTRIBUTED=1``, which makes the train
+command call ``jax.distributed.initialize()`` (``recscale.launch``): with no arguments, JAX
+reads the coordinator, process count and process id from SLURM (``srun``) or the TPU VM
+metadata; ``python -m recscale.launch`` (the ``cpu-local-2proc`` prefix) passes them
+explicitly for processes on one machine.
 
 Use one in a sweep spec (``SweepSpec.hardware``) or on the command line
 (``python -m sweeps.launch SPEC --hardware gpu-h100x8``). The XLA flags are the documented ones
@@ -27,6 +28,11 @@ class LaunchPreset:
     platform: Literal["cpu", "gpu", "tpu"]
     num_hosts: int = 1
     devices_per_host: int = 1
+    profile: str = ""
+    """The planner's hardware profile of this machine (``tpu_gpu_configs.profiles``: memory,
+    bandwidths, FLOP/s). Applied to a trial whose embedding engine is on and names no profile
+    (``embeddings.profile``, with ``embeddings.host_size = devices_per_host``); empty: the
+    planner's default for the backend."""
     per_device_batch: int = 0
     """Per-device batch (global = per_device_batch * devices); 0 = the spec's or preset's."""
     data_parallel: int = -1
@@ -85,6 +91,7 @@ PRESETS: dict[str, LaunchPreset] = {
         ),
         LaunchPreset(
             name="cpu-local-2proc",
+            profile="cpu-2core",
             description="This machine's CPU as 2 JAX processes x 4 simulated devices (one "
             "run, gloo collectives, started by python -m recscale.launch): a multi-host trial "
             "rehearsed on one machine.",
@@ -105,6 +112,7 @@ PRESETS: dict[str, LaunchPreset] = {
         ),  # fmt: skip
         LaunchPreset(
             name="gpu-h100x1",
+            profile="gpu-h100",
             description="One H100 80GB.",
             platform="gpu",
             devices_per_host=1,
@@ -120,6 +128,7 @@ PRESETS: dict[str, LaunchPreset] = {
         ),  # fmt: skip
         LaunchPreset(
             name="gpu-h100x8",
+            profile="gpu-h100",
             description="One 8x H100 host (DGX/HGX); data-parallel mesh over the 8 GPUs.",
             platform="gpu",
             devices_per_host=8,
@@ -135,6 +144,7 @@ PRESETS: dict[str, LaunchPreset] = {
         ),  # fmt: skip
         LaunchPreset(
             name="gpu-h100x8-4nodes",
+            profile="gpu-h100",
             description="4 hosts x 8 H100 over InfiniBand: srun starts one process per host, "
             "each calls jax.distributed.initialize() (SLURM auto-detection).",
             platform="gpu",
@@ -154,6 +164,7 @@ PRESETS: dict[str, LaunchPreset] = {
         ),  # fmt: skip
         LaunchPreset(
             name="tpu-v5p-32",
+            profile="tpu-v5p",
             description="TPU v5p-32 slice: 4 hosts x 4 chips. Run ONE worker (on host 0); "
             "each trial must start on all 4 hosts, which needs a command_prefix that does so "
             "for your slice (e.g. a wrapper around gcloud ... ssh --worker=all); not automated "
@@ -166,6 +177,7 @@ PRESETS: dict[str, LaunchPreset] = {
         ),
         LaunchPreset(
             name="tpu-v6e-8",
+            profile="tpu-v6e",
             description="TPU v6e-8 (Trillium), one host x 8 chips.",
             platform="tpu",
             devices_per_host=8,

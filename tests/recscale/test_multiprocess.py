@@ -51,7 +51,7 @@ run is bitwise reproducible (the kill/resume test)."""
 
 JOBS = [
     ("dlrm", "row_wise"), ("dlrm", "table_wise"), ("dlrm", "column_wise"), ("dlrm", "auto"),
-    ("wukong", "row_wise"), ("wukong", "auto"),
+    ("wukong", "auto"),
 ]  # fmt: skip
 JOBS_4 = [("dlrm", "column_wise"), ("wukong", "auto")]  # 4 processes: a subset (2 cores in CI)
 
@@ -166,15 +166,19 @@ def runs(tmp_path_factory, shop) -> Path:
     """
     root = tmp_path_factory.mktemp("mp")
     killed = root / "killed"
-    kill = [{"kind": "train", "family": "dlrm", "args": _args("dlrm", "row_wise", killed)}]
+    # Synchronous saves: the checkpoint of step 4 is committed before step 5 starts, whatever
+    # the machine's speed (the relaunches save asynchronously; a non-semantic field).
+    args = _args("dlrm", "row_wise", killed, "--train.no-async-checkpoint")
+    kill = [{"kind": "train", "family": "dlrm", "args": args}]
     proc = _launch(2, kill, root / "launch_kill", env={"MP_KILL": '{"process": 1, "step": 6}'})
     assert proc.returncode != 0 and "process 1 exited with -9" in proc.stderr, proc.stderr[-4000:]
     assert _losses(killed) and STEPS not in _losses(killed)  # it died before the end
+    assert (killed / "checkpoints" / str(EVERY)).is_dir()
     for n in (1, 2, 4):
         shutil.copytree(killed, root / f"p{n}" / "resumed")
     shop_job = ("shop", "dlrm", "auto", _shop_args(shop))
     every = [(f"{f}_{s}", f, s, ()) for f, s in JOBS] + [shop_job]
-    four = [(f"{f}_{s}", f, s, ()) for f, s in JOBS_4] + [shop_job]
+    four = [(f"{f}_{s}", f, s, ()) for f, s in JOBS_4]
     resume = ("resumed", "dlrm", "row_wise", ())
     for name, family, sharding, extra in [*every, resume]:
         _train_here(_args(family, sharding, root / "p1" / name, *extra), family)
@@ -208,12 +212,16 @@ def test_multiprocess_run_equals_one_process(runs, processes, family, sharding):
 
 
 @pytest.mark.parametrize("processes", [2, 4])
-def test_feature_spec_files_each_process_reads_only_its_share(runs, processes):
-    """DLRM on prepared feature-spec files (array_record shards read by random access): the
-    run equals one process's, and every process read its share of each batch, never the whole
-    dataset (the synthetic runs: the same counts, of generated examples)."""
-    _compare(runs / "p1" / "shop", runs / f"p{processes}" / "shop", processes)
-    names = ["shop", "dlrm_column_wise"]
+def test_each_process_reads_only_its_share(runs, processes):
+    """Every process read its share of each training batch and of the eval set, and holds no
+    rows: on prepared feature-spec files (array_record shards read by random access; 2
+    processes, whose run also equals one process's) and from the generator (2 and 4)."""
+    names = ["dlrm_column_wise"]
+    if processes == 2:
+        _compare(runs / "p1" / "shop", runs / "p2" / "shop", 2)
+        names.append("shop")
+        stats = json.loads((runs / "p2" / "shop" / "data_stats.json").read_text())
+        assert STEPS * 64 // 2 < stats["rows"]["train"]  # a share is not the whole epoch
     for name in names:
         wd = runs / f"p{processes}" / name
         per = json.loads((wd / "data_reads.jsonl").read_text().splitlines()[-1])["processes"]
@@ -224,8 +232,6 @@ def test_feature_spec_files_each_process_reads_only_its_share(runs, processes):
         padded = -(-_eval_examples(wd) // ev) * ev
         assert [p["eval"] for p in per] == [padded // processes] * processes
         assert [p["rows_held"] for p in per] == [0] * processes
-    stats = json.loads((runs / f"p{processes}" / "shop" / "data_stats.json").read_text())
-    assert share * processes <= stats["rows"]["train"]  # the whole epoch is not read by one
 
 
 def _eval_examples(workdir: Path) -> int:

@@ -69,3 +69,47 @@ def test_distributed_env_initialises_jax_distributed(monkeypatch):
     monkeypatch.setenv(launch.PROCESS_ID_ENV, "one")
     with pytest.raises(ValueError, match="RECSCALE_PROCESS_ID"):
         launch.initialize_from_env()
+
+
+def test_every_preset_builds_its_mesh_on_its_topology():
+    """Each preset's mesh (its ``data`` axis over all its devices, or ``data_parallel`` of
+    them) on an abstract topology of the preset's device count: what the trial's
+    ``sharding.make_mesh`` builds on the real machine, and the batch it splits."""
+    import jax
+
+    for p in tpu_gpu_configs.PRESETS.values():
+        n = p.num_devices if p.data_parallel == -1 else p.data_parallel
+        mesh = jax.sharding.AbstractMesh((n,), ("data",))
+        assert mesh.size == n <= p.num_devices
+        if p.per_device_batch:
+            assert p.global_batch % mesh.shape["data"] == 0
+            assert p.global_batch % p.num_hosts == 0  # each host feeds its share
+
+
+def test_a_preset_plans_the_engine_for_its_machine():
+    """A v6e preset plans with the v6e profile (32 GB, 8 chips per host), not the v5p's
+    (95 GB) that the TPU backend's default would give; an engine-off trial is unchanged."""
+    fam = FamilySpec(family="dlrm", package="dlrm", preset="dlrm/tiny",
+                     ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
+                     overrides={"embeddings.sharding": "auto"})  # fmt: skip
+    spec = SweepSpec(name="t", families=(fam,), budgets=(1e12,), code_version="x",
+                     hardware="tpu-v6e-8")  # fmt: skip
+    (t,) = resolve(spec).trials
+    assert t.config["embeddings"]["profile"] == "tpu-v6e"
+    assert t.config["embeddings"]["host_size"] == 8
+    off = dataclasses.replace(spec, families=(dataclasses.replace(fam, overrides={}),))
+    (t_off,) = resolve(off).trials
+    assert t_off.config["embeddings"]["profile"] == ""
+
+
+def test_ray_tasks_request_the_presets_accelerators():
+    from sweeps.launch import ray_task_options
+
+    gpu = ray_task_options(tpu_gpu_configs.get("gpu-h100x8"), 8.0)
+    assert gpu == {"num_cpus": 8.0, "max_retries": 0, "num_gpus": 8}
+    tpu = ray_task_options(tpu_gpu_configs.get("tpu-v6e-8"), 1.0)
+    assert tpu["resources"] == {"TPU": 8} and "num_gpus" not in tpu
+    assert ray_task_options(tpu_gpu_configs.get("cpu-local-2proc"), 2.0) == {
+        "num_cpus": 2.0, "max_retries": 0}  # fmt: skip
+    with pytest.raises(ValueError, match="--backend slurm"):
+        ray_task_options(tpu_gpu_configs.get("gpu-h100x8-4nodes"), 1.0)

@@ -272,12 +272,12 @@ def test_slurm_backend_with_submitits_local_executor(tmp_path):
     assert any((sweep / "submitit").iterdir())  # submitit's own job folders
 
 
-@pytest.mark.parametrize("backend", ["local", "slurm"])
+@pytest.mark.parametrize("backend", ["slurm"])
 def test_trials_that_are_themselves_multi_process(tmp_path, backend):
     """``--hardware cpu-local-2proc``: every trial is one run of 2 JAX processes (the local
-    launcher as the trial's command prefix, as ``srun`` on a cluster), through the local
-    backend and through submitit's local executor; each trial succeeds once and its run
-    recorded 2 processes on 8 devices."""
+    launcher as the trial's command prefix, as ``srun`` on a cluster), here through
+    submitit's local executor (the local and Ray backends run the same worker code); each
+    trial succeeds once and its run recorded 2 processes on 8 devices."""
     spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
     sweep = tmp_path / "sw"
     extra = ("--submitit-cluster", "local") if backend == "slurm" else ()
