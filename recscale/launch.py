@@ -18,7 +18,8 @@ copies of COMMAND on this machine, each one JAX process of one run (a coordinato
 laptop, and for the sweep launcher's local multi-process trials. Process 0 writes to this
 terminal, the others to ``LOG_DIR/process_<i>.log``. When any process fails, the others are
 stopped (a JAX process whose peer died blocks in its next collective) and the launcher exits
-with the failed process's code, printing the tail of its log. SIGTERM and SIGINT are passed on
+with the failed process's code (one killed by a signal first: its peers' errors follow from
+it), printing the tail of its log. SIGTERM and SIGINT are passed on
 to every process (the trainer checkpoints on SIGTERM). JAX ships no such launcher and
 ``torchrun`` is PyTorch's; this one only starts processes and sets their environment.
 """
@@ -217,11 +218,14 @@ def _wait(procs: list[subprocess.Popen], grace_s: float, log_dir: Path,
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            i, code = failed[0]
+            # A process killed by a signal is the cause; the others' errors ("connection closed
+            # by peer") follow from it, and may be reaped first.
+            i, code = min(failed, key=lambda f: (f[1] >= 0, f[0]))
             _stop(procs, grace_s)
             where = "" if i == 0 else f"; its log: {log_dir / f'process_{i}.log'}"
-            print(f"recscale.launch: process {i} exited with {code}; stopped the others{where}",
-                  file=sys.stderr)  # fmt: skip
+            also = "".join(f"; process {j} exited with {c}" for j, c in failed if j != i)
+            print(f"recscale.launch: process {i} exited with {code}{also}; stopped the "
+                  f"others{where}", file=sys.stderr)  # fmt: skip
             if i:
                 _print_tail(log_dir / f"process_{i}.log")
             return code
