@@ -149,9 +149,8 @@ def make_train_step(
         def forward(dense_params, deltas):
             # copy=True: fresh Variables at this trace level, so BatchNorm may update its
             # statistics.
-            trees = (dense_params, state.batch_stats) if emb is None else (emb, dense_params,
-                                                                          state.batch_stats)  # fmt: skip
-            model = nnx.merge(graphdef, *trees, copy=True)
+            tables = () if emb is None else (emb,)
+            model = nnx.merge(graphdef, *tables, dense_params, state.batch_stats, copy=True)
             with engine.step_context(model, deltas) as ctx:
                 logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=dropout_key)
             return logits_b, model, ctx
