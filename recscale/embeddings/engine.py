@@ -42,7 +42,6 @@ from recscale.embeddings.update import (
     UpdateRule,
     apply_update,
     init_opt_state_for,
-    row_gradients,
 )
 
 __all__ = [
@@ -62,6 +61,5 @@ __all__ = [
     "init_buffers",
     "init_opt_state_for",
     "lookup",
-    "row_gradients",
     "step_context",
 ]

@@ -57,13 +57,6 @@ class UpdateRule:
     b2: float = 0.999
 
 
-def row_gradients(keys_sbh: jax.Array, g_sbw: jax.Array, sentinel: int):
-    """The touched rows ``uids [S, U]`` (``U = B·H``; ``sentinel`` in unused entries) and their
-    gradients ``[S, U, w]`` from the slots' read rows ``keys [S, B, H]`` and the gradients of
-    their pooled outputs ``[S, B, w]`` (the kernels' reference row math, every slot at once)."""
-    return ref.batched_row_gradients(keys_sbh, g_sbw, sentinel)
-
-
 def apply_update(
     layout: Layout, bl: BufferLayout, buf, state: dict, keys, grad_pooled, lr, step,
     rule: UpdateRule,
@@ -92,7 +85,7 @@ def apply_update(
             )  # fmt: skip
             new_st = {"acc": acc} if "acc" in st else {}
         else:
-            uids, grad = row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
+            uids, grad = ref.batched_row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
             new_buf, new_st, sq = _update_rows(
                 buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups
             )

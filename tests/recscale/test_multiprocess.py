@@ -221,7 +221,8 @@ def test_each_process_reads_only_its_share(runs, processes):
         _compare(runs / "p1" / "shop", runs / "p2" / "shop", 2)
         names.append("shop")
         stats = json.loads((runs / "p2" / "shop" / "data_stats.json").read_text())
-        assert STEPS * 64 // 2 < stats["rows"]["train"]  # a share is not the whole epoch
+        batch = json.loads((runs / "p2" / "shop" / "config.json").read_text())["data"]["batch_size"]
+        assert STEPS * batch // 2 < stats["rows"]["train"]  # a share is not the whole epoch
     for name in names:
         wd = runs / f"p{processes}" / name
         per = json.loads((wd / "data_reads.jsonl").read_text().splitlines()[-1])["processes"]

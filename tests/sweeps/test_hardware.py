@@ -71,21 +71,6 @@ def test_distributed_env_initialises_jax_distributed(monkeypatch):
         launch.initialize_from_env()
 
 
-def test_every_preset_builds_its_mesh_on_its_topology():
-    """Each preset's mesh (its ``data`` axis over all its devices, or ``data_parallel`` of
-    them) on an abstract topology of the preset's device count: what the trial's
-    ``sharding.make_mesh`` builds on the real machine, and the batch it splits."""
-    import jax
-
-    for p in tpu_gpu_configs.PRESETS.values():
-        n = p.num_devices if p.data_parallel == -1 else p.data_parallel
-        mesh = jax.sharding.AbstractMesh((n,), ("data",))
-        assert mesh.size == n <= p.num_devices
-        if p.per_device_batch:
-            assert p.global_batch % mesh.shape["data"] == 0
-            assert p.global_batch % p.num_hosts == 0  # each host feeds its share
-
-
 def test_a_preset_plans_the_engine_for_its_machine():
     """A v6e preset plans with the v6e profile (32 GB, 8 chips per host), not the v5p's
     (95 GB) that the TPU backend's default would give; an engine-off trial is unchanged."""
