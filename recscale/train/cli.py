@@ -20,6 +20,14 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return (SpecError, TabularFormatError)
 
 
+def _start_distributed() -> None:
+    """``initialize_from_env``, with a malformed setting printed as one line."""
+    try:
+        initialize_from_env()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _print_result(result: dict) -> None:
     """The result's JSON line, from process 0 only (every process computes the same result;
     the last line of stdout is the contract sweeps read)."""
@@ -40,7 +48,7 @@ def train_main(
     module = f"{package or family}.train"
     args = sys.argv[1:] if argv is None else argv
     workdir, cfg = parse_preset_cli(f"{family}/", args, prog=f"python -m {module}")
-    initialize_from_env()
+    _start_distributed()
     with exit_at_once_on_error():
         try:
             result = train(cfg, build_model, workdir, argv=["-m", module, *args])
@@ -66,7 +74,7 @@ def evaluate_main(
     Prints one JSON object on the last line of stdout (the contract later tooling reads).
     """
     args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {package or family}.evaluate")
-    initialize_from_env()
+    _start_distributed()
     with exit_at_once_on_error():
         try:
             result = evaluate_workdir(config_cls, build_model, args)

@@ -71,6 +71,18 @@ def test_distributed_env_initialises_jax_distributed(monkeypatch):
         launch.initialize_from_env()
 
 
+def test_a_malformed_distributed_setting_is_a_one_line_cli_error(monkeypatch, tmp_path):
+    import dlrm.train
+
+    monkeypatch.setenv(launch.DISTRIBUTED_ENV, "1")
+    monkeypatch.setenv(launch.COORDINATOR_ENV, "127.0.0.1:1")
+    monkeypatch.setenv(launch.NUM_PROCESSES_ENV, "2")
+    monkeypatch.setenv(launch.PROCESS_ID_ENV, "one")
+    with pytest.raises(SystemExit, match=r"^error: RECSCALE_COORDINATOR=127.0.0.1:1 needs .*"
+                                         r"RECSCALE_PROCESS_ID"):  # fmt: skip
+        dlrm.train.main(["dlrm/tiny", "--workdir", str(tmp_path / "run")])
+
+
 def test_a_preset_plans_the_engine_for_its_machine():
     """A v6e preset plans with the v6e profile (32 GB, 8 chips per host), not the v5p's
     (95 GB) that the TPU backend's default would give; an engine-off trial is unchanged."""
