@@ -93,7 +93,7 @@ def main() -> None:
     )
     spec = engine.EngineSpec.from_config(cfg)
     mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         # The process's own footprint, and the compiled step, before any table exists.
         abstract = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(params=0)))
         graphdef, a_params, a_stats = nnx.split(abstract, nnx.Param, nnx.BatchStat)

@@ -111,7 +111,7 @@ def main() -> None:
                                           if f.family == t.family))  # fmt: skip
         cfg = config_lib.from_dict(type(base), json.loads(json.dumps(t.config)))
         mesh = sharding.make_mesh(cfg.mesh)
-        with sharding.activate(mesh, cfg.mesh.rules):
+        with sharding.activate(mesh, cfg.mesh):
             exp = loop.Experiment.build(cfg, build_model)
             sargs = jax.device_put(loop.schedule_args(cfg), sharding.replicated())
             dev = [exp.device_batch(exp.source.train_batch(s)) for s in range(args.k)]

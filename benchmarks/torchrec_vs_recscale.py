@@ -119,7 +119,7 @@ def recscale_run(c: dict, steps: int, warmup: int, sharding_kind: str, windows: 
         )
         for _ in range(8)
     ]
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         model = build_model(cfg, schema, nnx.Rngs(params=0))
         graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         tx = make_optimizer(cfg, params)

@@ -130,9 +130,11 @@ cfg = config_lib.load_json(config_cls, workdir / "config.json")
 ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
 step = ckpt.latest_step()
 mesh_cfg = dataclasses.replace(
-    cfg.mesh, data_parallel=math.gcd(cfg.data.eval_batch_size, jax.device_count())
+    cfg.mesh,
+    data_parallel=math.gcd(cfg.data.eval_batch_size, jax.device_count()),
+    model_parallel=1,
 )
-with sharding.activate(sharding.make_mesh(mesh_cfg), cfg.mesh.rules):
+with sharding.activate(sharding.make_mesh(mesh_cfg), mesh_cfg):
     exp = Experiment.build(
         cfg, build_model, with_optimizer=False, eval_only=True, workdir=str(workdir)
     )

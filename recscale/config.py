@@ -87,9 +87,29 @@ class MeshConfig:
     """Device mesh and logical-axis rules (see ``recscale/sharding``)."""
 
     data_parallel: int = -1
-    """Devices on the ``data`` mesh axis (-1 = all devices)."""
+    """Devices on the ``data`` mesh axis (-1 = all devices left after ``model_parallel``)."""
+    model_parallel: int = 1
+    """Devices on the ``model`` mesh axis: tensor parallelism of the dense layers (every
+    ``mlp``-named dimension, i.e. the output units of each MLP layer, that the axis divides is
+    split over it; the others stay replicated). 1: no ``model`` axis. Batches are split over
+    ``data`` only; the embedding engine shards over ``data`` and is replicated over ``model``."""
     rules: Literal["replicated", "row_sharded"] = "row_sharded"
     """Named rule set: ``row_sharded`` shards table rows over ``data``; ``replicated`` copies them."""
+    fsdp: bool = False
+    """Fully sharded data parallelism (ZeRO-3): every dense parameter and its optimizer state
+    of at least ``fsdp_min_bytes`` is split over the ``data`` axis along its largest dimension
+    that the axis divides (the first of equal ones; arrays already split over ``data``, such as
+    sharded tables, are left as they are). XLA gathers each weight where it is used and
+    reduce-scatters its gradient."""
+    fsdp_min_bytes: int = 1 << 20
+    """Arrays smaller than this stay replicated under ``fsdp`` (gathering them costs more in
+    latency than their copies cost in memory)."""
+
+    def __post_init__(self):
+        if self.model_parallel < 1:
+            raise ValueError(f"mesh.model_parallel must be >= 1, got {self.model_parallel}")
+        if self.fsdp_min_bytes < 0:
+            raise ValueError(f"mesh.fsdp_min_bytes must be >= 0, got {self.fsdp_min_bytes}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -266,7 +286,8 @@ NON_SEMANTIC_FIELDS = frozenset(
         "train.progress", "train.log_every", "train.eval_every", "train.eval_max_batches",
         "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
         "train.checkpoint_fallback",
-        "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",
+        "data.eval_batch_size", "data.eval_path", "mesh.data_parallel", "mesh.model_parallel",
+        "mesh.fsdp", "mesh.fsdp_min_bytes",
         "data.tabular.prepared_dir", "data.tabular.workers",
     }
 )  # fmt: skip

@@ -202,7 +202,7 @@ def restore_relaid(
     n_old = int(saved["device_count"])
     mesh = jax.sharding.AbstractMesh((n_old,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     old_cfg = cfg if saved["engine"] is None else _saved_config(saved, cfg)
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         old_model = nnx.eval_shape(
             lambda: build_model(old_cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
         )

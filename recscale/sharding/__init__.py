@@ -37,6 +37,7 @@ LOGICAL_AXES = {
 }
 
 DATA_AXIS = "data"
+MODEL_AXIS = "model"
 
 # Named rule sets: logical name -> mesh axis (or None = replicated along that dimension).
 RULE_SETS: dict[str, dict[str, str | None]] = {
@@ -61,6 +62,13 @@ ROW_PAD_MULTIPLE = 64
 class _Active:
     mesh: Mesh
     rules: Mapping[str, str | None]
+    # Mesh axes that a dimension they do not divide falls back from (replicated) instead of
+    # raising: tensor parallelism splits every MLP layer's outputs where it can, and a 1-unit
+    # output layer stays whole.
+    soft_axes: frozenset[str] = frozenset()
+    # ZeRO-3: arrays of at least this many bytes not yet split over ``data`` are split over it
+    # along their largest dimension it divides (None: off).
+    fsdp_min_bytes: int | None = None
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
@@ -69,14 +77,24 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
 
 
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
-    """The run's mesh: one ``data`` axis over ``cfg.data_parallel`` devices (-1 = all)."""
+    """The run's mesh: a ``data`` axis over ``cfg.data_parallel`` devices (-1 = all that
+    ``model_parallel`` leaves), and a ``model`` axis of ``cfg.model_parallel`` when above 1.
+    ``jax.make_mesh`` orders the devices by the physical topology (a TPU slice's torus)."""
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices) if cfg.data_parallel == -1 else cfg.data_parallel
-    if n < 1 or n > len(devices):
-        raise ValueError(f"mesh.data_parallel={cfg.data_parallel} but {len(devices)} devices exist")
-    return jax.make_mesh(
-        (n,), (DATA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:n]
-    )
+    m = cfg.model_parallel
+    if len(devices) % m:
+        raise ValueError(
+            f"mesh.model_parallel={m} does not divide the {len(devices)} devices"
+        )
+    n = len(devices) // m if cfg.data_parallel == -1 else cfg.data_parallel
+    if n < 1 or n * m > len(devices):
+        raise ValueError(
+            f"mesh.data_parallel={cfg.data_parallel} x mesh.model_parallel={m} but "
+            f"{len(devices)} devices exist"
+        )
+    shape, names = ((n,), (DATA_AXIS,)) if m == 1 else ((n, m), (DATA_AXIS, MODEL_AXIS))
+    auto = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, axis_types=auto, devices=devices[: n * m])
 
 
 def get_rules(name: str) -> dict[str, str | None]:
@@ -86,13 +104,24 @@ def get_rules(name: str) -> dict[str, str | None]:
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: str | Mapping[str, str | None]) -> Iterator[None]:
-    """Makes ``mesh`` and ``rules`` the ones models and the trainer resolve against."""
+def activate(mesh: Mesh, rules: str | Mapping[str, str | None] | MeshConfig) -> Iterator[None]:
+    """Makes ``mesh`` and ``rules`` the ones models and the trainer resolve against.
+
+    ``rules``: a named rule set, a mapping, or a run's ``MeshConfig``, which adds to its named
+    set the dense layout it chooses: ``mlp`` over ``model`` (tensor parallelism) when
+    ``model_parallel`` > 1, and ``fsdp``."""
+    soft, fsdp = frozenset(), None
+    if isinstance(rules, MeshConfig):
+        cfg = rules
+        rules = dict(get_rules(cfg.rules))
+        if cfg.model_parallel > 1:
+            rules["mlp"], soft = MODEL_AXIS, frozenset({MODEL_AXIS})
+        fsdp = cfg.fsdp_min_bytes if cfg.fsdp else None
     rules = get_rules(rules) if isinstance(rules, str) else dict(rules)
     unknown = set(rules) - set(LOGICAL_AXES)
     if unknown:
         raise ValueError(f"rule set names unknown logical axes {sorted(unknown)}")
-    token = _ACTIVE.set(_Active(mesh, rules))
+    token = _ACTIVE.set(_Active(mesh, rules, soft, fsdp))
     try:
         yield
     finally:
@@ -120,6 +149,7 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """Resolves logical axes to a PartitionSpec under the active (or given) mesh and rules."""
     active = _ACTIVE.get()
+    soft = active.soft_axes if active is not None else frozenset()
     if mesh is None or rules is None:
         if active is None:
             raise RuntimeError(f"{name}: no mesh is active; wrap the call in sharding.activate()")
@@ -145,6 +175,9 @@ def logical_to_spec(
             )
         if mesh_ax in used:
             raise ValueError(f"{name}: mesh axis {mesh_ax!r} used twice in axes {axes}")
+        if shape is not None and shape[i] % mesh.shape[mesh_ax] and mesh_ax in soft:
+            spec.append(None)
+            continue
         if shape is not None and shape[i] % mesh.shape[mesh_ax]:
             raise ValueError(
                 f"{name}: dimension {i} ({ax!r}) of size {shape[i]} is not divisible by mesh axis "
@@ -206,13 +239,34 @@ def state_shardings(state: Any) -> Any:
     def one(path: tuple, v: Any) -> NamedSharding:
         name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         axes = v.get_metadata().get("logical_axes") if _is_var(v) else None
+        value = (v.get_value() if hasattr(v, "get_value") else v.value) if _is_var(v) else v
+        shape = tuple(getattr(value, "shape", ()))
         if axes is None:
-            return NamedSharding(active.mesh, PartitionSpec())
-        value = v.get_value() if hasattr(v, "get_value") else v.value
-        spec = logical_to_spec(tuple(axes), shape=tuple(value.shape), name=name)
+            spec = PartitionSpec()
+        else:
+            spec = logical_to_spec(tuple(axes), shape=shape, name=name)
+        if active.fsdp_min_bytes is not None and shape:
+            spec = _fsdp_spec(spec, shape, np.dtype(value.dtype).itemsize, active)
         return NamedSharding(active.mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_var)
+
+
+def _fsdp_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], itemsize: int, active: _Active
+) -> PartitionSpec:
+    """``spec`` with the largest free dimension that ``data`` divides split over ``data``
+    (big_vision's ``fsdp`` rule), for arrays of at least ``fsdp_min_bytes`` not yet on it."""
+    n = int(active.mesh.shape[DATA_AXIS])
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    if n == 1 or DATA_AXIS in used or math.prod(shape) * itemsize < active.fsdp_min_bytes:
+        return spec
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):  # stable: first of equals
+        if entries[i] is None and shape[i] % n == 0:
+            entries[i] = DATA_AXIS
+            return PartitionSpec(*entries)
+    return spec
 
 
 def batch_sharding(ndim: int) -> NamedSharding:

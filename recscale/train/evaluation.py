@@ -76,8 +76,10 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     # onto any mesh; the engine's buffers are re-laid out): as many as divide the eval batch.
     n = args.num_devices or math.gcd(cfg.data.eval_batch_size, jax.device_count())
     spec = engine.EngineSpec.from_config(cfg)
-    mesh = sharding.make_mesh(dataclasses.replace(cfg.mesh, data_parallel=n))
-    with sharding.activate(mesh, cfg.mesh.rules):
+    # Data parallel only: evaluation holds no optimizer state, and checkpoints reshard.
+    mesh_cfg = dataclasses.replace(cfg.mesh, data_parallel=n, model_parallel=1)
+    mesh = sharding.make_mesh(mesh_cfg)
+    with sharding.activate(mesh, mesh_cfg):
         exp = Experiment.build(
             cfg,
             build_model,

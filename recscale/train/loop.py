@@ -583,7 +583,7 @@ def train(
     with timer.phase("setup"):
         write_run_files(workdir, cfg, argv)
         mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         with timer.phase("setup"):
             exp = Experiment.build(cfg, build_model, workdir=str(workdir))
             _write_run_notes(workdir, exp)

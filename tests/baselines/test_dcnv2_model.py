@@ -169,7 +169,7 @@ def test_every_preset_builds(name):
     assert from_dict(DCNv2Config, to_dict(cfg)) == cfg  # what config.json round-trips
     schema = _schema(cfg)
     # Inside the preset's mesh: a preset with the sharded engine lays its tables out on it.
-    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules):
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
         model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     tables = sum(

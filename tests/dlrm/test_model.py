@@ -84,7 +84,7 @@ def test_every_preset_builds(name):
         schema = SyntheticGenerator(cfg.data.synthetic, seed=0).schema
     # Abstract build: the Criteo presets have billions of parameters.
     # Inside the preset's mesh: a preset with the sharded engine lays its tables out on it.
-    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules):
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
         model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
     params = nnx.state(model, nnx.Param)
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

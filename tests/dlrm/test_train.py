@@ -359,7 +359,7 @@ def test_early_stopping_best_survives_a_resume_that_replays_differently(
 
     run_cfg = config_lib.absolute_paths(no_evals)
     mesh = sharding.make_mesh(run_cfg.mesh)
-    with sharding.activate(mesh, run_cfg.mesh.rules):
+    with sharding.activate(mesh, run_cfg.mesh):
         exp = loop.Experiment.build(run_cfg, build_model, workdir=str(wd))
         run = loop._TrainRun(run_cfg, build_model, exp, wd, PhaseTimer())
         run.restore_or_init()

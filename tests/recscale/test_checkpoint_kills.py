@@ -165,7 +165,7 @@ def likes() -> dict[str, Any]:
     (their tree structure, which the checkpoint's fingerprints are keyed by)."""
     cfg = get_preset("dlrm/tiny")
     mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         abstract = Experiment.build(cfg, build_model).abstract_state
     return {"params": abstract.params, "opt_state": abstract.opt_state}
 

@@ -110,7 +110,7 @@ def _run(cfg, batches):
     """Eval logits before each step, then the tables and dense parameters after the steps."""
     mesh = sharding.make_mesh(cfg.mesh)
     spec = engine.EngineSpec.from_config(cfg)
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         model, graphdef, state, step = _build(cfg, SCHEMA, spec)
         step = jax.jit(step, donate_argnums=0)
         ev = jax.jit(make_eval_step(graphdef))

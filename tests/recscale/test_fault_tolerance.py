@@ -80,7 +80,7 @@ def _step_run(cfg, corrupt, nonfinite="skip"):
     """Steps on batches 0 (good), 1 (corrupted), 2 (good); host copies of the state before and
     after each step, and each step's metrics."""
     mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         exp = Experiment.build(cfg, BUILD["dlrm"])
         step = jax.jit(
             make_train_step(exp.graphdef, exp.tx, nonfinite=nonfinite),

@@ -59,7 +59,7 @@ def _cfg(kind, n, opt="rowwise_adagrad", **emb):
 @contextlib.contextmanager
 def _active(cfg):
     """The experiment of ``cfg`` inside its mesh and engine."""
-    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules):
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
         yield Experiment.build(cfg, build_model)
 
 

@@ -166,7 +166,7 @@ def _param_counts(cfg) -> tuple[int, int]:
     """(all parameters, parameters outside the embedding tables), from an abstract build."""
     schema = _schema(cfg)
     # Inside the preset's mesh: a preset with the sharded engine lays its tables out on it.
-    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh.rules):
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
         model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     tables = sum(

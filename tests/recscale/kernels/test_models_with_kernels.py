@@ -95,7 +95,7 @@ def _state_and_step(cfg, build):
 def _train(family: str, impl: str, devices: int):
     cfg, build = _cfg(family, impl, devices)
     mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         graphdef, state, step = _state_and_step(cfg, build)
         ev = jax.jit(make_eval_step(graphdef))
         logits, losses = [], []
@@ -138,7 +138,7 @@ def test_training_with_kernels_equals_the_reference(family, impl):
 def _initial_params(family: str, devices: int):
     cfg, build = _cfg(family, "xla", devices)
     mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh.rules):
+    with sharding.activate(mesh, cfg.mesh):
         model = build(cfg, SCHEMA, nnx.Rngs(params=0))
         _, params, _ = nnx.split(model, nnx.Param, nnx.BatchStat)
         return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(params)}
@@ -163,7 +163,7 @@ def test_the_whole_train_step_with_kernels_lowers_for_cuda(family):
     common.FALLBACKS.clear()
     with (
         common.target_backend("gpu"),
-        sharding.activate(mesh, cfg.mesh.rules),
+        sharding.activate(mesh, cfg.mesh),
     ):
         graphdef, state, step = _state_and_step(cfg, build)
         text = step.trace(state, _batches()[0]).lower(lowering_platforms=("cuda",)).as_text()
