@@ -83,9 +83,7 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     m = cfg.model_parallel
     if len(devices) % m:
-        raise ValueError(
-            f"mesh.model_parallel={m} does not divide the {len(devices)} devices"
-        )
+        raise ValueError(f"mesh.model_parallel={m} does not divide the {len(devices)} devices")
     n = len(devices) // m if cfg.data_parallel == -1 else cfg.data_parallel
     if n < 1 or n * m > len(devices):
         raise ValueError(

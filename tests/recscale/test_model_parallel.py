@@ -13,7 +13,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from recscale import sharding
 from recscale.config import parse_preset_cli
