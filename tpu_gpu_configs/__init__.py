@@ -18,6 +18,7 @@ batches are starting points, to be tuned per model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 
@@ -33,6 +34,9 @@ class LaunchPreset:
     bandwidths, FLOP/s). Applied to a trial whose embedding engine is on and names no profile
     (``embeddings.profile``, with ``embeddings.host_size = devices_per_host``); empty: the
     planner's default for the backend."""
+    topology: str = ""
+    """TPU slice topology as ``jax.experimental.topologies`` names it (``v5p:2x2x2``): what
+    ``python -m recscale.plan --compile`` compiles for (TPU presets)."""
     per_device_batch: int = 0
     """Per-device batch (global = per_device_batch * devices); 0 = the spec's or preset's."""
     data_parallel: int = -1
@@ -79,6 +83,30 @@ _TPU_ENV = {
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
     "--xla_tpu_overlap_compute_collective_tc=true",
 }
+
+
+def _tpu_slice(generation: str, size: int, topology: str, *, per_device_batch: int) -> LaunchPreset:
+    """A Cloud TPU slice by its accelerator type (``v5p-16``: v5p counts TensorCores, two per
+    chip, so 8 chips; ``v6e-8``: v6e counts chips) and topology."""
+    chips = math.prod(int(x) for x in topology.split("x"))
+    per_host = {"v5p": 4, "v6e": 8}[generation]
+    hosts = max(1, chips // per_host)
+    if hosts == 1:
+        where = f"one host x {chips} chips."
+    else:
+        where = (
+            f"{hosts} hosts x {per_host} chips. Run ONE sweep worker (on host 0); each trial "
+            f"must start on all {hosts} hosts, which needs a command_prefix that does so for "
+            "your slice (e.g. a wrapper around gcloud ... ssh --worker=all): the multi-host "
+            "start is documented in the README, not automated here."
+        )
+    return LaunchPreset(
+        name=f"tpu-{generation}-{size}", profile=f"tpu-{generation}",
+        description=f"TPU {generation}-{size} slice ({topology}): {where}",
+        platform="tpu", num_hosts=hosts, devices_per_host=min(chips, per_host),
+        topology=f"{generation}:{topology}", per_device_batch=per_device_batch, env=_TPU_ENV,
+    )  # fmt: skip
+
 
 PRESETS: dict[str, LaunchPreset] = {
     p.name: p
@@ -162,28 +190,13 @@ PRESETS: dict[str, LaunchPreset] = {
             # --overlap: the trial's step shares the worker job's allocation (Slurm >= 20.11).
             command_prefix=("srun", "--overlap", "--ntasks-per-node=1", "--kill-on-bad-exit=1"),
         ),  # fmt: skip
-        LaunchPreset(
-            name="tpu-v5p-32",
-            profile="tpu-v5p",
-            description="TPU v5p-32 slice: 4 hosts x 4 chips. Run ONE worker (on host 0); "
-            "each trial must start on all 4 hosts, which needs a command_prefix that does so "
-            "for your slice (e.g. a wrapper around gcloud ... ssh --worker=all); not automated "
-            "or tested here.",
-            platform="tpu",
-            num_hosts=4,
-            devices_per_host=4,
-            per_device_batch=16384,
-            env=_TPU_ENV,
-        ),
-        LaunchPreset(
-            name="tpu-v6e-8",
-            profile="tpu-v6e",
-            description="TPU v6e-8 (Trillium), one host x 8 chips.",
-            platform="tpu",
-            devices_per_host=8,
-            per_device_batch=8192,
-            env=_TPU_ENV,
-        ),
+        _tpu_slice("v5p", 8, "2x2x1", per_device_batch=16384),
+        _tpu_slice("v5p", 16, "2x2x2", per_device_batch=16384),
+        _tpu_slice("v5p", 32, "2x2x4", per_device_batch=16384),
+        _tpu_slice("v5p", 128, "4x4x4", per_device_batch=16384),
+        _tpu_slice("v5p", 512, "4x8x8", per_device_batch=16384),
+        _tpu_slice("v6e", 8, "2x4", per_device_batch=8192),
+        _tpu_slice("v6e", 256, "16x16", per_device_batch=8192),
     )
 }
 

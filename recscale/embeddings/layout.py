@@ -101,6 +101,10 @@ class Layout:
     num_cw_groups: int
     comm_dtype: str
     plan_text: str
+    plan_memory_bytes: float = 0.0
+    """The plan's memory of the fullest device (tables and their optimizer state)."""
+    plan_all_to_all_bytes: float = 0.0
+    """The plan's bytes moved by all-to-alls per step, all devices (``Plan.all_to_all_bytes``)."""
     bag_kernel: str = "auto"
     """Implementation of the pooled lookups (``kernels.embedding_bag``, from the kernel config)."""
     update_kernel: str = "auto"
@@ -218,6 +222,8 @@ def build_layout(
         num_cw_groups=len(cw_tables),
         comm_dtype=spec.comm_dtype,
         plan_text=plan.render(),
+        plan_memory_bytes=float(plan.device_memory_bytes.max()),
+        plan_all_to_all_bytes=plan.all_to_all_bytes,
         bag_kernel=spec.bag_kernel,
         update_kernel=spec.update_kernel,
     )

@@ -125,6 +125,10 @@ class Plan:
     device_memory_bytes: np.ndarray
     """Memory of each device's shards [N]."""
     memory_limit_bytes: float
+    all_to_all_bytes: float = 0.0
+    """Bytes the engine's all-to-alls move per step over all devices, as the cost model counts
+    them (ids to the shards, pooled outputs back, their gradients out again), for the tables
+    not replicated (a replicated table's gradients are all-reduced)."""
 
     @property
     def max_time_s(self) -> float:
@@ -181,6 +185,8 @@ class _Candidate:
     shard_time: float
     shard_rows: int
     shard_cols: int
+    comm_bytes: float = 0.0
+    """Bytes one shard's device moves to and from its peers per step (the term of its time)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -219,12 +225,12 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
         # every device pools its own examples: 1/n of the batch's lookups
         out.append(_Candidate("data_parallel", n, "all", memory(t.num_rows, t.dim),
                               time(1 / n, t.dim, comm, hw.interconnect_bandwidth),
-                              t.num_rows, t.dim))  # fmt: skip
+                              t.num_rows, t.dim, comm))  # fmt: skip
     if "table_wise" in allowed:
         comm = 4 * lookups + 2 * batch * t.dim * c
         out.append(_Candidate("table_wise", 1, "any", memory(t.num_rows, t.dim),
                               time(1, t.dim, comm, hw.interconnect_bandwidth),
-                              t.num_rows, t.dim))  # fmt: skip
+                              t.num_rows, t.dim, comm))  # fmt: skip
     for kind in ("column_wise", "table_column_wise"):
         if kind not in allowed:
             continue
@@ -234,7 +240,7 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
             comm = 4 * lookups + 2 * batch * cols * c
             out.append(_Candidate(kind, k, "any", memory(t.num_rows, cols),
                                   time(1, cols, comm, hw.interconnect_bandwidth),
-                                  t.num_rows, cols))  # fmt: skip
+                                  t.num_rows, cols, comm))  # fmt: skip
             k *= 2
     for kind, m, group, link in (
         ("row_wise", n, "all", hw.interconnect_bandwidth if n <= hw.devices_per_host
@@ -247,7 +253,7 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
         frac = min(1.0, hot + (1 - hot) / m)  # the busiest shard
         comm = 2 * batch * t.dim * c * (m - 1) / m + 4 * lookups * frac
         out.append(_Candidate(kind, m, group, memory(rows, t.dim),
-                              time(frac, t.dim, comm, link), rows, t.dim))  # fmt: skip
+                              time(frac, t.dim, comm, link), rows, t.dim, comm))  # fmt: skip
     return out
 
 
@@ -289,7 +295,11 @@ def plan(
     out = tuple(
         TablePlan(t.name, choices[t.name][0].sharding, _shards(t, *choices[t.name])) for t in tables
     )
-    return Plan(out, load, mem, limit)
+    # A candidate's comm is one shard's (what its device sends, which times it); all shards send.
+    a2a = sum(
+        c.comm_bytes * c.n_shards for c, _ in choices.values() if c.sharding != "data_parallel"
+    )
+    return Plan(out, load, mem, limit, float(a2a))
 
 
 class _NoPlacement(ValueError):

@@ -154,6 +154,50 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
     )
 
 
+def state_parts(
+    cfg: Any, build_model: BuildModel, schema: Schema, *, with_optimizer: bool = True
+) -> tuple[nnx.GraphDef, Any, TrainState, Callable[[jax.Array], TrainState]]:
+    """``(graphdef, tx, state_sharding, init)`` of ``cfg``'s model on ``schema``, under the
+    active mesh and rules, nothing allocated: ``init(seed)`` builds the train state (trace it
+    with ``jax.eval_shape`` for its shapes), ``state_sharding`` is its shardings (a
+    ``TrainState`` of NamedShardings), ``tx`` the optimizer (None without one)."""
+
+    def make_params(seed: Any = cfg.train.seed):
+        # jax.random.key(seed) is nnx.Rngs(params=seed)'s own key, and takes a traced seed.
+        model = build_model(cfg, schema, nnx.Rngs(params=jax.random.key(seed)))
+        graphdef, params, batch_stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+        if jax.tree.leaves(rest):
+            raise ValueError(
+                f"model has state other than nnx.Param and nnx.BatchStat, unsupported by this "
+                f"trainer (randomness must come from the step's dropout_key): {rest}"
+            )
+        return graphdef, params, batch_stats
+
+    graphdef, abstract_params, abstract_stats = nnx.eval_shape(make_params)
+    tx = make_optimizer(cfg, abstract_params) if with_optimizer else None
+    abstract_opt = jax.eval_shape(tx.init, abstract_params) if tx is not None else None
+    state_sharding = TrainState(
+        step=sharding.replicated(),
+        params=sharding.state_shardings(abstract_params),
+        opt_state=sharding.state_shardings(abstract_opt) if tx is not None else None,
+        batch_stats=sharding.state_shardings(abstract_stats),
+        rng=sharding.replicated(),
+    )
+
+    def init(seed: jax.Array) -> TrainState:
+        _, params, batch_stats = make_params(seed)
+        opt_state = tx.init(params) if tx is not None else None
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=opt_state,
+            batch_stats=batch_stats,
+            rng=initial_rng(seed),
+        )
+
+    return graphdef, tx, state_sharding, init
+
+
 @dataclasses.dataclass
 class Experiment:
     """A model, its data, its optimizer and the shardings of its state, under an active mesh.
@@ -212,40 +256,9 @@ class Experiment:
         )
 
         schema = source.schema  # closures below must not hold the source (and its rows)
-
-        def make_params(seed: Any = cfg.train.seed):
-            # jax.random.key(seed) is nnx.Rngs(params=seed)'s own key, and takes a traced seed.
-            model = build_model(cfg, schema, nnx.Rngs(params=jax.random.key(seed)))
-            graphdef, params, batch_stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-            if jax.tree.leaves(rest):
-                raise ValueError(
-                    f"model has state other than nnx.Param and nnx.BatchStat, unsupported by this "
-                    f"trainer (randomness must come from the step's dropout_key): {rest}"
-                )
-            return graphdef, params, batch_stats
-
-        graphdef, abstract_params, abstract_stats = nnx.eval_shape(make_params)
-        tx = make_optimizer(cfg, abstract_params) if with_optimizer else None
-        abstract_opt = jax.eval_shape(tx.init, abstract_params) if tx is not None else None
-        state_sharding = TrainState(
-            step=sharding.replicated(),
-            params=sharding.state_shardings(abstract_params),
-            opt_state=sharding.state_shardings(abstract_opt) if tx is not None else None,
-            batch_stats=sharding.state_shardings(abstract_stats),
-            rng=sharding.replicated(),
+        graphdef, tx, state_sharding, init = state_parts(
+            cfg, build_model, schema, with_optimizer=with_optimizer
         )
-
-        def init(seed: jax.Array) -> TrainState:
-            _, params, batch_stats = make_params(seed)
-            opt_state = tx.init(params) if tx is not None else None
-            return TrainState(
-                step=jnp.zeros((), jnp.int32),
-                params=params,
-                opt_state=opt_state,
-                batch_stats=batch_stats,
-                rng=initial_rng(seed),
-            )
-
         seed = jnp.int32(cfg.train.seed)
         shapes = jax.tree.leaves(jax.eval_shape(init, seed))
         state_bytes = sum(x.size * x.dtype.itemsize for x in shapes)

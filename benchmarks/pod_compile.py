@@ -1,0 +1,131 @@
+"""Production-shape train steps compiled for TPU slices on this CPU host, against the planner.
+
+``python benchmarks/pod_compile.py [--out runs/pod_compile.jsonl] [--only SUBSTRING]
+[--timeout-s 1800]`` then ``python benchmarks/pod_compile.py --table runs/pod_compile.jsonl``
+
+Needs the TPU compiler: ``pip install -e '.[tpu-aot]'`` (``jax[tpu]``: the libtpu release that
+matches the installed jax; a mismatched one compiles but its HLO does not parse back). Each case
+is ``python -m recscale.plan PRESET --hardware SLICE --compile`` in its own process (libtpu holds
+memory between compiles): the whole train step (the sharded embedding engine, the Pallas TPU
+kernels, the dense layers as ``mesh.*`` lays them out) is lowered for the slice's topology
+(``jax.experimental.topologies``) and compiled by XLA:TPU. Recorded per case: the compiler's
+memory per chip (``memory_analysis``: arguments, temporaries, the peak) and the bytes of every
+collective in the partitioned HLO, next to the predictions (state bytes per chip from the
+shardings and the embedding planner; the planner's all-to-all bytes). A case that does not fit
+the chip's HBM is recorded with the compiler's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PALLAS = (
+    "--kernels.embedding-bag", "pallas_tpu", "--kernels.embedding-update", "pallas_tpu",
+    "--kernels.dot-interaction", "pallas_tpu", "--kernels.fm-interaction", "pallas_tpu",
+)  # fmt: skip
+FSDP = ("--mesh.fsdp",)
+
+# (preset, slice, extra flags)
+CASES = [
+    ("dlrm/criteo-mlperf", "tpu-v5p-16", ()),
+    ("dlrm/criteo-mlperf", "tpu-v5p-128", ()),
+    ("dlrm/criteo-mlperf", "tpu-v5p-512", ()),
+    ("dlrm/criteo-mlperf", "tpu-v6e-8", ()),
+    ("dlrm/criteo-mlperf", "tpu-v6e-256", ()),
+    ("wukong/table5-1", "tpu-v5p-16", ()),
+    ("wukong/table5-1", "tpu-v6e-8", ()),
+    ("wukong/table5-5", "tpu-v5p-128", FSDP),
+    ("wukong/table5-7", "tpu-v5p-16", ()),
+    ("wukong/table5-7", "tpu-v5p-16", FSDP),
+    ("wukong/table5-7", "tpu-v5p-512", FSDP),
+]
+
+
+def run(out: Path, only: str, timeout_s: int) -> None:
+    from rich.progress import track  # noqa: PLC0415
+
+    cases = [c for c in CASES if only in " ".join((c[0], c[1], *c[2]))]
+    for preset, hw, extra in track(cases, description="compiling"):
+        cmd = [sys.executable, "-m", "recscale.plan", preset, "--hardware", hw, "--compile",
+               "--json", str(out), *PALLAS, *extra]  # fmt: skip
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=timeout_s)  # fmt: skip
+            ok, tail = proc.returncode == 0, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {timeout_s} s"
+        print(f"{preset} {hw} {' '.join(extra)}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if ok:
+            print(proc.stdout.strip())
+        else:
+            lines = [ln for ln in tail.splitlines() if ln.strip()]
+            print("\n".join(lines[-3:]))
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+def table(path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    head = (
+        "| preset | slice (chips) | mesh | layout | dense params | state + batch GiB/chip: predicted / "
+        "compiled arguments (err) | peak GiB/chip (temp) | all-to-all MiB/chip: planner / HLO (err) | "
+        "all-gather / reduce-scatter / all-reduce MiB/chip | compile s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
+    out = [head]
+    for r in rows:
+        p, c, k = r["predicted"], r["compiled"], r["collectives"]
+        mesh = "x".join(str(v) for v in r["mesh"].values())
+        err = {}
+        if c:
+            want = p["state_bytes_per_chip"] + p["batch_bytes_per_chip"]
+            err["state"] = want / c["argument_bytes"] - 1
+        if k.get("all-to-all"):
+            err["a2a"] = p["all_to_all_bytes_per_chip"] / k["all-to-all"] - 1
+        if not c:
+            compiled, peak = r.get("error", "not compiled"), ""
+        else:
+            compiled = f"{_gib(want)} / {_gib(c['argument_bytes'])} ({err['state']:+.1%})"
+            peak = f"{_gib(c['peak_bytes'])} ({_gib(c['temp_bytes'])})"
+        a2a = f"{p['all_to_all_bytes_per_chip'] / 2**20:.0f} / {k.get('all-to-all', 0) / 2**20:.0f}"
+        if "a2a" in err:
+            a2a += f" ({err['a2a']:+.0%})"
+        other = " / ".join(
+            f"{k.get(x, 0) / 2**20:.0f}" for x in ("all-gather", "reduce-scatter", "all-reduce")
+        )
+        out.append(
+            f"| {r['preset']} | {r['hardware']} ({r['chips']}) | {mesh} | {r['layout']} | "
+            f"{r['dense_params'] / 1e9:.3f}B | {compiled} | {peak} | {a2a} | {other} | "
+            f"{r['compile_s']:.0f} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "pod_compile.jsonl")
+    ap.add_argument("--only", default="", help="run the cases whose preset/slice/flags match")
+    ap.add_argument("--timeout-s", type=int, default=1800)
+    ap.add_argument("--table", type=Path, help="render a results file as a markdown table")
+    args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    run(args.out, args.only, args.timeout_s)
+    print(table(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""A preset's train step on a machine it may not have: the planner's predictions and, with
+``--compile``, what the compiler says (memory per chip, collective bytes from the HLO).
+
+    python -m recscale.plan wukong/table5-7 --hardware tpu-v5p-512 --compile --mesh.fsdp
+    python -m recscale.plan dlrm/criteo-mlperf --hardware tpu-v6e-256 --compile
+
+TPU targets compile on this CPU host through ``libtpu`` (``pip install -e '.[tpu-aot]'``):
+``jax.experimental.topologies`` describes the slice (``LaunchPreset.topology``), the run's mesh
+is made over its devices, and the whole train step (the embedding engine, its kernels chosen
+for TPU, the dense layers sharded as ``mesh.*`` says) is lowered and compiled for it, as
+``jax.jit(...).lower(...).compile()`` would on the pod; nothing is allocated. CPU presets
+compile for this host's devices. Overrides are the train CLI's (``--mesh.model-parallel 4``).
+
+The predictions are the planner's (``recscale.embeddings.planner``: the tables' memory per
+device and the bytes the engine's all-to-alls move per step) and the dense state's bytes per
+chip from its shardings; ``benchmarks/pod_compile.py`` tabulates them against the compiler's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+import tpu_gpu_configs
+from data.schemas import schema_of
+from recscale import config as config_lib
+from recscale import sharding
+from recscale.embeddings import EmbeddingTable, engine
+from recscale.kernels import common
+from recscale.train.loop import state_parts
+from recscale.train.steps import make_train_step
+
+_COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
+}  # fmt: skip
+_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+# One HLO instruction per line: ``%name = RESULT-TYPE op(operands), ...``.
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
+
+
+def family_package(preset: str) -> str:
+    """The package of a preset's family: ``dlrm/tiny`` -> ``dlrm``, ``dcnv2/x`` ->
+    ``baselines.dcnv2``."""
+    family = preset.split("/", 1)[0]
+    for package in (family, f"baselines.{family}"):
+        try:
+            importlib.import_module(f"{package}.presets")
+            return package
+        except ModuleNotFoundError as e:
+            if e.name not in (package, f"{package}.presets", "baselines"):
+                raise
+    raise SystemExit(f"unknown model family {family!r} (preset {preset!r})")
+
+
+def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
+    """The devices of ``hw``: a TPU slice's from its topology (libtpu, no TPU needed), this
+    host's for CPU (as many as the preset has)."""
+    if hw.platform == "tpu":
+        try:
+            from jax.experimental import topologies  # noqa: PLC0415
+        except ImportError as e:  # pragma: no cover - part of jax
+            raise SystemExit(f"jax.experimental.topologies is missing: {e}") from None
+        if not hw.topology:
+            raise SystemExit(f"hardware preset {hw.name!r} names no TPU topology")
+        try:
+            return list(topologies.get_topology_desc(hw.topology, "tpu").devices)
+        except Exception as e:  # noqa: BLE001 - libtpu missing or the name unknown
+            raise SystemExit(
+                f"cannot describe TPU topology {hw.topology!r} ({type(e).__name__}: {e}); "
+                "install the compiler with: pip install -e '.[tpu-aot]'"
+            ) from None
+    if hw.platform == "cpu":
+        devices = jax.devices("cpu")
+        if len(devices) < hw.num_devices:
+            raise SystemExit(
+                f"{hw.name} has {hw.num_devices} devices but this host simulates "
+                f"{len(devices)} (set JAX_NUM_CPU_DEVICES)"
+            )
+        return devices[: hw.num_devices]
+    raise SystemExit(f"compiling for {hw.platform} presets from this host is not supported")
+
+
+def for_hardware(cfg: Any, hw: tpu_gpu_configs.LaunchPreset) -> Any:
+    """``cfg`` as a sweep would run it on ``hw``: its global batch, and the engine planned with
+    the machine's profile and host size."""
+    batch = hw.global_batch or cfg.data.batch_size
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch))
+    if hw.profile and cfg.embeddings.sharding != "off" and not cfg.embeddings.profile:
+        emb = dataclasses.replace(cfg.embeddings, profile=hw.profile, host_size=hw.devices_per_host)
+        cfg = dataclasses.replace(cfg, embeddings=emb)
+    return cfg
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes of each collective's results in a compiled (SPMD-partitioned, per-device) HLO
+    module, summed by kind, counting each op once (ops inside a loop body are counted once)."""
+    out = dict.fromkeys(_COLLECTIVES, 0.0)
+    for line in hlo_text.splitlines():
+        m = _OP.match(line)
+        if m is None:
+            continue
+        shapes, kind = m.group(1), m.group(2)
+        # an async start's result tuple repeats the operand; count its last shape (the output)
+        found = _SHAPE.findall(shapes)
+        if m.group(3):
+            found = found[len(found) // 2 :]
+        for dtype, dims in found:
+            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            out[kind] += n * _DTYPE_BYTES[dtype]
+    return out
+
+
+@dataclasses.dataclass
+class StepReport:
+    preset: str
+    hardware: str
+    topology: str
+    chips: int
+    mesh: dict[str, int]
+    global_batch: int
+    layout: str
+    dense_params: int
+    table_rows: int
+    predicted: dict[str, float]
+    compiled: dict[str, float] = dataclasses.field(default_factory=dict)
+    collectives: dict[str, float] = dataclasses.field(default_factory=dict)
+    compile_s: float = 0.0
+    fallbacks: list[str] = dataclasses.field(default_factory=list)
+    error: str = ""
+    """The compiler's refusal (e.g. the step does not fit the chip's memory), if it refused."""
+
+    def errors(self) -> dict[str, float]:
+        """Relative error of each prediction against the compiler, where both exist."""
+        out = {}
+        p, c = self.predicted, self.compiled
+        if c.get("argument_bytes"):  # the step's arguments: the state and the batch
+            want = p["state_bytes_per_chip"] + p["batch_bytes_per_chip"]
+            out["arguments"] = want / c["argument_bytes"] - 1
+        if self.collectives.get("all-to-all") and p.get("all_to_all_bytes_per_chip"):
+            out["all_to_all"] = p["all_to_all_bytes_per_chip"] / self.collectives["all-to-all"] - 1
+        return out
+
+
+def _bytes_per_chip(abstract: Any, shardings: Any, keep=lambda var: True) -> float:
+    """Bytes one device holds of the arrays of ``abstract`` (a state of Variables) laid out by
+    ``shardings`` (a same-structured tree of shardings), for the Variables ``keep`` admits."""
+    from flax import nnx  # noqa: PLC0415
+
+    def is_var(x):
+        return isinstance(x, nnx.Variable)
+
+    variables = jax.tree.leaves(abstract, is_leaf=is_var)
+    shards = jax.tree.leaves(shardings)
+    total = 0.0
+    for v, s in zip(variables, shards, strict=True):
+        if is_var(v) and not keep(v):
+            continue
+        a = v.get_value() if is_var(v) else v
+        shard = s.shard_shape(a.shape) if a.shape else ()
+        total += math.prod(shard) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def _layout_name(cfg: Any) -> str:
+    m = cfg.mesh
+    parts = [f"embeddings={cfg.embeddings.sharding}"]
+    if m.model_parallel > 1:
+        parts.append(f"tp={m.model_parallel}")
+    if m.fsdp:
+        parts.append("fsdp")
+    return ", ".join(parts)
+
+
+def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, preset: str,
+              compile: bool = False) -> StepReport:  # fmt: skip
+    """The planner's predictions for ``cfg``'s train step on ``hw`` and, with ``compile``, the
+    compiler's numbers (see the module docstring)."""
+    devices = topology_devices(hw)
+    cfg = for_hardware(cfg, hw)
+    schema = schema_of(cfg.data)
+    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
+    target = hw.platform if hw.platform in ("gpu", "tpu") else None
+    with sharding.activate(mesh, cfg.mesh), _target(target):
+        graphdef, tx, state_sharding, init = state_parts(cfg, build_model, schema)
+        abstract = jax.eval_shape(init, jax.ShapeDtypeStruct((), np.int32))
+        batch = schema.empty_batch(cfg.data.batch_size)
+        batch_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        batch_sharding = jax.tree.map(lambda x: sharding.batch_sharding(np.ndim(x)), batch)
+        model = nnx_merge(graphdef, abstract)
+        colls = engine.engine_collections(model)
+        planner_mem = sum(c.layout.plan_memory_bytes for c in colls.values())
+        a2a = sum(c.layout.plan_all_to_all_bytes for c in colls.values())
+        dense, _ = _split_params(abstract.params)
+        n_dense = sum(math.prod(x.shape) for x in jax.tree.leaves(dense))
+        dense_bytes = _bytes_per_chip(
+            abstract.params, state_sharding.params, lambda v: not isinstance(v, EmbeddingTable)
+        )
+        rows = sum(f.vocab_size for f in schema.features)
+        state_bytes = _bytes_per_chip(abstract, state_sharding)
+        batch_bytes = sum(x.nbytes for x in batch) / sharding.axis_size("batch")
+        report = StepReport(
+            preset=preset, hardware=hw.name, topology=hw.topology or hw.platform,
+            chips=len(devices), mesh=dict(mesh.shape), global_batch=cfg.data.batch_size,
+            layout=_layout_name(cfg), dense_params=int(n_dense), table_rows=int(rows),
+            predicted={
+                "state_bytes_per_chip": state_bytes,
+                "batch_bytes_per_chip": batch_bytes,
+                "dense_state_bytes_per_chip": dense_bytes * (1 + _opt_slots(cfg)),
+                "table_bytes_per_chip": float(planner_mem),
+                "all_to_all_bytes_per_chip": float(a2a) / len(devices),
+            },
+        )  # fmt: skip
+        if not compile:
+            return report
+        step = jax.jit(
+            make_train_step(graphdef, tx),
+            in_shardings=(state_sharding, batch_sharding),
+            out_shardings=(state_sharding, None),
+            donate_argnums=(0,),
+        )
+        t0 = time.perf_counter()
+        before = collections.Counter(common.FALLBACKS)
+        lowered = step.lower(abstract, batch_abstract)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:  # e.g. RESOURCE_EXHAUSTED: more than the HBM
+            report.error = " ".join(str(e).split())[:400]
+            report.compile_s = time.perf_counter() - t0
+            return report
+        report.compile_s = time.perf_counter() - t0
+        report.fallbacks = [
+            f"{op}: {impl} -> xla ({why})"
+            for (op, impl, why), n in common.FALLBACKS.items()
+            if n > before[(op, impl, why)]
+        ]
+    mem = compiled.memory_analysis()
+    arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
+    alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+    report.compiled = {
+        "argument_bytes": float(arg), "output_bytes": float(out), "alias_bytes": float(alias),
+        "temp_bytes": float(temp), "code_bytes": float(mem.generated_code_size_in_bytes),
+        "peak_bytes": float(arg + out - alias + temp),
+    }  # fmt: skip
+    report.collectives = collective_bytes(compiled.as_text())
+    return report
+
+
+def _opt_slots(cfg: Any) -> int:
+    return {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 0, "adagrad": 1, "lars": 1}.get(
+        cfg.dense_optim.name, 0
+    )
+
+
+def _split_params(params: Any) -> tuple[Any, Any]:
+    from flax import nnx  # noqa: PLC0415
+
+    tables, dense = nnx.split_state(params, EmbeddingTable, ...)
+    return dense, tables
+
+
+def nnx_merge(graphdef: Any, state: Any) -> Any:
+    from flax import nnx  # noqa: PLC0415
+
+    return nnx.merge(graphdef, state.params, state.batch_stats)
+
+
+class _target:
+    """``common.target_backend(platform)`` when compiling for an accelerator, else nothing."""
+
+    def __init__(self, platform: str | None):
+        self.cm = common.target_backend(platform) if platform else None
+
+    def __enter__(self):
+        return self.cm.__enter__() if self.cm else None
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc) if self.cm else None
+
+
+def _gib(x: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.1f} {unit}" if unit != "B" else f"{x:.0f} B"
+        x /= 1024
+    return ""
+
+
+def render(r: StepReport) -> str:
+    lines = [
+        f"{r.preset} on {r.hardware} ({r.topology}, {r.chips} chips, mesh {r.mesh}, "
+        f"batch {r.global_batch}, {r.layout})",
+        f"  dense parameters {r.dense_params / 1e9:.2f}B, table rows {r.table_rows / 1e9:.2f}B",
+        "  predicted per chip: "
+        + ", ".join(f"{k.removesuffix('_per_chip')} {_gib(v)}" for k, v in r.predicted.items()),
+    ]
+    if r.error:
+        lines.append(f"  the compiler refused: {r.error}")
+    if r.compiled:
+        lines.append(
+            "  compiled per chip: "
+            + ", ".join(f"{k} {_gib(v)}" for k, v in r.compiled.items())
+            + f" ({r.compile_s:.1f} s)"
+        )
+        lines.append(
+            "  collectives per chip: "
+            + ", ".join(f"{k} {_gib(v)}" for k, v in r.collectives.items() if v)
+        )
+        lines.append(
+            "  prediction error: " + ", ".join(f"{k} {v:+.1%}" for k, v in r.errors().items())
+        )
+        for f in r.fallbacks:
+            lines.append(f"  kernel fallback: {f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: python -m recscale.plan PRESET --hardware NAME [--compile] [--json FILE] "
+             "[--field.sub value ...]")  # fmt: skip
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit(usage)
+    preset, rest = argv[0], argv[1:]
+    own, overrides = _own_flags(rest)
+    if "hardware" not in own:
+        raise SystemExit(usage)
+    try:
+        hw = tpu_gpu_configs.get(own["hardware"])
+    except KeyError as e:
+        raise SystemExit(str(e.args[0])) from None
+    package = family_package(preset)
+    _, cfg = config_lib.parse_preset_cli(
+        preset.split("/")[0] + "/", [preset, "--workdir", "-", *overrides],
+        prog="python -m recscale.plan",
+    )  # fmt: skip
+    build_model = importlib.import_module(f"{package}.model").build_model
+    report = plan_step(cfg, build_model, hw, preset=preset, compile="compile" in own)
+    print(render(report))
+    if "json" in own:
+        with open(own["json"], "a") as f:
+            f.write(json.dumps(dataclasses.asdict(report), sort_keys=True) + "\n")
+
+
+def _own_flags(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    own, rest = {}, []
+    it: Iterator[str] = iter(args)
+    for a in it:
+        if a == "--compile":
+            own["compile"] = "1"
+        elif a in ("--hardware", "--json"):
+            own[a[2:]] = next(it, "")
+        else:
+            rest.append(a)
+    return own, rest
+
+
+if __name__ == "__main__":
+    main()

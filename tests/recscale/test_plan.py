@@ -1,0 +1,95 @@
+"""``python -m recscale.plan``: a preset's train step planned and compiled for a machine, the
+HLO's collective bytes, and the planner's all-to-all accounting."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+import dlrm.presets  # noqa: F401
+import tpu_gpu_configs
+from dlrm.model import build_model
+from recscale import plan
+from recscale.config import get_preset, parse_preset_cli
+from recscale.embeddings import planner
+from tpu_gpu_configs.profiles import get_profile
+
+HLO = """
+ENTRY %main {
+  %all-reduce.21 = (f32[512]{0:T(512)}, f32[]{:T(128)}, /*index=2*/bf16[4,8]{1,0}) all-reduce(%a, %b, %c), channel_id=4
+  %ag = s32[16,2]{1,0} all-gather-start(%x), dimensions={0}
+  %ags = (s32[4,2]{1,0}, s32[16,2]{1,0}) all-gather-start(%y), dimensions={0}
+  ROOT %a2a = f32[8,4]{1,0:T(8,128)} all-to-all(%z), dimensions={0}
+  %not = f32[99] add(%all-to-all.1, %q)
+}
+"""
+
+
+def test_collective_bytes_reads_tuples_async_starts_and_layouts():
+    got = plan.collective_bytes(HLO)
+    assert got["all-reduce"] == 512 * 4 + 4 + 4 * 8 * 2
+    # a start's result tuple repeats its operand: the output alone counts
+    assert got["all-gather"] == 16 * 2 * 4 + 16 * 2 * 4
+    assert got["all-to-all"] == 8 * 4 * 4
+    assert got["reduce-scatter"] == got["collective-permute"] == 0
+
+
+def test_planner_counts_every_shard_of_the_exchange():
+    profile = get_profile("tpu-v5p")
+    b, d = 1024, 64
+    t = planner.PlannerTable(name="t", num_rows=10_000, dim=d, allowed=("column_wise",))
+    p = planner.plan([t], profile, 8, batch_size=b)
+    (tp,) = p.tables
+    k = len(tp.shards)
+    assert k > 1
+    # each column shard receives the ids and sends its columns of the pooled outputs, forward
+    # and backward
+    assert p.all_to_all_bytes == k * (4 * b + 2 * b * (d // k) * 4)
+    dp = planner.PlannerTable(name="t", num_rows=100, dim=d, allowed=("data_parallel",))
+    assert planner.plan([dp], profile, 8, batch_size=b).all_to_all_bytes == 0
+
+
+def test_compiled_step_on_this_host_matches_the_prediction():
+    """dlrm/tiny with the engine, tensor parallelism and FSDP, compiled for 8 CPU devices: the
+    step's argument bytes per device are the predicted state and batch (CPU pads nothing);
+    the HLO holds the engine's all-to-all and FSDP's gathers."""
+    _, cfg = parse_preset_cli("dlrm/", [
+        "dlrm/tiny", "--workdir", "-", "--embeddings.sharding", "auto",
+        "--mesh.model-parallel", "2", "--mesh.fsdp", "--mesh.fsdp-min-bytes", "0",
+    ])  # fmt: skip
+    hw = tpu_gpu_configs.get("cpu-local-2proc")  # 8 devices
+    r = plan.plan_step(cfg, build_model, hw, preset="dlrm/tiny", compile=True)
+    assert r.chips == 8 and r.mesh == {"data": 4, "model": 2}
+    assert r.compiled["argument_bytes"] > 0 and not r.error
+    assert abs(r.errors()["arguments"]) < 1e-9, (r.predicted, r.compiled)
+    assert r.collectives["all-to-all"] > 0 and r.collectives["all-gather"] > 0
+    assert "fsdp" in r.layout and "tp=2" in r.layout
+    assert "predicted per chip" in plan.render(r)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "recscale.plan", *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    p = run("dlrm/tiny", "--hardware", "tpu-v9-1")
+    assert p.returncode != 0 and "unknown hardware preset 'tpu-v9-1'" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = run("nosuch/x", "--hardware", "cpu-local")
+    assert p.returncode != 0 and "unknown model family 'nosuch'" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="needs the TPU compiler: pip install -e '.[tpu-aot]'",
+)
+def test_compiles_for_a_tpu_slice_without_a_tpu():
+    cfg = get_preset("dlrm/tiny")
+    hw = tpu_gpu_configs.get("tpu-v5p-8")
+    r = plan.plan_step(cfg, build_model, hw, preset="dlrm/tiny", compile=True)
+    assert r.chips == 4 and r.topology == "v5p:2x2x1"
+    assert r.compiled["peak_bytes"] > 0 and not r.error
