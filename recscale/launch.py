@@ -22,6 +22,11 @@ with the failed process's code (one killed by a signal first: its peers' errors 
 it), printing the tail of its log. SIGTERM and SIGINT are passed on
 to every process (the trainer checkpoints on SIGTERM). JAX ships no such launcher and
 ``torchrun`` is PyTorch's; this one only starts processes and sets their environment.
+
+``python -m recscale.launch --tpu-vm NAME [--zone Z] -- COMMAND ...`` starts COMMAND on every
+worker of a Cloud TPU VM slice instead, through ``gcloud compute tpus tpu-vm ssh --worker=all``
+(``--dry-run`` prints the command); the multi-host TPU hardware presets use it
+(``--tpu-vm env``: the name from ``RECSCALE_TPU_NAME``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -150,8 +156,8 @@ def process_env(
 class LaunchArgs:
     """``python -m recscale.launch --processes N [...] -- COMMAND ...``"""
 
-    processes: int
-    """JAX processes to start (one run)."""
+    processes: int = 0
+    """JAX processes to start on this machine (one run)."""
     devices_per_process: int = 0
     """CPU devices each process simulates (``JAX_NUM_CPU_DEVICES``); 0 = as the environment
     says."""
@@ -161,15 +167,59 @@ class LaunchArgs:
     """Where processes 1.. write their output (default: a new temporary directory)."""
     grace_s: float = 10.0
     """After a failure or a signal: seconds the other processes get to exit before SIGKILL."""
+    tpu_vm: str = ""
+    """Instead of local processes: start COMMAND once on every worker of this Cloud TPU VM
+    slice (``gcloud compute tpus tpu-vm ssh NAME --worker=all``), in this directory's path,
+    with ``RECSCALE_DISTRIBUTED=1`` (JAX reads the slice from the TPU metadata). ``env``:
+    ``RECSCALE_TPU_NAME``."""
+    zone: str = ""
+    """The TPU VM's zone (``--tpu-vm``; default ``RECSCALE_TPU_ZONE``, else gcloud's)."""
+    project: str = ""
+    """The TPU VM's project (``--tpu-vm``; default ``RECSCALE_TPU_PROJECT``, else gcloud's)."""
+    dry_run: bool = False
+    """``--tpu-vm``: print the gcloud command instead of running it."""
+
+
+TPU_ENV_PASSED = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_COMPILATION_CACHE_DIR")
+"""Variables of this environment that ``--tpu-vm`` sets on the workers too (a hardware
+preset's flags, e.g. ``tpu_gpu_configs``' LIBTPU_INIT_ARGS)."""
+
+
+def tpu_vm_command(args: LaunchArgs, command: list[str], env: dict[str, str],
+                   cwd: str) -> list[str]:  # fmt: skip
+    """The ``gcloud`` command that runs ``command`` on every worker of ``args.tpu_vm`` (or
+    ``env['RECSCALE_TPU_NAME']``): the same path as ``cwd`` on each (a shared or identically
+    laid out checkout), ``RECSCALE_DISTRIBUTED=1`` and the variables of :data:`TPU_ENV_PASSED`."""
+    name = args.tpu_vm if args.tpu_vm != "env" else env.get("RECSCALE_TPU_NAME", "")
+    if not name:
+        raise ValueError("--tpu-vm env needs RECSCALE_TPU_NAME (the TPU VM's name)")
+    zone = args.zone or env.get("RECSCALE_TPU_ZONE", "")
+    project = args.project or env.get("RECSCALE_TPU_PROJECT", "")
+    exports = {DISTRIBUTED_ENV: "1", **{k: env[k] for k in TPU_ENV_PASSED if k in env}}
+    remote = " ".join(
+        ["cd", shlex.quote(cwd), "&&", "env"]
+        + [shlex.quote(f"{k}={v}") for k, v in exports.items()]
+        + [shlex.quote(c) for c in command]
+    )
+    cmd = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", name, "--worker=all"]
+    cmd += [f"--zone={zone}"] if zone else []
+    cmd += [f"--project={project}"] if project else []
+    return [*cmd, "--command", remote]
 
 
 def launch(args: LaunchArgs, command: list[str]) -> int:
     """Runs ``command`` as ``args.processes`` JAX processes; returns the run's exit code (0 when
     every process exits 0, else the first failure's)."""
-    if args.processes < 1:
-        raise ValueError(f"--processes must be >= 1, got {args.processes}")
     if not command:
         raise ValueError("no command given: python -m recscale.launch --processes N -- COMMAND")
+    if args.tpu_vm:
+        cmd = tpu_vm_command(args, command, dict(os.environ), os.getcwd())
+        if args.dry_run:
+            print(shlex.join(cmd))
+            return 0
+        return subprocess.call(cmd)
+    if args.processes < 1:
+        raise ValueError(f"--processes must be >= 1, got {args.processes}")
     port = args.port or free_port()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="recscale-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -261,7 +311,10 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        raise SystemExit("error: usage: python -m recscale.launch --processes N [...] -- COMMAND")
+        raise SystemExit(
+            "error: usage: python -m recscale.launch (--processes N | --tpu-vm NAME) [...] "
+            "-- COMMAND"
+        )
     cut = argv.index("--")
     args = tyro.cli(LaunchArgs, args=argv[:cut], prog="python -m recscale.launch")
     try:

@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -75,6 +76,8 @@ def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
             raise SystemExit(f"jax.experimental.topologies is missing: {e}") from None
         if not hw.topology:
             raise SystemExit(f"hardware preset {hw.name!r} names no TPU topology")
+        # Compiling needs no chip: let several processes load libtpu (it locks by default).
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         try:
             return list(topologies.get_topology_desc(hw.topology, "tpu").devices)
         except Exception as e:  # noqa: BLE001 - libtpu missing or the name unknown

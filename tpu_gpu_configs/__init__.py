@@ -92,19 +92,21 @@ def _tpu_slice(generation: str, size: int, topology: str, *, per_device_batch: i
     per_host = {"v5p": 4, "v6e": 8}[generation]
     hosts = max(1, chips // per_host)
     if hosts == 1:
-        where = f"one host x {chips} chips."
+        where, prefix = f"one host x {chips} chips.", ()
     else:
         where = (
-            f"{hosts} hosts x {per_host} chips. Run ONE sweep worker (on host 0); each trial "
-            f"must start on all {hosts} hosts, which needs a command_prefix that does so for "
-            "your slice (e.g. a wrapper around gcloud ... ssh --worker=all): the multi-host "
-            "start is documented in the README, not automated here."
+            f"{hosts} hosts x {per_host} chips. Run ONE sweep worker (anywhere gcloud reaches "
+            "the slice) with RECSCALE_TPU_NAME (and RECSCALE_TPU_ZONE) set: each trial starts on "
+            f"all {hosts} workers through gcloud ... ssh --worker=all (python -m recscale.launch "
+            "--tpu-vm), in the same path."
         )
+        prefix = ("{python}", "-m", "recscale.launch", "--tpu-vm", "env", "--")
     return LaunchPreset(
         name=f"tpu-{generation}-{size}", profile=f"tpu-{generation}",
         description=f"TPU {generation}-{size} slice ({topology}): {where}",
         platform="tpu", num_hosts=hosts, devices_per_host=min(chips, per_host),
         topology=f"{generation}:{topology}", per_device_batch=per_device_batch, env=_TPU_ENV,
+        command_prefix=prefix,
     )  # fmt: skip
 
 

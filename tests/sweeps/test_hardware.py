@@ -18,7 +18,9 @@ def test_presets_are_consistent():
         assert ("RECSCALE_DISTRIBUTED" in env) == (p.num_hosts > 1)
         if p.xla_flags:
             assert env["XLA_FLAGS"].split() == list(p.xla_flags)
-        if "recscale.launch" in p.command_prefix:  # processes on one machine
+        if "--tpu-vm" in p.command_prefix:  # every worker of a TPU slice, through gcloud
+            assert p.platform == "tpu" and p.num_hosts > 1 and p.topology
+        elif "recscale.launch" in p.command_prefix:  # processes on one machine
             args = p.command_prefix
             assert args[args.index("--processes") + 1] == str(p.num_hosts)
             assert args[args.index("--devices-per-process") + 1] == str(p.devices_per_host)
@@ -110,3 +112,61 @@ def test_ray_tasks_request_the_presets_accelerators():
         "num_cpus": 2.0, "max_retries": 0}  # fmt: skip
     with pytest.raises(ValueError, match="--backend slurm"):
         ray_task_options(tpu_gpu_configs.get("gpu-h100x8-4nodes"), 1.0)
+
+
+FAKE_GCLOUD = """#!/bin/bash
+# Records its arguments, then runs --command on 2 "workers" as a TPU VM's ssh --worker=all would.
+printf '%s\\n' "$@" > "$FAKE_GCLOUD_LOG"
+while [ "$1" != "--command" ]; do shift; done
+for w in 0 1; do WORKER=$w bash -c "$2" || exit $?; done
+"""
+
+
+def test_multi_host_tpu_trials_start_on_every_worker_through_gcloud(tmp_path, monkeypatch):
+    """The multi-host TPU presets start each trial with ``recscale.launch --tpu-vm env``: one
+    gcloud ssh to every worker of the slice, in the same path, with RECSCALE_DISTRIBUTED=1 and
+    the preset's libtpu flags. Rehearsed with a fake gcloud that runs the remote command on 2
+    local "workers"."""
+    import subprocess
+    import sys
+
+    hw = tpu_gpu_configs.get("tpu-v5p-128")
+    assert hw.num_hosts == 16 and hw.topology == "v5p:4x4x4"
+    assert hw.command_prefix[1:] == ("-m", "recscale.launch", "--tpu-vm", "env", "--")
+    fake = tmp_path / "bin" / "gcloud"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_GCLOUD)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = ("import os; open(os.path.join(%r, 'w' + os.environ['WORKER']), 'w').write("
+             "os.getcwd() + ' ' + os.environ['RECSCALE_DISTRIBUTED'] + ' ' "
+             "+ os.environ['LIBTPU_INIT_ARGS'])") % str(out)  # fmt: skip
+    cmd = [sys.executable if p == "{python}" else p for p in hw.command_prefix]
+    env = {**os_environ_without_recscale(), **hw.env, "PATH": f"{fake.parent}:/usr/bin:/bin",
+           "FAKE_GCLOUD_LOG": str(tmp_path / "args"), "RECSCALE_TPU_NAME": "my-slice",
+           "RECSCALE_TPU_ZONE": "us-east5-a"}  # fmt: skip
+    repo = str(tpu_gpu_configs.__file__).rsplit("/tpu_gpu_configs", 1)[0]
+    subprocess.run([*cmd, sys.executable, "-c", probe], cwd=repo, env=env, check=True,
+                   timeout=60)  # fmt: skip
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[:7] == ["compute", "tpus", "tpu-vm", "ssh", "my-slice", "--worker=all",
+                        "--zone=us-east5-a"]  # fmt: skip
+    for w in ("w0", "w1"):
+        cwd, distributed, flags = (out / w).read_text().split(" ", 2)
+        assert (cwd, distributed, flags) == (repo, "1", hw.env["LIBTPU_INIT_ARGS"])
+    dry = subprocess.run([*cmd[:-1], "--dry-run", "--", "train", "a b"], cwd=repo, env=env,
+                         capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    assert dry.stdout.startswith("gcloud compute tpus tpu-vm ssh my-slice --worker=all")
+    assert "RECSCALE_DISTRIBUTED=1" in dry.stdout and "'a b'" in dry.stdout
+    env.pop("RECSCALE_TPU_NAME")
+    bad = subprocess.run([*cmd, "train"], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and "RECSCALE_TPU_NAME" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def os_environ_without_recscale() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("RECSCALE_")}
