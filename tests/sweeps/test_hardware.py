@@ -139,9 +139,9 @@ def test_multi_host_tpu_trials_start_on_every_worker_through_gcloud(tmp_path, mo
     fake.chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
-    probe = ("import os; open(os.path.join(%r, 'w' + os.environ['WORKER']), 'w').write("
-             "os.getcwd() + ' ' + os.environ['RECSCALE_DISTRIBUTED'] + ' ' "
-             "+ os.environ['LIBTPU_INIT_ARGS'])") % str(out)  # fmt: skip
+    probe = (f"import os; open(os.path.join({str(out)!r}, 'w' + os.environ['WORKER']), 'w')"
+             ".write(os.getcwd() + ' ' + os.environ['RECSCALE_DISTRIBUTED'] + ' ' "
+             "+ os.environ['LIBTPU_INIT_ARGS'])")  # fmt: skip
     cmd = [sys.executable if p == "{python}" else p for p in hw.command_prefix]
     env = {**os_environ_without_recscale(), **hw.env, "PATH": f"{fake.parent}:/usr/bin:/bin",
            "FAKE_GCLOUD_LOG": str(tmp_path / "args"), "RECSCALE_TPU_NAME": "my-slice",
