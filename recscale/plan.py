@@ -41,6 +41,7 @@ from recscale.embeddings import EmbeddingTable, engine
 from recscale.kernels import common
 from recscale.train.loop import state_parts
 from recscale.train.steps import make_train_step
+from tpu_gpu_configs.profiles import get_profile
 
 _COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 _DTYPE_BYTES = {
@@ -96,10 +97,11 @@ def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
     raise SystemExit(f"compiling for {hw.platform} presets from this host is not supported")
 
 
-def for_hardware(cfg: Any, hw: tpu_gpu_configs.LaunchPreset) -> Any:
-    """``cfg`` as a sweep would run it on ``hw``: its global batch, and the engine planned with
-    the machine's profile and host size."""
-    batch = hw.global_batch or cfg.data.batch_size
+def for_hardware(cfg: Any, hw: tpu_gpu_configs.LaunchPreset, *, global_batch: int = 0) -> Any:
+    """``cfg`` as a sweep would run it on ``hw``: its global batch (``global_batch`` if given,
+    else the preset's per-device batch times its devices, else the config's), and the engine
+    planned with the machine's profile and host size."""
+    batch = global_batch or hw.global_batch or cfg.data.batch_size
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch))
     if hw.profile and cfg.embeddings.sharding != "off" and not cfg.embeddings.profile:
         emb = dataclasses.replace(cfg.embeddings, profile=hw.profile, host_size=hw.devices_per_host)
@@ -144,6 +146,8 @@ class StepReport:
     fallbacks: list[str] = dataclasses.field(default_factory=list)
     error: str = ""
     """The compiler's refusal (e.g. the step does not fit the chip's memory), if it refused."""
+    memory_bytes: float = 0.0
+    """The chip's memory (the hardware profile's)."""
 
     def errors(self) -> dict[str, float]:
         """Relative error of each prediction against the compiler, where both exist."""
@@ -184,15 +188,18 @@ def _layout_name(cfg: Any) -> str:
         parts.append(f"tp={m.model_parallel}")
     if m.fsdp:
         parts.append("fsdp")
+    named = sorted({v for v in dataclasses.asdict(cfg.kernels).values() if v != "auto"})
+    if named:
+        parts.append(f"kernels={'+'.join(named)}")
     return ", ".join(parts)
 
 
 def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, preset: str,
-              compile: bool = False) -> StepReport:  # fmt: skip
+              compile: bool = False, global_batch: int = 0) -> StepReport:  # fmt: skip
     """The planner's predictions for ``cfg``'s train step on ``hw`` and, with ``compile``, the
     compiler's numbers (see the module docstring)."""
     devices = topology_devices(hw)
-    cfg = for_hardware(cfg, hw)
+    cfg = for_hardware(cfg, hw, global_batch=global_batch)
     schema = schema_of(cfg.data)
     mesh = sharding.make_mesh(cfg.mesh, devices=devices)
     target = hw.platform if hw.platform in ("gpu", "tpu") else None
@@ -218,6 +225,7 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
             preset=preset, hardware=hw.name, topology=hw.topology or hw.platform,
             chips=len(devices), mesh=dict(mesh.shape), global_batch=cfg.data.batch_size,
             layout=_layout_name(cfg), dense_params=int(n_dense), table_rows=int(rows),
+            memory_bytes=get_profile(hw.profile).memory_bytes if hw.profile else 0.0,
             predicted={
                 "state_bytes_per_chip": state_bytes,
                 "batch_bytes_per_chip": batch_bytes,
@@ -312,10 +320,12 @@ def render(r: StepReport) -> str:
     if r.error:
         lines.append(f"  the compiler refused: {r.error}")
     if r.compiled:
+        fits = r.compiled["peak_bytes"] <= r.memory_bytes if r.memory_bytes else None
+        verdict = "" if fits is None else f"; fits {_gib(r.memory_bytes)}: {fits}"
         lines.append(
             "  compiled per chip: "
             + ", ".join(f"{k} {_gib(v)}" for k, v in r.compiled.items())
-            + f" ({r.compile_s:.1f} s)"
+            + f" ({r.compile_s:.1f} s{verdict})"
         )
         lines.append(
             "  collectives per chip: "
@@ -332,7 +342,7 @@ def render(r: StepReport) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: python -m recscale.plan PRESET --hardware NAME [--compile] [--json FILE] "
-             "[--field.sub value ...]")  # fmt: skip
+             "[--global-batch N] [--field.sub value ...]")  # fmt: skip
     if not argv or argv[0].startswith("-"):
         raise SystemExit(usage)
     preset, rest = argv[0], argv[1:]
@@ -349,7 +359,12 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m recscale.plan",
     )  # fmt: skip
     build_model = importlib.import_module(f"{package}.model").build_model
-    report = plan_step(cfg, build_model, hw, preset=preset, compile="compile" in own)
+    try:
+        batch = int(own.get("global-batch", 0))
+    except ValueError:
+        raise SystemExit(f"--global-batch: expected an integer, got {own['global-batch']!r}") from None
+    report = plan_step(cfg, build_model, hw, preset=preset, compile="compile" in own,
+                       global_batch=batch)  # fmt: skip
     print(render(report))
     if "json" in own:
         with open(own["json"], "a") as f:
@@ -362,7 +377,7 @@ def _own_flags(args: list[str]) -> tuple[dict[str, str], list[str]]:
     for a in it:
         if a == "--compile":
             own["compile"] = "1"
-        elif a in ("--hardware", "--json"):
+        elif a in ("--hardware", "--json", "--global-batch"):
             own[a[2:]] = next(it, "")
         else:
             rest.append(a)
