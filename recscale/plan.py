@@ -362,7 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         batch = int(own.get("global-batch", 0))
     except ValueError:
-        raise SystemExit(f"--global-batch: expected an integer, got {own['global-batch']!r}") from None
+        raise SystemExit(
+            f"--global-batch: expected an integer, got {own['global-batch']!r}"
+        ) from None
     report = plan_step(cfg, build_model, hw, preset=preset, compile="compile" in own,
                        global_batch=batch)  # fmt: skip
     print(render(report))
