@@ -163,7 +163,11 @@ def build_layout(
         )
         for t in tables
     ]  # fmt: skip
-    plan = planner_lib.plan(ptables, profile, num_devices, batch_size=spec.batch_size)
+    comm_bytes = jnp.dtype(DTYPES[spec.comm_dtype]).itemsize
+    cost = planner_lib.CostModel.for_profile(profile, comm_bytes)
+    plan = planner_lib.plan(
+        ptables, profile, num_devices, batch_size=spec.batch_size, cost_model=cost
+    )
     table_plans = plan.by_table()
     cw_tables = [t.name for t in tables if table_plans[t.name].sharding in COLUMN_TYPES]
     cw_index = {name: i for i, name in enumerate(cw_tables)}

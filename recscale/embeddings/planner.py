@@ -24,9 +24,10 @@ fraction ``f`` of the table's lookups:
 * lookup bytes = ``f·B·P·D·b`` forward, ``2×`` that backward + update (read the gradient rows,
   read-modify-write the rows and their optimizer state);
 * communication bytes: table-/column-wise: ids in (``4·B·P·f``) + pooled vectors out and their
-  gradients back (``2·B·D·c``); row-wise: reduce-scatter + all-gather of the partial sums
-  (``2·B·D·c·(n-1)/n`` over its group of ``n``); data-parallel: all-gather of the touched rows'
-  gradients (``B·P·D·c·(N-1)/N``);
+  gradients back (``B·D·(c_f + c)``, ``c_f`` the forward exchange's bytes per element:
+  ``CostModel.for_profile``); row-wise: the partial sums and their gradients
+  (``B·D·(c_f + c)·(n-1)/n`` over its group of ``n``); data-parallel: all-gather of the touched
+  rows' gradients (``B·P·D·c·(N-1)/N``);
 * compute = ``3·f·B·P·D`` FLOPs (pool, scatter, update).
 
 time = lookup / memory_bandwidth + comm / link bandwidth + compute / FLOP/s, each term scaled by
@@ -89,7 +90,25 @@ class CostModel:
     comm: float = 1.0
     compute: float = 1.0
     comm_bytes_per_element: int = 4
-    """4 = fp32 exchanges; 2 = bf16/fp16 communication."""
+    """Bytes per exchanged element (the engine's ``comm_dtype``): 4 = float32; 2 = bf16/fp16."""
+    forward_comm_bytes_per_element: int = 0
+    """Bytes per element of the forward exchange (pooled outputs to their examples' devices);
+    0 = ``comm_bytes_per_element``. On TPU the compiler sends it in bfloat16 when every consumer
+    multiplies at default precision (DLRM's interaction, Wukong's FMB/LCB): measured in the
+    compile table (BENCHMARKS.md, "Pod-scale plans"), :meth:`for_profile` sets 2 there."""
+
+    @property
+    def exchange_bytes(self) -> int:
+        """Bytes per element of a pooled column exchanged forward and its gradient back."""
+        fwd = self.forward_comm_bytes_per_element or self.comm_bytes_per_element
+        return fwd + self.comm_bytes_per_element
+
+    @classmethod
+    def for_profile(cls, profile: HardwareProfile, comm_bytes_per_element: int = 4) -> CostModel:
+        """The cost model calibrated for ``profile``'s platform (see the fields)."""
+        fwd = min(2, comm_bytes_per_element) if profile.name.startswith("tpu-") else 0
+        return cls(comm_bytes_per_element=comm_bytes_per_element,
+                   forward_comm_bytes_per_element=fwd)  # fmt: skip
 
     def calibrated(self, bytes_read, seconds, profile: HardwareProfile) -> CostModel:
         """The lookup factor fitted (least squares through the origin) to measured lookup
@@ -126,9 +145,9 @@ class Plan:
     """Memory of each device's shards [N]."""
     memory_limit_bytes: float
     all_to_all_bytes: float = 0.0
-    """Bytes the engine's all-to-alls move per step over all devices, as the cost model counts
-    them (ids to the shards, pooled outputs back, their gradients out again), for the tables
-    not replicated (a replicated table's gradients are all-reduced)."""
+    """Bytes of the engine's all-to-all buffers per step over all devices: every shard's pooled
+    outputs for the whole batch, forward, and their gradients, backward (the ids travel in an
+    all-gather; a replicated table exchanges nothing)."""
 
     @property
     def max_time_s(self) -> float:
@@ -185,8 +204,9 @@ class _Candidate:
     shard_time: float
     shard_rows: int
     shard_cols: int
-    comm_bytes: float = 0.0
-    """Bytes one shard's device moves to and from its peers per step (the term of its time)."""
+    exchange_bytes: float = 0.0
+    """Bytes of pooled outputs and their gradients one shard exchanges per step (the engine's
+    all-to-all buffers: its whole batch, the part staying on its device included)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -205,7 +225,7 @@ def _hot_fraction(num_rows: int, s: float) -> float:
 
 def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, batch: int,
                 max_col_splits: int) -> list[_Candidate]:  # fmt: skip
-    b, c = t.bytes_per_element, cm.comm_bytes_per_element
+    b, c, x = t.bytes_per_element, cm.comm_bytes_per_element, cm.exchange_bytes
     row_b, elem_b = OPTIMIZER_STATE_BYTES[t.optimizer]
     lookups = batch * t.pooling_factor
 
@@ -225,22 +245,22 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
         # every device pools its own examples: 1/n of the batch's lookups
         out.append(_Candidate("data_parallel", n, "all", memory(t.num_rows, t.dim),
                               time(1 / n, t.dim, comm, hw.interconnect_bandwidth),
-                              t.num_rows, t.dim, comm))  # fmt: skip
+                              t.num_rows, t.dim))  # fmt: skip
     if "table_wise" in allowed:
-        comm = 4 * lookups + 2 * batch * t.dim * c
+        comm = 4 * lookups + batch * t.dim * x
         out.append(_Candidate("table_wise", 1, "any", memory(t.num_rows, t.dim),
                               time(1, t.dim, comm, hw.interconnect_bandwidth),
-                              t.num_rows, t.dim, comm))  # fmt: skip
+                              t.num_rows, t.dim, batch * t.dim * x))  # fmt: skip
     for kind in ("column_wise", "table_column_wise"):
         if kind not in allowed:
             continue
         k = 2
         while k <= min(max_col_splits, n) and t.dim % k == 0 and t.dim // k >= 4:
             cols = t.dim // k
-            comm = 4 * lookups + 2 * batch * cols * c
+            comm = 4 * lookups + batch * cols * x
             out.append(_Candidate(kind, k, "any", memory(t.num_rows, cols),
                                   time(1, cols, comm, hw.interconnect_bandwidth),
-                                  t.num_rows, cols, comm))  # fmt: skip
+                                  t.num_rows, cols, batch * cols * x))  # fmt: skip
             k *= 2
     for kind, m, group, link in (
         ("row_wise", n, "all", hw.interconnect_bandwidth if n <= hw.devices_per_host
@@ -251,9 +271,10 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
             continue
         rows = math.ceil(t.num_rows / m)
         frac = min(1.0, hot + (1 - hot) / m)  # the busiest shard
-        comm = 2 * batch * t.dim * c * (m - 1) / m + 4 * lookups * frac
+        comm = batch * t.dim * x * (m - 1) / m + 4 * lookups * frac
         out.append(_Candidate(kind, m, group, memory(rows, t.dim),
-                              time(frac, t.dim, comm, link), rows, t.dim, comm))  # fmt: skip
+                              time(frac, t.dim, comm, link), rows, t.dim,
+                              batch * t.dim * x))  # fmt: skip
     return out
 
 
@@ -295,10 +316,7 @@ def plan(
     out = tuple(
         TablePlan(t.name, choices[t.name][0].sharding, _shards(t, *choices[t.name])) for t in tables
     )
-    # A candidate's comm is one shard's (what its device sends, which times it); all shards send.
-    a2a = sum(
-        c.comm_bytes * c.n_shards for c, _ in choices.values() if c.sharding != "data_parallel"
-    )
+    a2a = sum(c.exchange_bytes * c.n_shards for c, _ in choices.values())
     return Plan(out, load, mem, limit, float(a2a))
 
 

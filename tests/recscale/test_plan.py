@@ -45,9 +45,16 @@ def test_planner_counts_every_shard_of_the_exchange():
     (tp,) = p.tables
     k = len(tp.shards)
     assert k > 1
-    # each column shard receives the ids and sends its columns of the pooled outputs, forward
-    # and backward
-    assert p.all_to_all_bytes == k * (4 * b + 2 * b * (d // k) * 4)
+    # each column shard exchanges its columns of the whole batch's pooled outputs, forward and
+    # backward (float32 both ways by default)
+    assert p.all_to_all_bytes == k * b * (d // k) * 8
+    # calibrated for TPU: the forward exchange in bfloat16 (the compile table's finding)
+    cm = planner.CostModel.for_profile(profile)
+    assert cm.exchange_bytes == 2 + 4
+    assert planner.CostModel.for_profile(get_profile("gpu-h100")).exchange_bytes == 8
+    assert planner.CostModel.for_profile(profile, 2).exchange_bytes == 4  # bf16 comm_dtype
+    p = planner.plan([t], profile, 8, batch_size=b, cost_model=cm)
+    assert p.all_to_all_bytes == len(p.tables[0].shards) * b * (d // len(p.tables[0].shards)) * 6
     dp = planner.PlannerTable(name="t", num_rows=100, dim=d, allowed=("data_parallel",))
     assert planner.plan([dp], profile, 8, batch_size=b).all_to_all_bytes == 0
 
