@@ -96,6 +96,9 @@ class CostModel:
     0 = ``comm_bytes_per_element``. On TPU the compiler sends it in bfloat16 when every consumer
     multiplies at default precision (DLRM's interaction, Wukong's FMB/LCB): measured in the
     compile table (BENCHMARKS.md, "Pod-scale plans"), :meth:`for_profile` sets 2 there."""
+    forward_min_width: int = 0
+    """Slots narrower than this keep ``comm_bytes_per_element`` forward (XLA:TPU converted
+    32- and 128-wide exchanges to bfloat16 and left 16-wide ones in float32)."""
 
     @property
     def exchange_bytes(self) -> int:
@@ -106,9 +109,17 @@ class CostModel:
     @classmethod
     def for_profile(cls, profile: HardwareProfile, comm_bytes_per_element: int = 4) -> CostModel:
         """The cost model calibrated for ``profile``'s platform (see the fields)."""
-        fwd = min(2, comm_bytes_per_element) if profile.name.startswith("tpu-") else 0
+        if not profile.name.startswith("tpu-"):
+            return cls(comm_bytes_per_element=comm_bytes_per_element)
         return cls(comm_bytes_per_element=comm_bytes_per_element,
-                   forward_comm_bytes_per_element=fwd)  # fmt: skip
+                   forward_comm_bytes_per_element=min(2, comm_bytes_per_element),
+                   forward_min_width=32)  # fmt: skip
+
+    def exchange_bytes_at(self, width: int) -> int:
+        """:attr:`exchange_bytes` for slots ``width`` columns wide."""
+        if width < self.forward_min_width:
+            return 2 * self.comm_bytes_per_element
+        return self.exchange_bytes
 
     def calibrated(self, bytes_read, seconds, profile: HardwareProfile) -> CostModel:
         """The lookup factor fitted (least squares through the origin) to measured lookup
@@ -145,9 +156,10 @@ class Plan:
     """Memory of each device's shards [N]."""
     memory_limit_bytes: float
     all_to_all_bytes: float = 0.0
-    """Bytes of the engine's all-to-all buffers per step over all devices: every shard's pooled
-    outputs for the whole batch, forward, and their gradients, backward (the ids travel in an
-    all-gather; a replicated table exchanges nothing)."""
+    """Bytes of the engine's all-to-all buffers per step over all devices (``_exchange_bytes``:
+    every shard's pooled outputs for the whole batch forward, their gradients backward, slots
+    padded to the fullest device's count; the ids travel in an all-gather; a replicated table
+    exchanges nothing)."""
 
     @property
     def max_time_s(self) -> float:
@@ -204,9 +216,6 @@ class _Candidate:
     shard_time: float
     shard_rows: int
     shard_cols: int
-    exchange_bytes: float = 0.0
-    """Bytes of pooled outputs and their gradients one shard exchanges per step (the engine's
-    all-to-all buffers: its whole batch, the part staying on its device included)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -225,7 +234,7 @@ def _hot_fraction(num_rows: int, s: float) -> float:
 
 def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, batch: int,
                 max_col_splits: int) -> list[_Candidate]:  # fmt: skip
-    b, c, x = t.bytes_per_element, cm.comm_bytes_per_element, cm.exchange_bytes
+    b, c = t.bytes_per_element, cm.comm_bytes_per_element
     row_b, elem_b = OPTIMIZER_STATE_BYTES[t.optimizer]
     lookups = batch * t.pooling_factor
 
@@ -247,20 +256,20 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
                               time(1 / n, t.dim, comm, hw.interconnect_bandwidth),
                               t.num_rows, t.dim))  # fmt: skip
     if "table_wise" in allowed:
-        comm = 4 * lookups + batch * t.dim * x
+        comm = 4 * lookups + batch * t.dim * cm.exchange_bytes_at(t.dim)
         out.append(_Candidate("table_wise", 1, "any", memory(t.num_rows, t.dim),
                               time(1, t.dim, comm, hw.interconnect_bandwidth),
-                              t.num_rows, t.dim, batch * t.dim * x))  # fmt: skip
+                              t.num_rows, t.dim))  # fmt: skip
     for kind in ("column_wise", "table_column_wise"):
         if kind not in allowed:
             continue
         k = 2
         while k <= min(max_col_splits, n) and t.dim % k == 0 and t.dim // k >= 4:
             cols = t.dim // k
-            comm = 4 * lookups + batch * cols * x
+            comm = 4 * lookups + batch * cols * cm.exchange_bytes_at(cols)
             out.append(_Candidate(kind, k, "any", memory(t.num_rows, cols),
                                   time(1, cols, comm, hw.interconnect_bandwidth),
-                                  t.num_rows, cols, batch * cols * x))  # fmt: skip
+                                  t.num_rows, cols))  # fmt: skip
             k *= 2
     for kind, m, group, link in (
         ("row_wise", n, "all", hw.interconnect_bandwidth if n <= hw.devices_per_host
@@ -271,10 +280,9 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
             continue
         rows = math.ceil(t.num_rows / m)
         frac = min(1.0, hot + (1 - hot) / m)  # the busiest shard
-        comm = batch * t.dim * x * (m - 1) / m + 4 * lookups * frac
+        comm = batch * t.dim * 2 * c * (m - 1) / m + 4 * lookups * frac  # partial sums: float32
         out.append(_Candidate(kind, m, group, memory(rows, t.dim),
-                              time(frac, t.dim, comm, link), rows, t.dim,
-                              batch * t.dim * x))  # fmt: skip
+                              time(frac, t.dim, comm, link), rows, t.dim))  # fmt: skip
     return out
 
 
@@ -316,8 +324,30 @@ def plan(
     out = tuple(
         TablePlan(t.name, choices[t.name][0].sharding, _shards(t, *choices[t.name])) for t in tables
     )
-    a2a = sum(c.exchange_bytes * c.n_shards for c, _ in choices.values())
-    return Plan(out, load, mem, limit, float(a2a))
+    a2a = _exchange_bytes(choices, num_devices, batch_size, cost_model)
+    return Plan(out, load, mem, limit, a2a)
+
+
+def _exchange_bytes(choices: dict, n: int, batch: int, cm: CostModel) -> float:
+    """Bytes of the engine's all-to-all buffers per step, all devices: the engine packs each
+    device's shards of one width into the slots of one buffer, with as many slots on every
+    device as the fullest one has (the all-to-all's fixed shape), and exchanges every slot's
+    pooled outputs for the whole batch forward and their gradients backward. The forward
+    exchange is at ``cm.forward_comm_bytes_per_element`` only in a buffer without row-wise
+    shards: row-wise partial sums are added (in float32) before any multiply."""
+    slots: dict[int, np.ndarray] = {}
+    rowwise: set[int] = set()
+    for c, devs in choices.values():
+        if c.sharding == "data_parallel":
+            continue
+        np.add.at(slots.setdefault(c.shard_cols, np.zeros(n, np.int64)), devs, 1)
+        if c.sharding in ("row_wise", "table_row_wise"):
+            rowwise.add(c.shard_cols)
+    total = 0.0
+    for w, per in slots.items():
+        x = 2 * cm.comm_bytes_per_element if w in rowwise else cm.exchange_bytes_at(w)
+        total += n * int(per.max()) * batch * w * x
+    return total
 
 
 class _NoPlacement(ValueError):

@@ -250,6 +250,33 @@ def state_shardings(state: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_var)
 
 
+def constrain_state(tree: Any) -> Any:
+    """``tree`` (e.g. the dense gradients, an nnx State of Variables) constrained to the
+    shardings :func:`state_shardings` gives it, when the active rules split dense parameters
+    (FSDP, or a ``model`` axis): the gradients are then reduce-scattered into their
+    parameters' shards instead of all-reduced whole. Identity otherwise."""
+    active = _ACTIVE.get()
+    if active is None or (active.fsdp_min_bytes is None and not active.soft_axes):
+        return tree
+    return jax.lax.with_sharding_constraint(tree, state_shardings(tree))
+
+
+def gather_fsdp(tree: Any) -> Any:
+    """``tree`` (the dense parameters inside a step) constrained to its shardings without FSDP:
+    each weight is all-gathered over ``data`` where it is used (ZeRO-3), not left split along a
+    dimension a matmul contracts (where XLA would all-reduce the activations instead). Identity
+    unless FSDP is on."""
+    active = _ACTIVE.get()
+    if active is None or active.fsdp_min_bytes is None:
+        return tree
+    token = _ACTIVE.set(dataclasses.replace(active, fsdp_min_bytes=None))
+    try:
+        gathered = state_shardings(tree)
+    finally:
+        _ACTIVE.reset(token)
+    return jax.lax.with_sharding_constraint(tree, gathered)
+
+
 def _fsdp_spec(
     spec: PartitionSpec, shape: tuple[int, ...], itemsize: int, active: _Active
 ) -> PartitionSpec:

@@ -16,6 +16,7 @@ import optax
 from flax import nnx, struct
 
 from data.batch import Batch
+from recscale import sharding
 from recscale.embeddings import EmbeddingTable, engine
 
 
@@ -150,6 +151,7 @@ def make_train_step(
             # copy=True: fresh Variables at this trace level, so BatchNorm may update its
             # statistics.
             tables = () if emb is None else (emb,)
+            dense_params = sharding.gather_fsdp(dense_params)
             model = nnx.merge(graphdef, *tables, dense_params, state.batch_stats, copy=True)
             with engine.step_context(model, deltas) as ctx:
                 logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=dropout_key)
@@ -176,6 +178,7 @@ def make_train_step(
         (loss, (batch_stats, keys)), (g_dense, g_delta) = jax.value_and_grad(
             loss_fn, argnums=(0, 1), has_aux=True
         )(dense, deltas)
+        g_dense = sharding.constrain_state(g_dense)  # FSDP / TP: into the parameters' shards
         ok = jnp.isfinite(loss) & _all_finite(g_dense, g_delta)
         skip = nonfinite != "ignore"
         updates, new_opt = dense_tx.update(g_dense, dense_opt, dense)

@@ -37,26 +37,39 @@ def test_collective_bytes_reads_tuples_async_starts_and_layouts():
     assert got["reduce-scatter"] == got["collective-permute"] == 0
 
 
-def test_planner_counts_every_shard_of_the_exchange():
+def test_planner_counts_the_exchange_as_the_engine_sends_it():
+    """Every device exchanges as many slots as the fullest device holds (the all-to-all's
+    fixed shape), each the whole batch's pooled outputs forward and their gradients back."""
     profile = get_profile("tpu-v5p")
-    b, d = 1024, 64
+    b, d, n = 1024, 16, 8
     t = planner.PlannerTable(name="t", num_rows=10_000, dim=d, allowed=("column_wise",))
-    p = planner.plan([t], profile, 8, batch_size=b)
+    p = planner.plan([t], profile, n, batch_size=b)
     (tp,) = p.tables
     k = len(tp.shards)
-    assert k > 1
-    # each column shard exchanges its columns of the whole batch's pooled outputs, forward and
-    # backward (float32 both ways by default)
-    assert p.all_to_all_bytes == k * b * (d // k) * 8
-    # calibrated for TPU: the forward exchange in bfloat16 (the compile table's finding)
+    assert 1 < k < n and len({s.device for s in tp.shards}) == k
+    assert p.all_to_all_bytes == n * 1 * b * (d // k) * (4 + 4)  # 1 slot per device
+    # two whole tables on one device: every device exchanges 2 slots
+    two = [planner.PlannerTable(name=f"t{i}", num_rows=100, dim=d, allowed=("table_wise",))
+           for i in range(2)]  # fmt: skip
+    p2 = planner.plan(two, profile, 2, batch_size=b, memory_fraction=1.0)
+    per_device = [sum(s.device == dev for tp in p2.tables for s in tp.shards) for dev in (0, 1)]
+    assert p2.all_to_all_bytes == 2 * max(per_device) * b * d * 8
+    # calibrated for TPU (the compile table's finding): the forward exchange of slots at least
+    # 32 wide in bfloat16; narrower ones, and every exchange elsewhere, in float32
     cm = planner.CostModel.for_profile(profile)
-    assert cm.exchange_bytes == 2 + 4
-    assert planner.CostModel.for_profile(get_profile("gpu-h100")).exchange_bytes == 8
-    assert planner.CostModel.for_profile(profile, 2).exchange_bytes == 4  # bf16 comm_dtype
-    p = planner.plan([t], profile, 8, batch_size=b, cost_model=cm)
-    assert p.all_to_all_bytes == len(p.tables[0].shards) * b * (d // len(p.tables[0].shards)) * 6
+    assert (cm.exchange_bytes_at(32), cm.exchange_bytes_at(16)) == (2 + 4, 4 + 4)
+    assert planner.CostModel.for_profile(get_profile("gpu-h100")).exchange_bytes_at(128) == 8
+    assert planner.CostModel.for_profile(profile, 2).exchange_bytes_at(128) == 4  # bf16 comm
+    wide = planner.PlannerTable(name="w", num_rows=10_000, dim=128, allowed=("table_wise",))
+    p = planner.plan([wide], profile, n, batch_size=b, cost_model=cm)
+    assert p.all_to_all_bytes == n * b * 128 * 6
+    p = planner.plan([t], profile, n, batch_size=b, cost_model=cm)  # 16 wide or less
+    assert p.all_to_all_bytes == n * b * (d // len(p.tables[0].shards)) * 8
+    rw = planner.PlannerTable(name="r", num_rows=10_000, dim=128, allowed=("row_wise",))
+    p = planner.plan([rw], profile, n, batch_size=b, cost_model=cm)  # partial sums: float32
+    assert p.all_to_all_bytes == n * b * 128 * 8
     dp = planner.PlannerTable(name="t", num_rows=100, dim=d, allowed=("data_parallel",))
-    assert planner.plan([dp], profile, 8, batch_size=b).all_to_all_bytes == 0
+    assert planner.plan([dp], profile, n, batch_size=b).all_to_all_bytes == 0
 
 
 def test_compiled_step_on_this_host_matches_the_prediction():
