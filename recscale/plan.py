@@ -79,6 +79,8 @@ def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
             raise SystemExit(f"hardware preset {hw.name!r} names no TPU topology")
         # Compiling needs no chip: let several processes load libtpu (it locks by default).
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        for k, v in hw.env.items():  # the preset's compiler flags (LIBTPU_INIT_ARGS), as a
+            os.environ.setdefault(k, v)  # trial runs with them; read when libtpu loads
         try:
             return list(topologies.get_topology_desc(hw.topology, "tpu").devices)
         except Exception as e:  # noqa: BLE001 - libtpu missing or the name unknown
