@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,42 +86,53 @@ def run(out: Path, only: str, timeout_s: int) -> None:
 
 
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f}"
+    return f"{x / 2**30:.1f}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+
+
+def _refusal(error: str) -> str:
+    m = re.search(r"temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", error)
+    if m:
+        return f"**does not fit**: temporaries {m.group(1)} GB > HBM {m.group(2)} GB"
+    return error[:120]
 
 
 def table(path: Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    head = (
-        "| preset | slice (chips) | mesh | layout | dense params | state + batch GiB/chip: predicted / "
-        "compiled arguments (err) | peak GiB/chip (temp) | all-to-all MiB/chip: planner / HLO (err) | "
-        "all-gather / reduce-scatter / all-reduce MiB/chip | compile s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
-    )
-    out = [head]
+    out = [
+        "| preset | slice (chips) | mesh | layout | examples/chip | dense params | state + batch "
+        "GiB/chip: predicted / compiled (err) | peak GiB/chip (temporaries) / HBM | all-to-all "
+        "MiB/chip: planner / HLO (err) | all-gather, all-reduce MiB/chip | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         p, c, k = r["predicted"], r["compiled"], r["collectives"]
-        mesh = "x".join(str(v) for v in r["mesh"].values())
-        err = {}
+        mesh = " x ".join(f"{n} {v}" for n, v in r["mesh"].items())
+        want = p["state_bytes_per_chip"] + p["batch_bytes_per_chip"]
+        hbm = _gib(r.get("memory_bytes", 0))
         if c:
-            want = p["state_bytes_per_chip"] + p["batch_bytes_per_chip"]
-            err["state"] = want / c["argument_bytes"] - 1
-        if k.get("all-to-all"):
-            err["a2a"] = p["all_to_all_bytes_per_chip"] / k["all-to-all"] - 1
-        if not c:
-            compiled, peak = r.get("error", "not compiled"), ""
+            err = want / c["argument_bytes"] - 1
+            state = f"{_gib(want)} / {_gib(c['argument_bytes'])} ({err:+.1%})"
+            peak = f"{_gib(c['peak_bytes'])} ({_gib(c['temp_bytes'])}) / {hbm}"
         else:
-            compiled = f"{_gib(want)} / {_gib(c['argument_bytes'])} ({err['state']:+.1%})"
-            peak = f"{_gib(c['peak_bytes'])} ({_gib(c['temp_bytes'])})"
-        a2a = f"{p['all_to_all_bytes_per_chip'] / 2**20:.0f} / {k.get('all-to-all', 0) / 2**20:.0f}"
-        if "a2a" in err:
-            a2a += f" ({err['a2a']:+.0%})"
-        other = " / ".join(
-            f"{k.get(x, 0) / 2**20:.0f}" for x in ("all-gather", "reduce-scatter", "all-reduce")
+            state = f"{_gib(want)} / -"
+            peak = _refusal(r.get("error", "not compiled"))
+        a2a = f"{p['all_to_all_bytes_per_chip'] / 2**20:.0f}"
+        if k:
+            a2a += f" / {k['all-to-all'] / 2**20:.0f}"
+            if k["all-to-all"]:
+                a2a += f" ({p['all_to_all_bytes_per_chip'] / k['all-to-all'] - 1:+.0%})"
+        other = (
+            ", ".join(f"{k[x] / 2**20:,.0f}" for x in ("all-gather", "all-reduce")) if k else "-"
         )
+        dp = r["mesh"].get("data", r["chips"])
         out.append(
             f"| {r['preset']} | {r['hardware']} ({r['chips']}) | {mesh} | {r['layout']} | "
-            f"{r['dense_params'] / 1e9:.3f}B | {compiled} | {peak} | {a2a} | {other} | "
-            f"{r['compile_s']:.0f} |"
+            f"{r['global_batch'] // dp:,} | {_count(r['dense_params'])} | {state} | {peak} | "
+            f"{a2a} | {other} | {r['compile_s']:.0f} |"
         )
     return "\n".join(out)
 

@@ -4,7 +4,9 @@
     python -m recscale.plan wukong/table5-7 --hardware tpu-v5p-512 --compile --mesh.fsdp
     python -m recscale.plan dlrm/criteo-mlperf --hardware tpu-v6e-256 --compile
 
-TPU targets compile on this CPU host through ``libtpu`` (``pip install -e '.[tpu-aot]'``):
+GPU presets are lowered for CUDA only (CPU devices stand in for the GPUs; no CUDA compiler
+here), which checks that the step and its Pallas (Triton) kernels lower at those shapes. TPU
+targets compile on this CPU host through ``libtpu`` (``pip install -e '.[tpu-aot]'``):
 ``jax.experimental.topologies`` describes the slice (``LaunchPreset.topology``), the run's mesh
 is made over its devices, and the whole train step (the embedding engine, its kernels chosen
 for TPU, the dense layers sharded as ``mesh.*`` says) is lowered and compiled for it, as
@@ -88,7 +90,7 @@ def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
                 f"cannot describe TPU topology {hw.topology!r} ({type(e).__name__}: {e}); "
                 "install the compiler with: pip install -e '.[tpu-aot]'"
             ) from None
-    if hw.platform == "cpu":
+    if hw.platform in ("cpu", "gpu"):  # a GPU preset: CPU devices stand in (lowering only)
         devices = jax.devices("cpu")
         if len(devices) < hw.num_devices:
             raise SystemExit(
@@ -96,7 +98,7 @@ def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
                 f"{len(devices)} (set JAX_NUM_CPU_DEVICES)"
             )
         return devices[: hw.num_devices]
-    raise SystemExit(f"compiling for {hw.platform} presets from this host is not supported")
+    raise SystemExit(f"planning for {hw.platform} presets from this host is not supported")
 
 
 def for_hardware(cfg: Any, hw: tpu_gpu_configs.LaunchPreset, *, global_batch: int = 0) -> Any:
@@ -150,6 +152,9 @@ class StepReport:
     """The compiler's refusal (e.g. the step does not fit the chip's memory), if it refused."""
     memory_bytes: float = 0.0
     """The chip's memory (the hardware profile's)."""
+    lowered: dict[str, int] = dataclasses.field(default_factory=dict)
+    """GPU presets: the step lowered for CUDA (no compiler here): its StableHLO's size and
+    the Pallas (Triton) kernel calls in it."""
 
     def errors(self) -> dict[str, float]:
         """Relative error of each prediction against the compiler, where both exist."""
@@ -246,6 +251,18 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
         )
         t0 = time.perf_counter()
         before = collections.Counter(common.FALLBACKS)
+        if hw.platform == "gpu":
+            # No CUDA compiler here: lower the step for CUDA (the Pallas GPU kernels through
+            # Triton included) and stop there.
+            traced = step.trace(abstract, batch_abstract)
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            report.compile_s = time.perf_counter() - t0
+            report.lowered = {
+                "stablehlo_bytes": len(text),
+                "triton_kernels": text.count("__gpu$xla.gpu.triton"),
+            }
+            report.fallbacks = _new_fallbacks(before)
+            return report
         lowered = step.lower(abstract, batch_abstract)
         try:
             compiled = lowered.compile()
@@ -254,11 +271,7 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
             report.compile_s = time.perf_counter() - t0
             return report
         report.compile_s = time.perf_counter() - t0
-        report.fallbacks = [
-            f"{op}: {impl} -> xla ({why})"
-            for (op, impl, why), n in common.FALLBACKS.items()
-            if n > before[(op, impl, why)]
-        ]
+        report.fallbacks = _new_fallbacks(before)
     mem = compiled.memory_analysis()
     arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
@@ -269,6 +282,15 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
     }  # fmt: skip
     report.collectives = collective_bytes(compiled.as_text())
     return report
+
+
+def _new_fallbacks(before: collections.Counter) -> list[str]:
+    """The kernel fallbacks (``common.FALLBACKS``) counted since ``before``."""
+    return [
+        f"{op}: {impl} -> xla ({why})"
+        for (op, impl, why), n in common.FALLBACKS.items()
+        if n > before[(op, impl, why)]
+    ]
 
 
 def _opt_slots(cfg: Any) -> int:
@@ -315,12 +337,18 @@ def render(r: StepReport) -> str:
     lines = [
         f"{r.preset} on {r.hardware} ({r.topology}, {r.chips} chips, mesh {r.mesh}, "
         f"batch {r.global_batch}, {r.layout})",
-        f"  dense parameters {r.dense_params / 1e9:.2f}B, table rows {r.table_rows / 1e9:.2f}B",
+        f"  dense parameters {r.dense_params / 1e6:,.1f}M, table rows {r.table_rows / 1e6:,.1f}M",
         "  predicted per chip: "
         + ", ".join(f"{k.removesuffix('_per_chip')} {_gib(v)}" for k, v in r.predicted.items()),
     ]
     if r.error:
         lines.append(f"  the compiler refused: {r.error}")
+    if r.lowered:
+        lines.append(
+            f"  lowered for CUDA ({r.compile_s:.1f} s): {r.lowered['stablehlo_bytes']:,} bytes "
+            f"of StableHLO, {r.lowered['triton_kernels']} Pallas (Triton) kernel calls"
+        )
+        lines.extend(f"  kernel fallback: {f}" for f in r.fallbacks)
     if r.compiled:
         fits = r.compiled["peak_bytes"] <= r.memory_bytes if r.memory_bytes else None
         verdict = "" if fits is None else f"; fits {_gib(r.memory_bytes)}: {fits}"

@@ -90,6 +90,20 @@ def test_compiled_step_on_this_host_matches_the_prediction():
     assert "predicted per chip" in plan.render(r)
 
 
+def test_gpu_presets_lower_the_step_for_cuda_with_the_triton_kernels():
+    _, cfg = parse_preset_cli("dlrm/", [
+        "dlrm/tiny", "--workdir", "-", "--embeddings.sharding", "row_wise",
+        "--kernels.embedding-bag", "pallas_gpu", "--kernels.embedding-update", "pallas_gpu",
+        "--kernels.dot-interaction", "pallas_gpu",
+    ])  # fmt: skip
+    hw = tpu_gpu_configs.get("gpu-h100x8")
+    r = plan.plan_step(cfg, build_model, hw, preset="dlrm/tiny", compile=True)
+    assert r.chips == 8 and not r.compiled and not r.fallbacks
+    # the bag and update kernels, and the interaction's forward and backward
+    assert r.lowered["triton_kernels"] >= 4 and r.lowered["stablehlo_bytes"] > 0
+    assert "lowered for CUDA" in plan.render(r)
+
+
 def test_cli_errors_are_one_line(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "recscale.plan", *args],
