@@ -286,20 +286,20 @@ NON_SEMANTIC_FIELDS = frozenset(
         "train.progress", "train.log_every", "train.eval_every", "train.eval_max_batches",
         "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
         "train.checkpoint_fallback",
-        "data.eval_batch_size", "data.eval_path", "mesh.data_parallel", "mesh.model_parallel",
-        "mesh.fsdp", "mesh.fsdp_min_bytes",
+        "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",
         "data.tabular.prepared_dir", "data.tabular.workers",
     }
 )  # fmt: skip
 
 
-# Fields that only lay the same computation out differently (the embedding plan; the device
-# count, ``mesh.data_parallel``, is non-semantic): a run may resume with them changed (its
+# Fields that only lay the same computation out differently (the embedding plan, the dense
+# layout; the device count, ``mesh.data_parallel``, is non-semantic): a run may resume with them changed (its
 # checkpoint is re-laid out, ``recscale.embeddings.relayout``), but they stay in trial identities, as a
 # sweep may compare layouts.
 LAYOUT_FIELDS = frozenset(
-    {"embeddings.sharding", "embeddings.per_table", "embeddings.profile", "embeddings.host_size"}
-)
+    {"embeddings.sharding", "embeddings.per_table", "embeddings.profile", "embeddings.host_size",
+     "mesh.model_parallel", "mesh.fsdp", "mesh.fsdp_min_bytes"}
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

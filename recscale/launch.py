@@ -180,7 +180,7 @@ class LaunchArgs:
     """``--tpu-vm``: print the gcloud command instead of running it."""
 
 
-TPU_ENV_PASSED = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_COMPILATION_CACHE_DIR")
+TPU_ENV_PASSED = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 """Variables of this environment that ``--tpu-vm`` sets on the workers too (a hardware
 preset's flags, e.g. ``tpu_gpu_configs``' LIBTPU_INIT_ARGS)."""
 
@@ -201,7 +201,9 @@ def tpu_vm_command(args: LaunchArgs, command: list[str], env: dict[str, str],
         + [shlex.quote(f"{k}={v}") for k, v in exports.items()]
         + [shlex.quote(c) for c in command]
     )
-    cmd = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", name, "--worker=all"]
+    # -tt: a terminal per worker, so that ending this command hangs up the workers' commands
+    # instead of leaving them running on the slice
+    cmd = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", name, "--worker=all", "--ssh-flag=-tt"]
     cmd += [f"--zone={zone}"] if zone else []
     cmd += [f"--project={project}"] if project else []
     return [*cmd, "--command", remote]
@@ -217,7 +219,14 @@ def launch(args: LaunchArgs, command: list[str]) -> int:
         if args.dry_run:
             print(shlex.join(cmd))
             return 0
-        return subprocess.call(cmd)
+        proc = subprocess.Popen(cmd)
+        old = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
+               for s in (signal.SIGTERM, signal.SIGINT)}  # fmt: skip
+        try:
+            return proc.wait()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
     if args.processes < 1:
         raise ValueError(f"--processes must be >= 1, got {args.processes}")
     port = args.port or free_port()

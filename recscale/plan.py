@@ -45,6 +45,9 @@ from recscale.train.loop import state_parts
 from recscale.train.steps import make_train_step
 from tpu_gpu_configs.profiles import get_profile
 
+ENGINE_A2A = "all-to-all (engine)"
+"""The embedding engine's exchanges (all-to-alls inside its ``shard_map``); XLA may add
+all-to-alls of its own, e.g. to reshard the dense layers' activations."""
 _COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -52,7 +55,9 @@ _DTYPE_BYTES = {
 }  # fmt: skip
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 # One HLO instruction per line: ``%name = RESULT-TYPE op(operands), ...``.
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
+_OP = re.compile(
+    r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start|-done)?\("
+)
 
 
 def family_package(preset: str) -> str:
@@ -115,20 +120,21 @@ def for_hardware(cfg: Any, hw: tpu_gpu_configs.LaunchPreset, *, global_batch: in
 
 def collective_bytes(hlo_text: str) -> dict[str, float]:
     """Bytes of each collective's results in a compiled (SPMD-partitioned, per-device) HLO
-    module, summed by kind, counting each op once (ops inside a loop body are counted once)."""
-    out = dict.fromkeys(_COLLECTIVES, 0.0)
+    module, summed by kind, counting each op once (ops inside a loop body are counted once; an
+    async ``-start`` / ``-done`` pair by its ``-done``'s result)."""
+    out = dict.fromkeys((*_COLLECTIVES, ENGINE_A2A), 0.0)
     for line in hlo_text.splitlines():
         m = _OP.match(line)
         if m is None:
             continue
         shapes, kind = m.group(1), m.group(2)
-        # an async start's result tuple repeats the operand; count its last shape (the output)
-        found = _SHAPE.findall(shapes)
-        if m.group(3):
-            found = found[len(found) // 2 :]
-        for dtype, dims in found:
+        if m.group(3) == "-start":  # an async pair: its -done's result is the output
+            continue
+        for dtype, dims in _SHAPE.findall(shapes):
             n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
             out[kind] += n * _DTYPE_BYTES[dtype]
+            if kind == "all-to-all" and "shard_map/all_to_all" in line:
+                out[ENGINE_A2A] += n * _DTYPE_BYTES[dtype]
     return out
 
 
@@ -163,8 +169,8 @@ class StepReport:
         if c.get("argument_bytes"):  # the step's arguments: the state and the batch
             want = p["state_bytes_per_chip"] + p["batch_bytes_per_chip"]
             out["arguments"] = want / c["argument_bytes"] - 1
-        if self.collectives.get("all-to-all") and p.get("all_to_all_bytes_per_chip"):
-            out["all_to_all"] = p["all_to_all_bytes_per_chip"] / self.collectives["all-to-all"] - 1
+        if self.collectives.get(ENGINE_A2A) and p.get("all_to_all_bytes_per_chip"):
+            out["all_to_all"] = p["all_to_all_bytes_per_chip"] / self.collectives[ENGINE_A2A] - 1
         return out
 
 
@@ -238,13 +244,14 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
                 "batch_bytes_per_chip": batch_bytes,
                 "dense_state_bytes_per_chip": dense_bytes * (1 + _opt_slots(cfg)),
                 "table_bytes_per_chip": float(planner_mem),
-                "all_to_all_bytes_per_chip": float(a2a) / len(devices),
+                # every model replica runs the data axis's exchange
+                "all_to_all_bytes_per_chip": float(a2a) / mesh.shape[sharding.DATA_AXIS],
             },
         )  # fmt: skip
         if not compile:
             return report
         step = jax.jit(
-            make_train_step(graphdef, tx),
+            make_train_step(graphdef, tx, nonfinite=cfg.train.nonfinite),
             in_shardings=(state_sharding, batch_sharding),
             out_shardings=(state_sharding, None),
             donate_argnums=(0,),

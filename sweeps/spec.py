@@ -488,6 +488,9 @@ _ADDED_AT_DEFAULT: dict[str, Any] = {
     "train.early_stopping_metric": "",
     "train.early_stopping_patience": 2,
     "train.early_stopping_min_delta": 0.0,
+    "mesh.model_parallel": 1,
+    "mesh.fsdp": False,
+    "mesh.fsdp_min_bytes": 1 << 20,
 }
 
 

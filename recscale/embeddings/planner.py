@@ -26,7 +26,7 @@ fraction ``f`` of the table's lookups:
 * communication bytes: table-/column-wise: ids in (``4·B·P·f``) + pooled vectors out and their
   gradients back (``B·D·(c_f + c)``, ``c_f`` the forward exchange's bytes per element:
   ``CostModel.for_profile``); row-wise: the partial sums and their gradients
-  (``B·D·(c_f + c)·(n-1)/n`` over its group of ``n``); data-parallel: all-gather of the touched
+  (``2·B·D·c·(n-1)/n`` over its group of ``n``); data-parallel: all-gather of the touched
   rows' gradients (``B·P·D·c·(N-1)/N``);
 * compute = ``3·f·B·P·D`` FLOPs (pool, scatter, update).
 
@@ -280,7 +280,8 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
             continue
         rows = math.ceil(t.num_rows / m)
         frac = min(1.0, hot + (1 - hot) / m)  # the busiest shard
-        comm = batch * t.dim * 2 * c * (m - 1) / m + 4 * lookups * frac  # partial sums: float32
+        # the partial sums are added before any multiply: comm_dtype both ways
+        comm = batch * t.dim * 2 * c * (m - 1) / m + 4 * lookups * frac
         out.append(_Candidate(kind, m, group, memory(rows, t.dim),
                               time(frac, t.dim, comm, link), rows, t.dim))  # fmt: skip
     return out
@@ -324,25 +325,30 @@ def plan(
     out = tuple(
         TablePlan(t.name, choices[t.name][0].sharding, _shards(t, *choices[t.name])) for t in tables
     )
-    a2a = _exchange_bytes(choices, num_devices, batch_size, cost_model)
+    a2a = _exchange_bytes(out, num_devices, batch_size, cost_model)
     return Plan(out, load, mem, limit, a2a)
 
 
-def _exchange_bytes(choices: dict, n: int, batch: int, cm: CostModel) -> float:
-    """Bytes of the engine's all-to-all buffers per step, all devices: the engine packs each
-    device's shards of one width into the slots of one buffer, with as many slots on every
-    device as the fullest one has (the all-to-all's fixed shape), and exchanges every slot's
-    pooled outputs for the whole batch forward and their gradients backward. The forward
-    exchange is at ``cm.forward_comm_bytes_per_element`` only in a buffer without row-wise
-    shards: row-wise partial sums are added (in float32) before any multiply."""
+def _exchange_bytes(tables: tuple[TablePlan, ...], n: int, batch: int, cm: CostModel) -> float:
+    """Bytes of the engine's all-to-all buffers per step, all devices, as
+    ``recscale.embeddings.layout`` builds them: each device's non-empty shards of one width are
+    the slots of one buffer, every device has as many slots as the fullest one (the
+    all-to-all's fixed shape), and every slot exchanges its pooled outputs for the whole batch
+    forward and their gradients backward. The forward exchange is at
+    ``cm.forward_comm_bytes_per_element`` only in a buffer without row-wise shards: their
+    partial sums are added before any multiply."""
     slots: dict[int, np.ndarray] = {}
     rowwise: set[int] = set()
-    for c, devs in choices.values():
-        if c.sharding == "data_parallel":
+    for tp in tables:
+        if tp.sharding == "data_parallel":
             continue
-        np.add.at(slots.setdefault(c.shard_cols, np.zeros(n, np.int64)), devs, 1)
-        if c.sharding in ("row_wise", "table_row_wise"):
-            rowwise.add(c.shard_cols)
+        for sh in tp.shards:
+            width = sh.cols[1] - sh.cols[0]
+            if sh.rows[1] <= sh.rows[0] or width <= 0:
+                continue  # the layout makes no slot of an empty shard
+            np.add.at(slots.setdefault(width, np.zeros(n, np.int64)), sh.device, 1)
+            if tp.sharding in ("row_wise", "table_row_wise"):
+                rowwise.add(width)
     total = 0.0
     for w, per in slots.items():
         x = 2 * cm.comm_bytes_per_element if w in rowwise else cm.exchange_bytes_at(w)

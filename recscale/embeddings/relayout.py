@@ -57,8 +57,12 @@ CHUNK_ROWS = 1 << 16
 """Most table rows moved through the host at once."""
 _MIN_CHUNK = 1 << 10  # smaller tables share one compiled gather / scatter per array
 _PLAN_FIELDS = ("sharding", "per_table", "profile", "host_size", "storage_dtype", "optimizer",
-                "batch_size")  # fmt: skip
-"""The engine spec's fields the plan depends on (kernels and ``comm_dtype`` do not move rows)."""
+                "batch_size", "comm_dtype")  # fmt: skip
+"""The engine spec's fields the plan depends on (kernels do not move rows; ``comm_dtype`` is
+in the planner's costs)."""
+_PLAN_DEFAULTS = {"comm_dtype": "float32"}
+"""Plan inputs recorded since: a checkpoint without one was planned as with this value (the
+planner costed float32 exchanges whatever ``comm_dtype`` said)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -106,7 +110,7 @@ def _checked(saved: Any) -> dict:
 def _layout_key(meta: dict) -> tuple:
     if meta["engine"] is None:  # one array per table: any device count restores through orbax
         return ("off",)
-    e = meta["engine"]
+    e = {**_PLAN_DEFAULTS, **meta["engine"]}
     return (int(meta["device_count"]), *(config_lib.to_dict(e.get(k)) for k in _PLAN_FIELDS))
 
 
@@ -155,10 +159,11 @@ def _saved_config(saved: dict, cfg: Any) -> Any:
     """``cfg`` with the plan inputs the checkpoint was saved under (``_PLAN_FIELDS``), so that
     ``build_model`` lays the saved model out as it was (its ``EngineSpec.from_config`` gives
     the saved spec)."""
-    e = saved["engine"]
+    e = {**_PLAN_DEFAULTS, **saved["engine"]}
     emb = dataclasses.replace(
         cfg.embeddings, sharding=e["sharding"], per_table=tuple(e["per_table"]),
         profile=e["profile"], host_size=e["host_size"], storage_dtype=e["storage_dtype"],
+        comm_dtype=e["comm_dtype"],
     )  # fmt: skip
     return dataclasses.replace(
         cfg, embeddings=emb,
@@ -202,7 +207,8 @@ def restore_relaid(
     n_old = int(saved["device_count"])
     mesh = jax.sharding.AbstractMesh((n_old,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     old_cfg = cfg if saved["engine"] is None else _saved_config(saved, cfg)
-    with sharding.activate(mesh, cfg.mesh):
+    # the saved buffers' layout: data axis only (the engine ignores a model axis)
+    with sharding.activate(mesh, dataclasses.replace(cfg.mesh, model_parallel=1, fsdp=False)):
         old_model = nnx.eval_shape(
             lambda: build_model(old_cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
         )

@@ -84,6 +84,11 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     m = cfg.model_parallel
     if len(devices) % m:
         raise ValueError(f"mesh.model_parallel={m} does not divide the {len(devices)} devices")
+    if m > 1 and jax.process_count() > 1 and jax.local_device_count() % m:
+        raise ValueError(
+            f"mesh.model_parallel={m} must divide the {jax.local_device_count()} devices of each "
+            "process: a model group spans one process, which feeds its examples"
+        )
     n = len(devices) // m if cfg.data_parallel == -1 else cfg.data_parallel
     if n < 1 or n * m > len(devices):
         raise ValueError(
@@ -262,10 +267,11 @@ def constrain_state(tree: Any) -> Any:
 
 
 def gather_fsdp(tree: Any) -> Any:
-    """``tree`` (the dense parameters inside a step) constrained to its shardings without FSDP:
-    each weight is all-gathered over ``data`` where it is used (ZeRO-3), not left split along a
-    dimension a matmul contracts (where XLA would all-reduce the activations instead). Identity
-    unless FSDP is on."""
+    """``tree`` (the dense parameters inside a step) gathered over ``data`` where it is used
+    (ZeRO-3): constrained to its shardings without FSDP, so that no weight stays split along a
+    dimension a matmul contracts (where XLA would all-reduce the activations instead); and its
+    gradient constrained back to the FSDP shards, so that it is reduce-scattered rather than
+    all-reduced whole. Identity unless FSDP is on."""
     active = _ACTIVE.get()
     if active is None or active.fsdp_min_bytes is None:
         return tree
@@ -274,7 +280,20 @@ def gather_fsdp(tree: Any) -> Any:
         gathered = state_shardings(tree)
     finally:
         _ACTIVE.reset(token)
-    return jax.lax.with_sharding_constraint(tree, gathered)
+    sharded = state_shardings(tree)
+
+    @jax.custom_vjp
+    def gather(t):
+        return jax.lax.with_sharding_constraint(t, gathered)
+
+    def fwd(t):
+        return gather(t), None
+
+    def bwd(_, g):
+        return (jax.lax.with_sharding_constraint(g, sharded),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(tree)
 
 
 def _fsdp_spec(

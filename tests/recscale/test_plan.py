@@ -20,20 +20,27 @@ from tpu_gpu_configs.profiles import get_profile
 HLO = """
 ENTRY %main {
   %all-reduce.21 = (f32[512]{0:T(512)}, f32[]{:T(128)}, /*index=2*/bf16[4,8]{1,0}) all-reduce(%a, %b, %c), channel_id=4
-  %ag = s32[16,2]{1,0} all-gather-start(%x), dimensions={0}
   %ags = (s32[4,2]{1,0}, s32[16,2]{1,0}) all-gather-start(%y), dimensions={0}
+  %agd = s32[16,2]{1,0} all-gather-done(%ags)
+  %ars = (f32[2,3]{1,0}, f32[2,3]{1,0}) all-reduce-start(%p0, %p1), to_apply=%add
+  %ard = (f32[2,3]{1,0}, f32[2,3]{1,0}) all-reduce-done(%ars)
+  %ars2 = (f32[4]{0}, f32[4]{0}, u32[], u32[]) all-reduce-start(%p2), to_apply=%add
+  %ard2 = f32[4]{0} all-reduce-done(%ars2)
   ROOT %a2a = f32[8,4]{1,0:T(8,128)} all-to-all(%z), dimensions={0}
+  %e = bf16[2,4]{1,0} all-to-all(%w), metadata={op_name="jit(step)/shard_map/all_to_all"}
   %not = f32[99] add(%all-to-all.1, %q)
 }
 """
 
 
-def test_collective_bytes_reads_tuples_async_starts_and_layouts():
+def test_collective_bytes_reads_tuples_async_pairs_and_layouts():
     got = plan.collective_bytes(HLO)
-    assert got["all-reduce"] == 512 * 4 + 4 + 4 * 8 * 2
-    # a start's result tuple repeats its operand: the output alone counts
-    assert got["all-gather"] == 16 * 2 * 4 + 16 * 2 * 4
-    assert got["all-to-all"] == 8 * 4 * 4
+    # async pairs count once, by their -done's result (a -start's tuple mixes operands,
+    # outputs and context)
+    assert got["all-reduce"] == (512 * 4 + 4 + 4 * 8 * 2) + 2 * 6 * 4 + 4 * 4
+    assert got["all-gather"] == 16 * 2 * 4
+    assert got["all-to-all"] == 8 * 4 * 4 + 2 * 4 * 2
+    assert got[plan.ENGINE_A2A] == 2 * 4 * 2  # the engine's, by its shard_map
     assert got["reduce-scatter"] == got["collective-permute"] == 0
 
 
@@ -86,6 +93,8 @@ def test_compiled_step_on_this_host_matches_the_prediction():
     assert r.compiled["argument_bytes"] > 0 and not r.error
     assert abs(r.errors()["arguments"]) < 1e-9, (r.predicted, r.compiled)
     assert r.collectives["all-to-all"] > 0 and r.collectives["all-gather"] > 0
+    # the planner's exchange, per chip of every model replica, is the engine's all-to-alls
+    assert abs(r.errors()["all_to_all"]) < 1e-9, (r.predicted, r.collectives)
     assert "fsdp" in r.layout and "tp=2" in r.layout
     assert "predicted per chip" in plan.render(r)
 

@@ -367,9 +367,11 @@ def test_layout_meta_and_when_a_relayout_is_needed():
     assert meta["engine"]["profile"] == engine.default_profile()  # resolved: plans differ by it
     assert not relayout.needs_relayout(None, row8)  # written before layouts were recorded
     assert not relayout.needs_relayout(meta, row8)
-    comm = _cfg("row_wise", 8, comm_dtype="bfloat16")  # moves no row
-    assert not relayout.needs_relayout(meta, comm)
-    for other in (_cfg("row_wise", 4), _cfg("table_wise", 8), _cfg("auto", 8, per_table=PINS),
+    # a checkpoint from before comm_dtype was a plan input was planned as with float32
+    old = {**meta, "engine": {k: v for k, v in meta["engine"].items() if k != "comm_dtype"}}
+    assert meta["engine"]["comm_dtype"] == "float32" and not relayout.needs_relayout(old, row8)
+    comm = _cfg("row_wise", 8, comm_dtype="bfloat16")  # the planner costs exchanges with it
+    for other in (comm, _cfg("row_wise", 4), _cfg("table_wise", 8), _cfg("auto", 8, per_table=PINS),
                   _cfg("row_wise", 8, host_size=2), _cfg("off", 8)):  # fmt: skip
         assert relayout.needs_relayout(meta, other), other.embeddings
     off = relayout.layout_meta(_cfg("off", 8))

@@ -150,14 +150,16 @@ def test_multi_host_tpu_trials_start_on_every_worker_through_gcloud(tmp_path, mo
     subprocess.run([*cmd, sys.executable, "-c", probe], cwd=repo, env=env, check=True,
                    timeout=60)  # fmt: skip
     args = (tmp_path / "args").read_text().splitlines()
-    assert args[:7] == ["compute", "tpus", "tpu-vm", "ssh", "my-slice", "--worker=all",
-                        "--zone=us-east5-a"]  # fmt: skip
+    assert args[:8] == ["compute", "tpus", "tpu-vm", "ssh", "my-slice", "--worker=all",
+                        "--ssh-flag=-tt", "--zone=us-east5-a"]  # fmt: skip
     for w in ("w0", "w1"):
         cwd, distributed, flags = (out / w).read_text().split(" ", 2)
         assert (cwd, distributed, flags) == (repo, "1", hw.env["LIBTPU_INIT_ARGS"])
     dry = subprocess.run([*cmd[:-1], "--dry-run", "--", "train", "a b"], cwd=repo, env=env,
                          capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
-    assert dry.stdout.startswith("gcloud compute tpus tpu-vm ssh my-slice --worker=all")
+    assert dry.stdout.startswith(
+        "gcloud compute tpus tpu-vm ssh my-slice --worker=all --ssh-flag=-tt"
+    )
     assert "RECSCALE_DISTRIBUTED=1" in dry.stdout and "'a b'" in dry.stdout
     env.pop("RECSCALE_TPU_NAME")
     bad = subprocess.run([*cmd, "train"], cwd=repo, env=env, capture_output=True, text=True,
