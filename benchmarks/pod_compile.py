@@ -103,7 +103,7 @@ def _refusal(error: str) -> str:
 def table(path: Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = [
-        "| preset | slice (chips) | mesh | layout | examples/chip | dense params | state + batch "
+        "| preset | slice (chips) | mesh | layout | examples per data shard | dense params | state + batch "
         "GiB/chip: predicted / compiled (err) | peak GiB/chip (temporaries) / HBM | engine's "
         "all-to-all MiB/chip: planner / HLO (err) | all-gather, all-reduce MiB/chip | compile s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
