@@ -21,6 +21,7 @@ chip from its shardings; ``benchmarks/pod_compile.py`` tabulates them against th
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -216,7 +217,10 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
     schema = schema_of(cfg.data)
     mesh = sharding.make_mesh(cfg.mesh, devices=devices)
     target = hw.platform if hw.platform in ("gpu", "tpu") else None
-    with sharding.activate(mesh, cfg.mesh), _target(target):
+    with (
+        sharding.activate(mesh, cfg.mesh),
+        common.target_backend(target) if target else contextlib.nullcontext(),
+    ):
         graphdef, tx, state_sharding, init = state_parts(cfg, build_model, schema)
         abstract = jax.eval_shape(init, jax.ShapeDtypeStruct((), np.int32))
         batch = schema.empty_batch(cfg.data.batch_size)
@@ -317,19 +321,6 @@ def nnx_merge(graphdef: Any, state: Any) -> Any:
     from flax import nnx  # noqa: PLC0415
 
     return nnx.merge(graphdef, state.params, state.batch_stats)
-
-
-class _target:
-    """``common.target_backend(platform)`` when compiling for an accelerator, else nothing."""
-
-    def __init__(self, platform: str | None):
-        self.cm = common.target_backend(platform) if platform else None
-
-    def __enter__(self):
-        return self.cm.__enter__() if self.cm else None
-
-    def __exit__(self, *exc):
-        return self.cm.__exit__(*exc) if self.cm else None
 
 
 def _gib(x: float) -> str:
