@@ -1,6 +1,7 @@
 """DLRM training and inference throughput, recscale vs TorchRec, side by side on this machine.
 
-``python benchmarks/torchrec_vs_recscale.py [--configs A128 A2048 B C] [--steps N]``
+``python benchmarks/torchrec_vs_recscale.py [--configs A128 A2048 B C] [--steps N]
+[--baseline torchrec|torch] [--kernels auto|xla|pallas_gpu|...]``
 
 Both train the same DLRM (issue 5's configurations) on the same kind of random data
 (pre-generated batches, so data loading is not measured): SGD on the dense part, row-wise Adagrad
@@ -9,6 +10,13 @@ install) with its fused embedding optimizer (fbgemm TBE CPU kernels, the update 
 backward). The script also measures this machine's float32 matmul FLOP/s and memory bandwidth
 and prints the fraction of that roofline each side reaches (training FLOPs per example from
 ``recscale.flops``).
+
+``--baseline torch`` compares with plain PyTorch instead (``benchmarks/_torch_dlrm.py``: the
+facebookresearch/dlrm way, ``nn.EmbeddingBag(sparse=True)`` and exact row-wise Adagrad on the
+sparse gradients), run by this Python on this machine's accelerator if torch sees one: the GPU
+machines here have torch but no fbgemm-gpu CUDA build (TorchRec's kernels), which cannot be
+installed there. ``--kernels`` sets recscale's embedding-bag, embedding-update and interaction
+implementations (``KernelConfig``).
 
 Configurations:
   A: 26 tables x 100,000 rows, dim 16, 1 id per bag, 13 dense, bottom 13-512-256-64-16,
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +47,7 @@ from dlrm.config import DLRMConfig, DLRMModelConfig
 from dlrm.model import build_model
 from recscale import sharding
 from recscale.config import (
+    KernelConfig,
     DenseOptimConfig,
     EmbeddingOptimConfig,
     EmbeddingShardingConfig,
@@ -93,7 +103,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def recscale_run(c: dict, steps: int, warmup: int, sharding_kind: str, windows: int = 3) -> dict:
+def recscale_run(
+    c: dict, steps: int, warmup: int, sharding_kind: str, windows: int = 3, kernels: str = "auto"
+) -> dict:
     schema = Schema(
         dense_names=tuple(f"d{i}" for i in range(c["dense"])),
         features=tuple(FeatureInfo(name=f"f{i}", vocab_size=c["rows"], max_hotness=c["hotness"])
@@ -106,6 +118,8 @@ def recscale_run(c: dict, steps: int, warmup: int, sharding_kind: str, windows: 
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=LR),
         mesh=MeshConfig(data_parallel=1, rules="replicated"),
         embeddings=EmbeddingShardingConfig(sharding=sharding_kind),
+        kernels=KernelConfig(embedding_bag=kernels, embedding_update=kernels,
+                             dot_interaction=kernels),  # fmt: skip
     )
     mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
     rng = np.random.default_rng(1)
@@ -157,16 +171,29 @@ def recscale_run(c: dict, steps: int, warmup: int, sharding_kind: str, windows: 
     }
 
 
-def torchrec_run(c: dict, steps: int, warmup: int, threads: int, windows: int = 3) -> dict:
-    if not TORCHREC_PY.exists():
-        raise SystemExit(f"{TORCHREC_PY} not found: install TorchRec's venv (BENCHMARKS.md)")
+def torchrec_run(
+    c: dict, steps: int, warmup: int, threads: int, windows: int = 3, baseline: str = "torchrec"
+) -> dict:
+    """The baseline's numbers: TorchRec in its own venv, or plain PyTorch (``baseline="torch"``)
+    with this Python on the accelerator torch sees (else the CPU)."""
+    if baseline == "torchrec":
+        py, script, device = TORCHREC_PY, "_torchrec_dlrm.py", "cpu"
+        if not py.exists():
+            raise SystemExit(f"{py} not found: install TorchRec's venv (BENCHMARKS.md)")
+    else:
+        import torch
+
+        py, script = Path(sys.executable), "_torch_dlrm.py"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     args = {**c, "bottom": list(c["bottom"]), "top": list(c["top"]), "emb_lr": LR,
             "dense_lr": LR, "num_batches": 8, "warmup": warmup, "steps": steps,
-            "threads": threads, "windows": windows}  # fmt: skip
+            "threads": threads, "windows": windows, "device": device}  # fmt: skip
     out = subprocess.run(
-        [str(TORCHREC_PY), str(ROOT / "benchmarks" / "_torchrec_dlrm.py"), json.dumps(args)],
-        capture_output=True, text=True, check=True,
+        [str(py), str(ROOT / "benchmarks" / script), json.dumps(args)],
+        capture_output=True, text=True,
     )  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"{script} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -183,18 +210,24 @@ def main() -> None:
     )
     ap.add_argument("--windows", type=int, default=3, help="timed windows; the best counts")
     ap.add_argument("--skip-torchrec", action="store_true")
+    ap.add_argument("--baseline", choices=["torchrec", "torch"], default="torchrec",
+                    help="TorchRec (its venv, CPU) or plain PyTorch on this machine's device")
+    ap.add_argument("--kernels", default="auto",
+                    help="recscale's kernel implementation (auto, xla, pallas_gpu, ...)")  # fmt: skip
     args = ap.parse_args()
     roof = machine_roofline()
+    print(f"device: {jax.devices()[0].device_kind}; baseline: {args.baseline}; "
+          f"recscale kernels: {args.kernels}")
     print(f"machine: {roof['matmul_flops'] / 1e9:.0f} GFLOP/s float32 matmul, "
           f"{roof['memory_bytes_per_s'] / 1e9:.1f} GB/s memory")  # fmt: skip
     rows = []
     for name in args.configs:
         c = CONFIGS[name]
-        r = recscale_run(c, args.steps, args.warmup, args.sharding, args.windows)
+        r = recscale_run(c, args.steps, args.warmup, args.sharding, args.windows, args.kernels)
         if args.skip_torchrec:
             print(json.dumps({"config": name, **r}), flush=True)
             continue
-        t = torchrec_run(c, args.steps, args.warmup, args.threads, args.windows)
+        t = torchrec_run(c, args.steps, args.warmup, args.threads, args.windows, args.baseline)
         flops = r["train_flops_per_example"]
         emb_bytes = r["embedding_bytes_per_example"]
         row = {
@@ -213,10 +246,11 @@ def main() -> None:
         }  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
+    b = "TorchRec" if args.baseline == "torchrec" else "PyTorch"
     print(
-        "\n| config | batch | recscale train ex/s | TorchRec train ex/s | ratio | recscale infer "
-        "ex/s | TorchRec infer ex/s | ratio | matmul roofline recscale / TorchRec | memory "
-        "roofline recscale / TorchRec |"
+        f"\n| config | batch | recscale train ex/s | {b} train ex/s | ratio | recscale infer "
+        f"ex/s | {b} infer ex/s | ratio | matmul roofline recscale / {b} | memory "
+        f"roofline recscale / {b} |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
