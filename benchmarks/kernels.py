@@ -14,6 +14,10 @@ Pallas one (``--kernel`` names another); on CPU it is the C++ FFI kernel where t
 interpret mode, which times the interpreter). Rooflines: the ``tpu_gpu_configs`` profile of the
 accelerator, or on CPU this machine's float32 matmul and memory stream measured in the same run.
 
+The XLA reference's matmuls run at ``--ref-precision`` (default ``highest``): the kernels compute
+float32 inputs to float32 accuracy (IEEE or 3xTF32 dots), while XLA's default float32 matmul on
+a GPU is TF32 (10 mantissa bits); ``--ref-precision default`` times that cheaper reference.
+
 Shapes: Criteo-Terabyte-like embedding work (26 tables, dim 128, 1 or 20 ids per bag; the
 bag kernels see one buffer of 26 x 100,000 rows and 26·B bags, as the engine calls them),
 DLRM interaction over 27 vectors of dim 128, and Wukong Table 5-like FMB layers (E = 32 or 56
@@ -200,11 +204,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kernel", default=None, help="implementation to time against xla "
                     "(default: pallas_gpu / pallas_tpu on those backends, cpu_ffi on CPU)")  # fmt: skip
+    ap.add_argument("--ref-precision", default="highest", choices=["highest", "default"],
+                    help="matmul precision of the XLA reference: highest (float32 accuracy, as "
+                    "the kernels compute float32 inputs) or default (TF32 on a GPU)")  # fmt: skip
     args = ap.parse_args()
     roof = device_roofline()
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); roofline "
           f"{roof['name']}: {roof['memory_bytes_per_s'] / 1e9:.0f} GB/s, "
-          f"{roof['flops'] / 1e12:.2f} TFLOP/s")  # fmt: skip
+          f"{roof['flops'] / 1e12:.2f} TFLOP/s; XLA matmul precision {args.ref_precision}")  # fmt: skip
     print(
         "| op | case | pass | XLA ms | kernel | kernel ms | XLA / kernel | XLA roofline | "
         "kernel roofline |"
@@ -220,7 +227,8 @@ def main() -> None:
                                         ("fwd+bwd", ref_fns[1], ker_fns[1], 3)):  # fmt: skip
                 if rf is None:
                     continue
-                t_ref = best_time(rf, args.reps)
+                with jax.default_matmul_precision(args.ref_precision):
+                    t_ref = best_time(rf, args.reps)
                 t_ker = best_time(kf, args.reps) if kf is not None else float("nan")
 
                 def frac(t, scale=scale, op=op, flops=flops, moved=moved):

@@ -47,10 +47,10 @@ from dlrm.config import DLRMConfig, DLRMModelConfig
 from dlrm.model import build_model
 from recscale import sharding
 from recscale.config import (
-    KernelConfig,
     DenseOptimConfig,
     EmbeddingOptimConfig,
     EmbeddingShardingConfig,
+    KernelConfig,
     MeshConfig,
 )
 from recscale.flops import dlrm_cost
@@ -118,8 +118,9 @@ def recscale_run(
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=LR),
         mesh=MeshConfig(data_parallel=1, rules="replicated"),
         embeddings=EmbeddingShardingConfig(sharding=sharding_kind),
-        kernels=KernelConfig(embedding_bag=kernels, embedding_update=kernels,
-                             dot_interaction=kernels),  # fmt: skip
+        kernels=KernelConfig(
+            embedding_bag=kernels, embedding_update=kernels, dot_interaction=kernels
+        ),  # fmt: skip
     )
     mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
     rng = np.random.default_rng(1)
@@ -210,14 +211,20 @@ def main() -> None:
     )
     ap.add_argument("--windows", type=int, default=3, help="timed windows; the best counts")
     ap.add_argument("--skip-torchrec", action="store_true")
-    ap.add_argument("--baseline", choices=["torchrec", "torch"], default="torchrec",
-                    help="TorchRec (its venv, CPU) or plain PyTorch on this machine's device")
+    ap.add_argument(
+        "--baseline",
+        choices=["torchrec", "torch"],
+        default="torchrec",
+        help="TorchRec (its venv, CPU) or plain PyTorch on this machine's device",
+    )
     ap.add_argument("--kernels", default="auto",
                     help="recscale's kernel implementation (auto, xla, pallas_gpu, ...)")  # fmt: skip
     args = ap.parse_args()
     roof = machine_roofline()
-    print(f"device: {jax.devices()[0].device_kind}; baseline: {args.baseline}; "
-          f"recscale kernels: {args.kernels}")
+    print(
+        f"device: {jax.devices()[0].device_kind}; baseline: {args.baseline}; "
+        f"recscale kernels: {args.kernels}"
+    )
     print(f"machine: {roof['matmul_flops'] / 1e9:.0f} GFLOP/s float32 matmul, "
           f"{roof['memory_bytes_per_s'] / 1e9:.1f} GB/s memory")  # fmt: skip
     rows = []

@@ -30,12 +30,31 @@ import numpy as np
 Impl = Literal["auto", "xla", "pallas_gpu", "pallas_tpu", "cpu_ffi"]
 PALLAS_BACKEND = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
-HARDWARE_VERIFIED: frozenset[tuple[str, str]] = frozenset()
+HARDWARE_VERIFIED: frozenset[tuple[str, str]] = frozenset(
+    (op, "pallas_gpu")
+    for op in (
+        "embedding_bag",
+        "embedding_update",
+        "quantized_embedding_bag",
+        "dot_interaction",
+        "fm_interaction",
+    )  # fmt: skip
+)
 """``(op, impl)`` pairs whose Pallas kernel passed its device tests compiled on that hardware
 (``tests/recscale/kernels/test_on_device.py``: ``pytest -m gpu`` on a GPU, ``-m tpu`` on a TPU).
-``auto`` picks only these on GPU and TPU and keeps the XLA reference otherwise; any kernel runs
-when named (``--kernels.dot-interaction pallas_gpu``). Empty: the kernels were written without
-a GPU or TPU to compile them on (interpret mode and lowering checks only)."""
+``auto`` picks only these on GPU and TPU (except :data:`AUTO_KEEPS_XLA`) and keeps the XLA
+reference otherwise; any kernel runs when named (``--kernels.dot-interaction pallas_gpu``).
+GPU: all five passed on an NVIDIA H200 (jax 0.11.2, CUDA 13), 2026-11-26 (BENCHMARKS.md). TPU:
+none yet (lowering and interpret-mode checks only)."""
+
+AUTO_KEEPS_XLA: dict[tuple[str, str], frozenset[str]] = {
+    ("dot_interaction", "pallas_gpu"): frozenset({"float32"}),
+    ("fm_interaction", "pallas_gpu"): frozenset({"float32"}),
+}
+"""Input dtypes for which ``auto`` keeps XLA although the kernel is verified: measured slower
+than XLA there (H200: the float32 dense kernels compute at float32 accuracy, IEEE or 3xTF32
+dots, and run at 0.4-0.9x XLA at the same accuracy; their bfloat16 forms are 1.1-2.4x faster
+with the backward; BENCHMARKS.md)."""
 
 FALLBACKS: collections.Counter = collections.Counter()
 """``(op, requested impl, reason) -> count`` of calls that fell back to the reference."""
@@ -106,12 +125,18 @@ def interpret_for(impl: str) -> Any:
 
 
 def resolve(
-    op: str, impl: str, unsupported: dict[str, str | None], *, cpu_auto: str | None = None
+    op: str,
+    impl: str,
+    unsupported: dict[str, str | None],
+    *,
+    cpu_auto: str | None = None,
+    dtype: Any = None,
 ) -> str:
     """The implementation to run: ``impl`` (``auto`` resolved for the default backend, to a
-    Pallas kernel only if it is in :data:`HARDWARE_VERIFIED`) unless ``unsupported[impl]``
-    gives a reason it cannot run this call, then ``xla``. ``cpu_auto``: the implementation
-    ``auto`` means on CPU when ``unsupported`` allows it (e.g. ``cpu_ffi``; default ``xla``).
+    Pallas kernel only if it is in :data:`HARDWARE_VERIFIED` and ``dtype`` is not in its
+    :data:`AUTO_KEEPS_XLA`) unless ``unsupported[impl]`` gives a reason it cannot run this call,
+    then ``xla``. ``cpu_auto``: the implementation ``auto`` means on CPU when ``unsupported``
+    allows it (e.g. ``cpu_ffi``; default ``xla``).
 
     ``unsupported`` maps each non-reference implementation of the op to ``None`` (it supports
     this call) or the reason it does not (shape, dtype, variant). A requested implementation
@@ -129,6 +154,9 @@ def resolve(
             _UNVERIFIED_LOGGED.add((op, requested))
             _log.info("%s: auto keeps the XLA reference: %s is not verified on hardware yet "
                       "(name it to run it)", op, requested)  # fmt: skip
+        return "xla"
+    if (impl == "auto" and dtype is not None
+            and jnp.dtype(dtype).name in AUTO_KEEPS_XLA.get((op, requested), ())):  # fmt: skip
         return "xla"
     if requested not in unsupported:
         if impl == "auto":  # e.g. cpu_ffi-only ops on GPU

@@ -78,7 +78,7 @@ def fm_interaction(
     unsupported = {
         name: mod.unsupported_reason(x.shape, y.shape, x.dtype) for name, mod in _KERNELS.items()
     }
-    chosen = common.resolve(OP, impl, unsupported)
+    chosen = common.resolve(OP, impl, unsupported, dtype=x.dtype)
     if chosen == "xla":
         return _with_vjp(reference.fm_interaction, reference.fm_interaction_vjp, x, y)
     if interpret is None:

@@ -13,6 +13,7 @@ BOTH = {"pallas_gpu": None, "pallas_tpu": None}
 
 def test_auto_keeps_xla_until_the_kernel_is_verified_on_hardware(monkeypatch):
     assert common.resolve("dot_interaction", "auto", BOTH) == "xla"  # CPU
+    monkeypatch.setattr(common, "HARDWARE_VERIFIED", frozenset())
     with common.target_backend("gpu"):
         assert common.resolve("dot_interaction", "auto", BOTH) == "xla"
         monkeypatch.setattr(
@@ -47,3 +48,18 @@ def test_target_backend_compiles_instead_of_interpreting():
     with pytest.raises(ValueError, match="expected gpu or tpu"):
         with common.target_backend("npu"):
             pass
+
+
+def test_auto_keeps_xla_for_the_dtypes_where_the_verified_kernel_is_slower(monkeypatch):
+    monkeypatch.setattr(common, "HARDWARE_VERIFIED", frozenset({("dot_interaction", "pallas_gpu")}))
+    monkeypatch.setattr(
+        common, "AUTO_KEEPS_XLA", {("dot_interaction", "pallas_gpu"): frozenset({"float32"})}
+    )
+    with common.target_backend("gpu"):
+        assert common.resolve("dot_interaction", "auto", BOTH, dtype="float32") == "xla"
+        assert common.resolve("dot_interaction", "auto", BOTH, dtype="bfloat16") == "pallas_gpu"
+        assert common.resolve("dot_interaction", "auto", BOTH) == "pallas_gpu"  # dtype unknown
+        # a named kernel runs whatever the dtype
+        assert common.resolve("dot_interaction", "pallas_gpu", BOTH, dtype="float32") == (
+            "pallas_gpu"
+        )
