@@ -80,6 +80,21 @@ class EmbeddingOptimConfig:
     l2: float = 0.0
     """Coupled L2 regularisation of whole tables: adds ``l2 * W`` to the gradient (FuxiCTR's
     ``embedding_regularizer``); it makes every row's update dense."""
+    row_l2: float = 0.0
+    """L2 of the rows a batch touches (lazy, as sparse optimizers apply it): adds
+    ``row_l2 * w_j`` to each touched row's gradient, before CowClip; engine and per-table
+    tables alike."""
+    cowclip_ratio: float = 0.0
+    """CowClip (``recscale.optim.cowclip``): clips each touched row's gradient to
+    ``cnt · max(r · ||w||, ζ)``, ``cnt`` its occurrences in the batch; this is ``r``
+    (0: off; the paper uses 1)."""
+    cowclip_min_norm: float = 1e-5
+    """CowClip's ``ζ``: the threshold's floor per occurrence, for rows still near zero."""
+
+    def __post_init__(self):
+        for name in ("l2", "row_l2", "cowclip_ratio", "cowclip_min_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"embedding_optim.{name}={getattr(self, name)}: must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -39,7 +39,7 @@ import numpy as np
 import tpu_gpu_configs
 from data.schemas import schema_of
 from recscale import config as config_lib
-from recscale import sharding
+from recscale import optim, sharding
 from recscale.embeddings import EmbeddingTable, engine
 from recscale.kernels import common
 from recscale.train.loop import state_parts
@@ -255,7 +255,12 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
         if not compile:
             return report
         step = jax.jit(
-            make_train_step(graphdef, tx, nonfinite=cfg.train.nonfinite),
+            make_train_step(
+                graphdef,
+                tx,
+                nonfinite=cfg.train.nonfinite,
+                embedding_clip=optim.cowclip.from_config(cfg.embedding_optim),
+            ),
             in_shardings=(state_sharding, batch_sharding),
             out_shardings=(state_sharding, None),
             donate_argnums=(0,),

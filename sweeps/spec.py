@@ -491,6 +491,9 @@ _ADDED_AT_DEFAULT: dict[str, Any] = {
     "mesh.model_parallel": 1,
     "mesh.fsdp": False,
     "mesh.fsdp_min_bytes": 1 << 20,
+    "embedding_optim.row_l2": 0.0,
+    "embedding_optim.cowclip_ratio": 0.0,
+    "embedding_optim.cowclip_min_norm": 1e-5,
 }
 
 

@@ -24,6 +24,7 @@ from recscale import sharding
 from recscale.embeddings.layout import BufferLayout, Layout
 from recscale.kernels.embedding_update import api as update_api
 from recscale.kernels.embedding_update import reference as ref
+from recscale.optim.cowclip import CowClip, clip_scale
 
 AXIS = sharding.DATA_AXIS
 
@@ -55,6 +56,8 @@ class UpdateRule:
     eps: float = 1e-8
     b1: float = 0.9
     b2: float = 0.999
+    clip: CowClip | None = None
+    """CowClip and the touched rows' L2, applied to the row gradients before the optimizer."""
 
 
 def apply_update(
@@ -72,7 +75,7 @@ def apply_update(
     # SGD and row-wise Adagrad of whole rows run in the update kernel (recscale.kernels
     # .embedding_update); a column-split table's row statistic needs a psum across its column
     # shards, and lazy Adam keeps per-column moments, so those stay here.
-    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split
+    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split and rule.clip is None
     impl = layout.update_kernel
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
@@ -85,9 +88,17 @@ def apply_update(
             )  # fmt: skip
             new_st = {"acc": acc} if "acc" in st else {}
         else:
+            count = None
+            if rule.clip is not None:
+                # Each row's occurrences in the batch, by the same scatter as its gradient (a
+                # column of ones beside the bags' gradients).
+                ones = jnp.ones(g_sbw.shape[:-1] + (1,), jnp.float32)
+                g_sbw = jnp.concatenate([g_sbw.astype(jnp.float32), ones], axis=-1)
             uids, grad = ref.batched_row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
+            if rule.clip is not None:
+                grad, count = grad[..., :-1], grad[..., -1]
             new_buf, new_st, sq = _update_rows(
-                buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups
+                buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups, count
             )
             sq = jnp.stack([sq, jnp.sum(jnp.square(grad))])  # padding slots: zero gradients
         if not bl.replicated:
@@ -112,24 +123,44 @@ def apply_update(
     return new_buf, new_state, sq
 
 
-def _update_rows(buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRule, groups: int):
+def _full_rows(x_su: jax.Array, cw_s: jax.Array, groups: int) -> jax.Array:
+    """Per-row statistics ``[S, U]`` summed over a column-split table's shards (other devices;
+    they list their rows in the same order), unchanged for whole rows."""
+    if not groups:
+        return x_su
+    tot = jnp.zeros((groups + 1, x_su.shape[1]), jnp.float32).at[cw_s].add(x_su)
+    tot = jax.lax.psum(tot, AXIS)
+    return jnp.where((cw_s < groups)[:, None], tot[cw_s], x_su)
+
+
+def _clip_rows(buf, uids_su, g, count_su, cw_s, groups: int, clip: CowClip):
+    """CowClip (``recscale.optim.cowclip``) and the touched rows' L2 on row gradients."""
+    w = buf.at[uids_su].get(mode="clip").astype(jnp.float32)  # [S, U, w]
+    touched = (count_su > 0)[..., None]
+    if clip.row_l2:
+        g = g + jnp.where(touched, clip.row_l2 * w, 0.0)
+    if clip.clips:
+        g_sq = _full_rows(jnp.sum(g * g, -1), cw_s, groups)
+        w_sq = _full_rows(jnp.sum(w * w, -1), cw_s, groups)
+        scale = clip_scale(g_sq, w_sq, count_su, clip.ratio, clip.min_norm)
+        g = jnp.where(touched, g * scale[..., None], g)
+    return g
+
+
+def _update_rows(buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRule, groups: int,
+                 count_su=None):  # fmt: skip
     s, u, w = g_suw.shape
     flat_u = uids_su.reshape(-1)
     g = g_suw.astype(jnp.float32)
+    if rule.clip is not None:
+        g = _clip_rows(buf, uids_su, g, count_su, cw_s, groups, rule.clip)
     if rule.optimizer == "sgd":
         upd = -lr * g
         new_st = st
     elif rule.optimizer == "rowwise_adagrad":
-        sq_su = jnp.sum(jnp.square(g), axis=-1)
-        nz_su = jnp.any(g != 0, axis=-1).astype(jnp.float32)
-        if groups:
-            # A column-split table's row statistic spans all its column shards (other devices).
-            tot = jnp.zeros((groups + 1, u), jnp.float32).at[cw_s].add(sq_su)
-            nzt = jnp.zeros((groups + 1, u), jnp.float32).at[cw_s].add(nz_su)
-            tot, nzt = jax.lax.psum((tot, nzt), AXIS)
-            split = (cw_s < groups)[:, None]
-            sq_su = jnp.where(split, tot[cw_s], sq_su)
-            nz_su = jnp.where(split, nzt[cw_s], nz_su)
+        # A column-split table's row statistics span all its column shards (other devices).
+        sq_su = _full_rows(jnp.sum(jnp.square(g), axis=-1), cw_s, groups)
+        nz_su = _full_rows(jnp.any(g != 0, axis=-1).astype(jnp.float32), cw_s, groups)
         acc_su = st["acc"].at[uids_su].get(mode="clip")
         pre, acc_su = ref.rowwise_adagrad_rows(
             g, acc_su, sq_su, nz_su > 0, tdim_s[:, None], rule.eps

@@ -11,6 +11,7 @@ Typical use (labels computed once from a Variable-typed state; see ``embedding_l
     opt_state = tx.init(params)
 """
 
+from recscale.optim import cowclip
 from recscale.optim.dense import default_decay_mask, dense_optimizer, dense_schedule
 from recscale.optim.embedding import (
     DENSE,
@@ -30,6 +31,7 @@ __all__ = [
     "EMBEDDING",
     "RowwiseAdagradState",
     "combine",
+    "cowclip",
     "default_decay_mask",
     "dense_optimizer",
     "dense_schedule",

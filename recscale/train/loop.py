@@ -142,7 +142,7 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
             embedding_lr=optim.embedding_schedule(
                 e, steps, peak=a.get("embedding_lr"), warmup_steps=a.get("embedding_warmup")
             ),
-            rule=engine.UpdateRule(e.name, eps=e.eps),
+            rule=engine.UpdateRule(e.name, eps=e.eps, clip=optim.cowclip.from_config(e)),
             initial_accumulator=e.initial_accumulator,
         )
     return optim.combine(
@@ -733,12 +733,14 @@ class _TrainRun:
         # The step may outlive this run (``_cached_program``): it closes over plain values, not
         # over the run or its experiment (their state and data).
         params, graphdef, nonfinite = exp.abstract_state.params, exp.graphdef, self.tcfg.nonfinite
+        clip = optim.cowclip.from_config(cfg.embedding_optim)
 
         def train_step(state: TrainState, batch: Batch, args: dict) -> tuple[TrainState, dict]:
             # The optimizer is rebuilt at trace time around the traced schedule numbers: the
             # same structure and state as ``exp.tx``, without run-specific constants.
             tx = make_optimizer(cfg, params, args)
-            return make_train_step(graphdef, tx, nonfinite=nonfinite)(state, batch)
+            return make_train_step(graphdef, tx, nonfinite=nonfinite,
+                                   embedding_clip=clip)(state, batch)  # fmt: skip
 
         self._train_step = _cached_program(
             _program_key(cfg, build_model, exp.source.schema, "train"),

@@ -18,6 +18,8 @@ from flax import nnx, struct
 from data.batch import Batch
 from recscale import sharding
 from recscale.embeddings import EmbeddingTable, engine
+from recscale.embeddings.collection import EmbeddingCollection
+from recscale.optim import cowclip
 
 
 @struct.dataclass
@@ -110,7 +112,7 @@ def _buffer_path(path: tuple) -> str:
 
 def make_train_step(
     graphdef: nnx.GraphDef, tx: optax.GradientTransformation | SparseOptimizer, *,
-    nonfinite: str = "skip",
+    nonfinite: str = "skip", embedding_clip: cowclip.CowClip | None = None,
 ):  # fmt: skip
     """The pure train step of a model ``graphdef`` with optimizer ``tx``, whatever stores its
     tables.
@@ -134,6 +136,10 @@ def make_train_step(
     row-wise Adagrad accumulators / lazy Adam moments stay bitwise unchanged and no whole
     table is read. ``optax.apply_if_finite`` is not used: it checks gradients only and leaves
     the BatchNorm statistics a NaN input has already corrupted.
+
+    ``embedding_clip`` (``recscale.optim.cowclip``): CowClip and the touched rows' L2 on the
+    per-table path's table gradients, from the batch's id counts, before ``tx`` (the engine
+    applies its own, ``tx.rule.clip``, in the sparse update).
     """
     _check_mode(nonfinite)
     sparse = isinstance(tx, SparseOptimizer)
@@ -179,6 +185,9 @@ def make_train_step(
             loss_fn, argnums=(0, 1), has_aux=True
         )(dense, deltas)
         g_dense = sharding.constrain_state(g_dense)  # FSDP / TP: into the parameters' shards
+        if embedding_clip is not None and not sparse:
+            g_dense = _clip_tables(graphdef, dense, state.batch_stats, g_dense,
+                                   batch.ids_bfh, embedding_clip)  # fmt: skip
         ok = jnp.isfinite(loss) & _all_finite(g_dense, g_delta)
         skip = nonfinite != "ignore"
         updates, new_opt = dense_tx.update(g_dense, dense_opt, dense)
@@ -233,6 +242,30 @@ def make_train_step(
         return new, metrics
 
     return train_step
+
+
+def _clip_tables(graphdef, params, batch_stats, grads, ids_bfh, clip: cowclip.CowClip):
+    """``grads`` with every per-table ``EmbeddingCollection``'s table gradients through CowClip
+    (``recscale.optim.cowclip.clip_table``), each row's count taken from the features that read
+    its table."""
+    model = nnx.merge(graphdef, params, batch_stats)
+    g_flat = dict(nnx.to_flat_state(grads))
+    w_flat = dict(nnx.to_flat_state(params))
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, EmbeddingCollection) or node.layout is not None or node.int8:
+            continue
+        specs = {t.name: t for t in node.table_specs}
+        counts: dict[str, jax.Array] = {}
+        for f, feat in enumerate(node.feature_specs):
+            t = specs[feat.table]
+            rows = g_flat[(*path, "tables", t.name)][...].shape[0]
+            c = cowclip.table_counts(ids_bfh[:, f, : feat.max_hotness], t.num_rows, rows)
+            counts[t.name] = counts[t.name] + c if t.name in counts else c
+        for name, c in counts.items():
+            key = (*path, "tables", name)
+            g, w = g_flat[key], w_flat[key]
+            g_flat[key] = g.replace(cowclip.clip_table(g[...], w[...], c, clip))
+    return nnx.from_flat_state(g_flat)
 
 
 def _zeros(sds: jax.ShapeDtypeStruct) -> jax.Array:

@@ -409,3 +409,20 @@ def test_combine_with_nnx_optimizer_and_rowwise_adagrad():
     assert np.all(table[[2, 3]] != before_table[[2, 3]])
     np.testing.assert_array_equal(table[[0, 1, 4, 5, 6, 7]], before_table[[0, 1, 4, 5, 6, 7]])
     assert np.any(np.asarray(model.lin.kernel[...]) != before_kernel)
+
+
+def test_cowclip_row_factor_scaling_rule_and_config_errors():
+    from recscale.optim import cowclip
+
+    # rows: zero gradient (kept); ||g|| = 2 over cnt·r·||w|| = 1 (halved); a zero row's
+    # threshold is the floor ζ per occurrence: 2 · 0.5 = 1 (halved)
+    s = cowclip.clip_scale(jnp.array([0.0, 4.0, 4.0]), jnp.array([1.0, 1.0, 0.0]),
+                           jnp.array([1.0, 1.0, 2.0]), 1.0, 0.5)  # fmt: skip
+    np.testing.assert_allclose(s, [1.0, 0.5, 0.5])
+    # The paper's Criteo rule, 1K -> 128K: dense lr 8e-4 -> 90.51e-4, L2 1e-4 -> 128e-4.
+    h = cowclip.scale_hparams(1024, 131072, dense_lr=8e-4, embedding_lr=1e-4, l2=1e-4)
+    assert h["dense_lr"] == pytest.approx(90.51e-4, rel=1e-4)
+    assert h["l2"] == pytest.approx(128e-4) and h["embedding_lr"] == 1e-4
+    assert cowclip.from_config(EmbeddingOptimConfig()) is None
+    with pytest.raises(ValueError, match="cowclip_ratio=-1"):
+        EmbeddingOptimConfig(cowclip_ratio=-1)
