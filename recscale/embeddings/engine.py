@@ -42,6 +42,7 @@ from recscale.embeddings.update import (
     UpdateRule,
     apply_update,
     init_opt_state_for,
+    row_gradient_sq,
 )
 
 __all__ = [
@@ -61,5 +62,6 @@ __all__ = [
     "init_buffers",
     "init_opt_state_for",
     "lookup",
+    "row_gradient_sq",
     "step_context",
 ]

@@ -123,6 +123,22 @@ def apply_update(
     return new_buf, new_state, sq
 
 
+def row_gradient_sq(bl: BufferLayout, keys, grad_pooled) -> jax.Array:
+    """The squared norm of the row gradients that ``keys [S, B, H]`` and the slots' pooled
+    gradients ``[S, B, w]`` give a buffer (repeats combined, as :func:`apply_update` sees
+    them; a column-split row's shards add up to its whole norm), without updating anything."""
+
+    def body(keys_sbh, g_sbw):
+        _, grad = ref.batched_row_gradients(keys_sbh, g_sbw, bl.rows)
+        sq = jnp.sum(jnp.square(grad))
+        return sq if bl.replicated else jax.lax.psum(sq, AXIS)
+
+    if bl.replicated:
+        return body(keys, grad_pooled)
+    return jax.shard_map(body, mesh=sharding.active_mesh(), in_specs=(P(AXIS), P(AXIS)),
+                         out_specs=P(), check_vma=False)(keys, grad_pooled)  # fmt: skip
+
+
 def _full_rows(x_su: jax.Array, cw_s: jax.Array, groups: int) -> jax.Array:
     """Per-row statistics ``[S, U]`` summed over a column-split table's shards (other devices;
     they list their rows in the same order), unchanged for whole rows."""

@@ -110,6 +110,53 @@ def _buffer_path(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
 
+def _split_tables(params: Any, sparse: bool) -> tuple[Any, Any]:
+    """``(engine buffers, the rest)`` of ``params`` (``(None, params)`` on the per-table path,
+    whose tables are differentiated with the dense parameters)."""
+    if sparse:
+        return nnx.split_state(params, EmbeddingTable, ...)
+    return None, params
+
+
+def _gradients(graphdef, emb, dense, batch_stats_in, batch: Batch, dropout_key):
+    """The batch-mean loss and its gradients: ``(loss, new batch statistics, the engine's
+    looked-up keys, gradients of ``dense`` (the per-table path's tables included), gradients of
+    the engine lookups' zero deltas)``; ``emb``: the engine's buffers, or None."""
+
+    def forward(dense_params, deltas):
+        # copy=True: fresh Variables at this trace level, so BatchNorm may update its
+        # statistics.
+        tables = () if emb is None else (emb,)
+        dense_params = sharding.gather_fsdp(dense_params)
+        model = nnx.merge(graphdef, *tables, dense_params, batch_stats_in, copy=True)
+        with engine.step_context(model, deltas) as ctx:
+            logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=dropout_key)
+        return logits_b, model, ctx
+
+    deltas = {}
+    if emb is not None:  # the deltas' shapes: one per buffer of every engine collection
+        shapes = {}
+
+        def discover(dense_params):
+            _, _, ctx = forward(dense_params, None)
+            shapes.update(ctx.shapes)
+            return 0.0
+
+        jax.eval_shape(discover, dense)
+        deltas = {ck: {bk: _zeros(sds) for bk, sds in per.items()}
+                  for ck, per in shapes.items()}  # fmt: skip
+
+    def loss_fn(dense_params, deltas):
+        logits_b, model, ctx = forward(dense_params, deltas)
+        loss = weighted_bce(logits_b, batch.labels_b, batch.weights_b)
+        return loss, (nnx.state(model, nnx.BatchStat), ctx.keys)
+
+    (loss, (batch_stats, keys)), (g_dense, g_delta) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True
+    )(dense, deltas)
+    return loss, batch_stats, keys, g_dense, g_delta
+
+
 def make_train_step(
     graphdef: nnx.GraphDef, tx: optax.GradientTransformation | SparseOptimizer, *,
     nonfinite: str = "skip", embedding_clip: cowclip.CowClip | None = None,
@@ -147,43 +194,11 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         rng, dropout_key = _split_rng(state.rng)
-        if sparse:
-            emb, dense = nnx.split_state(state.params, EmbeddingTable, ...)
-            dense_opt = state.opt_state["dense"]
-        else:
-            emb, dense, dense_opt = None, state.params, state.opt_state
-
-        def forward(dense_params, deltas):
-            # copy=True: fresh Variables at this trace level, so BatchNorm may update its
-            # statistics.
-            tables = () if emb is None else (emb,)
-            dense_params = sharding.gather_fsdp(dense_params)
-            model = nnx.merge(graphdef, *tables, dense_params, state.batch_stats, copy=True)
-            with engine.step_context(model, deltas) as ctx:
-                logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=dropout_key)
-            return logits_b, model, ctx
-
-        deltas = {}
-        if sparse:  # the deltas' shapes: one per buffer of every engine collection
-            shapes = {}
-
-            def discover(dense_params):
-                _, _, ctx = forward(dense_params, None)
-                shapes.update(ctx.shapes)
-                return 0.0
-
-            jax.eval_shape(discover, dense)
-            deltas = {ck: {bk: _zeros(sds) for bk, sds in per.items()}
-                      for ck, per in shapes.items()}  # fmt: skip
-
-        def loss_fn(dense_params, deltas):
-            logits_b, model, ctx = forward(dense_params, deltas)
-            loss = weighted_bce(logits_b, batch.labels_b, batch.weights_b)
-            return loss, (nnx.state(model, nnx.BatchStat), ctx.keys)
-
-        (loss, (batch_stats, keys)), (g_dense, g_delta) = jax.value_and_grad(
-            loss_fn, argnums=(0, 1), has_aux=True
-        )(dense, deltas)
+        emb, dense = _split_tables(state.params, sparse)
+        dense_opt = state.opt_state["dense"] if sparse else state.opt_state
+        loss, batch_stats, keys, g_dense, g_delta = _gradients(
+            graphdef, emb, dense, state.batch_stats, batch, dropout_key
+        )
         g_dense = sharding.constrain_state(g_dense)  # FSDP / TP: into the parameters' shards
         if embedding_clip is not None and not sparse:
             g_dense = _clip_tables(graphdef, dense, state.batch_stats, g_dense,
@@ -266,6 +281,33 @@ def _clip_tables(graphdef, params, batch_stats, grads, ids_bfh, clip: cowclip.Co
             g, w = g_flat[key], w_flat[key]
             g_flat[key] = g.replace(cowclip.clip_table(g[...], w[...], c, clip))
     return nnx.from_flat_state(g_flat)
+
+
+def make_gradient_sq_norms(graphdef: nnx.GraphDef, *, sparse: bool):
+    """``sq_norms(state, batch) -> {"dense": |g|², "embedding": |g|²}``: the squared norms of
+    the batch-mean loss's gradient, the dense parameters and the tables apart (the engine's
+    tables: their row gradients, as its sparse update sees them). Nothing is updated; for the
+    gradient noise scale (``recscale.analysis.noise_scale``)."""
+
+    def sq_norms(state: TrainState, batch: Batch) -> dict:
+        _, dropout_key = _split_rng(state.rng)
+        emb, dense = _split_tables(state.params, sparse)
+        _, _, keys, g_dense, g_delta = _gradients(
+            graphdef, emb, dense, state.batch_stats, batch, dropout_key
+        )
+        parts = {"dense": jnp.zeros((), jnp.float32), "embedding": jnp.zeros((), jnp.float32)}
+        for _, g in nnx.to_flat_state(g_dense):
+            part = "embedding" if isinstance(g, EmbeddingTable) else "dense"
+            parts[part] = parts[part] + jnp.sum(jnp.square(g[...].astype(jnp.float32)))
+        if sparse:
+            model = nnx.merge(graphdef, state.params, state.batch_stats)
+            for ck, coll in engine.engine_collections(model).items():
+                for bl in coll.layout.buffers:
+                    sq = engine.row_gradient_sq(bl, keys[ck][bl.key], g_delta[ck][bl.key])
+                    parts["embedding"] = parts["embedding"] + sq
+        return parts
+
+    return sq_norms
 
 
 def _zeros(sds: jax.ShapeDtypeStruct) -> jax.Array:

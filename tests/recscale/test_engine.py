@@ -424,3 +424,30 @@ def test_cowclip_step_equals_the_numpy_algorithm(kind):
                                    err_msg=t.name)  # fmt: skip
         assert np.array_equal(tables1[t.name][count == 0], w0[count == 0])  # untouched: bitwise
     assert clipped > 0 and kept > 0, (clipped, kept)  # both branches of the rule are exercised
+
+
+@pytest.mark.parametrize("kind", ["row_wise", "column_wise"])
+def test_gradient_norms_for_the_noise_scale_equal_the_per_table_path(kind):
+    """The squared gradient norms the noise scale uses, dense parameters and tables apart: the
+    engine's row gradients on 8 devices give the per-table path's table gradient norm, and
+    micro-batches of the step's batch run through the same function."""
+    from recscale.analysis import noise_scale
+    from recscale.train.steps import make_gradient_sq_norms
+
+    batch = _batches(1, vocab="hot")[0]
+    got = {}
+    for k, n in (("off", 1), (kind, 8)):
+        cfg = _cfg(k, n, opt="sgd")
+        with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
+            _, graphdef, state, _ = _build(cfg, SCHEMA, None)
+            fn = make_gradient_sq_norms(graphdef, sparse=k != "off")
+            got[k] = jax.device_get(jax.jit(
+                lambda s, b, fn=fn: noise_scale.micro_batch_sq_norms(lambda x: fn(s, x), b, 2)
+            )(state, batch))  # fmt: skip
+    for i in (0, 1):  # micro-batches' mean, whole batch
+        for part in ("dense", "embedding"):
+            assert got["off"][i][part] > 0
+            np.testing.assert_allclose(got[kind][i][part], got["off"][i][part], rtol=1e-5)
+    assert (
+        got["off"][0]["embedding"] > got["off"][1]["embedding"]
+    )  # noise: smaller batch, larger norm
