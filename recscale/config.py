@@ -216,6 +216,13 @@ class TrainConfig:
     """Evaluate every N steps (0 = only at the end)."""
     eval_max_batches: int = 0
     """Cap on evaluation batches during training (0 = the whole evaluation set)."""
+    noise_scale_every: int = 0
+    """Measure the gradient noise scale every N steps (0 = never): the step's batch in
+    ``noise_scale_micro_batches`` micro-batches and whole, dense parameters and tables apart
+    (``recscale.analysis.noise_scale``), before the step's update; ``split="noise_scale"``
+    rows in metrics.jsonl. Costs ``noise_scale_micro_batches + 1`` extra gradients."""
+    noise_scale_micro_batches: int = 4
+    """Micro-batches of the noise scale's small-batch gradients (>= 2, dividing the batch)."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
     max_checkpoints: int = 3
@@ -300,7 +307,7 @@ NON_SEMANTIC_FIELDS = frozenset(
     {
         "train.progress", "train.log_every", "train.eval_every", "train.eval_max_batches",
         "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
-        "train.checkpoint_fallback",
+        "train.checkpoint_fallback", "train.noise_scale_every", "train.noise_scale_micro_batches",
         "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",
         "data.tabular.prepared_dir", "data.tabular.workers",
     }

@@ -34,6 +34,7 @@ from data.batch import Batch, Schema
 from data.sources import DataSource, make_source
 from recscale import config as config_lib
 from recscale import optim, sharding
+from recscale.analysis import noise_scale
 from recscale.embeddings import EmbeddingTable, engine, relayout
 from recscale.metrics import EvalAccumulator
 from recscale.train.checkpoint import Checkpointer
@@ -42,6 +43,7 @@ from recscale.train.steps import (
     TrainState,
     initial_rng,
     make_eval_step,
+    make_gradient_sq_norms,
     make_train_step,
 )
 from recscale.train.timing import PhaseTimer
@@ -82,6 +84,7 @@ _PROGRAM_FREE_FIELDS = (
     "embedding_optim.learning_rate", "embedding_optim.warmup_steps", "train.log_every",
     "train.eval_every", "train.eval_max_batches", "train.checkpoint_every",
     "train.max_checkpoints", "train.progress", "train.async_checkpoint",
+    "train.noise_scale_every", "train.noise_scale_micro_batches",
 )  # fmt: skip
 
 
@@ -752,6 +755,18 @@ class _TrainRun:
             ),
         )
         self.schedule_args = jax.device_put(schedule_args(cfg), sharding.replicated())
+        self.noise = None
+        if self.tcfg.noise_scale_every:
+            k, batch = self.tcfg.noise_scale_micro_batches, cfg.data.batch_size
+            if k < 2 or batch % k:
+                raise ValueError(f"train.noise_scale_micro_batches={k}: must be >= 2 and "
+                                 f"divide data.batch_size={batch}")  # fmt: skip
+            sq = make_gradient_sq_norms(graphdef, sparse=engine.EngineSpec.from_config(cfg)
+                                        is not None)  # fmt: skip
+            self.noise = noise_scale.NoiseScale()
+            self._measure = jax.jit(
+                lambda s, b: noise_scale.micro_batch_sq_norms(lambda x: sq(s, x), b, k)
+            )
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -880,6 +895,9 @@ class _TrainRun:
                 # Here, not on the prefetch threads: measured, the copy there slowed the loop
                 # (DLRM d4 of the showcase, 1,017 steps: 8.2-8.4 s here, 8.7-9.4 s there).
                 batch = self.exp.device_batch(host_batch)
+            if self.noise is not None and step % tcfg.noise_scale_every == 0:
+                with timer.phase("analysis"):
+                    self._noise_scale(step, batch)
             with timer.phase("train"):
                 self.state, metrics = self._train_step(self.state, batch, self.schedule_args)
                 self.pending.append((step, metrics))
@@ -936,6 +954,14 @@ class _TrainRun:
                       file=sys.stderr)  # fmt: skip
                 return None
         return None
+
+    def _noise_scale(self, step: int, batch: Batch) -> None:
+        """One noise-scale measurement on this step's batch and state (before its update)."""
+        small, big = jax.device_get(self._measure(self.state, batch))
+        k, b = self.tcfg.noise_scale_micro_batches, self.cfg.data.batch_size
+        out = self.noise.update(small, big, b / k, b)
+        self.writer.write({"step": step, "split": "noise_scale",
+                           **{f"noise_scale/{p}": v for p, v in out.items()}})  # fmt: skip
 
     def _early_stopping(self, done: int, ev: dict) -> None:
         """Records an evaluation; a new best is saved to ``checkpoints_best/`` at once."""

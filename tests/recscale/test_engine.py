@@ -335,7 +335,7 @@ def test_trainer_resumes_and_evaluates_with_the_engine(tmp_path, capsys):
     cfg = dataclasses.replace(
         cfg,
         train=dataclasses.replace(cfg.train, num_steps=6, checkpoint_every=3, log_every=3,
-                                  progress=False),
+                                  progress=False, noise_scale_every=3),
         mesh=dataclasses.replace(cfg.mesh, data_parallel=8),
         embeddings=EmbeddingShardingConfig(sharding="row_wise"),
     )  # fmt: skip
@@ -353,7 +353,15 @@ def test_trainer_resumes_and_evaluates_with_the_engine(tmp_path, capsys):
     resumed = train(cfg, build_model, tmp_path / "resumed")
     assert "restored checkpoint step 3" in capsys.readouterr().err
     assert resumed == full  # resume is exact
-    assert {"dense_param_norm", "grad_norm", "update_norm"} <= set(rows[0])
+    assert {"dense_param_norm", "grad_norm", "update_norm"} <= set(
+        next(r for r in rows if r["split"] == "train")
+    )
+    # The gradient noise scale, measured before steps 1 and 4 (it changes nothing: the
+    # resumed run, whose measurements restart, ends in the same state).
+    noise = [r for r in rows if r["split"] == "noise_scale"]
+    assert [r["step"] for r in noise] == [0, 3]
+    for r in noise:
+        assert r["noise_scale/dense/trace"] > 0 and r["noise_scale/embedding/trace"] > 0, r
     capsys.readouterr()
     got = dlrm_evaluate.main(["--workdir", str(tmp_path / "full")])
     for key in ("auc", "logloss", "num_examples", "step"):
