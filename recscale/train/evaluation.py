@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 
 from recscale import config as config_lib
 from recscale import sharding
-from recscale.embeddings import engine, relayout
+from recscale.analysis import curvature
+from recscale.embeddings import EmbeddingTable, engine, relayout
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.loop import BEST_DIR, BuildModel, Experiment
+from recscale.train.steps import weighted_bce
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +41,22 @@ class EvalArgs:
     """Also write the metrics JSON object to this file."""
     num_devices: int = 0
     """Devices to evaluate on (0: as many as divide the eval batch)."""
+    curvature: bool = False
+    """Also measure the curvature of the training loss at the checkpoint, with respect to the
+    dense parameters (tables fixed; ``recscale.analysis.curvature``): the Hessian's top
+    eigenvalues and its smallest (Lanczos) and Keskar's ε-sharpness, on the first
+    ``curvature_batches`` training batches in evaluation mode. The JSON adds ``curvature``,
+    also written to ``DIR/curvature.json``."""
+    curvature_batches: int = 4
+    """Training batches the curvature's loss averages over."""
+    curvature_top_k: int = 5
+    """Top Hessian eigenvalues to report."""
+    curvature_iters: int = 40
+    """Lanczos steps (Hessian-vector products)."""
+    curvature_epsilon: tuple[float, ...] = (1e-3, 5e-4)
+    """Box sizes ε of the ε-sharpness (Keskar et al. report 1e-3 and 5e-4)."""
+    curvature_ascent_steps: int = 20
+    """Projected ascent steps of each ε-sharpness maximisation."""
     embeddings_int8: bool = False
     """Quantize the embedding tables to int8 row-wise (FBGEMM's format: per-row scale and
     bias) and evaluate with the fused dequantize-and-pool lookup (inference serving's tables:
@@ -75,6 +94,8 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     # Evaluate on this machine's devices, whatever mesh the run trained on (checkpoints restore
     # onto any mesh; the engine's buffers are re-laid out): as many as divide the eval batch.
     n = args.num_devices or math.gcd(cfg.data.eval_batch_size, jax.device_count())
+    if args.curvature and not args.num_devices:  # training batches too
+        n = math.gcd(n, cfg.data.batch_size)
     spec = engine.EngineSpec.from_config(cfg)
     # Data parallel only: evaluation holds no optimizer state, and checkpoints reshard.
     mesh_cfg = dataclasses.replace(cfg.mesh, data_parallel=n, model_parallel=1)
@@ -85,7 +106,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
             build_model,
             eval_path=args.data_path,
             with_optimizer=False,
-            eval_only=True,
+            eval_only=not args.curvature,
             workdir=str(workdir),
         )
         abstract = exp.abstract_state
@@ -113,8 +134,14 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
             graphdef, params, batch_stats = quantize_embeddings_int8(exp.graphdef, params,
                                                                      batch_stats)  # fmt: skip
         metrics = exp.evaluate(params, batch_stats, graphdef=graphdef)
+        curv = _curvature(exp, params, batch_stats, args) if args.curvature else None
     ckpt.close()
     result: dict[str, Any] = {**metrics, "step": int(meta.get("step", step))}
+    if curv is not None:
+        result["curvature"] = curv
+        if jax.process_index() == 0:
+            (workdir / "curvature.json").write_text(json_line({**curv, "step": result["step"]})
+                                                    + "\n")  # fmt: skip
     if args.embeddings_int8:
         result["embeddings"] = "int8"
     result["data_path"] = args.data_path or cfg.data.eval_path or f"synthetic:{cfg.data.kind}"
@@ -125,6 +152,35 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json_line(result) + "\n")
     return result
+
+
+def _curvature(exp: Experiment, params, batch_stats, args: EvalArgs) -> dict:
+    """The curvature of the training loss at ``params`` with respect to the dense parameters
+    (tables fixed), on the first ``args.curvature_batches`` training batches."""
+    if args.curvature_batches < 1:
+        raise ValueError(f"curvature_batches={args.curvature_batches}: must be >= 1")
+    tables, dense = nnx.split_state(params, EmbeddingTable, ...)
+    batches = [exp.device_batch(exp.source.train_batch(i)) for i in range(args.curvature_batches)]
+    graphdef = exp.graphdef
+
+    def loss(dense, batches):
+        total = 0.0
+        for b in batches:
+            logits = nnx.merge(graphdef, tables, dense, batch_stats)(b.dense_bn, b.ids_bfh)
+            total = total + weighted_bce(logits, b.labels_b, b.weights_b)
+        return total / len(batches)
+
+    out = curvature.hessian_extremes(loss, dense, batches, top_k=args.curvature_top_k,
+                                     iters=args.curvature_iters)  # fmt: skip
+    out["sharpness"] = [
+        curvature.epsilon_sharpness(
+            loss, dense, batches, epsilon=e, steps=args.curvature_ascent_steps
+        )  # fmt: skip
+        for e in args.curvature_epsilon
+    ]
+    out["batches"] = args.curvature_batches
+    out["examples"] = sum(int(b.labels_b.shape[0]) for b in batches)
+    return out
 
 
 def quantize_embeddings_int8(graphdef, params, batch_stats):

@@ -373,6 +373,28 @@ def test_trainer_resumes_and_evaluates_with_the_engine(tmp_path, capsys):
         # bags of up to 3 ids are summed across row shards in another order: float32 rounding
         np.testing.assert_allclose(other["logloss"], full["logloss"], rtol=1e-6)
         np.testing.assert_allclose(other["auc"], full["auc"], rtol=1e-6)
+    # The curvature of the training loss at the checkpoint (dense parameters, tables fixed).
+    curv = dlrm_evaluate.main(
+        [
+            "--workdir",
+            str(tmp_path / "full"),
+            "--curvature",
+            "--curvature-iters",
+            "8",
+            "--curvature-batches",
+            "1",
+            "--curvature-epsilon",
+            "1e-3",
+            "--curvature-ascent-steps",
+            "3",
+        ]
+    )
+    c = curv["curvature"]
+    saved = json.loads((tmp_path / "full" / "curvature.json").read_text())
+    assert saved["step"] == 6 and saved["top"] == c["top"]
+    assert c["top"] == sorted(c["top"], reverse=True) and c["top"][0] > 0
+    assert c["min"] <= c["top"][-1] and c["dim"] > 0
+    assert c["sharpness"][0]["max_loss"] >= c["sharpness"][0]["loss"]
     # int8 inference on the engine's (re-laid-out) buffers: close to float32, not equal.
     int8 = dlrm_evaluate.main(["--workdir", str(tmp_path / "full"), "--num-devices", "2",
                                "--embeddings-int8"])  # fmt: skip
