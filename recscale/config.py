@@ -30,8 +30,10 @@ T = TypeVar("T")
 class DenseOptimConfig:
     """Optimizer of the dense (MLP) parameters, built with optax."""
 
-    name: Literal["adam", "adamw", "sgd", "adagrad", "lamb", "lars"] = "adam"
-    """Optimizer family."""
+    name: Literal["adam", "adamw", "sgd", "adagrad", "lamb", "lars", "hessian_free"] = "adam"
+    """Optimizer family. ``hessian_free``: truncated Newton with Steihaug-CG in a trust region
+    (``recscale.optim.hessian_free``; the learning rate scales its step, 1.0 is Newton's; it
+    needs the embedding engine, whose tables keep their sparse optimizer)."""
     learning_rate: float = 1e-3
     """Peak learning rate."""
     warmup_steps: int = 0
@@ -50,6 +52,12 @@ class DenseOptimConfig:
     """Numerical epsilon."""
     grad_clip_norm: float = 0.0
     """Clip the dense gradients' global norm to this (0 = off)."""
+    hf_cg_iters: int = 20
+    """hessian_free: CG iterations (Hessian-vector products) per step, at most."""
+    hf_damping: float = 1e-4
+    """hessian_free: Tikhonov damping λ of the curvature products (H + λI)."""
+    hf_radius: float = 1.0
+    """hessian_free: the trust region's initial radius (then adapted)."""
 
     def __post_init__(self):
         if self.learning_rate <= 0:

@@ -492,6 +492,9 @@ _ADDED_AT_DEFAULT: dict[str, Any] = {
     "mesh.fsdp": False,
     "mesh.fsdp_min_bytes": 1 << 20,
     "embedding_optim.row_l2": 0.0,
+    "dense_optim.hf_cg_iters": 20,
+    "dense_optim.hf_damping": 1e-4,
+    "dense_optim.hf_radius": 1.0,
     "embedding_optim.cowclip_ratio": 0.0,
     "embedding_optim.cowclip_min_norm": 1e-5,
 }

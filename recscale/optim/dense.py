@@ -9,6 +9,7 @@ import jax
 import optax
 
 from recscale.config import DenseOptimConfig
+from recscale.optim.hessian_free import hessian_free
 from recscale.optim.schedules import config_schedule
 
 __all__ = ["default_decay_mask", "dense_optimizer", "dense_schedule"]
@@ -121,6 +122,14 @@ def dense_optimizer(
             eps=cfg.eps,
             momentum=cfg.b1,
         )
+    elif cfg.name == "hessian_free":
+        if cfg.grad_clip_norm > 0 or cfg.warmup_steps or cfg.decay != "constant":
+            raise ValueError("dense_optim.name=hessian_free: its trust region sets the step; "
+                             "grad_clip_norm, warmup_steps and decay are not applied")  # fmt: skip
+        tx = hessian_free(
+            cfg.learning_rate if peak is None else peak, cg_iters=cfg.hf_cg_iters,
+            damping=cfg.hf_damping, initial_radius=cfg.hf_radius,
+        )  # fmt: skip
     else:
         raise ValueError(f"unknown dense optimizer {cfg.name!r}")
     if cfg.grad_clip_norm > 0:

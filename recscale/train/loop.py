@@ -139,6 +139,7 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
         cfg.dense_optim, steps, peak=a.get("dense_lr"), warmup_steps=a.get("dense_warmup")
     )
     e = cfg.embedding_optim
+    hf = cfg.dense_optim.name == "hessian_free"
     if engine.EngineSpec.from_config(cfg) is not None:
         return SparseOptimizer(
             dense=dense,
@@ -147,6 +148,13 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
             ),
             rule=engine.UpdateRule(e.name, eps=e.eps, clip=optim.cowclip.from_config(e)),
             initial_accumulator=e.initial_accumulator,
+            dense_needs_loss=hf,
+        )
+    if hf:
+        raise ValueError(
+            "dense_optim.name=hessian_free needs the embedding engine (embeddings.sharding "
+            "other than off): its curvature products hold the engine's lookups fixed while the "
+            "tables keep their sparse optimizer"
         )
     return optim.combine(
         dense,

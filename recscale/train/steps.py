@@ -20,6 +20,7 @@ from recscale import sharding
 from recscale.embeddings import EmbeddingTable, engine
 from recscale.embeddings.collection import EmbeddingCollection
 from recscale.optim import cowclip
+from recscale.optim.hessian_free import HessianFreeState
 
 
 @struct.dataclass
@@ -95,6 +96,8 @@ class SparseOptimizer:
     embedding_lr: optax.Schedule
     rule: engine.UpdateRule
     initial_accumulator: float = 0.0
+    dense_needs_loss: bool = False
+    """``dense`` takes ``value_fn=`` the step's loss of the dense parameters (Hessian-free)."""
 
     def init(self, params: Any) -> dict:
         emb, dense = nnx.split_state(params, EmbeddingTable, ...)
@@ -154,7 +157,7 @@ def _gradients(graphdef, emb, dense, batch_stats_in, batch: Batch, dropout_key):
     (loss, (batch_stats, keys)), (g_dense, g_delta) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True
     )(dense, deltas)
-    return loss, batch_stats, keys, g_dense, g_delta
+    return loss, batch_stats, keys, g_dense, g_delta, lambda d: loss_fn(d, deltas)[0]
 
 
 def make_train_step(
@@ -196,7 +199,7 @@ def make_train_step(
         rng, dropout_key = _split_rng(state.rng)
         emb, dense = _split_tables(state.params, sparse)
         dense_opt = state.opt_state["dense"] if sparse else state.opt_state
-        loss, batch_stats, keys, g_dense, g_delta = _gradients(
+        loss, batch_stats, keys, g_dense, g_delta, value_fn = _gradients(
             graphdef, emb, dense, state.batch_stats, batch, dropout_key
         )
         g_dense = sharding.constrain_state(g_dense)  # FSDP / TP: into the parameters' shards
@@ -205,13 +208,25 @@ def make_train_step(
                                    batch.ids_bfh, embedding_clip)  # fmt: skip
         ok = jnp.isfinite(loss) & _all_finite(g_dense, g_delta)
         skip = nonfinite != "ignore"
-        updates, new_opt = dense_tx.update(g_dense, dense_opt, dense)
+        if sparse and tx.dense_needs_loss:
+            updates, new_opt = dense_tx.update(g_dense, dense_opt, dense, value_fn=value_fn)
+        else:
+            updates, new_opt = dense_tx.update(g_dense, dense_opt, dense)
         new_dense = optax.apply_updates(dense, updates)
         if skip:
             new_dense, new_opt, batch_stats = _keep_if(
                 ok, (new_dense, new_opt, batch_stats), (dense, dense_opt, state.batch_stats)
             )
         metrics = {"loss": loss, "nonfinite": 1.0 - ok.astype(jnp.float32)}
+        for s in jax.tree.leaves(new_opt, is_leaf=lambda x: isinstance(x, HessianFreeState)):
+            if isinstance(s, HessianFreeState):  # the trust region's own account of the step
+                metrics.update(
+                    hf_radius=s.radius,
+                    hf_accepted=s.accepted,
+                    hf_ratio=s.ratio,
+                    hf_cg_iters=s.cg_iters.astype(jnp.float32),
+                    hf_negative_curvature=s.negative_curvature.astype(jnp.float32),
+                )
         if not sparse:
             metrics.update(grad_norm=_norm(g_dense), update_norm=_norm(updates),
                            param_norm=_norm(new_dense))  # fmt: skip
@@ -292,7 +307,7 @@ def make_gradient_sq_norms(graphdef: nnx.GraphDef, *, sparse: bool):
     def sq_norms(state: TrainState, batch: Batch) -> dict:
         _, dropout_key = _split_rng(state.rng)
         emb, dense = _split_tables(state.params, sparse)
-        _, _, keys, g_dense, g_delta = _gradients(
+        _, _, keys, g_dense, g_delta, _ = _gradients(
             graphdef, emb, dense, state.batch_stats, batch, dropout_key
         )
         parts = {"dense": jnp.zeros((), jnp.float32), "embedding": jnp.zeros((), jnp.float32)}
