@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -138,6 +139,14 @@ class BatchRule:
         return 1.0 if optimizer in ("sgd", "lars") else 0.5
 
 
+LR_RULES = ("none", "sqrt", "linear", "cowclip")
+"""Learning-rate recipes of a batch-size sweep (``SweepSpec.lr_rules``), from the base preset's
+rates at its batch ``B_base`` to a batch ``B`` (``s = B / B_base``): ``none`` keeps both rates;
+``sqrt`` multiplies both by ``sqrt(s)``, ``linear`` by ``s``; ``cowclip`` is CowClip's recipe
+(Zheng et al. 2023; ``recscale.optim.cowclip``): the dense rate times ``sqrt(s)``, the tables'
+rate unchanged, their gradients clipped by CowClip and their touched-row L2 times ``s``."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FamilySpec:
     """One model family of a sweep."""
@@ -190,6 +199,19 @@ class SweepSpec:
     batch_size: int = 0
     """Global batch of every trial (0 = each base preset's own)."""
     batch_rule: BatchRule = BatchRule()
+    batch_sizes: tuple[int, ...] = ()
+    """A batch-size sweep: every (family, budget, rung, seed) runs at each of these global
+    batches, with ``budget / FLOPs per example`` examples whatever the batch (so fewer steps
+    for larger batches), its learning rates set by each of ``lr_rules`` times each of
+    ``lr_multipliers``. Empty: one batch (``batch_size``), rates by ``batch_rule``."""
+    lr_rules: tuple[str, ...] = ()
+    """Recipes of a batch-size sweep (``LR_RULES``); empty: ``batch_rule``."""
+    lr_multipliers: tuple[float, ...] = (1.0,)
+    """A small learning-rate search around each recipe: both rates times each multiplier."""
+    cowclip_ratio: float = 1.0
+    """The ``cowclip`` recipe's clipping ratio ``r`` (ζ is the base preset's)."""
+    cowclip_row_l2: float = 0.0
+    """The ``cowclip`` recipe's touched-row L2 at the base batch (times ``s`` at batch B)."""
     steps_per_trial: int = 0
     """Nonzero: every trial runs this many steps whatever its size, and ``budgets`` (one,
     conventionally) only name the run: a fixed-data study of quality against model size, where
@@ -232,6 +254,15 @@ class SweepSpec:
             raise ValueError(f"budgets must be positive and finite, got {self.budgets}")
         if list(self.budgets) != sorted(set(self.budgets)):
             raise ValueError(f"budgets must be strictly increasing, got {self.budgets}")
+        for rule in self.lr_rules:
+            if rule not in LR_RULES:
+                raise ValueError(f"lr_rules: unknown recipe {rule!r}; known: {LR_RULES}")
+        if any(b < 1 for b in self.batch_sizes) or len(set(self.batch_sizes)) != len(
+            self.batch_sizes
+        ):
+            raise ValueError(f"batch_sizes must be distinct and >= 1, got {self.batch_sizes}")
+        if not self.lr_multipliers or any(not m > 0 for m in self.lr_multipliers):
+            raise ValueError(f"lr_multipliers must be > 0, got {self.lr_multipliers}")
         for fam in self.families:
             if not fam.ladder:
                 raise ValueError(f"family {fam.family}: empty ladder")
@@ -266,6 +297,9 @@ class Trial:
     batch_size: int
     params_dense: int
     params_sparse: int
+    lr_rule: str = ""
+    """A batch-size sweep's learning-rate recipe (``LR_RULES``); empty: ``batch_rule``."""
+    lr_multiplier: float = 1.0
 
     @property
     def compute(self) -> float:
@@ -317,6 +351,8 @@ def resolve(spec: SweepSpec) -> Resolution:
             # devices per host), not for the backend's default profile.
             base = dataclasses.replace(base, embeddings=dataclasses.replace(
                 base.embeddings, profile=hw.profile, host_size=hw.devices_per_host))  # fmt: skip
+        batches = spec.batch_sizes or (batch,)
+        recipes = [(r, m) for r in spec.lr_rules for m in spec.lr_multipliers] or [("", 1.0)]
         data = dataclasses.replace(data, batch_size=batch)
         data_fp = data_fingerprint(data)
         fingerprints[fam.family] = data_fp
@@ -348,32 +384,38 @@ def resolve(spec: SweepSpec) -> Resolution:
                 rung = fam.ladder[ri]
                 model, rung_data, cost = rungs[ri]
                 fpe = float(cost.train_flops)
-                steps = spec.steps_per_trial or round(budget / fpe / batch)
-                where = f"{fam.family} budget {budget:.3g} rung {rung.name}"
-                if steps < spec.min_steps:
-                    skipped.append(f"{where}: {steps} steps < min_steps={spec.min_steps}")
-                    continue
-                if spec.max_steps and steps > spec.max_steps:
-                    skipped.append(f"{where}: {steps} steps > max_steps={spec.max_steps}")
-                    continue
-                for seed in spec.seeds:
-                    cfg = _trial_config(spec, base, model, rung_data, steps, seed, base_batch)
-                    cfg = _override(cfg, rung.overrides, fam.family)
-                    cdict = config_lib.to_dict(cfg)
-                    tid = trial_id(fam.family, cdict, code_version, data_fp)
-                    if tid in seen:  # two budgets rounding to the same run: one trial
-                        skipped.append(f"{where} seed {seed}: same run as {seen[tid].rung} "
-                                       f"at budget {seen[tid].budget:.3g}")  # fmt: skip
+                for b, (rule, mult) in itertools.product(batches, recipes):
+                    steps = spec.steps_per_trial or round(budget / fpe / b)
+                    where = f"{fam.family} budget {budget:.3g} rung {rung.name}"
+                    if spec.batch_sizes:
+                        where += f" batch {b}"
+                    if steps < spec.min_steps:
+                        skipped.append(f"{where}: {steps} steps < min_steps={spec.min_steps}")
                         continue
-                    t = Trial(
-                        trial_id=tid, family=fam.family, package=fam.package, rung=rung.name,
-                        rung_index=ri, budget=float(budget), seed=seed, config=cdict,
-                        flops_per_example=fpe, examples=steps * batch, steps=steps,
-                        batch_size=batch, params_dense=int(cost.dense_params),
-                        params_sparse=int(cost.sparse_params),
-                    )  # fmt: skip
-                    seen[tid] = t
-                    trials.append(t)
+                    if spec.max_steps and steps > spec.max_steps:
+                        skipped.append(f"{where}: {steps} steps > max_steps={spec.max_steps}")
+                        continue
+                    b_data = dataclasses.replace(rung_data, batch_size=b)
+                    for seed in spec.seeds:
+                        cfg = _trial_config(spec, base, model, b_data, steps, seed, base_batch,
+                                            rule, mult)  # fmt: skip
+                        cfg = _override(cfg, rung.overrides, fam.family)
+                        cdict = config_lib.to_dict(cfg)
+                        tid = trial_id(fam.family, cdict, code_version, data_fp)
+                        if tid in seen:  # two budgets rounding to the same run: one trial
+                            skipped.append(f"{where} seed {seed}: same run as {seen[tid].rung} "
+                                           f"at budget {seen[tid].budget:.3g}")  # fmt: skip
+                            continue
+                        t = Trial(
+                            trial_id=tid, family=fam.family, package=fam.package,
+                            rung=rung.name, rung_index=ri, budget=float(budget), seed=seed,
+                            config=cdict, flops_per_example=fpe, examples=steps * b,
+                            steps=steps, batch_size=b, params_dense=int(cost.dense_params),
+                            params_sparse=int(cost.sparse_params), lr_rule=rule,
+                            lr_multiplier=mult,
+                        )  # fmt: skip
+                        seen[tid] = t
+                        trials.append(t)
     return Resolution(tuple(trials), tuple(skipped), code_version, fingerprints)
 
 
@@ -406,13 +448,20 @@ def _override(cfg: Any, overrides: dict[str, Any], family: str) -> Any:
     return config_lib.from_dict(type(cfg), d, path=f"{family} overrides")
 
 
-def _trial_config(spec, base, model, data, steps, seed, base_batch):
+def _trial_config(spec, base, model, data, steps, seed, base_batch, lr_rule="", lr_mult=1.0):
     rule = spec.batch_rule
     ratio = data.batch_size / base_batch
     dpow = rule.dense_power if rule.dense_power is not None else rule.default_power(
         base.dense_optim.name)  # fmt: skip
     epow = rule.embedding_power if rule.embedding_power is not None else rule.default_power(
         base.embedding_optim.name)  # fmt: skip
+    emb = base.embedding_optim
+    if lr_rule:  # a batch-size sweep's recipe (LR_RULES)
+        dpow, epow = {"none": (0.0, 0.0), "sqrt": (0.5, 0.5), "linear": (1.0, 1.0),
+                      "cowclip": (0.5, 0.0)}[lr_rule]  # fmt: skip
+        if lr_rule == "cowclip":
+            emb = dataclasses.replace(emb, cowclip_ratio=spec.cowclip_ratio,
+                                      row_l2=spec.cowclip_row_l2 * ratio)  # fmt: skip
     warmup = round(rule.warmup_fraction * steps)
     evals = max(spec.evals_per_trial, 1)
     ckpts = max(spec.checkpoints_per_trial, 1)
@@ -422,12 +471,12 @@ def _trial_config(spec, base, model, data, steps, seed, base_batch):
         data=data,
         dense_optim=dataclasses.replace(
             base.dense_optim,
-            learning_rate=base.dense_optim.learning_rate * ratio**dpow,
+            learning_rate=base.dense_optim.learning_rate * ratio**dpow * lr_mult,
             warmup_steps=warmup,
         ),
         embedding_optim=dataclasses.replace(
-            base.embedding_optim,
-            learning_rate=base.embedding_optim.learning_rate * ratio**epow,
+            emb,
+            learning_rate=emb.learning_rate * ratio**epow * lr_mult,
             warmup_steps=warmup,
         ),
         train=dataclasses.replace(
