@@ -154,15 +154,20 @@ def print_plan(spec: SweepSpec, res: Resolution, store: SweepStore) -> None:
 
     rows = {r["trial_id"]: r for r in store.results()}
     table = Table(title=f"sweep {spec.name} ({len(res.trials)} trials, code {res.code_version})")
-    for col in ("trial", "family", "rung", "budget", "FLOPs/ex", "steps", "examples", "lr",
-                "dense params", "status"):  # fmt: skip
+    batch_sweep = bool(spec.batch_sizes or spec.lr_rules)
+    cols = ["trial", "family", "rung", "budget", "FLOPs/ex", "steps", "examples", "lr",
+            "dense params", "status"]  # fmt: skip
+    if batch_sweep:
+        cols[5:5] = ["batch", "recipe"]
+    for col in cols:
         table.add_column(col, justify="left" if col in ("trial", "family", "rung") else "right")
     for t in res.trials:
-        table.add_row(
-            t.trial_id, t.family, t.rung, f"{t.budget:.3g}", f"{t.flops_per_example:.3g}",
-            str(t.steps), f"{t.examples:,}", f"{t.config['dense_optim']['learning_rate']:.3g}",
-            f"{t.params_dense:,}", store.status(t.trial_id, rows),
-        )  # fmt: skip
+        cells = [t.trial_id, t.family, t.rung, f"{t.budget:.3g}", f"{t.flops_per_example:.3g}",
+                 str(t.steps), f"{t.examples:,}", f"{t.config['dense_optim']['learning_rate']:.3g}",
+                 f"{t.params_dense:,}", store.status(t.trial_id, rows)]  # fmt: skip
+        if batch_sweep:
+            cells[5:5] = [f"{t.batch_size:,}", f"{t.lr_rule} x{t.lr_multiplier:g}"]
+        table.add_row(*cells)
     console = Console(width=160)
     console.print(table)
     for s in res.skipped:

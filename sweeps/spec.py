@@ -212,6 +212,12 @@ class SweepSpec:
     """The ``cowclip`` recipe's clipping ratio ``r`` (ζ is the base preset's)."""
     cowclip_row_l2: float = 0.0
     """The ``cowclip`` recipe's touched-row L2 at the base batch (times ``s`` at batch B)."""
+    examples_per_trial: int = 0
+    """Nonzero: every trial trains on this many examples (``round(examples / batch)`` steps),
+    whatever its batch and size; ``budgets`` (one, conventionally) only name the run. For
+    batch-size sweeps at fixed data."""
+    noise_scales_per_trial: int = 0
+    """Gradient noise-scale measurements per trial (``train.noise_scale_every``; 0 = none)."""
     steps_per_trial: int = 0
     """Nonzero: every trial runs this many steps whatever its size, and ``budgets`` (one,
     conventionally) only name the run: a fixed-data study of quality against model size, where
@@ -300,6 +306,9 @@ class Trial:
     lr_rule: str = ""
     """A batch-size sweep's learning-rate recipe (``LR_RULES``); empty: ``batch_rule``."""
     lr_multiplier: float = 1.0
+    also: tuple[tuple[str, float], ...] = ()
+    """Other ``(lr_rule, lr_multiplier)`` pairs that resolve to this same run (at the base
+    batch ``none``, ``sqrt`` and ``linear`` coincide): one trial serves them all."""
 
     @property
     def compute(self) -> float:
@@ -385,7 +394,9 @@ def resolve(spec: SweepSpec) -> Resolution:
                 model, rung_data, cost = rungs[ri]
                 fpe = float(cost.train_flops)
                 for b, (rule, mult) in itertools.product(batches, recipes):
-                    steps = spec.steps_per_trial or round(budget / fpe / b)
+                    steps = spec.steps_per_trial or round(
+                        (spec.examples_per_trial or budget / fpe) / b
+                    )
                     where = f"{fam.family} budget {budget:.3g} rung {rung.name}"
                     if spec.batch_sizes:
                         where += f" batch {b}"
@@ -402,6 +413,12 @@ def resolve(spec: SweepSpec) -> Resolution:
                         cfg = _override(cfg, rung.overrides, fam.family)
                         cdict = config_lib.to_dict(cfg)
                         tid = trial_id(fam.family, cdict, code_version, data_fp)
+                        if tid in seen and rule:  # recipes that coincide (at the base batch)
+                            i = trials.index(seen[tid])
+                            seen[tid] = trials[i] = dataclasses.replace(
+                                trials[i], also=(*trials[i].also, (rule, mult))
+                            )
+                            continue
                         if tid in seen:  # two budgets rounding to the same run: one trial
                             skipped.append(f"{where} seed {seed}: same run as {seen[tid].rung} "
                                            f"at budget {seen[tid].budget:.3g}")  # fmt: skip
@@ -488,6 +505,9 @@ def _trial_config(spec, base, model, data, steps, seed, base_batch, lr_rule="", 
             checkpoint_every=max(steps // ckpts, 1),
             log_every=max(min(steps // 20, 100), 1),
             progress=False,
+            noise_scale_every=(
+                max(steps // spec.noise_scales_per_trial, 1) if spec.noise_scales_per_trial else 0
+            ),
         ),
     )
 
