@@ -97,3 +97,14 @@ def test_analysis_of_a_sweep_directory(tmp_path):
     (ns,) = out["noise_scale"]
     assert ns["batch"] == 64 and ns["b_simple_dense"] == pytest.approx(4.0)  # steps >= 50
     assert ns["b_simple_embedding"] == pytest.approx(40.0)
+
+
+def test_the_large_batch_spec_resolves_every_recipe_point():
+    from sweeps.specs import large_batch
+
+    trials = resolve(large_batch.SPEC).trials
+    served = {(t.family, t.rung, t.batch_size, r, m) for t in trials
+              for r, m in ((t.lr_rule, t.lr_multiplier), *t.also)}  # fmt: skip
+    assert len(served) == 2 * 3 * 7 * 4 * 3
+    assert {t.examples for t in trials} == {1 << 24}
+    assert {t.batch_size for t in trials} == {1 << k for k in range(10, 17)}
