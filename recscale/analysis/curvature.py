@@ -43,33 +43,31 @@ def hvp(loss: Callable[[Any], jax.Array], params: Any, v: Any) -> Any:
 def lanczos(matvec: Callable[[jax.Array], jax.Array], v0: jax.Array, iters: int
             ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """``iters`` steps of Lanczos on the symmetric operator ``matvec`` from ``v0``, with full
-    reorthogonalisation (float64 on the host for the small tridiagonal, the vectors on device).
-    Returns the Ritz values (ascending) and the tridiagonal's ``(alpha, beta)`` stacked."""
+    reorthogonalisation. The products run on the device; the Krylov basis, the
+    reorthogonalisation and the small tridiagonal stay on the host in float64 (one shape
+    throughout: nothing recompiles as the basis grows). Returns the Ritz values (ascending)
+    and the tridiagonal's ``(alpha, beta)`` stacked."""
     n = v0.shape[0]
     iters = min(iters, n)
-    q = v0 / jnp.linalg.norm(v0)
-    basis = [q]
+    basis = np.zeros((iters, n))
+    q = np.asarray(v0, np.float64)
+    q /= np.linalg.norm(q)
     alphas, betas = [], []
     for j in range(iters):
-        w = matvec(q)
-        alpha = jnp.vdot(q, w)
-        alphas.append(float(alpha))
+        basis[j] = q
+        w = np.asarray(matvec(jnp.asarray(q, v0.dtype)), np.float64)
+        alphas.append(float(q @ w))
         # Full reorthogonalisation against every earlier vector (twice: "twice is enough").
-        qs = jnp.stack(basis)
         for _ in range(2):
-            w = w - qs.T @ (qs @ w)
-        beta = float(jnp.linalg.norm(w))
+            w -= basis[: j + 1].T @ (basis[: j + 1] @ w)
+        beta = float(np.linalg.norm(w))
         if j == iters - 1 or beta < 1e-10 * max(1.0, abs(alphas[-1])):
             break
         betas.append(beta)
         q = w / beta
-        basis.append(q)
-    t = (
-        np.diag(alphas)
-        + np.diag(betas[: len(alphas) - 1], 1)
-        + np.diag(betas[: len(alphas) - 1], -1)
-    )
-    return np.linalg.eigvalsh(t), np.array([alphas, betas + [0.0] * (len(alphas) - len(betas))])
+    k = len(alphas)
+    t = np.diag(alphas) + np.diag(betas[: k - 1], 1) + np.diag(betas[: k - 1], -1)
+    return np.linalg.eigvalsh(t), np.array([alphas, betas[:k] + [0.0] * (k - len(betas[:k]))])
 
 
 def hessian_extremes(loss: Callable[..., jax.Array], params: Any, *args: Any, top_k: int = 5,
