@@ -26,6 +26,11 @@ T = TypeVar("T")
 # Shared component configs (models define their own in dlrm/config.py, wukong/config.py).
 
 
+class ConfigError(ValueError):
+    """A config whose fields contradict each other across sections (found when a run is set
+    up, not by one section's checks); the CLIs print it as one line."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DenseOptimConfig:
     """Optimizer of the dense (MLP) parameters, built with optax."""
@@ -64,6 +69,13 @@ class DenseOptimConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.name == "hessian_free" and (
+            self.grad_clip_norm > 0 or self.warmup_steps or self.decay != "constant"
+        ):
+            raise ValueError(
+                "dense_optim.name=hessian_free: its trust region sets the step; set "
+                "grad_clip_norm 0, warmup_steps 0 and decay constant"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -282,10 +294,13 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         for name in (
             "eval_every", "eval_max_batches", "checkpoint_every", "nonfinite_rollback",
-            "nonfinite_max_consecutive",
+            "nonfinite_max_consecutive", "noise_scale_every",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.noise_scale_every and self.noise_scale_micro_batches < 2:
+            raise ValueError(f"noise_scale_micro_batches must be >= 2, got "
+                             f"{self.noise_scale_micro_batches}")  # fmt: skip
         if self.early_stopping_metric and not self.eval_every:
             raise ValueError(
                 f"early_stopping_metric={self.early_stopping_metric!r} needs eval_every > 0 "

@@ -140,13 +140,15 @@ def row_gradient_sq(bl: BufferLayout, keys, grad_pooled) -> jax.Array:
 
 
 def _full_rows(x_su: jax.Array, cw_s: jax.Array, groups: int) -> jax.Array:
-    """Per-row statistics ``[S, U]`` summed over a column-split table's shards (other devices;
-    they list their rows in the same order), unchanged for whole rows."""
+    """Per-row statistics ``[S, U, ...]`` (several stacked on trailing axes: one ``psum``)
+    summed over a column-split table's shards (other devices; they list their rows in the
+    same order), unchanged for whole rows."""
     if not groups:
         return x_su
-    tot = jnp.zeros((groups + 1, x_su.shape[1]), jnp.float32).at[cw_s].add(x_su)
+    tot = jnp.zeros((groups + 1, *x_su.shape[1:]), jnp.float32).at[cw_s].add(x_su)
     tot = jax.lax.psum(tot, AXIS)
-    return jnp.where((cw_s < groups)[:, None], tot[cw_s], x_su)
+    split = (cw_s < groups).reshape((-1,) + (1,) * (x_su.ndim - 1))
+    return jnp.where(split, tot[cw_s], x_su)
 
 
 def _clip_rows(buf, uids_su, g, count_su, cw_s, groups: int, clip: CowClip):
@@ -156,9 +158,8 @@ def _clip_rows(buf, uids_su, g, count_su, cw_s, groups: int, clip: CowClip):
     if clip.row_l2:
         g = g + jnp.where(touched, clip.row_l2 * w, 0.0)
     if clip.clips:
-        g_sq = _full_rows(jnp.sum(g * g, -1), cw_s, groups)
-        w_sq = _full_rows(jnp.sum(w * w, -1), cw_s, groups)
-        scale = clip_scale(g_sq, w_sq, count_su, clip.ratio, clip.min_norm)
+        sq = _full_rows(jnp.stack([jnp.sum(g * g, -1), jnp.sum(w * w, -1)], -1), cw_s, groups)
+        scale = clip_scale(sq[..., 0], sq[..., 1], count_su, clip.ratio, clip.min_norm)
         g = jnp.where(touched, g * scale[..., None], g)
     return g
 
@@ -175,8 +176,11 @@ def _update_rows(buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRu
         new_st = st
     elif rule.optimizer == "rowwise_adagrad":
         # A column-split table's row statistics span all its column shards (other devices).
-        sq_su = _full_rows(jnp.sum(jnp.square(g), axis=-1), cw_s, groups)
-        nz_su = _full_rows(jnp.any(g != 0, axis=-1).astype(jnp.float32), cw_s, groups)
+        stats = jnp.stack(
+            [jnp.sum(jnp.square(g), axis=-1), jnp.any(g != 0, axis=-1).astype(jnp.float32)], -1
+        )
+        stats = _full_rows(stats, cw_s, groups)
+        sq_su, nz_su = stats[..., 0], stats[..., 1]
         acc_su = st["acc"].at[uids_su].get(mode="clip")
         pre, acc_su = ref.rowwise_adagrad_rows(
             g, acc_su, sq_su, nz_su > 0, tdim_s[:, None], rule.eps

@@ -122,10 +122,7 @@ def dense_optimizer(
             eps=cfg.eps,
             momentum=cfg.b1,
         )
-    elif cfg.name == "hessian_free":
-        if cfg.grad_clip_norm > 0 or cfg.warmup_steps or cfg.decay != "constant":
-            raise ValueError("dense_optim.name=hessian_free: its trust region sets the step; "
-                             "grad_clip_norm, warmup_steps and decay are not applied")  # fmt: skip
+    elif cfg.name == "hessian_free":  # (its config refuses schedules and clipping)
         tx = hessian_free(
             cfg.learning_rate if peak is None else peak, cg_iters=cfg.hf_cg_iters,
             damping=cfg.hf_damping, initial_radius=cfg.hf_radius,

@@ -7,6 +7,7 @@ import traceback
 
 import tyro
 
+from recscale import config as config_lib
 from recscale.config import parse_preset_cli
 from recscale.launch import exit_at_once_on_error, initialize_from_env
 from recscale.train import DIVERGED_EXIT_CODE
@@ -17,7 +18,7 @@ from recscale.train.loop import BuildModel, train
 def _input_errors() -> tuple[type[BaseException], ...]:
     from data.tabular import SpecError, TabularFormatError  # noqa: PLC0415
 
-    return (SpecError, TabularFormatError)
+    return (SpecError, TabularFormatError, config_lib.ConfigError)
 
 
 def _start_distributed() -> None:

@@ -151,7 +151,7 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
             dense_needs_loss=hf,
         )
     if hf:
-        raise ValueError(
+        raise config_lib.ConfigError(
             "dense_optim.name=hessian_free needs the embedding engine (embeddings.sharding "
             "other than off): its curvature products hold the engine's lookups fixed while the "
             "tables keep their sparse optimizer"
@@ -767,8 +767,8 @@ class _TrainRun:
         if self.tcfg.noise_scale_every:
             k, batch = self.tcfg.noise_scale_micro_batches, cfg.data.batch_size
             if k < 2 or batch % k:
-                raise ValueError(f"train.noise_scale_micro_batches={k}: must be >= 2 and "
-                                 f"divide data.batch_size={batch}")  # fmt: skip
+                raise config_lib.ConfigError(f"train.noise_scale_micro_batches={k}: must divide "
+                                             f"data.batch_size={batch}")  # fmt: skip
             sq = make_gradient_sq_norms(graphdef, sparse=engine.EngineSpec.from_config(cfg)
                                         is not None)  # fmt: skip
             self.noise = noise_scale.NoiseScale()

@@ -227,28 +227,39 @@ def test_sparse_updates_equal_the_dense_reference_with_repeated_ids(opt):
         np.testing.assert_allclose(got8[1][name], t, **TOL, err_msg=name)
 
 
-def test_lazy_adam_updates_only_touched_rows_like_numpy():
-    batches = _batches(2)
-    cfg = _cfg("row_wise", 8, opt="adam")
-    _, tables, *_ = _run(cfg, batches)
-    # numpy lazy Adam on the tables, with the table gradients of the dense reference model
+def _initial_tables_and_gradients(batch):
+    """``(table specs, {name: (initial rows, their gradient)})``: the dense reference model's
+    tables before any step and the batch-mean loss's table gradients on ``batch``."""
+    from recscale.train.steps import weighted_bce
+
     ref_cfg = _cfg("off", 1, opt="sgd")
-    mesh = sharding.make_mesh(ref_cfg.mesh)
-    with sharding.activate(mesh, "replicated"):
+    with sharding.activate(sharding.make_mesh(ref_cfg.mesh), "replicated"):
         model = build_model(ref_cfg, SCHEMA, nnx.Rngs(params=0))
         graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-    # One step from the initial tables: m = 0.1 g, v = 0.001 g², update = -lr·sign-like.
-    from recscale.train.steps import weighted_bce
 
     def loss(p, b):
         m = nnx.merge(graphdef, p, stats, copy=True)
         return weighted_bce(m(b.dense_bn, b.ids_bfh), b.labels_b, b.weights_b)
 
-    g = jax.grad(loss)(params, batches[0])
+    g = jax.grad(loss)(params, batch)
+    specs = model.embeddings.table_specs
+    return specs, {
+        t.name: tuple(np.asarray(x["embeddings"]["tables"][t.name][...])[: t.num_rows]
+                      for x in (params, g))
+        for t in specs
+    }  # fmt: skip
+
+
+def test_lazy_adam_updates_only_touched_rows_like_numpy():
+    batches = _batches(2)
+    cfg = _cfg("row_wise", 8, opt="adam")
+    _, tables, *_ = _run(cfg, batches)
+    # numpy lazy Adam on the tables, with the table gradients of the dense reference model
+    # One step from the initial tables: m = 0.1 g, v = 0.001 g², update = -lr·sign-like.
+    specs, start = _initial_tables_and_gradients(batches[0])
     _, tables1, *_ = _run(cfg, batches[:1])
-    for t in model.embeddings.table_specs:
-        w0 = np.asarray(params["embeddings"]["tables"][t.name][...])[: t.num_rows]
-        gt = np.asarray(g["embeddings"]["tables"][t.name][...])[: t.num_rows]
+    for t in specs:
+        w0, gt = start[t.name]
         ids = batches[0].ids_bfh[:, int(t.name[1:])].reshape(-1)
         touched = np.zeros(t.num_rows, bool)
         touched[ids[ids >= 0]] = True
@@ -431,21 +442,10 @@ def test_cowclip_step_equals_the_numpy_algorithm(kind):
     ))  # fmt: skip
     _, tables1, *_ = _run(cfg, batches)
 
-    ref_cfg = _cfg("off", 1, opt="sgd")
-    with sharding.activate(sharding.make_mesh(ref_cfg.mesh), "replicated"):
-        model = build_model(ref_cfg, SCHEMA, nnx.Rngs(params=0))
-        graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-    from recscale.train.steps import weighted_bce
-
-    def loss(p, b):
-        m = nnx.merge(graphdef, p, stats, copy=True)
-        return weighted_bce(m(b.dense_bn, b.ids_bfh), b.labels_b, b.weights_b)
-
-    g = jax.grad(loss)(params, batches[0])
+    specs, start = _initial_tables_and_gradients(batches[0])
     clipped = kept = 0
-    for t in model.embeddings.table_specs:
-        w0 = np.asarray(params["embeddings"]["tables"][t.name][...])[: t.num_rows]
-        gt = np.asarray(g["embeddings"]["tables"][t.name][...])[: t.num_rows]
+    for t in specs:
+        w0, gt = start[t.name]
         ids = batches[0].ids_bfh[:, int(t.name[1:])].reshape(-1)
         count = np.bincount(ids[ids >= 0], minlength=t.num_rows)
         g_clip, n = _numpy_cowclip(gt, w0, count, ratio, min_norm, row_l2)

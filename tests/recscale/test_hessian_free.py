@@ -98,3 +98,5 @@ def test_trains_dlrm_with_the_engine_and_refuses_the_per_table_path(tmp_path):
     off = dataclasses.replace(cfg, embeddings=EmbeddingShardingConfig(sharding="off"))
     with pytest.raises(ValueError, match="hessian_free needs the embedding engine"):
         make_optimizer(off, {})
+    with pytest.raises(ValueError, match="set grad_clip_norm 0, warmup_steps 0 and decay"):
+        dataclasses.replace(cfg.dense_optim, decay="cosine")
