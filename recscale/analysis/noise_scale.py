@@ -55,7 +55,9 @@ class NoiseScale:
 
     def update(self, small: dict, big: dict, b_small: float, b_big: float) -> dict[str, float]:
         """Folds one measurement in; returns ``{part: B_simple, part/g2: .., part/trace: ..}``
-        (``B_simple`` is NaN while the averaged ``|G|²`` is not positive)."""
+        from the averages (``B_simple`` is NaN while the averaged ``|G|²`` is not positive), and
+        this measurement's own unbiased ``part/g2_now`` and ``part/trace_now``, for analyses that
+        pool measurements their own way (``sweeps.batch_analysis``: those taken near a target)."""
         out = {}
         for part in sorted(big):
             g2, tr = estimates(float(small[part]), float(big[part]), b_small, b_big)
@@ -65,4 +67,5 @@ class NoiseScale:
             g, t = self.g2[part], self.trace[part]
             out[part] = t / g if g > 0 else float("nan")
             out[f"{part}/g2"], out[f"{part}/trace"] = g, t
+            out[f"{part}/g2_now"], out[f"{part}/trace_now"] = g2, tr
         return out

@@ -29,13 +29,19 @@ def test_recovers_the_planted_noise_scale_of_a_quadratic():
 
     ns = noise_scale.NoiseScale(decay=0.99)
     n = 1024
+    now = []
     for i in range(400):
         x = mu + sigma * jax.random.normal(jax.random.fold_in(key, i + 1), (n, d))
         small, big = measure(x)
         out = ns.update(small, big, n / 8, n)
+        now.append((out["p/g2_now"], out["p/trace_now"]))
     assert out["p"] == pytest.approx(planted, rel=0.05)
     assert out["p/g2"] == pytest.approx(2.0, rel=0.05)
     assert out["p/trace"] == pytest.approx(d * sigma**2, rel=0.03)
+    # Each measurement's own estimates are unbiased: their plain mean recovers both terms too.
+    g2_now, trace_now = np.mean(now, axis=0)
+    assert g2_now == pytest.approx(2.0, rel=0.05)
+    assert trace_now == pytest.approx(d * sigma**2, rel=0.03)
 
 
 def test_estimates_are_exact_on_expected_norms_and_errors_are_clear():

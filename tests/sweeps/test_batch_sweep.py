@@ -108,3 +108,46 @@ def test_the_large_batch_spec_resolves_every_recipe_point():
     assert len(served) == 2 * 3 * 7 * 4 * 3
     assert {t.examples for t in trials} == {1 << 24}
     assert {t.batch_size for t in trials} == {1 << k for k in range(10, 17)}
+
+
+def test_targets_per_size_and_the_noise_scale_where_runs_reach_them(tmp_path):
+    """``target_gap``: each size's target is its runs' best logloss plus the gap; steps to it are
+    interpolated between evaluations; ``B_simple`` at the target pools the measurements' own
+    ``|G|²`` and ``tr(Σ)`` taken within a factor 2 of the step each run reached it."""
+    results = []
+
+    def trial(tid, rung, batch, evals, noise):
+        d = tmp_path / "trials" / tid
+        (d / "run").mkdir(parents=True)
+        t = {"trial_id": tid, "family": "dlrm", "rung": rung, "batch_size": batch, "seed": 0,
+             "lr_rule": "sqrt", "lr_multiplier": 1.0, "steps": 400, "also": []}  # fmt: skip
+        (d / "trial.json").write_text(json.dumps(t))
+        rows = [{"split": "eval", "step": s, "logloss": v} for s, v in evals]
+        rows += [{"split": "noise_scale", "step": s, "noise_scale/dense/g2_now": g,
+                  "noise_scale/dense/trace_now": tr, "noise_scale/embedding/g2_now": ge,
+                  "noise_scale/embedding/trace_now": te} for s, g, tr, ge, te in noise]  # fmt: skip
+        (d / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        results.append({"trial_id": tid, "status": "SUCCESS"})
+
+    # small: best 0.40, target 0.41, crossed between steps 100 (0.45) and 200 (0.40) at 180;
+    # measurements at steps 90..360 count (90 and 400 do not: outside [90, 360])
+    trial("a", "small", 64, [(100, 0.45), (200, 0.40)],
+          [(80, 1.0, 1e6, 0.0, 0.0), (100, 2.0, 100.0, -1.0, 400.0),
+           (300, 4.0, 300.0, 1.0, 800.0), (400, 1.0, 1e6, 0.0, 0.0)])  # fmt: skip
+    # big: its own best 0.30 (target 0.31), reached at the first evaluation
+    trial("b", "big", 64, [(50, 0.30), (100, 0.35)], [])
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    out = batch_analysis.analyze(tmp_path, target_gap=0.01)
+    big, small = out["recipes"]
+    assert small["target"] == pytest.approx(0.41) and big["target"] == pytest.approx(0.31)
+    assert small["points"][0]["steps"] == pytest.approx(180.0)
+    assert big["points"][0]["steps"] == 50.0
+    (ns,) = out["noise_at_target"]
+    assert (ns["rung"], ns["measurements"], ns["runs"]) == ("small", 2, 1)
+    assert ns["b_simple_dense"] == pytest.approx(200.0 / 3.0)  # mean trace 200 / mean |G|² 3
+    assert math.isnan(ns["b_simple_embedding"])  # its mean |G|² is 0: not resolved
+    assert math.isinf(ns["b_simple_embedding_hi"])  # most resamples: |G|² <= 0
+    assert ns["b_simple_total"] == pytest.approx((200.0 + 600.0) / 3.0)
+    assert ns["b_simple_dense_lo"] <= ns["b_simple_dense"] <= ns["b_simple_dense_hi"]
+    with pytest.raises(ValueError, match="exactly one"):
+        batch_analysis.analyze(tmp_path, target=0.4, target_gap=0.01)
