@@ -130,13 +130,26 @@ for r in result["recipes"]:
 #
 # B_simple = tr(Σ) / |G|², estimated during each run from its micro-batches' gradients
 # against the whole batch's (`recscale.analysis.noise_scale`), dense parameters and tables
-# apart, averaged over each run's second half. McCandlish et al. find B_crit ≈ B_simple for SGD
-# on many tasks; with adaptive optimizers and sparse tables the relation is what a real sweep
-# (`sweeps.specs` with `batch_sizes`) measures.
+# apart. McCandlish et al. find B_crit ≈ B_simple for SGD on many tasks, with B_simple measured
+# where training reaches the target. `batch_analysis` pools the measurements taken within a
+# factor 2 of the step each run reached the target (each measurement's own unbiased |G|² and
+# tr(Σ), averaged before the ratio), for the dense part, the tables and all parameters, with a
+# bootstrap interval: a part whose |G|² the batches cannot resolve (sparse tables' gradients
+# are mostly noise) shows as NaN or an unbounded interval. Each batch's late-run average is
+# printed too.
+#
+# At this size the runs are too short to say much; `sweeps.specs.critical_batch` is the real
+# measurement (three DLRM sizes, batches 256 to 16,384; results in BENCHMARKS.md).
 
 # %%
+for n in result["noise_at_target"]:
+    print(f"{n['rung']}: B_simple at the target, all parameters {n['b_simple_total']:.3g} "
+          f"[{n['b_simple_total_lo']:.3g}, {n['b_simple_total_hi']:.3g}], dense "
+          f"{n['b_simple_dense']:.3g}, tables {n['b_simple_embedding']:.3g}, from "
+          f"{n['measurements']} measurements of {n['runs']} runs")  # fmt: skip
+    assert n["measurements"] > 0
 for n in result["noise_scale"]:
-    print(f"batch {n['batch']:4d}: B_simple dense {n['b_simple_dense']:.3g}, tables "
+    print(f"batch {n['batch']:4d}: late-run B_simple dense {n['b_simple_dense']:.3g}, tables "
           f"{n['b_simple_embedding']:.3g}")  # fmt: skip
     assert math.isfinite(n["b_simple_dense"]) and n["b_simple_dense"] > 0
 
