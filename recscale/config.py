@@ -170,6 +170,16 @@ class EmbeddingShardingConfig:
     """Table storage; lookups and updates compute in float32."""
     comm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the pooled embeddings (and their gradients) in the all-to-all exchanges."""
+    comm_compression: Literal["none", "error_bounded", "fp8_e4m3", "fp8_e5m2"] = "none"
+    """Compression of those exchanges (``recscale.embeddings.compress``): ``error_bounded``
+    quantises each block (a table slot's outputs for one destination device) to within
+    ``comm_error_bound`` of its range, packing the codes densely; ``fp8_*`` scales each block
+    to the format and casts. Needs ``comm_dtype`` float32."""
+    comm_error_bound: float = 0.0
+    """error_bounded: the bound ε of each pooled value, relative to its block's range
+    (0: sent as float32; 1/510: 8-bit codes, 4x fewer bytes; 1/126: 6 bits)."""
+    comm_error_bound_grad: float = 0.0
+    """error_bounded: the same for the gradients sent back (0: float32)."""
 
     def __post_init__(self):
         types = (
@@ -190,6 +200,15 @@ class EmbeddingShardingConfig:
             raise ValueError("embeddings.per_table needs the engine (sharding auto or a type)")
         if self.host_size < 0:
             raise ValueError(f"embeddings.host_size must be >= 0, got {self.host_size}")
+        bounds = (self.comm_error_bound, self.comm_error_bound_grad)
+        if self.comm_compression != "none" and self.comm_dtype != "float32":
+            raise ValueError(f"embeddings.comm_compression={self.comm_compression} compresses "
+                             f"float32 exchanges: set comm_dtype float32, not {self.comm_dtype}")  # fmt: skip
+        if self.comm_compression == "error_bounded" and not all(0 <= b < 0.5 for b in bounds):
+            raise ValueError(f"embeddings.comm_error_bound{{,_grad}}={bounds}: must be in [0, 0.5)")
+        if self.comm_compression != "error_bounded" and any(bounds):
+            raise ValueError("embeddings.comm_error_bound{,_grad} need comm_compression "
+                             f"error_bounded, not {self.comm_compression}")  # fmt: skip
 
 
 KernelImpl = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]

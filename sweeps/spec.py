@@ -566,6 +566,9 @@ _ADDED_AT_DEFAULT: dict[str, Any] = {
     "dense_optim.hf_radius": 1.0,
     "embedding_optim.cowclip_ratio": 0.0,
     "embedding_optim.cowclip_min_norm": 1e-5,
+    "embeddings.comm_compression": "none",
+    "embeddings.comm_error_bound": 0.0,
+    "embeddings.comm_error_bound_grad": 0.0,
 }
 
 

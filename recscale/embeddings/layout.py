@@ -27,6 +27,7 @@ import numpy as np
 
 from recscale import sharding
 from recscale.embeddings import planner as planner_lib
+from recscale.embeddings.compress import Compression
 from recscale.embeddings.spec import FeatureSpec, TableSpec
 from tpu_gpu_configs.profiles import get_profile
 
@@ -50,6 +51,8 @@ class EngineSpec:
     """Implementation of the pooled lookups (``recscale.kernels.embedding_bag``)."""
     update_kernel: str = "auto"
     """Implementation of the fused backward + row update (``recscale.kernels.embedding_update``)."""
+    compression: Compression = Compression()
+    """How the pooled outputs' all-to-all is compressed (not a plan input: placement ignores it)."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> EngineSpec | None:
@@ -62,9 +65,10 @@ class EngineSpec:
                 f"embedding_optim.l2={cfg.embedding_optim.l2}: coupled L2 touches every row each "
                 "step, which the sparse engine does not do; set embeddings.sharding=off or l2=0"
             )
+        comp = Compression(e.comm_compression, e.comm_error_bound, e.comm_error_bound_grad)
         return cls(e.sharding, tuple(e.per_table), e.profile, e.host_size, e.storage_dtype,
                    e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size,
-                   cfg.kernels.embedding_bag, cfg.kernels.embedding_update)  # fmt: skip
+                   cfg.kernels.embedding_bag, cfg.kernels.embedding_update, comp)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,8 @@ class Layout:
     """Implementation of the pooled lookups (``kernels.embedding_bag``, from the kernel config)."""
     update_kernel: str = "auto"
     """Implementation of the fused backward + row update (``kernels.embedding_update``)."""
+    compression: Compression = Compression()
+    """The pooled outputs' all-to-all compression (``recscale.embeddings.compress``)."""
 
     def buffer(self, key: str) -> BufferLayout:
         return next(b for b in self.buffers if b.key == key)
@@ -230,6 +236,7 @@ def build_layout(
         plan_all_to_all_bytes=plan.all_to_all_bytes,
         bag_kernel=spec.bag_kernel,
         update_kernel=spec.update_kernel,
+        compression=spec.compression,
     )
 
 

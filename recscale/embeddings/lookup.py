@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from recscale import sharding
+from recscale.embeddings import compress
 from recscale.embeddings.layout import DTYPES, BufferLayout, Layout
 from recscale.kernels.embedding_bag import api as bag_api
 from recscale.kernels.quantized_embedding_bag import api as q_api
@@ -263,6 +264,8 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         )  # [S, B, w]: partial outputs for the whole batch
         if maybe_delta:
             pooled = pooled + maybe_delta[0]
+        if not layout.compression.lossless:
+            return compress.exchange(pooled, AXIS, layout.compression), keys
         recv = jax.lax.all_to_all(pooled.astype(comm), AXIS, split_axis=1, concat_axis=0,
                                   tiled=True)  # fmt: skip
         return recv.astype(jnp.float32), keys
