@@ -5,6 +5,7 @@ and the trainer runs, resumes and evaluates with it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -141,10 +142,16 @@ def reference():
     return _run(_cfg("off", 1), _batches(3))
 
 
+@functools.cache
+def _on_8_devices(kind: str):
+    """The 3-step run of one sharding type on 8 devices (shared by the tests that need it)."""
+    return _run(_cfg(kind, 8), _batches(3))
+
+
 @pytest.mark.parametrize("kind", TYPES + ("auto",))
 def test_every_sharding_type_on_8_devices_equals_one_device(kind, reference):
     ref_logits, ref_tables, ref_dense, ref_m = reference
-    logits, tables, dense, m = _run(_cfg(kind, 8), _batches(3))
+    logits, tables, dense, m = _on_8_devices(kind)
     for a, b in zip(ref_logits, logits, strict=True):
         np.testing.assert_allclose(b, a, **TOL)
     for name, t in ref_tables.items():
@@ -222,7 +229,7 @@ def test_compressed_exchanges_with_no_error_are_bitwise_and_with_a_bound_stay_cl
     eb = dict(comm_compression="error_bounded", comm_error_bound=0.5 / 255,
               comm_error_bound_grad=0.5 / 255)  # fmt: skip
     for kind, comp in (("row_wise", eb), ("column_wise", dict(comm_compression="fp8_e4m3"))):
-        exact = _run(_cfg(kind, 8), _batches(3))
+        exact = _on_8_devices(kind)
         if kind == "row_wise":
             zero = _run(_cfg(kind, 8, comm_compression="error_bounded"), _batches(3))
             for a, b in zip(jax.tree.leaves(exact), jax.tree.leaves(zero), strict=True):
