@@ -229,7 +229,12 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
         model = nnx_merge(graphdef, abstract)
         colls = engine.engine_collections(model)
         planner_mem = sum(c.layout.plan_memory_bytes for c in colls.values())
-        a2a = sum(c.layout.plan_all_to_all_bytes for c in colls.values())
+        # the planner's float32/bf16 costing, or the compressed payloads when compressed
+        a2a = sum(
+            c.layout.plan_all_to_all_bytes if c.layout.compression.kind == "none"
+            else sum(c.layout.exchange_bytes(cfg.data.batch_size)[k] for k in ("forward", "backward"))
+            for c in colls.values()
+        )  # fmt: skip
         dense, _ = _split_params(abstract.params)
         n_dense = sum(math.prod(x.shape) for x in jax.tree.leaves(dense))
         dense_bytes = _bytes_per_chip(

@@ -10,10 +10,10 @@ scale that exchange dominates the step. Two compressors, chosen by
   slot's outputs for one destination device: ``[B / n, w]`` values) is quantised to bins of
   width ``2 ε (max - min)`` from its minimum, so each decoded value is within ``ε (max - min)``
   of the sent one (the bound is relative to the block's range, which is what keeps the code
-  width static under ``jit``: ``ceil(log2(1 / (2 ε) + 1))`` bits). The codes are packed
+  width static under ``jit``: ``ceil(log2(ceil(1 / (2 ε)) + 1))`` bits). The codes are packed
   densely into 32-bit words, sent with the block's minimum and bin width in the same
-  all-to-all, and decoded on arrival. ε = 1/510 gives 8-bit codes (4x fewer bytes than
-  float32), ε = 1/126 6 bits (5.3x), ε = 1/30 4 bits (8x).
+  all-to-all, and decoded on arrival. ε = 0.002 gives 8-bit codes (4x fewer bytes than
+  float32), ε = 0.008 6 bits (5.3x), ε = 0.034 4 bits (8x).
 * ``fp8_e4m3`` / ``fp8_e5m2``: each block scaled by its largest magnitude to the format's
   largest finite value, cast, and scaled back on arrival (no bound: a relative error of 2^-4
   (e4m3) or 2^-3 (e5m2) of each value, plus underflow of values 2^-9 (e4m3) below the block's
@@ -140,6 +140,13 @@ class Compression:
             eps = self.eps_grad if grad else self.eps
             return 4.0 * m if eps == 0 else 4.0 * (2 + _words(m, code_bits(eps)))
         return 4.0 + m
+
+    def describe(self) -> str:
+        """``none``, ``fp8_e4m3``, or ``error_bounded, 8-bit codes forward, 6-bit back``."""
+        if self.kind != "error_bounded":
+            return self.kind
+        bits = [f"{code_bits(e)}-bit codes" if e else "float32" for e in (self.eps, self.eps_grad)]
+        return f"error_bounded, {bits[0]} forward, {bits[1]} back"
 
     def ratio(self, m: int) -> float:
         """Compression ratio against float32 of one block of ``m`` values (forward)."""

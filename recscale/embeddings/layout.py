@@ -119,6 +119,29 @@ class Layout:
     def buffer(self, key: str) -> BufferLayout:
         return next(b for b in self.buffers if b.key == key)
 
+    def exchange_bytes(self, batch_size: int) -> dict[str, float]:
+        """Bytes the all-to-alls of one step move, all devices: ``forward`` (pooled outputs)
+        and ``backward`` (their gradients) as :attr:`compression` sends them, and
+        ``float32`` (both ways uncompressed, for the ratio). Every device sends each of its
+        slots' outputs for the whole batch in one block per destination (``B / n`` examples
+        of the slot's width); replicated buffers exchange nothing."""
+        n = self.num_devices
+        out = {"forward": 0.0, "backward": 0.0, "float32": 0.0}
+        for bl in self.buffers:
+            if bl.replicated:
+                continue
+            blocks = n * len(bl.feature[0]) * n  # (device, slot, destination)
+            m = (batch_size // n) * bl.width
+            if self.compression.kind == "none":  # as comm_dtype says
+                size = jnp.dtype(DTYPES[self.comm_dtype]).itemsize
+                out["forward"] += blocks * size * m
+                out["backward"] += blocks * size * m
+            else:
+                out["forward"] += blocks * self.compression.payload_bytes(m)
+                out["backward"] += blocks * self.compression.payload_bytes(m, grad=True)
+            out["float32"] += 2 * blocks * 4.0 * m
+        return out
+
 
 # ------------------------------------------------------------------------------------------------
 # Planning.

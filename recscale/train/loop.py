@@ -294,7 +294,17 @@ class Experiment:
         model = nnx.merge(
             self.graphdef, self.abstract_state.params, self.abstract_state.batch_stats
         )
-        return {k: c.layout.plan_text for k, c in engine.engine_collections(model).items()}
+        out = {}
+        for k, c in engine.engine_collections(model).items():
+            x = c.layout.exchange_bytes(self.cfg.data.batch_size)
+            sent = x["forward"] + x["backward"]
+            out[k] = (
+                f"{c.layout.plan_text.rstrip()}\nall-to-all per step, all devices: "
+                f"{x['forward'] / 2**20:.3f} MiB forward + {x['backward'] / 2**20:.3f} MiB "
+                f"backward ({c.layout.compression.describe()}"
+                + (f", {x['float32'] / sent:.2f}x fewer bytes than float32)" if sent else ")")
+            )
+        return out
 
     def init_state(self) -> TrainState:
         """A freshly initialised state, created directly in its shardings."""

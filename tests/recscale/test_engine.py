@@ -248,6 +248,25 @@ def test_compressed_exchanges_with_no_error_are_bitwise_and_with_a_bound_stay_cl
             np.testing.assert_allclose(tables[name], t, rtol=tol, atol=tol / 2, err_msg=name)
 
 
+def test_exchange_bytes_are_the_planners_and_shrink_by_the_code_width():
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
+    eb = dict(
+        comm_compression="error_bounded", comm_error_bound=0.5 / 255, comm_error_bound_grad=1 / 30
+    )  # 8-bit codes forward, 4-bit back
+    with sharding.activate(mesh, "replicated"):
+        plain = build_model(_cfg("row_wise", 8), SCHEMA, nnx.Rngs(params=0)).embeddings.layout
+        comp = build_model(_cfg("row_wise", 8, **eb), SCHEMA, nnx.Rngs(params=0)).embeddings.layout
+    x = plain.exchange_bytes(B)
+    # float32 both ways: what the planner costs on a non-TPU profile
+    assert x["forward"] + x["backward"] == x["float32"] == plain.plan_all_to_all_bytes > 0
+    y = comp.exchange_bytes(B)
+    assert y["float32"] == x["float32"]
+    # F slots x 8 devices x 8 destinations, each (B/8)·D values: 2 header words + packed codes
+    blocks, m = F * 8 * 8, (B // 8) * D
+    assert y["forward"] == blocks * 4 * (2 + m * 8 // 32)
+    assert y["backward"] == blocks * 4 * (2 + m * 4 // 32)
+
+
 @pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad"])
 def test_sparse_updates_equal_the_dense_reference_with_repeated_ids(opt):
     # Few distinct ids: many repeats within a bag and across a batch.
