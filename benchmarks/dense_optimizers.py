@@ -12,7 +12,7 @@ on each optimizer, the tables on the sweep's row-wise Adagrad throughout:
 * ``lamb``: Adam's direction scaled per layer by ``||w|| / ||u||`` (optax), rates 3e-3, 1e-2
   and 3e-2;
 * ``hessian_free``: ``recscale.optim.hessian_free`` (Steihaug-CG in a trust region on
-  reverse-over-reverse Hessian-vector products, no warmup, no decay), 5 and 20 CG iterations
+  reverse-over-reverse Hessian-vector products, no warmup, no decay), 5 and 10 CG iterations
   per step, damping 1e-3.
 
 Each run is the real trainer (``python -m dlrm.train``) with an evaluation every few steps on
@@ -61,7 +61,7 @@ def _recipes(cfg: dict) -> list[tuple[str, list[str]]]:
                                  "1.0", "--dense-optim.warmup-steps", "0", "--dense-optim.decay",
                                  "constant", "--dense-optim.hf-cg-iters", str(k),
                                  "--dense-optim.hf-damping", "1e-3"])
-        for k in (5, 20)
+        for k in (5, 10)
     ]  # fmt: skip
     return out
 

@@ -8,16 +8,18 @@ scale that exchange dominates the step. Two compressors, chosen by
 * ``error_bounded``: a guaranteed bound per element, as the error-bounded lossy compressors of
   the seed work (SZ-style linear quantisation). Every block the all-to-all sends (one table
   slot's outputs for one destination device: ``[B / n, w]`` values) is quantised to bins of
-  width ``2 ε (max - min)`` from its minimum, so each decoded value is within ``ε (max - min)``
-  of the sent one (the bound is relative to the block's range, which is what keeps the code
-  width static under ``jit``: ``ceil(log2(ceil(1 / (2 ε)) + 1))`` bits). The codes are packed
-  densely into 32-bit words, sent with the block's minimum and bin width in the same
-  all-to-all, and decoded on arrival. ε = 0.002 gives 8-bit codes (4x fewer bytes than
-  float32), ε = 0.008 6 bits (5.3x), ε = 0.034 4 bits (8x).
+  width ``2 ε (max - min)`` on a grid anchored at zero, so each decoded value is within
+  ``ε (max - min)`` of the sent one and exact zeros stay zero (a row-wise shard's partial
+  outputs are mostly zeros: their sum over the shards then carries only the nonzero parts'
+  errors, not a bias per shard). The bound is relative to the block's range, which is what
+  keeps the code width static under ``jit`` (:func:`code_bits`). The codes are packed densely
+  into 32-bit words, sent with the block's anchor and bin width in the same all-to-all, and
+  decoded on arrival. ε = 0.002 gives 8-bit codes (4x fewer bytes than float32), ε = 0.0081
+  6 bits (5.3x), ε = 0.036 4 bits (8x).
 * ``fp8_e4m3`` / ``fp8_e5m2``: each block scaled by its largest magnitude to the format's
   largest finite value, cast, and scaled back on arrival (no bound: a relative error of 2^-4
-  (e4m3) or 2^-3 (e5m2) of each value, plus underflow of values 2^-9 (e4m3) below the block's
-  largest).
+  (e4m3) or 2^-3 (e5m2) of each value; values below 2^-18 (e4m3) or 2^-32 (e5m2) of the
+  block's largest round to zero).
 
 Gradients travel back compressed the same way, with their own bound
 (``comm_error_bound_grad``). Everything is plain ``jnp`` inside the engine's ``shard_map``: the
@@ -38,12 +40,26 @@ Kind = Literal["none", "error_bounded", "fp8_e4m3", "fp8_e5m2"]
 FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 
+MARGIN = 1 - 2.0**-12
+"""Bins are this much narrower than ``2 ε range``: room for the float32 rounding of a decoded
+value (the bound holds strictly wherever the range is wide against the values' magnitude)."""
+MIN_EPS = 2.0**-16
+"""The tightest bound offered (16-bit codes); below it a block costs about as much as float32."""
+
+
+def _top(eps: float) -> int:
+    """The largest code: codes count bins from the one holding the block's minimum, on a grid
+    anchored at zero (so an exact zero, most of a row-wise shard's partial outputs, decodes to
+    exactly zero), which can take one bin more than the range spans."""
+    return math.ceil(1 / (2 * eps * MARGIN)) + 1
+
+
 def code_bits(eps: float) -> int:
-    """Bits per code for a relative bound ``eps``: the bins ``round(x / (2 eps range))`` span
-    ``0 .. ceil(1 / (2 eps))``."""
-    if not 0 < eps < 0.5:
-        raise ValueError(f"error bound {eps}: must be in (0, 0.5) (relative to a block's range)")
-    return max(1, math.ceil(math.log2(math.ceil(1 / (2 * eps)) + 1)))
+    """Bits per code for a relative bound ``eps`` (0.002: 8; 0.0081: 6; 0.036: 4)."""
+    if not MIN_EPS <= eps < 0.5:
+        raise ValueError(f"error bound {eps}: must be in [{MIN_EPS:.3g}, 0.5) (relative to a "
+                         "block's range; below it the codes cost about as much as float32)")  # fmt: skip
+    return math.ceil(math.log2(_top(eps) + 1))
 
 
 def _words(n: int, bits: int) -> int:
@@ -73,22 +89,24 @@ def unpack_bits(words: jax.Array, bits: int, n: int) -> jax.Array:
 
 
 def encode(x: jax.Array, eps: float) -> jax.Array:
-    """Blocks ``x [..., m]`` (float32) to ``uint32 [..., 2 + words]``: the block's minimum and
-    bin width (bit patterns), then its packed codes. Decoded values are within
-    ``eps · (max - min)`` of ``x``'s (:func:`decode`), up to the float32 rounding of the decoded
-    value itself: a block whose range is a few ulps of its magnitude can be off by an ulp."""
+    """Blocks ``x [..., m]`` (float32) to ``uint32 [..., 2 + words]``: the block's anchor (the
+    multiple of the bin width nearest its minimum) and bin width (bit patterns), then its
+    packed codes. Decoded values are within ``eps · (max - min)`` of ``x``'s
+    (:func:`decode`), exact zeros stay exactly zero, and a constant block is exact; up to the
+    float32 rounding of the decoded value itself (a block whose range is under about
+    ``1 / (2 eps)`` ulps of its magnitude can be off by an ulp or two). A block holding a NaN
+    or an infinity decodes to NaN throughout (the train step's finite check skips the step);
+    magnitudes must stay below 1e37 (float32 overflows in the decoded sum beyond it)."""
     bits = code_bits(eps)
     x = x.astype(jnp.float32)
     lo = jnp.min(x, axis=-1, keepdims=True)
     hi = jnp.max(x, axis=-1, keepdims=True)
-    # Bins a hair narrower than 2·eps·range leave room for float32 rounding of the decoded
-    # value (the clip below keeps the codes in range: the top bin is at most that much wider).
-    width = 2 * eps * (hi - lo) * (1 - 2.0**-12)
-    # a constant block (width 0) sends code 0 everywhere and decodes exactly to lo
+    width = 4 * eps * MARGIN * (hi / 2 - lo / 2)  # halves: a ±3e38 block's range is finite
     safe = jnp.where(width > 0, width, 1.0)
-    top = math.ceil(1 / (2 * eps))
-    codes = jnp.clip(jnp.round((x - lo) / safe), 0, top).astype(jnp.uint32)
-    head = jax.lax.bitcast_convert_type(jnp.concatenate([lo, width], axis=-1), jnp.uint32)
+    anchor = jnp.round(lo / safe) * safe  # on the zero-anchored grid, within a bin of lo
+    anchor = jnp.where((width > 0) & jnp.isfinite(anchor), anchor, lo)
+    codes = jnp.clip(jnp.round((x - anchor) / safe), 0, _top(eps)).astype(jnp.uint32)
+    head = jax.lax.bitcast_convert_type(jnp.concatenate([anchor, width], axis=-1), jnp.uint32)
     return jnp.concatenate([head, pack_bits(codes, bits)], axis=-1)
 
 
@@ -96,9 +114,9 @@ def decode(payload: jax.Array, eps: float, m: int) -> jax.Array:
     """Float32 ``[..., m]`` from :func:`encode`'s ``payload``."""
     bits = code_bits(eps)
     head = jax.lax.bitcast_convert_type(payload[..., :2], jnp.float32)
-    lo, width = head[..., :1], head[..., 1:2]
+    anchor, width = head[..., :1], head[..., 1:2]
     codes = unpack_bits(payload[..., 2:], bits, m)
-    return lo + codes.astype(jnp.float32) * width
+    return anchor + codes.astype(jnp.float32) * width
 
 
 def encode_fp8(x: jax.Array, kind: str) -> jax.Array:
@@ -107,13 +125,17 @@ def encode_fp8(x: jax.Array, kind: str) -> jax.Array:
     dt = FP8[kind]
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dt).max), 1.0)
+    # floored at float32's smallest normal: a block of values below 1e-34 would otherwise
+    # divide by zero (its values then round to the format's subnormals, or to zero)
+    tiny = float(jnp.finfo(jnp.float32).tiny)
+    scale = jnp.where(amax > 0, jnp.maximum(amax / float(jnp.finfo(dt).max), tiny), 1.0)
     q = jax.lax.bitcast_convert_type((x / scale).astype(dt), jnp.uint8)
     s = jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(*x.shape[:-1], 4)
     return jnp.concatenate([s, q], axis=-1)
 
 
 def decode_fp8(payload: jax.Array, kind: str) -> jax.Array:
+    """Float32 ``[..., m]`` from :func:`encode_fp8`'s ``payload``."""
     scale = jax.lax.bitcast_convert_type(payload[..., :4], jnp.float32)[..., None]
     q = jax.lax.bitcast_convert_type(payload[..., 4:], FP8[kind]).astype(jnp.float32)
     return q * scale

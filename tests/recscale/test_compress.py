@@ -46,10 +46,13 @@ def _adversarial(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "offset": 1e3 + rng.normal(size=(2, m)) * 1e-2,  # range a few thousand ulps of 1e3
         "signs": np.sign(rng.normal(size=(2, m))) * 5.0,
         "single": rng.normal(size=(2, 1)),
+        # a row-wise shard's partial outputs: mostly exact zeros, the minimum negative
+        "sparse": np.where(rng.random((4, m)) < 0.8, 0.0, rng.normal(size=(4, m))),
+        "wide range": np.stack([np.linspace(-1e37, 1e37, m)] * 2),
     }
 
 
-@pytest.mark.parametrize("eps", [0.5 / 255, 0.01, 0.2, 0.45])
+@pytest.mark.parametrize("eps", [2.0**-16, 1e-4, 0.002, 0.0081, 0.2, 0.45])
 def test_the_error_bound_holds_element_wise_on_adversarial_blocks(eps):
     rng = np.random.default_rng(0)
     for name, x in _adversarial(rng).items():
@@ -60,17 +63,21 @@ def test_the_error_bound_holds_element_wise_on_adversarial_blocks(eps):
         y = np.asarray(decode(payload, eps, x.shape[1]))
         rng_ = x.max(axis=1, keepdims=True).astype(np.float64) - x.min(axis=1, keepdims=True)
         err = np.abs(y.astype(np.float64) - x)
-        # the bound, plus the float32 rounding of the decoded value (an ulp of the block's
-        # magnitude; it matters only where the range is a few ulps wide)
+        # the bound, plus the float32 rounding of the decoded value (an ulp or two of the
+        # block's magnitude: it matters where the range is a few ulps / (2 eps) wide)
         ulp = np.spacing(np.abs(x).max(axis=1, keepdims=True)).astype(np.float64)
-        assert np.all(err <= eps * rng_ + ulp), (name, float((err - eps * rng_).max()))
-        if name in ("normal", "grid", "signs", "one outlier", "huge"):
-            assert np.all(err <= eps * rng_), name  # strictly, where the range is wide
+        assert np.all(err <= eps * rng_ + 2 * ulp), (name, float((err - eps * rng_).max()))
+        wide = ("normal", "grid", "signs", "one outlier", "huge", "sparse", "wide range")
+        if name in wide and eps >= 2.0**-11:  # the bins' margin covers the rounding there
+            assert np.all(err <= eps * rng_), name
+        if name in ("constant", "sparse"):
+            np.testing.assert_array_equal(y[x == 0], 0.0)  # zeros stay exactly zero
         if name == "constant":
             np.testing.assert_array_equal(y, x)
-    assert compress.code_bits(0.5 / 255) == 8 and compress.code_bits(1 / 126) == 6
-    with pytest.raises(ValueError, match="must be in"):
-        compress.code_bits(0.0)
+    assert [compress.code_bits(e) for e in (0.002, 0.0081, 0.036, 2.0**-16)] == [8, 6, 4, 16]
+    for bad in (0.0, 1e-6, 0.5):
+        with pytest.raises(ValueError, match="must be in"):
+            compress.code_bits(bad)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +95,11 @@ def test_fp8_blocks_round_within_the_format(kind, rel, floor):
     # relative rounding of a normal number, or half the subnormal spacing, in the block's scale
     assert np.all(np.abs(y - x) <= rel * np.abs(x) + floor * amax * 1.0001)
     assert np.all(y[0, :4] == 0.0)
+    # a block of values too small for the format's scale (amax / 448 underflows float32)
+    tiny = np.full((1, 8), 1e-36, np.float32)
+    assert np.all(
+        np.isfinite(np.asarray(compress.decode_fp8(compress.encode_fp8(tiny, kind), kind)))
+    )
 
 
 def _exchange(comp: compress.Compression):
@@ -131,7 +143,7 @@ def test_the_compressed_exchange_is_the_all_to_all_within_the_bound_both_ways():
     x, weights, y0, g0 = _exchange(compress.Compression("none"))
     np.testing.assert_array_equal(y0, _plain_exchange(x))
     np.testing.assert_array_equal(g0, _plain_backward(weights))
-    eps, eps_g = 0.5 / 255, 1 / 126
+    eps, eps_g = 0.002, 0.0081
     _, _, y, g = _exchange(compress.Compression("error_bounded", eps, eps_g))
     # forward blocks: per device [S, B, w], one per (slot, destination chunk of B)
     n, s = 8, x.shape[0] // 8
@@ -142,13 +154,13 @@ def test_the_compressed_exchange_is_the_all_to_all_within_the_bound_both_ways():
     assert np.all(np.abs(g - g0) <= eps_g * _plain_backward(bwd)) and np.any(g != g0)
     _, _, y8, g8 = _exchange(compress.Compression("fp8_e4m3"))
     assert np.all(np.abs(y8 - y0) <= 2.0**-4 * np.abs(y0) + 1e-6) and np.any(y8 != y0)
-    assert np.all(np.abs(g8 - g0) <= 2.0**-4 * np.abs(g0) + 1e-6)
+    assert np.all(np.abs(g8 - g0) <= 2.0**-4 * np.abs(g0) + 1e-6) and np.any(g8 != g0)
 
 
 def test_payload_sizes_and_ratios():
     m = 8 * 16  # a destination's 8 examples of a 16-wide slot
     assert compress.Compression("none").payload_bytes(m) == 4 * m
-    eb = compress.Compression("error_bounded", 0.5 / 255)
+    eb = compress.Compression("error_bounded", 0.002)
     assert eb.payload_bytes(m) == 4 * (2 + m * 8 // 32)
     assert eb.ratio(m) == pytest.approx(4 * m / (8 + m))
     assert compress.Compression("fp8_e5m2").payload_bytes(m) == 4 + m

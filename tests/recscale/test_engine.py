@@ -223,11 +223,11 @@ def test_mixed_pins_and_bf16_storage_and_communication(reference):
 
 
 def test_compressed_exchanges_with_no_error_are_bitwise_and_with_a_bound_stay_close():
-    """Issue 19: ``error_bounded`` at ε = 0 trains bitwise as the float32 exchange; at ε = 1/510
+    """Issue 19: ``error_bounded`` at ε = 0 trains bitwise as the float32 exchange; at ε = 0.002
     (8-bit codes, both ways; row-wise) and with fp8 (column-wise: slices of a row's width) it
     moves the run a little, not a lot."""
-    eb = dict(comm_compression="error_bounded", comm_error_bound=0.5 / 255,
-              comm_error_bound_grad=0.5 / 255)  # fmt: skip
+    eb = dict(comm_compression="error_bounded", comm_error_bound=0.002,
+              comm_error_bound_grad=0.002)  # fmt: skip
     for kind, comp in (("row_wise", eb), ("column_wise", dict(comm_compression="fp8_e4m3"))):
         exact = _on_8_devices(kind)
         if kind == "row_wise":
@@ -236,22 +236,21 @@ def test_compressed_exchanges_with_no_error_are_bitwise_and_with_a_bound_stay_cl
                 np.testing.assert_array_equal(b, a)
         logits, tables, *_ = _run(_cfg(kind, 8, **comp), _batches(3))
         assert any(not np.array_equal(a, b) for a, b in zip(exact[0], logits, strict=True))
-        # ε = 1/510 of a block's range is a relative error below 2^-8, fp8 e4m3 2^-4, per
-        # value and exchange: within what bf16 storage and exchange (2^-8) is allowed above,
-        # widened 4x for fp8's 3 mantissa bits. Measured: logits within 2.2e-3 (8-bit) and
-        # 9.6e-3 (fp8), tables within 3.0e-3 and 2.8e-2 (row-wise Adagrad divides by a row's own
-        # gradient scale, so its update carries the exchange's relative error in full).
-        tol = 2e-2 if kind == "row_wise" else 8e-2
+        # Measured: logits within 1.9e-3 (8-bit codes) and 9.6e-3 (fp8), tables within 3.2e-3
+        # and 2.8e-2 (row-wise Adagrad divides by a row's own gradient scale, so its update
+        # carries the exchange's relative error in full); allowed: about 2.5x that.
+        tol_logits, tol_tables = (5e-3, 8e-3) if kind == "row_wise" else (2.5e-2, 7e-2)
         for a, b in zip(exact[0], logits, strict=True):
-            np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
+            np.testing.assert_allclose(b, a, rtol=tol_logits, atol=tol_logits)
         for name, t in exact[1].items():
-            np.testing.assert_allclose(tables[name], t, rtol=tol, atol=tol / 2, err_msg=name)
+            np.testing.assert_allclose(tables[name], t, rtol=tol_logits, atol=tol_tables,
+                                       err_msg=name)  # fmt: skip
 
 
 def test_exchange_bytes_are_the_planners_and_shrink_by_the_code_width():
     mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
     eb = dict(
-        comm_compression="error_bounded", comm_error_bound=0.5 / 255, comm_error_bound_grad=1 / 30
+        comm_compression="error_bounded", comm_error_bound=0.002, comm_error_bound_grad=0.036
     )  # 8-bit codes forward, 4-bit back
     with sharding.activate(mesh, "replicated"):
         plain = build_model(_cfg("row_wise", 8), SCHEMA, nnx.Rngs(params=0)).embeddings.layout
