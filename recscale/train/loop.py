@@ -300,7 +300,7 @@ class Experiment:
             sent = x["forward"] + x["backward"]
             out[k] = (
                 f"{c.layout.plan_text.rstrip()}\nall-to-all per step, all devices: "
-                f"{x['forward'] / 2**20:.3f} MiB forward + {x['backward'] / 2**20:.3f} MiB "
+                f"{x['forward'] / 2**20:.6g} MiB forward + {x['backward'] / 2**20:.6g} MiB "
                 f"backward ({c.layout.compression.describe()}"
                 + (f", {x['float32'] / sent:.2f}x fewer bytes than float32)" if sent else ")")
             )
