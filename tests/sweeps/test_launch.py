@@ -134,6 +134,16 @@ def test_kill9_then_relaunch_gives_exactly_n_rows(tmp_path):
     proc = subprocess.Popen(launch_cmd(spec, sweep), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     wait_for(lambda: len(rows(sweep)) >= 1)
+
+    def next_claimed() -> bool:
+        """A trial without a result is claimed (the trial server alone, idle between trials,
+        is no sign of one: killing then would leave no claim to take over)."""
+        path = sweep / "events.jsonl"
+        events = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+        done = {r["trial_id"] for r in rows(sweep)}
+        return any(e["event"] == "claim" and e["trial_id"] not in done for e in events)
+
+    wait_for(next_claimed)
     wait_for(lambda: trial_processes(sweep))  # the next trial is running
     proc.send_signal(signal.SIGKILL)
     proc.wait()
