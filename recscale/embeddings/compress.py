@@ -141,7 +141,7 @@ def decode_fp8(payload: jax.Array, kind: str) -> jax.Array:
     return q * scale
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Compression:
     """How the pooled embeddings (``eps``) and their gradients (``eps_grad``) are exchanged."""
 

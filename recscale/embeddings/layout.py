@@ -65,7 +65,8 @@ class EngineSpec:
                 f"embedding_optim.l2={cfg.embedding_optim.l2}: coupled L2 touches every row each "
                 "step, which the sparse engine does not do; set embeddings.sharding=off or l2=0"
             )
-        comp = Compression(e.comm_compression, e.comm_error_bound, e.comm_error_bound_grad)
+        comp = Compression(kind=e.comm_compression, eps=e.comm_error_bound,
+                           eps_grad=e.comm_error_bound_grad)  # fmt: skip
         return cls(e.sharding, tuple(e.per_table), e.profile, e.host_size, e.storage_dtype,
                    e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size,
                    cfg.kernels.embedding_bag, cfg.kernels.embedding_update, comp)  # fmt: skip

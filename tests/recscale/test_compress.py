@@ -140,11 +140,11 @@ def _ranges(blocks: np.ndarray) -> np.ndarray:
 
 
 def test_the_compressed_exchange_is_the_all_to_all_within_the_bound_both_ways():
-    x, weights, y0, g0 = _exchange(compress.Compression("none"))
+    x, weights, y0, g0 = _exchange(compress.Compression(kind="none"))
     np.testing.assert_array_equal(y0, _plain_exchange(x))
     np.testing.assert_array_equal(g0, _plain_backward(weights))
     eps, eps_g = 0.002, 0.0081
-    _, _, y, g = _exchange(compress.Compression("error_bounded", eps, eps_g))
+    _, _, y, g = _exchange(compress.Compression(kind="error_bounded", eps=eps, eps_grad=eps_g))
     # forward blocks: per device [S, B, w], one per (slot, destination chunk of B)
     n, s = 8, x.shape[0] // 8
     fwd = _ranges(x.reshape(n * s, n, -1)).reshape(x.shape)
@@ -152,16 +152,16 @@ def test_the_compressed_exchange_is_the_all_to_all_within_the_bound_both_ways():
     # backward blocks: per device [n·S, B/n, w], one per row (destination, slot)
     bwd = _ranges(weights.reshape(weights.shape[0], -1)).reshape(weights.shape)
     assert np.all(np.abs(g - g0) <= eps_g * _plain_backward(bwd)) and np.any(g != g0)
-    _, _, y8, g8 = _exchange(compress.Compression("fp8_e4m3"))
+    _, _, y8, g8 = _exchange(compress.Compression(kind="fp8_e4m3"))
     assert np.all(np.abs(y8 - y0) <= 2.0**-4 * np.abs(y0) + 1e-6) and np.any(y8 != y0)
     assert np.all(np.abs(g8 - g0) <= 2.0**-4 * np.abs(g0) + 1e-6) and np.any(g8 != g0)
 
 
 def test_payload_sizes_and_ratios():
     m = 8 * 16  # a destination's 8 examples of a 16-wide slot
-    assert compress.Compression("none").payload_bytes(m) == 4 * m
-    eb = compress.Compression("error_bounded", 0.002)
+    assert compress.Compression(kind="none").payload_bytes(m) == 4 * m
+    eb = compress.Compression(kind="error_bounded", eps=0.002)
     assert eb.payload_bytes(m) == 4 * (2 + m * 8 // 32)
     assert eb.ratio(m) == pytest.approx(4 * m / (8 + m))
-    assert compress.Compression("fp8_e5m2").payload_bytes(m) == 4 + m
-    assert compress.Compression("error_bounded", 0.0, 0.0).lossless
+    assert compress.Compression(kind="fp8_e5m2").payload_bytes(m) == 4 + m
+    assert compress.Compression(kind="error_bounded").lossless
