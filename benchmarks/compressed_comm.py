@@ -63,7 +63,10 @@ def _run(args, name: str, extra: list[str]) -> dict:
         wd.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as f:
             subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=env)
-    fwd, bwd = map(float, _BYTES.search(log.read_text()).groups())
+    found = _BYTES.search(log.read_text())
+    if found is None:
+        raise SystemExit(f"error: {log}: no all-to-all line (is --sharding a sharded engine type?)")
+    fwd, bwd = map(float, found.groups())
     rows = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if r["split"] == "eval"][-1]
     return {"bytes": (fwd + bwd) * 2**20, "auc": final["auc"], "logloss": final["logloss"]}

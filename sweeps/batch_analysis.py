@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not (Path(args.sweep_dir) / "results.jsonl").is_file():
         raise SystemExit(f"error: {args.sweep_dir}/results.jsonl not found: not a sweep directory")
+    if args.target_gap is not None and args.target_gap <= 0:
+        raise SystemExit(f"error: --target-gap {args.target_gap}: must be > 0 (a target no "
+                         "better than the best run reached)")  # fmt: skip
     out = analyze(args.sweep_dir, target=args.target, target_gap=args.target_gap,
                   metric=args.metric)  # fmt: skip
     (Path(args.sweep_dir) / "batch_analysis.json").write_text(json.dumps(out, indent=1) + "\n")
