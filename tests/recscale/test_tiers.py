@@ -1,0 +1,283 @@
+"""Tiered tables (``recscale.embeddings.tiers``): the undo-logged store goes back to any kept
+checkpoint (also after a kill in the middle of a write-back), the cache's directory and LRU /
+LFU eviction, and training through the cache equals the all-in-memory engine on 8 devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from data.batch import PAD_ID, Batch, FeatureInfo, Schema
+from data.config import DataConfig
+from dlrm.config import DLRMConfig, DLRMModelConfig
+from dlrm.model import build_model
+from recscale import sharding
+from recscale.config import (
+    DenseOptimConfig,
+    EmbeddingOptimConfig,
+    EmbeddingShardingConfig,
+    MeshConfig,
+)
+from recscale.embeddings import engine
+from recscale.embeddings import tiers as tiers_lib
+from recscale.train.loop import make_optimizer
+from recscale.train.steps import TrainState, initial_rng, make_train_step
+
+# -- the store ------------------------------------------------------------------------------------
+
+
+def _store(tmp_path, tier, rows=300, width=5):
+    s = tiers_lib.RowStore(tmp_path / "t", rows, width, tier)
+    s.create(lambda a, b: np.arange(a * width, b * width, dtype=np.float32).reshape(-1, width))
+    return s
+
+
+def _all(s):
+    return s.read(np.arange(s.num_rows))
+
+
+@pytest.mark.parametrize("tier", tiers_lib.TIERS)
+def test_the_store_goes_back_to_every_kept_checkpoint(tmp_path, tier):
+    rng = np.random.default_rng(0)
+    s = _store(tmp_path, tier)
+    snaps = {0: _all(s).copy()}
+    for step in (3, 7, 9):
+        for _ in range(4):  # rows written several times between checkpoints
+            rows = np.unique(rng.integers(0, s.num_rows, 40))
+            s.write(rows, rng.standard_normal((len(rows), s.width)).astype(np.float32))
+        s.sync(step)
+        snaps[step] = _all(s).copy()
+    rows = np.arange(0, 300, 7)
+    s.write(rows, np.full((len(rows), s.width), -1, np.float32))  # after the last checkpoint
+    s.sync(11) if tier == "dram" else None  # dram: reaches the file only at a sync
+    for step in (9, 7, 3):
+        s.restore(step)
+        np.testing.assert_array_equal(_all(s), snaps[step])
+        assert s.logs()[-1] == step  # the later logs are consumed
+    s.prune(3)
+    with pytest.raises(FileNotFoundError, match="no undo log for step 0"):
+        s.prune(4)
+        s.restore(0)
+    s.close()
+    # a torn last record (a write that never happened) is dropped, the rest applies
+    s = _store(tmp_path, "ssd")
+    s.write(np.array([1, 2]), np.zeros((2, 5), np.float32))
+    with open(tmp_path / "t" / "undo.0.log", "ab") as f:
+        f.write(tiers_lib._HEADER.pack(tiers_lib._MAGIC, 3) + b"\0" * 10)
+    s.restore(0)
+    np.testing.assert_array_equal(_all(s)[1], np.arange(5, 10))
+
+
+def test_a_kill_in_the_middle_of_write_backs_loses_nothing(tmp_path):
+    """A child writes back rows as fast as it can after a checkpoint and is SIGKILLed; the
+    store restored to that checkpoint equals it exactly."""
+    child = textwrap.dedent(f"""
+        import sys, numpy as np
+        sys.path.insert(0, {os.getcwd()!r})
+        from recscale.embeddings.tiers import RowStore
+        s = RowStore(__import__("pathlib").Path({str(tmp_path / "t")!r}), 20000, 8, "ssd")
+        s.create(lambda a, b: np.full((b - a, 8), 1.0, np.float32))
+        rng = np.random.default_rng(0)
+        s.write(np.arange(0, 20000, 3), np.full((6667, 8), 2.0, np.float32))
+        s.sync(5)
+        np.save({str(tmp_path / "at5.npy")!r}, s.read(np.arange(20000)))
+        print("ready", flush=True)
+        while True:
+            rows = np.unique(rng.integers(0, 20000, 500))
+            s.write(rows, rng.standard_normal((len(rows), 8)).astype(np.float32))
+    """)
+    with subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True) as p:
+        assert p.stdout.readline().strip() == "ready"
+        log = tmp_path / "t" / "undo.5.log"
+        while log.stat().st_size < 200_000 and p.poll() is None:  # well into the write-backs
+            pass
+        assert p.poll() is None, "the child stopped by itself"
+        os.kill(p.pid, signal.SIGKILL)
+    s = tiers_lib.RowStore(tmp_path / "t", 20000, 8, "ssd")
+    s.restore(5)
+    np.testing.assert_array_equal(_all(s), np.load(tmp_path / "at5.npy"))
+    s.close()
+
+
+# -- the cache --------------------------------------------------------------------------------------
+
+
+def test_lru_and_lfu_evict_as_specified():
+    c = tiers_lib.RowCache(100, 4, "lru", "t")
+    p = c.plan(np.array([[5, 6], [5, PAD_ID]]), train=True)
+    np.testing.assert_array_equal(p.load_rows, [5, 6])
+    np.testing.assert_array_equal(p.slot_ids, [[0, 1], [0, PAD_ID]])
+    c.plan(np.array([7, 8]), train=False)  # cache full: 5 6 7 8 (7, 8 clean)
+    c.plan(np.array([5]), train=False)
+    p = c.plan(np.array([9, 10, 5]), train=True)  # LRU: 6 (dirty) and 7 (clean) go
+    np.testing.assert_array_equal(np.sort(p.load_rows), [9, 10])
+    np.testing.assert_array_equal(p.evict_rows, [6])  # only dirty rows are written back
+    assert c.slot_of[7] == -1 and c.slot_of[8] >= 0 and c.hits == 2 and c.requests == 8
+    np.testing.assert_array_equal(c.row_of[p.slot_ids], [9, 10, 5])
+    with pytest.raises(ValueError, match="'t': a batch reads 5 distinct rows, more than"):
+        c.plan(np.arange(20, 25), train=False)
+    with pytest.raises(ValueError, match="'t': id 100 outside"):
+        c.plan(np.array([1, 100]), train=False)
+    # a batch that fills the last free slots and evicts: its new rows are not the victims
+    c = tiers_lib.RowCache(100, 4)
+    c.plan(np.array([1, 2, 3]), train=False)
+    p = c.plan(np.array([4, 5, 6]), train=False)
+    assert sorted(c.row_of[p.slot_ids]) == [4, 5, 6] and sorted(c.row_of) == [3, 4, 5, 6]
+    f = tiers_lib.RowCache(100, 3, "lfu")
+    for b in ([1, 2], [1, 2], [1, 3], [4]):  # 3 is least frequent: LFU evicts it, LRU 2
+        f.plan(np.array(b), train=False)
+    assert f.slot_of[3] == -1 and f.slot_of[2] >= 0
+    # the directory round-trips
+    g = tiers_lib.RowCache(100, 3, "lfu")
+    g.load(f.state())
+    np.testing.assert_array_equal(g.slot_of, f.slot_of)
+
+
+def test_tier_pins_parse_with_clear_errors():
+    got = tiers_lib.parse_tiers(("C1=ssd:64", "C2=dram:8"))
+    assert got["C1"] == tiers_lib.TierSpec(table="C1", tier="ssd", cache_rows=64)
+    for bad in ("C1=disk:8", "C1=ssd", "C1=ssd:0", "=ssd:8"):
+        with pytest.raises(ValueError, match="TABLE=TIER:CACHE_ROWS"):
+            tiers_lib.parse_tiers((bad,))
+    schema = Schema(dense_names=(), features=(FeatureInfo(name="a", vocab_size=10),))
+    with pytest.raises(ValueError, match=r"unknown tables \['b'\]"):
+        tiers_lib.model_schema(schema, tiers_lib.parse_tiers(("b=ssd:4",)))
+
+
+# -- training through the cache ----------------------------------------------------------------------
+
+F, H, B = 4, 3, 16
+VOCAB = (100, 110, 120, 130)
+SCHEMA = Schema(
+    dense_names=("a", "b"),
+    features=tuple(FeatureInfo(name=f"f{i}", vocab_size=v, max_hotness=H)
+                   for i, v in enumerate(VOCAB)),
+)  # fmt: skip
+PINS = ("f0=dram:56", "f2=ssd:64")  # a batch reads at most 48 distinct rows of a table
+
+
+def _cfg(kind, opt):
+    return DLRMConfig(
+        model=DLRMModelConfig(embed_dim=8, bottom_mlp=(8, 8), top_mlp=(8, 1)),
+        data=DataConfig(batch_size=B, eval_batch_size=B),
+        dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
+        embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1,
+                                             initial_accumulator=0.1),
+        mesh=MeshConfig(data_parallel=8, rules="replicated"),
+        embeddings=EmbeddingShardingConfig(sharding=kind),
+    )  # fmt: skip
+
+
+def _batches(steps):
+    rng = np.random.default_rng(0)
+    return [
+        Batch(
+            dense_bn=rng.standard_normal((B, 2)).astype(np.float32),
+            # half Zipf-like (some rows come back often), half uniform: the caches fill up
+            ids_bfh=np.where(
+                rng.random((B, F, H)) < 0.5,
+                np.minimum(rng.zipf(1.3, (B, F, H)) - 1, 99),
+                rng.integers(0, 100, (B, F, H)),
+            ).astype(np.int32),
+            labels_b=rng.integers(0, 2, B).astype(np.float32),
+            weights_b=np.ones(B, np.float32),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _state(cfg, schema):
+    model = build_model(cfg, schema, nnx.Rngs(params=0))
+    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    tx = make_optimizer(cfg, params)
+    state = TrainState(step=jax.numpy.zeros((), "int32"), params=params,
+                       opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
+    return model, state, jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
+
+
+def _tables(model, state):
+    """The tables, each row with its row-wise Adagrad accumulator as the last column."""
+    coll = model.embeddings
+    bufs = {k: v[...] for k, v in state.params["embeddings"]["buffers"].items()}
+    out = engine.export_tables(coll.layout, bufs, coll.table_specs, coll.feature_specs)
+    accs = {
+        path.split("/")[-1]: np.asarray(per["acc"][...])[:, None].repeat(8, 1)
+        for path, per in state.opt_state["embedding"].items()
+    }
+    acc = engine.export_tables(coll.layout, accs, coll.table_specs, coll.feature_specs)
+    return {t: np.concatenate([out[t], acc[t][:, :1]], axis=1) for t in out}
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_training_through_the_cache_equals_the_engine(tmp_path, kind):
+    cfg, steps = _cfg(kind, "rowwise_adagrad"), _batches(8)
+    specs = tiers_lib.parse_tiers(PINS)
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.activate(mesh, cfg.mesh):
+        ref_model, ref, ref_step = _state(cfg, SCHEMA)
+        initial = _tables(ref_model, ref)
+        ref_losses = []
+        for b in steps:
+            ref, m = ref_step(ref, b)
+            ref_losses.append(float(m["loss"]))
+        want = _tables(ref_model, ref)
+
+        model, state, step = _state(cfg, tiers_lib.model_schema(SCHEMA, specs))
+        tiers = tiers_lib.TieredTables(model, SCHEMA, specs, tmp_path, optimizer="rowwise_adagrad",
+                                       initial_accumulator=0.1, seed=0, mesh=mesh)  # fmt: skip
+        tiers.create({t: initial[t] for t in ("f0", "f2")})
+        losses, saved = [], None
+        for i, b in enumerate(steps):
+            state, tb = tiers.prepare(state, b, train=True)
+            state, m = step(state, tb)
+            losses.append(float(m["loss"]))
+            if i == 3:
+                state = tiers.checkpoint(state, 4)
+                saved = jax.device_get(state)
+        state = tiers.checkpoint(state, 8)
+        got = _tables(model, state)
+        first = {t: tiers.stores[t].read(np.arange(v)) for t, v in (("f0", 100), ("f2", 120))}
+        stats = tiers.stats()
+        # again from the checkpoint of step 4: the stores go back, the same steps follow
+        tiers.restore(4)
+        state = jax.device_put(saved, jax.tree.map(lambda x: x.sharding, state))
+        for b in steps[4:]:
+            state, tb = tiers.prepare(state, b, train=True)
+            state, m = step(state, tb)
+        state = tiers.checkpoint(state, 8)
+        again = {t: tiers.stores[t].read(np.arange(v)) for t, v in (("f0", 100), ("f2", 120))}
+        tiers.close()
+
+    # table-wise: the same sums in the same order, bitwise; row-wise: a bag's rows sit in other
+    # row shards when cached, so its partial sums add up in another order (float32 rounding)
+    check = (np.testing.assert_array_equal if kind == "table_wise" else
+             lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6))  # fmt: skip
+    check(losses, ref_losses)
+    for t in ("f1", "f3"):  # in memory
+        check(got[t], want[t])
+    for t in ("f0", "f2"):  # tiered: the store holds every row and its accumulator
+        check(first[t], want[t])
+        np.testing.assert_array_equal(again[t], first[t])  # resumed from step 4: bitwise
+    assert 0 < stats["tier/f0/hit_rate_total"] < 1 and stats["tier/f2/ssd_read_mib"] > 0
+    assert stats["tier/f0/dram_written_mib"] > 0  # rows were evicted and written back
+    assert all(tiers.caches[t].evictions > 50 for t in ("f0", "f2"))
+
+
+def test_tiers_refuse_column_split_caches(tmp_path):
+    cfg = dataclasses.replace(_cfg("column_wise", "sgd"))
+    specs = tiers_lib.parse_tiers(PINS)
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.activate(mesh, cfg.mesh):
+        model, _, _ = _state(cfg, tiers_lib.model_schema(SCHEMA, specs))
+        with pytest.raises(ValueError, match="'f0': its cache must be placed whole rows"):
+            tiers_lib.TieredTables(model, SCHEMA, specs, tmp_path, optimizer="sgd",
+                                   initial_accumulator=0.0, seed=0, mesh=mesh)  # fmt: skip
