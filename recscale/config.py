@@ -180,6 +180,16 @@ class EmbeddingShardingConfig:
     (0: sent as float32; 0.002: 8-bit codes, 4x fewer bytes; 0.0081: 6 bits; 0.036: 4 bits)."""
     comm_error_bound_grad: float = 0.0
     """error_bounded: the same for the gradients sent back (0: float32)."""
+    tiers: tuple[str, ...] = ()
+    """Tables kept beyond device memory, ``TABLE=TIER:CACHE_ROWS`` (e.g. ``C1=ssd:65536``):
+    the whole table in host RAM (``dram``) or in a memory-mapped file (``ssd``), and a cache
+    of its hot rows in the engine (``recscale.embeddings.tiers``; ``python -m recscale.plan
+    --tiers`` proposes a placement from the data's access counts)."""
+    tier_dir: str = ""
+    """Where the tiered tables' files go (empty: ``WORKDIR/tiers``)."""
+    tier_policy: Literal["lru", "lfu"] = "lru"
+    """Which cached rows make room for a batch's missed rows: least recently or least
+    frequently used."""
 
     def __post_init__(self):
         types = (
@@ -209,6 +219,16 @@ class EmbeddingShardingConfig:
         ):
             raise ValueError(f"embeddings.comm_error_bound{{,_grad}}={bounds}: each must be 0 "
                              "(float32) or in [1.5e-05, 0.5) (relative to a block's range)")  # fmt: skip
+        for item in self.tiers:
+            name, _, rest = item.partition("=")
+            tier, _, rows = rest.partition(":")
+            if not name or tier not in ("dram", "ssd") or not rows.isdigit() or int(rows) < 1:
+                raise ValueError(f"embeddings.tiers entry {item!r}: expected TABLE=TIER:CACHE_ROWS "
+                                 "with TIER dram or ssd (e.g. C1=ssd:65536)")  # fmt: skip
+        if self.tiers and self.sharding == "off":
+            raise ValueError(
+                "embeddings.tiers needs the engine (embeddings.sharding auto or a type)"
+            )
         if self.comm_compression != "error_bounded" and any(bounds):
             raise ValueError("embeddings.comm_error_bound{,_grad} need comm_compression "
                              f"error_bounded, not {self.comm_compression}")  # fmt: skip
@@ -351,6 +371,7 @@ class TrainConfig:
 NON_SEMANTIC_FIELDS = frozenset(
     {
         "train.progress", "train.log_every", "train.eval_every", "train.eval_max_batches",
+        "embeddings.tier_dir",
         "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
         "train.checkpoint_fallback", "train.noise_scale_every", "train.noise_scale_micro_batches",
         "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",

@@ -569,6 +569,8 @@ _ADDED_AT_DEFAULT: dict[str, Any] = {
     "embeddings.comm_compression": "none",
     "embeddings.comm_error_bound": 0.0,
     "embeddings.comm_error_bound_grad": 0.0,
+    "embeddings.tiers": [],
+    "embeddings.tier_policy": "lru",
 }
 
 

@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from data.batch import PAD_ID, Batch, Schema
 from recscale import sharding
+from recscale.config import ConfigError
 
 Tier = Literal["dram", "ssd"]
 Policy = Literal["lru", "lfu"]
@@ -83,12 +84,12 @@ def parse_tiers(pins: tuple[str, ...]) -> dict[str, TierSpec]:
         name, _, rest = item.partition("=")
         tier, _, rows = rest.partition(":")
         if not name or tier not in TIERS or not rows.isdigit() or int(rows) < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"embeddings.tiers entry {item!r}: expected TABLE=TIER:CACHE_ROWS, TIER one of "
                 f"{TIERS}, CACHE_ROWS a positive integer (e.g. C1=ssd:65536)"
             )
         if name in out:
-            raise ValueError(f"embeddings.tiers names table {name!r} twice")
+            raise ConfigError(f"embeddings.tiers names table {name!r} twice")
         out[name] = TierSpec(table=name, tier=tier, cache_rows=int(rows))
     return out
 
@@ -99,7 +100,7 @@ def model_schema(schema: Schema, specs: dict[str, TierSpec]) -> Schema:
     names = {f.table_name for f in schema.features}
     unknown = sorted(set(specs) - names)
     if unknown:
-        raise ValueError(f"embeddings.tiers names unknown tables {unknown}; known: {sorted(names)}")
+        raise ConfigError(f"embeddings.tiers names unknown tables {unknown}; known: {sorted(names)}")
     feats = []
     for f in schema.features:
         s = specs.get(f.table_name)
@@ -350,7 +351,7 @@ class RowCache:
         if rest:
             free = self.stamp < t  # not this batch's
             if int(free.sum()) < rest:
-                raise ValueError(
+                raise ConfigError(
                     f"tiered table {self.name!r}: a batch reads {len(u)} distinct rows, more "
                     f"than its cache of {self.capacity} rows holds (raise its cache rows)"
                 )
@@ -446,7 +447,7 @@ class TieredTables:
         self.initial_accumulator = initial_accumulator
         colls = engine.engine_collections(model)
         if not colls:
-            raise ValueError("embeddings.tiers needs the embedding engine (embeddings.sharding)")
+            raise ConfigError("embeddings.tiers needs the embedding engine (embeddings.sharding)")
         feature_index = {f.name: i for i, f in enumerate(schema.features)}
         vocab = {f.table_name: f.vocab_size for f in schema.features}
         self.placed: list[_Placed] = []
@@ -463,7 +464,7 @@ class TieredTables:
                 )
         missing = sorted(set(specs) - {p.spec.table for p in self.placed})
         if missing:
-            raise ValueError(f"embeddings.tiers: tables {missing} are not in the engine")
+            raise ConfigError(f"embeddings.tiers: tables {missing} are not in the engine")
         self.caches = {
             p.spec.table: RowCache(p.num_rows, p.spec.cache_rows, policy, p.spec.table)
             for p in self.placed
@@ -489,13 +490,13 @@ class TieredTables:
                     if bl.feature[d][s] == fi and bl.row_count[d][s]:
                         pieces.append((bl, d, s))
         if not pieces or any(bl.width != t.dim for bl, _, _ in pieces):
-            raise ValueError(
+            raise ConfigError(
                 f"tiered table {t.name!r}: its cache must be placed whole rows at a time "
                 "(table_wise, row_wise or data_parallel), not column-split; pin it with "
                 f"embeddings.per_table={t.name}=row_wise"
             )
         if len({bl.key for bl, _, _ in pieces}) != 1:
-            raise ValueError(f"tiered table {t.name!r}: its rows span several engine buffers")
+            raise ConfigError(f"tiered table {t.name!r}: its rows span several engine buffers")
         bl = pieces[0][0]
         pos = np.full(t.num_rows, -1, np.int64)
         for _, d, s in pieces:

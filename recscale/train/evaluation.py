@@ -82,6 +82,12 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: is {workdir} a recscale run directory?")
     cfg = config_lib.load_json(config_cls, cfg_path)
+    if cfg.embeddings.tiers:
+        raise ValueError(
+            f"{cfg_path}: embeddings.tiers: the tiered tables live in their stores, not in the "
+            "checkpoint; checkpoint evaluation does not read them yet (the run's own "
+            "evaluations in metrics.jsonl do)"
+        )
     if args.best and not (workdir / BEST_DIR).is_dir():
         raise FileNotFoundError(
             f"{workdir / BEST_DIR} not found: --best needs a run trained with "

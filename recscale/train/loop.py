@@ -36,6 +36,7 @@ from recscale import config as config_lib
 from recscale import optim, sharding
 from recscale.analysis import noise_scale
 from recscale.embeddings import EmbeddingTable, engine, relayout
+from recscale.embeddings import tiers as tiers_lib
 from recscale.metrics import EvalAccumulator
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.steps import (
@@ -267,6 +268,8 @@ class Experiment:
         )
 
         schema = source.schema  # closures below must not hold the source (and its rows)
+        if cfg.embeddings.tiers:  # the model's tiered tables are their caches
+            schema = tiers_lib.model_schema(schema, tiers_lib.parse_tiers(cfg.embeddings.tiers))
         graphdef, tx, state_sharding, init = state_parts(
             cfg, build_model, schema, with_optimizer=with_optimizer
         )
@@ -328,17 +331,21 @@ class Experiment:
         *,
         max_batches: int = 0,
         graphdef: nnx.GraphDef | None = None,
+        prepare: Callable[[Batch], tuple[Any, Batch]] | None = None,
     ) -> dict:
         """Exact metrics over the evaluation set (or its first ``max_batches`` batches).
 
         ``graphdef``: evaluate a model of another structure than the trained one (e.g. with
-        int8 tables, ``EmbeddingCollection.quantize_int8``)."""
+        int8 tables, ``EmbeddingCollection.quantize_int8``). ``prepare(batch) -> (params,
+        batch)`` before each batch: the tiered tables' caches (``recscale.embeddings.tiers``)."""
         eval_step = self._eval_step if graphdef is None else jax.jit(make_eval_step(graphdef))
         acc = EvalAccumulator()
         batches = self.source.eval_batches()
         if max_batches:
             batches = itertools.islice(batches, max_batches)
         for batch in batches:
+            if prepare is not None:
+                params, batch = prepare(batch)
             dbatch = self.device_batch(batch)
             logits = eval_step(params, batch_stats, dbatch)
             logits, labels, weights = (
@@ -745,6 +752,7 @@ class _TrainRun:
             else None
         )
         self._best_in_saved: int | None = None  # best step recorded by the last regular save
+        self.tiers = self._tiers(cfg, exp, workdir)
         self.preempted = False
         # (step index, device metrics) not yet read back; read at log / checkpoint boundaries,
         # on preemption and at the end, so the host does not wait on the device every step.
@@ -786,6 +794,41 @@ class _TrainRun:
                 lambda s, b: noise_scale.micro_batch_sq_norms(lambda x: sq(s, x), b, k)
             )
 
+    def _tiers(self, cfg: Any, exp: Experiment, workdir: Path) -> tiers_lib.TieredTables | None:
+        """The tiered tables (``embeddings.tiers``), or None."""
+        e = cfg.embeddings
+        if not e.tiers:
+            return None
+        for bad, why in (
+            (self.early.enabled, "train.early_stopping_metric (a best checkpoint would need its "
+                                 "own copy of the tiered tables)"),
+            (jax.process_count() > 1, f"{jax.process_count()} processes (one store per table)"),
+            (bool(self.tcfg.init_from), "train.init_from (the tables live in the other run's "
+                                        "stores)"),
+        ):  # fmt: skip
+            if bad:
+                raise config_lib.ConfigError(f"embeddings.tiers does not work with {why}")
+        model = nnx.merge(exp.graphdef, exp.abstract_state.params, exp.abstract_state.batch_stats)
+        return tiers_lib.TieredTables(
+            model, exp.source.schema, tiers_lib.parse_tiers(e.tiers),
+            Path(e.tier_dir) if e.tier_dir else workdir / "tiers",
+            optimizer=cfg.embedding_optim.name,
+            initial_accumulator=cfg.embedding_optim.initial_accumulator, seed=self.tcfg.seed,
+            mesh=sharding.active_mesh(), policy=e.tier_policy, state_sharding=exp.state_sharding,
+        )  # fmt: skip
+
+    def _evaluate(self, max_batches: int = 0) -> dict:
+        """The evaluation of the current state (its tiered tables' caches filled as it goes)."""
+        prepare = None
+        if self.tiers is not None:
+
+            def prepare(batch: Batch) -> tuple[Any, Batch]:
+                self.state, batch = self.tiers.prepare(self.state, batch, train=False)
+                return self.state.params, batch
+
+        return self.exp.evaluate(self.state.params, self.state.batch_stats,
+                                 max_batches=max_batches, prepare=prepare)  # fmt: skip
+
     # -- restore ---------------------------------------------------------------------------
 
     def _restore_items(self, c: Checkpointer, step: int, *, with_opt_state: bool = True):
@@ -820,6 +863,8 @@ class _TrainRun:
         if latest is not None:
             latest_step, trees, restored_meta = latest
             state = _state_from(trees, restored_meta["step"])
+            if self.tiers is not None:
+                self.tiers.restore(latest_step)
             print(f"restored checkpoint step {latest_step} from {ckpt.directory}", file=sys.stderr)
         elif tcfg.init_from:
             src = Checkpointer(Path(tcfg.init_from) / "checkpoints", async_save=False)
@@ -841,6 +886,8 @@ class _TrainRun:
             print(f"initialised parameters from {src.directory} step {src_step}", file=sys.stderr)
         else:
             state = exp.init_state()
+            if self.tiers is not None:
+                self.tiers.create()
         self.state = state
         self.start_step = int(state.step)
         # The next batch's index in the training stream: the step, unless a checkpoint says
@@ -865,7 +912,11 @@ class _TrainRun:
             "layout": self.layout,
             "early_stopping": self.early.state() if self.early.enabled else None,
         }
+        if self.tiers is not None:  # the stores as of this step, before the checkpoint
+            self.state = self.tiers.checkpoint(self.state, step)
         self.ckpt.save(step, _state_items(self.state), meta)
+        if self.tiers is not None:
+            self.tiers.prune(min([step, *self.ckpt.all_steps()]))
         if self.early.enabled:
             # ``ckpt.save`` waited for the previous regular save: it is committed, and so is the
             # best it records; older bests are no longer reachable by any resume.
@@ -880,6 +931,8 @@ class _TrainRun:
     def _restore(self, ckpt_step: int, at_step: int) -> TrainState:
         self.ckpt.wait()  # an asynchronous save of that step may still be in flight
         trees, _ = self._restore_items(self.ckpt, ckpt_step)
+        if self.tiers is not None:
+            self.tiers.restore(ckpt_step)
         return _state_from(trees, at_step)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -903,6 +956,9 @@ class _TrainRun:
         for a rollback, or None."""
         batches = _prefetch(self.exp.source, start, self.tcfg.num_steps, self.data_offset)
         with contextlib.closing(batches):  # stops the prefetch thread on every way out
+            if self.tiers is not None:  # the next batch's missed rows read ahead
+                return self._steps_from(self.tiers.lookahead(batches), start, sigterm, prog,
+                                        task)  # fmt: skip
             return self._steps_from(batches, start, sigterm, prog, task)
 
     def _steps_from(self, batches, start: int, sigterm, prog, task) -> list[int] | None:
@@ -910,6 +966,10 @@ class _TrainRun:
         for step in range(start, tcfg.num_steps):
             with timer.phase("data"):
                 _, host_batch = next(batches)
+            if self.tiers is not None:
+                with timer.phase("tiers"):
+                    self.state, host_batch = self.tiers.prepare(self.state, host_batch, train=True)
+            with timer.phase("data"):
                 # Here, not on the prefetch threads: measured, the copy there slowed the loop
                 # (DLRM d4 of the showcase, 1,017 steps: 8.2-8.4 s here, 8.7-9.4 s there).
                 batch = self.exp.device_batch(host_batch)
@@ -951,9 +1011,7 @@ class _TrainRun:
             # so a preemption on an evaluation step still evaluates, before the checkpoint.
             if is_eval and (not self.preempted or self.early.enabled):
                 with timer.phase("eval"):
-                    ev = self.exp.evaluate(
-                        self.state.params, self.state.batch_stats, max_batches=tcfg.eval_max_batches
-                    )
+                    ev = self._evaluate(max_batches=tcfg.eval_max_batches)
                     self.writer.write({"step": done, "split": "eval", **ev})
                 if self.early.enabled:
                     self._early_stopping(done, ev)
@@ -1012,6 +1070,8 @@ class _TrainRun:
         self.window = []
         row.update(step=done, split="train", examples_per_sec=eps)
         row["nonfinite_total"] = self.guard.total
+        if self.tiers is not None:
+            row.update(self.tiers.stats())
         self.writer.write(row)
         if "loss" in row:
             prog.update(task, info=f"loss {row['loss']:.4f}  {eps:,.0f} ex/s")
@@ -1058,6 +1118,8 @@ class _TrainRun:
         if self.preempted:
             with timer.phase("close"):
                 ckpt.close()
+                if self.tiers is not None:
+                    self.tiers.close()
                 if self.best_ckpt is not None:
                     self.best_ckpt.close()
             return {"step": int(self.state.step), "preempted": True}
@@ -1067,8 +1129,7 @@ class _TrainRun:
             # The last step is a candidate too (BARS evaluates after the last epoch): observed
             # before the final checkpoint, whose meta then records it.
             with timer.phase("final_eval"):
-                last = self.exp.evaluate(self.state.params, self.state.batch_stats,
-                                         max_batches=self.tcfg.eval_max_batches)  # fmt: skip
+                last = self._evaluate(max_batches=self.tcfg.eval_max_batches)
                 self.writer.write({"step": final_step, "split": "eval", **last})
             self._early_stopping(final_step, last)
         if ckpt.latest_step() != final_step:
@@ -1078,10 +1139,12 @@ class _TrainRun:
             full = self.tcfg.eval_max_batches == 0 and self.early.best_step == final_step
             return self._finish_best(final_step, last if full else None)
         with timer.phase("final_eval"):
-            ev = self.exp.evaluate(self.state.params, self.state.batch_stats)
+            ev = self._evaluate()
             self.writer.write({"step": final_step, "split": "eval", **ev})
         with timer.phase("close"):
             ckpt.close()
+            if self.tiers is not None:
+                self.tiers.close()
         return {"step": final_step, **ev}
 
     def _finish_best(self, final_step: int, ev: dict | None = None) -> dict:

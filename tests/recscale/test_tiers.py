@@ -5,7 +5,9 @@ LFU eviction, and training through the cache equals the all-in-memory engine on 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +18,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import dlrm.presets  # noqa: F401
 from data.batch import PAD_ID, Batch, FeatureInfo, Schema
 from data.config import DataConfig
+from dlrm import evaluate as dlrm_evaluate
 from dlrm.config import DLRMConfig, DLRMModelConfig
 from dlrm.model import build_model
 from recscale import sharding
@@ -26,10 +30,11 @@ from recscale.config import (
     EmbeddingOptimConfig,
     EmbeddingShardingConfig,
     MeshConfig,
+    get_preset,
 )
 from recscale.embeddings import engine
 from recscale.embeddings import tiers as tiers_lib
-from recscale.train.loop import make_optimizer
+from recscale.train.loop import make_optimizer, train
 from recscale.train.steps import TrainState, initial_rng, make_train_step
 
 # -- the store ------------------------------------------------------------------------------------
@@ -281,3 +286,40 @@ def test_tiers_refuse_column_split_caches(tmp_path):
         with pytest.raises(ValueError, match="'f0': its cache must be placed whole rows"):
             tiers_lib.TieredTables(model, SCHEMA, specs, tmp_path, optimizer="sgd",
                                    initial_accumulator=0.0, seed=0, mesh=mesh)  # fmt: skip
+
+
+def test_the_trainer_trains_resumes_and_reports_with_tiered_tables(tmp_path, capsys):
+    """dlrm/tiny with two tables tiered: hit rates and tier bytes in the train rows; a run
+    killed after its step-40 checkpoint of the stores but before the trainer's (the stores are
+    ahead of the checkpoint it resumes from) ends bitwise like the uninterrupted run."""
+    cfg = get_preset("dlrm/tiny")
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, num_steps=60, checkpoint_every=20, log_every=20,
+                                  max_checkpoints=3,
+                                  eval_every=0, progress=False),
+        mesh=dataclasses.replace(cfg.mesh, data_parallel=8),
+        embeddings=EmbeddingShardingConfig(sharding="row_wise", tiers=("f0=dram:90",
+                                                                       "f2=ssd:150")),
+    )  # fmt: skip
+    full = train(cfg, build_model, tmp_path / "full")
+    rows = [json.loads(r) for r in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r["split"] == "train"][-1]
+    assert 0.5 < last["tier/f2/hit_rate"] <= 1 and last["tier/f0/dram_read_mib"] > 0
+    assert last["tier/f2/ssd_written_mib"] > 0  # evicted rows went back
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    for step in (40, 60):
+        shutil.rmtree(tmp_path / "resumed" / "checkpoints" / str(step))
+    (tmp_path / "resumed" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 20)
+    )
+    capsys.readouterr()
+    resumed = train(cfg, build_model, tmp_path / "resumed")
+    assert "restored checkpoint step 20" in capsys.readouterr().err
+    assert resumed == full
+    # without tiers the same config trains too (the tables in the engine): comparable quality
+    plain = train(dataclasses.replace(cfg, embeddings=EmbeddingShardingConfig(
+        sharding="row_wise")), build_model, tmp_path / "plain")  # fmt: skip
+    assert abs(plain["auc"] - full["auc"]) < 0.05, (plain["auc"], full["auc"])
+    with pytest.raises(ValueError, match="embeddings.tiers: the tiered tables live in their"):
+        dlrm_evaluate.main(["--workdir", str(tmp_path / "full")])
