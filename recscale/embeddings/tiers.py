@@ -320,7 +320,7 @@ class RowCache:
         self.row_of = np.full(capacity, -1, np.int64)
         self.stamp = np.full(capacity, -1, np.int64)  # step of the last use
         self.dirty = np.zeros(capacity, bool)  # updated since loaded
-        self.freq = np.zeros(num_rows if policy == "lfu" else 0, np.int64)
+        self.freq = np.zeros(num_rows if policy == "lfu" else 0, np.int32)  # steps seen
         self.used = 0  # slots ever filled (filled in order)
         self.clock = 0
         self.requests = self.hits = self.evictions = 0
@@ -358,7 +358,7 @@ class RowCache:
             if self.policy == "lru":
                 key = np.where(free, self.stamp, np.iinfo(np.int64).max)
             else:  # least frequent first, the least recent among equals
-                f = self.freq[np.maximum(self.row_of, 0)]
+                f = self.freq[np.maximum(self.row_of, 0)].astype(np.int64)
                 key = np.where(free, (f << 32) | self.stamp, np.iinfo(np.int64).max)
             victims = np.argpartition(key, rest - 1)[:rest]
             victims.sort()
