@@ -157,6 +157,8 @@ def child(args) -> None:
                 state, b = tiers.prepare(state, b, train=True)
                 t_tiers += time.perf_counter() - t1 if i >= args.warmup else 0.0
             state, m = step(state, b)
+            if i % 100 == 0:
+                print(f"step {i} {time.strftime('%X')}", file=sys.stderr, flush=True)
         jax.block_until_ready(state)
         secs = time.perf_counter() - t0
         out["examples_per_s"] = args.steps * args.batch / secs
@@ -210,10 +212,10 @@ def _run(args, name: str, tier: str, rows: int, cgroup: Path | None) -> dict:
         cmd += ["--cgroup", str(cgroup)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
     print(f"== {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if p.returncode or line is None:
-        raise SystemExit(f"{name}: exit {p.returncode}\n{p.stderr[-3000:]}")
+        raise SystemExit(f"{name}: exit {p.returncode} (its errors are above)")
     return json.loads(line[len("RESULT ") :])
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -159,6 +160,10 @@ class RowStore:
                 "float32 (created by a run of another table size?)"
             )
         self._mm = np.memmap(self.path, np.float32, "r+", shape=(self.num_rows, self.width))
+        if self.tier == "ssd":
+            # Rows are read at random: the kernel's read-around of every fault (128 KiB) would
+            # read 1,000 rows for one and fill the page cache with them.
+            self._mm._mmap.madvise(mmap.MADV_RANDOM)
         if self.tier == "dram":
             self._ram = np.array(self._mm)
             self._dirty = np.zeros(self.num_rows, bool)
@@ -207,6 +212,7 @@ class RowStore:
             return
         fd = os.open(self.path, os.O_RDONLY)
         try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             for r in np.sort(rows):
                 os.pread(fd, self.row_bytes, int(r) * self.row_bytes)
         finally:
