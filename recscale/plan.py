@@ -377,10 +377,75 @@ def render(r: StepReport) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------------
+# Tiers: which tables stay in device memory, which get a cache over host DRAM or SSD.
+
+_STATE_BYTES = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 4, "adam": lambda d: 8 * d}
+
+
+def table_access_counts(cfg: Any, schema: Any, sample_batches: int) -> dict[str, tuple]:
+    """Per table ``(counts, lookups per step)``: synthetic data from its Zipf law (exact
+    probabilities by rank: hit rates do not depend on which row has which rank); other data
+    from the ids of ``sample_batches`` training batches."""
+    batch = cfg.data.batch_size
+    if cfg.data.kind == "synthetic":
+        syn = cfg.data.synthetic
+        out = {}
+        for f in schema.features:
+            h = f.max_hotness
+            mean_bag = h if syn.pooling == "fixed" else (h + 1) / 2
+            ranks = np.arange(f.vocab_size, dtype=np.float64)
+            out[f.table_name] = (np.power(ranks + 1.0, -syn.zipf_exponent), batch * mean_bag)
+        return out
+    from data.sources import make_source  # noqa: PLC0415
+
+    source = make_source(cfg.data)
+    counts = {f.table_name: np.zeros(f.vocab_size, np.int64) for f in schema.features}
+    n = {f.table_name: 0 for f in schema.features}
+    for step in range(sample_batches):
+        b = source.train_batch(step)
+        for i, f in enumerate(schema.features):
+            ids = b.ids_bfh[:, i].ravel()
+            ids = ids[ids >= 0]
+            counts[f.table_name] += np.bincount(ids, minlength=f.vocab_size)
+            n[f.table_name] += ids.size
+    return {t: (c, n[t] / sample_batches) for t, c in counts.items()}
+
+
+def plan_tiers(cfg: Any, hw: tpu_gpu_configs.LaunchPreset, *, hbm_gib: float = 0.0,
+               dram_gib: float = 64.0, policy: str = "lru", sample_batches: int = 64) -> str:
+    """The tier planner's placement (``recscale.embeddings.tier_plan.place``) of ``cfg``'s
+    tables on ``hw``: device memory ``hbm_gib`` (0: the hardware's, all devices), host RAM
+    ``dram_gib``; returns the rendered plan and the ``--embeddings.tiers`` it asks for."""
+    from recscale.embeddings import tier_plan  # noqa: PLC0415
+
+    schema = schema_of(cfg.data)
+    dim = cfg.model.embed_dim
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.embeddings.storage_dtype]
+    row_bytes = dim * itemsize + _STATE_BYTES[cfg.embedding_optim.name](dim)
+    access = table_access_counts(cfg, schema, sample_batches)
+    tables = [
+        tier_plan.TierTable(name=t, num_rows=len(c), row_bytes=row_bytes, counts=c,
+                            lookups_per_step=lookups)
+        for t, (c, lookups) in access.items()
+    ]  # fmt: skip
+    devices = hw.num_hosts * hw.devices_per_host
+    hbm = hbm_gib * 2**30 if hbm_gib else get_profile(hw.profile).memory_bytes * devices
+    plan = tier_plan.place(tables, hbm_bytes=int(hbm), dram_bytes=int(dram_gib * 2**30),
+                           policy=policy)  # fmt: skip
+    pins = plan.to_pins()
+    return plan.render() + (
+        f"\n--embeddings.tiers {' '.join(pins)}" + (" --embeddings.tier-policy lfu"
+                                                    if policy == "lfu" else "")
+        if pins else "\nevery table fits in device memory: no tiers needed"
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: python -m recscale.plan PRESET --hardware NAME [--compile] [--json FILE] "
-             "[--global-batch N] [--field.sub value ...]")  # fmt: skip
+             "[--global-batch N] [--tiers [--hbm-gib G] [--dram-gib G] [--policy lru|lfu] "
+             "[--sample-batches N]] [--field.sub value ...]")  # fmt: skip
     if not argv or argv[0].startswith("-"):
         raise SystemExit(usage)
     preset, rest = argv[0], argv[1:]
@@ -403,6 +468,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"--global-batch: expected an integer, got {own['global-batch']!r}"
         ) from None
+    if "tiers" in own:
+        try:
+            print(plan_tiers(cfg, hw, hbm_gib=float(own.get("hbm-gib", 0)),
+                             dram_gib=float(own.get("dram-gib", 64)),
+                             policy=own.get("policy", "lru"),
+                             sample_batches=int(own.get("sample-batches", 64))))  # fmt: skip
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        return
     report = plan_step(cfg, build_model, hw, preset=preset, compile="compile" in own,
                        global_batch=batch)  # fmt: skip
     print(render(report))
@@ -415,9 +489,10 @@ def _own_flags(args: list[str]) -> tuple[dict[str, str], list[str]]:
     own, rest = {}, []
     it: Iterator[str] = iter(args)
     for a in it:
-        if a == "--compile":
-            own["compile"] = "1"
-        elif a in ("--hardware", "--json", "--global-batch"):
+        if a in ("--compile", "--tiers"):
+            own[a[2:]] = "1"
+        elif a in ("--hardware", "--json", "--global-batch", "--hbm-gib", "--dram-gib",
+                   "--policy", "--sample-batches"):  # fmt: skip
             own[a[2:]] = next(it, "")
         else:
             rest.append(a)

@@ -53,6 +53,9 @@ class EngineSpec:
     """Implementation of the fused backward + row update (``recscale.kernels.embedding_update``)."""
     compression: Compression = Compression()
     """How the pooled outputs' all-to-all is compressed (not a plan input: placement ignores it)."""
+    tiered: tuple[str, ...] = ()
+    """Tables whose engine table is a cache of a larger one (``recscale.embeddings.tiers``):
+    placed whole rows at a time (never column-split) unless pinned."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> EngineSpec | None:
@@ -69,7 +72,8 @@ class EngineSpec:
                            eps_grad=e.comm_error_bound_grad)  # fmt: skip
         return cls(e.sharding, tuple(e.per_table), e.profile, e.host_size, e.storage_dtype,
                    e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size,
-                   cfg.kernels.embedding_bag, cfg.kernels.embedding_update, comp)  # fmt: skip
+                   cfg.kernels.embedding_bag, cfg.kernels.embedding_update, comp,
+                   tuple(t.split("=", 1)[0] for t in e.tiers))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +185,9 @@ def build_layout(
 
     def allowed(name: str) -> tuple[str, ...]:
         kinds = (pins[name],) if name in pins else default
+        if name in spec.tiered and name not in pins:  # a cache swaps whole rows
+            every = planner_lib.ShardingType.__args__
+            kinds = tuple(k for k in kinds or every if k not in COLUMN_TYPES)
         if num_devices == 1 and kinds and kinds != ("data_parallel",):
             return ("table_wise",)  # on one device every split is the whole table there
         return kinds
