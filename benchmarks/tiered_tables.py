@@ -113,7 +113,7 @@ def child(args) -> None:
              if args.tier != "none" else {})  # fmt: skip
     mesh = sharding.make_mesh(cfg.mesh)
     rng = np.random.default_rng(0)
-    out: dict = {"config": args.name, "rows": rows}
+    out: dict = {"config": args.name, "rows": rows, "device": jax.devices()[0].device_kind}
     with sharding.activate(mesh, cfg.mesh):
         model = build_model(cfg, tiers_lib.model_schema(schema, specs), nnx.Rngs(params=0))
         graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
@@ -210,7 +210,9 @@ def _run(args, name: str, tier: str, rows: int, cgroup: Path | None) -> dict:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if cgroup is not None:
         cmd += ["--cgroup", str(cgroup)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}
+    if args.platform:
+        env["JAX_PLATFORMS"] = args.platform
     print(f"== {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mem-limit-gib", type=float, default=1.5)
     ap.add_argument("--out", default="runs/bench_tiers")
     ap.add_argument("--configs", nargs="+", default=["in_memory", "dram", "ssd"])
+    ap.add_argument("--platform", default="cpu", help="JAX_PLATFORMS of the runs ('' : JAX's "
+                    "default, e.g. the GPU)")  # fmt: skip
     # the child's
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
