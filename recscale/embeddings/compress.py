@@ -71,6 +71,18 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     code ``i`` at bits ``i·bits .. i·bits + bits - 1`` of the concatenated words (little end
     first); the tail of the last word is zero."""
     *lead, n = codes.shape
+    if 32 % bits == 0:  # whole codes per word (1, 2, 4, 8, 16 bits): shift and or, no bit planes
+        k, words = 32 // bits, _words(n, bits)
+        c = jnp.pad(codes.astype(jnp.uint32), [(0, 0)] * len(lead) + [(0, words * k - n)])
+        c = c.reshape(*lead, words, k) << (jnp.arange(k, dtype=jnp.uint32) * bits)
+        return jnp.sum(c, axis=-1, dtype=jnp.uint32)  # disjoint bits: a sum is an or
+    return _pack_planes(codes, bits)
+
+
+def _pack_planes(codes: jax.Array, bits: int) -> jax.Array:
+    """:func:`pack_bits` for any width: every code split into bit planes (``bits`` words per
+    code before the sum, so 6-bit codes cost what 8-bit ones did before the fast path)."""
+    *lead, n = codes.shape
     total = _words(n, bits) * 32
     shifts = jnp.arange(bits, dtype=jnp.uint32)
     flat = ((codes.astype(jnp.uint32)[..., None] >> shifts) & 1).reshape(*lead, n * bits)
@@ -83,6 +95,10 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
 def unpack_bits(words: jax.Array, bits: int, n: int) -> jax.Array:
     """The inverse of :func:`pack_bits`: ``uint32 [..., n]`` codes."""
     *lead, w = words.shape
+    if 32 % bits == 0:
+        k = 32 // bits
+        c = (words[..., None] >> (jnp.arange(k, dtype=jnp.uint32) * bits)) & ((1 << bits) - 1)
+        return c.reshape(*lead, w * k)[..., :n]
     flat = (words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
     flat = flat.reshape(*lead, w * 32)[..., : n * bits].reshape(*lead, n, bits)
     return jnp.sum(flat << jnp.arange(bits, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)

@@ -20,7 +20,7 @@ encode = jax.jit(compress.encode, static_argnums=1)
 decode = jax.jit(compress.decode, static_argnums=(1, 2))
 
 
-@pytest.mark.parametrize("bits", [1, 3, 8, 13, 16])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8, 13, 16])
 def test_codes_pack_densely_and_unpack_exactly(bits):
     rng = np.random.default_rng(bits)
     for n in (1, 31, 32, 33, 100):
@@ -29,6 +29,8 @@ def test_codes_pack_densely_and_unpack_exactly(bits):
         words = pack(jnp.asarray(codes), bits)
         assert words.shape == (3, -(-n * bits // 32)) and words.dtype == jnp.uint32
         np.testing.assert_array_equal(unpack(words, bits, n), codes)
+        # widths dividing 32 take the shift-and-or path: the same words as the bit planes
+        np.testing.assert_array_equal(words, compress._pack_planes(jnp.asarray(codes), bits))
     # code i at bits i*bits.. of the little-endian stream: 3-bit codes 1, 2 -> 0b010_001
     assert int(compress.pack_bits(jnp.array([1, 2], jnp.uint32), 3)[0]) == 0b010001
 
