@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 19's checks on a lent GPU, each bounded; logs under $OUT (default /tmp/gpu_issue19):
+#
+#   bash benchmarks/gpu_issue19.sh
+#
+# 1. benchmarks/compress_codec.py: the compressed exchange's encode/decode time on this GPU at
+#    a production step's shapes, and the exchange time each scheme would save on the H100/H200
+#    and TPU profiles' links;
+# 2. benchmarks/tiered_tables.py on the GPU: the table in device memory against the same table
+#    behind a device cache over host DRAM (the host's work per step against a GPU step).
+#
+# Packages the GPU image lacks travel as wheels in .whl/ (as benchmarks/gpu_checks.sh).
+set -u
+OUT=${OUT:-/tmp/gpu_issue19}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=3
+{
+  nvidia-smi -L
+  python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jaxlib.__version__, jax.devices())'
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== 1. compressed exchange codec"
+timeout "${T_CODEC:-150}" python3 benchmarks/compress_codec.py --out "$OUT/codec.json" 2>&1 |
+  tee "$OUT/codec.txt"
+
+echo "== 2. tiered tables on the GPU"
+timeout "${T_TIERS:-200}" python3 benchmarks/tiered_tables.py --platform '' \
+  --configs in_memory dram --steps 300 --warmup 500 --out "$OUT/tiers" 2>&1 | tee "$OUT/tiers.txt"
