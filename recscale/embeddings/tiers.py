@@ -332,6 +332,10 @@ class RowCache:
         self.used = 0  # slots ever filled (filled in order)
         self.clock = 0
         self.requests = self.hits = self.evictions = 0
+        # LRU: (slot, stamp) in order of use; an entry is live while the slot's stamp is still
+        # its stamp, so victims are the live entries at the front (no scan of the whole cache)
+        self._q = np.zeros((1024, 2), np.int64)
+        self._head = self._tail = 0
 
     def plan(self, ids: np.ndarray, *, train: bool) -> StepPlan:
         """Places the distinct rows of ``ids`` (any shape; ``PAD_ID`` padding) in the cache."""
@@ -357,18 +361,17 @@ class RowCache:
         evict_slots = np.zeros(0, np.int64)
         evict_rows = np.zeros(0, np.int64)
         if rest:
-            free = self.stamp < t  # not this batch's
-            if int(free.sum()) < rest:
+            if rest > self.used - int(hit.sum()) - take:  # the slots this batch does not use
                 raise ConfigError(
                     f"tiered table {self.name!r}: a batch reads {len(u)} distinct rows, more "
                     f"than its cache of {self.capacity} rows holds (raise its cache rows)"
                 )
             if self.policy == "lru":
-                key = np.where(free, self.stamp, np.iinfo(np.int64).max)
+                victims = self._oldest(rest)
             else:  # least frequent first, the least recent among equals
                 f = self.freq[np.maximum(self.row_of, 0)].astype(np.int64)
-                key = np.where(free, (f << 32) | self.stamp, np.iinfo(np.int64).max)
-            victims = np.argpartition(key, rest - 1)[:rest]
+                key = np.where(self.stamp < t, (f << 32) | self.stamp, np.iinfo(np.int64).max)
+                victims = np.argpartition(key, rest - 1)[:rest]
             victims.sort()
             vrows = self.row_of[victims]
             self.slot_of[vrows] = -1
@@ -381,6 +384,8 @@ class RowCache:
         self.stamp[target] = t
         self.dirty[target] = False
         slots = self.slot_of[u]
+        if self.policy == "lru":
+            self._push(slots, t)
         if train:
             self.dirty[slots] = True
         out = ids.copy()
@@ -388,6 +393,39 @@ class RowCache:
         self.requests += len(u)
         self.hits += int(hit.sum())
         return StepPlan(out, target, miss, evict_slots, evict_rows)
+
+    def _push(self, slots: np.ndarray, t: int) -> None:
+        """Appends ``(slot, t)`` entries to the use queue (amortised: the live part moves to
+        the front, dead entries dropped, and the buffer doubles only when that is not room)."""
+        if self._tail + len(slots) > len(self._q):
+            q = self._q[self._head : self._tail]
+            q = q[self.stamp[q[:, 0]] == q[:, 1]]
+            size = len(self._q)
+            while len(q) + len(slots) > size // 2:
+                size *= 2
+            self._q = np.zeros((size, 2), np.int64)
+            self._q[: len(q)] = q
+            self._head, self._tail = 0, len(q)
+        self._q[self._tail : self._tail + len(slots), 0] = slots
+        self._q[self._tail : self._tail + len(slots), 1] = t
+        self._tail += len(slots)
+
+    def _oldest(self, k: int) -> np.ndarray:
+        """The ``k`` least recently used slots, taken off the front of the use queue."""
+        out, n = [], 0
+        while n < k:
+            chunk = self._q[self._head : min(self._head + max(2 * (k - n), 1024), self._tail)]
+            live = chunk[self.stamp[chunk[:, 0]] == chunk[:, 1], 0]
+            if n + len(live) >= k:  # stop right after the k-th live entry
+                last = np.flatnonzero(self.stamp[chunk[:, 0]] == chunk[:, 1])[k - n - 1]
+                self._head += last + 1
+                out.append(live[: k - n])
+                n = k
+            else:
+                self._head += len(chunk)
+                out.append(live)
+                n += len(live)
+        return np.concatenate(out)
 
     def dirty_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, rows)`` of every cached row updated since it was loaded."""
@@ -400,6 +438,8 @@ class RowCache:
                                     self.evictions])}  # fmt: skip
         if self.policy == "lfu":
             out["freq"] = self.freq
+        else:
+            out["queue"] = self._q[self._head : self._tail]
         return out
 
     def load(self, st: dict[str, np.ndarray]) -> None:
@@ -410,6 +450,11 @@ class RowCache:
         )
         if self.policy == "lfu":
             self.freq = st["freq"].copy()
+        else:
+            q = st["queue"]
+            self._q = np.zeros((max(1024, 2 * len(q)), 2), np.int64)
+            self._q[: len(q)] = q
+            self._head, self._tail = 0, len(q)
         self.slot_of[:] = -1
         held = self.row_of >= 0
         self.slot_of[self.row_of[held]] = np.flatnonzero(held)

@@ -137,6 +137,24 @@ def test_lru_and_lfu_evict_as_specified():
     c.plan(np.array([1, 2, 3]), train=False)
     p = c.plan(np.array([4, 5, 6]), train=False)
     assert sorted(c.row_of[p.slot_ids]) == [4, 5, 6] and sorted(c.row_of) == [3, 4, 5, 6]
+    # LRU over many steps: every victim was used no later than every slot kept (the use queue
+    # equals a scan of the stamps), and the state round-trips mid-way
+    rng = np.random.default_rng(0)
+    c, d = tiers_lib.RowCache(500, 64), None
+    for step in range(200):
+        before = c.stamp.copy()
+        ids = rng.integers(0, 500, 40) // (1 + rng.integers(0, 4, 40))
+        p = c.plan(ids, train=True)
+        if d is not None:  # the reloaded directory makes the same choices
+            np.testing.assert_array_equal(d.plan(ids, train=True).slot_ids, p.slot_ids)
+        evicted = np.setdiff1d(p.load_slots, np.arange(c.used)[before[: c.used] < 0])
+        kept = np.setdiff1d(np.flatnonzero(c.stamp < step), evicted)
+        if len(evicted) and len(kept):
+            assert before[evicted].max() <= before[kept].min(), step
+        if step == 100:
+            d = tiers_lib.RowCache(500, 64)
+            d.load(c.state())
+    assert c.evictions > 500
     f = tiers_lib.RowCache(100, 3, "lfu")
     for b in ([1, 2], [1, 2], [1, 3], [4]):  # 3 is least frequent: LFU evicts it, LRU 2
         f.plan(np.array(b), train=False)
