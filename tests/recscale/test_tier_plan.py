@@ -73,7 +73,7 @@ def test_placement_over_hbm_dram_and_ssd():
         if t.tier != "hbm":
             src = hot if t.name == "hot" else cold
             want = tier_plan.predict_hit_rate(src.counts, t.cache_rows, src.lookups_per_step)
-            assert t.hit_rate == pytest.approx(want)
+            assert t.hit_rate == pytest.approx(want, rel=1e-3)  # place interpolates a curve
     pins = dict(x.split("=") for x in plan.to_pins())
     assert all(v.split(":")[0] in ("dram", "ssd") for v in pins.values())
     # DRAM for one backing copy only: the other goes to SSD, or fails without it
