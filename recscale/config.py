@@ -180,6 +180,11 @@ class EmbeddingShardingConfig:
     (0: sent as float32; 0.002: 8-bit codes, 4x fewer bytes; 0.0081: 6 bits; 0.036: 4 bits)."""
     comm_error_bound_grad: float = 0.0
     """error_bounded: the same for the gradients sent back (0: float32)."""
+    comm_error_bound_schedule: tuple[str, ...] = ()
+    """error_bounded, per iteration: ``STEP:EPS:EPS_GRAD`` entries (steps increasing), each
+    bound from its step on (before the first: ``comm_error_bound{,_grad}``; evaluations keep
+    those). E.g. ``0:0.036:0.036 2000:0.002:0.002``: 4-bit codes early, 8-bit late. Each
+    distinct pair is its own compiled step; train rows log the bounds in force."""
     tiers: tuple[str, ...] = ()
     """Tables kept beyond device memory, ``TABLE=TIER:CACHE_ROWS`` (e.g. ``C1=ssd:65536``):
     the whole table in host RAM (``dram``) or in a memory-mapped file (``ssd``), and a cache
@@ -229,6 +234,26 @@ class EmbeddingShardingConfig:
             raise ValueError(
                 "embeddings.tiers needs the engine (embeddings.sharding auto or a type)"
             )
+        last = -1
+        for item in self.comm_error_bound_schedule:
+            parts = item.split(":")
+            try:
+                step, eps, eps_g = int(parts[0]), float(parts[1]), float(parts[2])
+                ok = (
+                    len(parts) == 3
+                    and step > last
+                    and all(b == 0 or 2.0**-16 <= b < 0.5 for b in (eps, eps_g))
+                )
+            except (ValueError, IndexError):
+                ok = False
+            if not ok:
+                raise ValueError(f"embeddings.comm_error_bound_schedule entry {item!r}: expected "
+                                 "STEP:EPS:EPS_GRAD, steps increasing, each bound 0 or in "
+                                 "[1.5e-05, 0.5)")  # fmt: skip
+            last = step
+        if self.comm_error_bound_schedule and self.comm_compression != "error_bounded":
+            raise ValueError("embeddings.comm_error_bound_schedule needs comm_compression "
+                             f"error_bounded, not {self.comm_compression}")  # fmt: skip
         if self.comm_compression != "error_bounded" and any(bounds):
             raise ValueError("embeddings.comm_error_bound{,_grad} need comm_compression "
                              f"error_bounded, not {self.comm_compression}")  # fmt: skip

@@ -570,6 +570,7 @@ _ADDED_AT_DEFAULT: dict[str, Any] = {
     "embeddings.comm_error_bound": 0.0,
     "embeddings.comm_error_bound_grad": 0.0,
     "embeddings.tiers": [],
+    "embeddings.comm_error_bound_schedule": [],
     "embeddings.tier_policy": "lru",
 }
 

@@ -36,7 +36,12 @@ from recscale.embeddings.layout import (
     generated_rows,
     init_buffers,
 )
-from recscale.embeddings.lookup import engine_collections, lookup, step_context
+from recscale.embeddings.lookup import (
+    engine_collections,
+    lookup,
+    step_context,
+    with_error_bounds,
+)
 from recscale.embeddings.update import (
     EngineOptState,
     UpdateRule,
@@ -64,4 +69,5 @@ __all__ = [
     "lookup",
     "row_gradient_sq",
     "step_context",
+    "with_error_bounds",
 ]

@@ -182,6 +182,18 @@ def engine_collections(model: nnx.Module) -> dict[str, Any]:
     }
 
 
+def with_error_bounds(graphdef: nnx.GraphDef, params: Any, batch_stats: Any, eps: float,
+                      eps_grad: float) -> nnx.GraphDef:  # fmt: skip
+    """``graphdef`` with its engine collections' exchanges bounded by ``eps`` / ``eps_grad``
+    (``error_bounded`` compression; the same state fits it: the bounds change only code
+    widths on the wire). ``params`` / ``batch_stats`` may be abstract."""
+    model = nnx.merge(graphdef, params, batch_stats)
+    for coll in engine_collections(model).values():
+        comp = dataclasses.replace(coll.layout.compression, eps=eps, eps_grad=eps_grad)
+        coll.layout = nnx.static(dataclasses.replace(coll.layout, compression=comp))
+    return nnx.split(model, nnx.Param, nnx.BatchStat, ...)[0]
+
+
 def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> jax.Array:
     """Pooled embeddings ``[B, ΣD]`` of the features of ``layout`` (see the module docstring)."""
     ctx = _STEP.get()

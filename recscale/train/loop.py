@@ -356,6 +356,19 @@ class Experiment:
         return acc.result()
 
 
+def _bound_phases(cfg: Any) -> list[tuple[int, float, float]]:
+    """``(first step, eps, eps_grad)`` of the exchange's error bounds, from
+    ``embeddings.comm_error_bound{,_grad}`` and ``comm_error_bound_schedule``."""
+    e = cfg.embeddings
+    out = [(0, e.comm_error_bound, e.comm_error_bound_grad)]
+    for item in e.comm_error_bound_schedule:
+        step, eps, eps_grad = item.split(":")
+        if int(step) == 0:
+            out = []
+        out.append((int(step), float(eps), float(eps_grad)))
+    return out
+
+
 def _state_items(state: TrainState) -> dict[str, Any]:
     """The checkpoint items of a (possibly abstract) train state; the step goes in the meta."""
     return {
@@ -780,6 +793,30 @@ class _TrainRun:
                 donate_argnums=(0,),
             ),
         )
+        # Per-iteration error bounds of the compressed exchange: one compiled step per pair.
+        self.bound_phases = _bound_phases(cfg)
+        self._phase_steps = {self.bound_phases[0][1:]: self._train_step}
+        for _, eps, eps_grad in self.bound_phases:
+            if (eps, eps_grad) in self._phase_steps:
+                continue
+            g = engine.with_error_bounds(graphdef, params, exp.abstract_state.batch_stats, eps,
+                                         eps_grad)  # fmt: skip
+
+            def phase_step(state, batch, args, g=g):
+                tx = make_optimizer(cfg, params, args)
+                return make_train_step(g, tx, nonfinite=nonfinite, embedding_clip=clip)(
+                    state, batch
+                )
+
+            self._phase_steps[eps, eps_grad] = _cached_program(
+                _program_key(cfg, build_model, exp.source.schema, f"train:{eps}:{eps_grad}"),
+                lambda f=phase_step: jax.jit(
+                    f,
+                    in_shardings=(exp.state_sharding, None, sharding.replicated()),
+                    out_shardings=(exp.state_sharding, None),
+                    donate_argnums=(0,),
+                ),
+            )  # fmt: skip
         self.schedule_args = jax.device_put(schedule_args(cfg), sharding.replicated())
         self.noise = None
         if self.tcfg.noise_scale_every:
@@ -816,6 +853,11 @@ class _TrainRun:
             initial_accumulator=cfg.embedding_optim.initial_accumulator, seed=self.tcfg.seed,
             mesh=sharding.active_mesh(), policy=e.tier_policy, state_sharding=exp.state_sharding,
         )  # fmt: skip
+
+    def _bounds(self, step: int) -> tuple[float, float]:
+        """The compressed exchange's ``(eps, eps_grad)`` at ``step``
+        (``embeddings.comm_error_bound_schedule``)."""
+        return next(p[1:] for p in reversed(self.bound_phases) if p[0] <= step)
 
     def _evaluate(self, max_batches: int = 0) -> dict:
         """The evaluation of the current state (its tiered tables' caches filled as it goes)."""
@@ -977,7 +1019,9 @@ class _TrainRun:
                 with timer.phase("analysis"):
                     self._noise_scale(step, batch)
             with timer.phase("train"):
-                self.state, metrics = self._train_step(self.state, batch, self.schedule_args)
+                bounds = self._bounds(step)
+                self.state, metrics = self._phase_steps[bounds](self.state, batch,
+                                                                self.schedule_args)  # fmt: skip
                 self.pending.append((step, metrics))
                 done = step + 1
                 is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps
@@ -1070,6 +1114,8 @@ class _TrainRun:
         self.window = []
         row.update(step=done, split="train", examples_per_sec=eps)
         row["nonfinite_total"] = self.guard.total
+        if len(self.bound_phases) > 1:  # the exchange's bounds in force at the last step
+            row["comm_error_bound"], row["comm_error_bound_grad"] = self._bounds(done - 1)
         if self.tiers is not None:
             row.update(self.tiers.stats())
         self.writer.write(row)

@@ -532,3 +532,32 @@ def test_gradient_norms_for_the_noise_scale_equal_the_per_table_path(kind):
     assert (
         got["off"][0]["embedding"] > got["off"][1]["embedding"]
     )  # noise: smaller batch, larger norm
+
+
+def test_a_schedule_of_error_bounds_switches_the_compiled_step(tmp_path):
+    """``comm_error_bound_schedule``: 4-bit codes for 3 steps, then 8-bit. The first 3 steps are
+    bitwise the constant 4-bit run's; from step 4 the losses differ; train rows log the bounds."""
+    cfg = get_preset("dlrm/tiny")
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, num_steps=6, log_every=1, checkpoint_every=0,
+                                  eval_every=0, progress=False),
+        mesh=dataclasses.replace(cfg.mesh, data_parallel=8),
+        embeddings=EmbeddingShardingConfig(sharding="row_wise", comm_compression="error_bounded",
+                                           comm_error_bound=0.036, comm_error_bound_grad=0.036),
+    )  # fmt: skip
+    sched = dataclasses.replace(cfg, embeddings=dataclasses.replace(
+        cfg.embeddings, comm_error_bound_schedule=("3:0.002:0.002",)))  # fmt: skip
+    runs = {}
+    for name, c in (("const", cfg), ("sched", sched)):
+        train(c, build_model, tmp_path / name)
+        runs[name] = [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text()
+                      .splitlines() if json.loads(r)["split"] == "train"]  # fmt: skip
+    const = [r["loss"] for r in runs["const"]]
+    got = [r["loss"] for r in runs["sched"]]
+    assert got[:3] == const[:3] and got[3] != const[3]
+    assert [r["comm_error_bound"] for r in runs["sched"]] == [0.036] * 3 + [0.002] * 3
+    assert "comm_error_bound" not in runs["const"][0]  # constant bounds: nothing to log
+    with pytest.raises(ValueError, match="steps increasing"):
+        EmbeddingShardingConfig(sharding="row_wise", comm_compression="error_bounded",
+                                comm_error_bound_schedule=("5:0.002:0.002", "5:0.01:0"))  # fmt: skip
