@@ -29,7 +29,10 @@ and ``n`` draws per step, so row ``i`` is requested in a step with probability
   tail).
 
 Both are steady-state rates: cold misses (a row's first load) are excluded, so a cache at least
-as large as the rows with nonzero count predicts 1.
+as large as the rows with nonzero count predicts 1. Against ``simulate_hit_rate`` on Zipf ids
+(exponents 0.8-1.2, caches of 1-20% of the rows) LRU is within 2%. LFU is the limit of a long
+run: counters start at zero, so rows near the cache's boundary are misranked for a while and
+10^3 steps hit up to ~4% less than predicted (the gap halves each time the run doubles).
 
 Placement (``place``) follows the storage hierarchy of ZionEX-style training with storage-class
 memory: every table whole in HBM if all fit; otherwise each table gets the smallest cache that
@@ -132,10 +135,9 @@ def simulate_hit_rate(
         free -= min(free, missed.size)
     hits_s, req_s, full_s = np.array(hits), np.array(requests), np.array(full_at_start, bool)
     total = hits_s.sum() / max(req_s.sum(), 1)
-    first_full = int(np.argmax(full_s)) if full_s.any() else len(full_s)
+    # a cache that never fills evicts nothing: only the warm-up fraction is left out
+    first_full = int(np.argmax(full_s)) if full_s.any() else 0
     start = max(first_full, math.ceil(warmup * len(full_s)))
-    if not full_s.any():  # the cache never filled: nothing is evicted, only cold misses
-        start = math.ceil(warmup * len(full_s))
     steady = hits_s[start:].sum() / req_s[start:].sum() if req_s[start:].sum() else math.nan
     return float(total), float(steady)
 
@@ -144,12 +146,20 @@ def simulate_hit_rate(
 # Prediction
 
 
-def _group_counts(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct nonzero counts (descending) and how many rows have each.
+_EXACT_BELOW = 2**16
+_BINS_PER_OCTAVE = 256
 
-    Rows with equal counts are interchangeable in both models, and a sample's counts take few
-    distinct values (most of a long tail has count 1, 2, ...), so 10^8 rows become ~10^4 groups:
-    integer counts go through a bincount (linear time) instead of a sort.
+
+def _group_counts(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Nonzero counts grouped (descending): each group's mean count and its number of rows.
+
+    Rows with equal counts are interchangeable in both models, so the models run over groups,
+    which keeps 10^8-row tables at ~10^4 groups and the grouping linear-time (no sort). Integer
+    counts below 2^16 (a sample's long tail: 1, 2, ...) are grouped exactly by a bincount; other
+    values into geometric bins 2^(1/256) wide (relative width 0.27%; each bin keeps its mean, so
+    the total is exact and the groups are in the order of the counts). On Zipf tables of 10^5 to
+    10^7 rows this moves the predicted hit rates by < 1e-6 (relative) against bins 16x finer,
+    while every model evaluation costs a few thousand groups, whatever the table's size.
     """
     counts = np.asarray(counts).ravel()
     if counts.size == 0:
@@ -157,25 +167,30 @@ def _group_counts(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if np.issubdtype(counts.dtype, np.integer):
         if counts.min() < 0:
             raise ValueError("counts must be non-negative")
-        small = counts[counts < 2**16] if counts.max() >= 2**16 else counts
-        m_small = np.bincount(small, minlength=1)
-        v = np.flatnonzero(m_small)
-        m = m_small[v]
-        if small.size < counts.size:
-            v_big, m_big = np.unique(counts[counts >= 2**16], return_counts=True)
-            v, m = np.concatenate([v, v_big]), np.concatenate([m, m_big])
-        values, mult = v.astype(np.float64), m.astype(np.float64)
+        exact = counts < _EXACT_BELOW
+        small = counts if exact.all() else counts[exact]
+        m_small = np.bincount(small)
+        v = np.flatnonzero(m_small[1:]) + 1
+        values, mult = v.astype(np.float64), m_small[v].astype(np.float64)
+        rest = None if exact.all() else counts[~exact].astype(np.float64)
     else:
-        counts = counts.astype(np.float64)
-        if not np.isfinite(counts).all() or counts.min() < 0:
+        rest = counts.astype(np.float64)
+        if not np.isfinite(rest).all() or rest.min() < 0:
             raise ValueError("counts must be finite and non-negative")
-        values, mult = np.unique(counts, return_counts=True)
-        mult = mult.astype(np.float64)
-    keep = values > 0
-    values, mult = values[keep][::-1], mult[keep][::-1]
+        rest = rest[rest > 0]
+        values, mult = np.zeros(0), np.zeros(0)
+    if rest is not None and rest.size:
+        key = np.floor(np.log2(rest) * _BINS_PER_OCTAVE).astype(np.int64)
+        key -= key.min()
+        m_bin = np.bincount(key).astype(np.float64)
+        sum_bin = np.bincount(key, weights=rest)
+        used = m_bin > 0
+        values = np.concatenate([values, sum_bin[used] / m_bin[used]])
+        mult = np.concatenate([mult, m_bin[used]])
     if values.size == 0:
         raise ValueError("counts are all zero: no access to model")
-    return values, mult
+    order = np.argsort(-values, kind="stable")
+    return values[order], mult[order]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -195,7 +210,10 @@ class _Profile:
             raise ValueError(f"lookups_per_step must be > 0, got {lookups_per_step}")
         values, mult = _group_counts(counts)
         p = values / float(np.dot(values, mult))
-        log1m_q = lookups_per_step * np.log1p(-np.minimum(p, 1.0))
+        # clipped: q = 1 - e^-700 is 1 in float64, and -inf (a table of one read row, p = 1)
+        # would make 0 * -inf in the slope
+        with np.errstate(divide="ignore"):
+            log1m_q = np.maximum(lookups_per_step * np.log1p(-np.minimum(p, 1.0)), -700.0)
         return cls(q=-np.expm1(log1m_q), log1m_q=log1m_q, mult=mult)
 
     @property
@@ -227,37 +245,27 @@ class _Profile:
         def occupancy(t: float) -> float:  # distinct rows used in the last t steps
             return float(np.dot(self.mult, -np.expm1(t * self.log1m_q)))
 
-        lo, hi = 0.0, 1.0  # log T; occupancy(1) = D <= capacity
+        # Safeguarded Newton on u = log T: occupancy is increasing in u, and the bracket
+        # [lo, hi] shrinks every iteration, so this converges like bisection at worst.
+        lo, hi = 0.0, 1.0  # occupancy(e^0) = D <= capacity
         while occupancy(math.exp(hi)) < capacity:
             lo, hi = hi, 2.0 * hi
             if hi > 200:  # T > e^200 steps: the cache holds every row worth holding
                 return self.distinct_per_step
-        for _ in range(60):
-            mid = 0.5 * (lo + hi)
-            if occupancy(math.exp(mid)) < capacity:
-                lo = mid
-            else:
-                hi = mid
-        t = math.exp(0.5 * (lo + hi))
+        u = 0.5 * (lo + hi)
+        for _ in range(100):
+            t = math.exp(u)
+            held = -np.expm1(t * self.log1m_q)  # P(used in the last t steps), exact when tiny
+            err = float(np.dot(self.mult, held)) - capacity
+            if abs(err) <= 1e-10 * capacity or hi - lo < 1e-12:
+                break
+            lo, hi = (u, hi) if err < 0 else (lo, u)
+            slope = t * float(np.dot(self.mult * (1.0 - held), -self.log1m_q))
+            u = u - err / slope if slope > 0 else 0.5 * (lo + hi)
+            if not lo < u < hi:
+                u = 0.5 * (lo + hi)
+        t = math.exp(u)
         return float(np.dot(self.mult * self.q, -np.expm1(t * self.log1m_q)))
-
-    def lru_curve(self, points: int = 512) -> tuple[np.ndarray, np.ndarray]:
-        """``(occupancy, hits per step)`` of Che's approximation on ``points`` log-spaced
-        characteristic times, both increasing: ``np.interp(capacity, *curve)`` is ``_lru``
-        without a bisection per capacity (what ``place`` asks hundreds of times)."""
-        hi = 1.0
-        while hi <= 200 and float(np.dot(self.mult, -np.expm1(math.exp(hi) * self.log1m_q))) < (
-            1 - 1e-9
-        ) * self.nonzero_rows:
-            hi *= 2.0
-        t = np.exp(np.linspace(0.0, min(hi, 200.0), points))
-        occ = np.empty(points)
-        hits = np.empty(points)
-        mq = self.mult * self.q
-        for i, ti in enumerate(t):
-            held = -np.expm1(ti * self.log1m_q)
-            occ[i], hits[i] = float(np.dot(self.mult, held)), float(np.dot(mq, held))
-        return occ, hits
 
     def _lfu(self, capacity: float) -> float:
         """Expected hits per step: the stable top ``K`` rows plus re-requests of churned slots."""
@@ -464,13 +472,10 @@ def place(
         )
 
     profiles = [_profile(t) for t in tables]
-    curves = [p.lru_curve() for p in profiles] if policy == "lru" else None
 
     def hits(k: int, rows: int) -> float:  # predicted hits per step with a cache of `rows`
-        if rows >= tables[k].num_rows or rows >= profiles[k].nonzero_rows:
+        if rows >= tables[k].num_rows:
             return profiles[k].distinct_per_step
-        if curves is not None:  # interpolated: hundreds of capacities per table
-            return float(np.interp(rows, *curves[k]))
         return profiles[k].hit_rate(rows, policy) * profiles[k].distinct_per_step
 
     # Every table first gets the cache that holds one step's rows.

@@ -548,8 +548,13 @@ def test_a_schedule_of_error_bounds_switches_the_compiled_step(tmp_path):
     )  # fmt: skip
     sched = dataclasses.replace(cfg, embeddings=dataclasses.replace(
         cfg.embeddings, comm_error_bound_schedule=("3:0.002:0.002",)))  # fmt: skip
+    # a schedule starting at step 0 replaces the bounds from the start: the constant 8-bit run
+    eight = dataclasses.replace(cfg, embeddings=dataclasses.replace(
+        cfg.embeddings, comm_error_bound=0.002, comm_error_bound_grad=0.002))  # fmt: skip
+    from_0 = dataclasses.replace(cfg, embeddings=dataclasses.replace(
+        cfg.embeddings, comm_error_bound_schedule=("0:0.002:0.002",)))  # fmt: skip
     runs = {}
-    for name, c in (("const", cfg), ("sched", sched)):
+    for name, c in (("const", cfg), ("sched", sched), ("eight", eight), ("from_0", from_0)):
         train(c, build_model, tmp_path / name)
         runs[name] = [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text()
                       .splitlines() if json.loads(r)["split"] == "train"]  # fmt: skip
@@ -558,6 +563,7 @@ def test_a_schedule_of_error_bounds_switches_the_compiled_step(tmp_path):
     assert got[:3] == const[:3] and got[3] != const[3]
     assert [r["comm_error_bound"] for r in runs["sched"]] == [0.036] * 3 + [0.002] * 3
     assert "comm_error_bound" not in runs["const"][0]  # constant bounds: nothing to log
+    assert [r["loss"] for r in runs["from_0"]] == [r["loss"] for r in runs["eight"]]
     with pytest.raises(ValueError, match="steps increasing"):
         EmbeddingShardingConfig(sharding="row_wise", comm_compression="error_bounded",
                                 comm_error_bound_schedule=("5:0.002:0.002", "5:0.01:0"))  # fmt: skip
