@@ -136,11 +136,14 @@ def child(args) -> None:
                 ids = np.empty((args.batch, 4, 1), np.int32)
                 ids[:, 0, 0] = hashed(zipf_ranks(rng, args.batch, rows, args.zipf), rows)
                 ids[:, 1:, 0] = rng.integers(0, 1000, (args.batch, 3))
-                yield i, Batch(
-                    dense_bn=rng.standard_normal((args.batch, 4)).astype(np.float32),
-                    ids_bfh=ids,
-                    labels_b=(rng.random(args.batch) < 0.25).astype(np.float32),
-                    weights_b=np.ones(args.batch, np.float32),
+                yield (
+                    i,
+                    Batch(
+                        dense_bn=rng.standard_normal((args.batch, 4)).astype(np.float32),
+                        ids_bfh=ids,
+                        labels_b=(rng.random(args.batch) < 0.25).astype(np.float32),
+                        weights_b=np.ones(args.batch, np.float32),
+                    ),
                 )
 
         stream = tiers.lookahead(batches()) if tiers is not None else batches()
@@ -275,8 +278,20 @@ def main(argv: list[str] | None = None) -> None:
     base = next((r for r in results if r["config"] == "in_memory"), None)
     t = Table(title=f"tiered tables: Zipf {args.zipf}, batch {args.batch}, dim {args.dim}, "
                     f"cache {args.cache_rows:,} rows, {args.steps} steps after {args.warmup}")  # fmt: skip
-    for c in ("config", "table rows", "file GiB", "limit GiB", "peak GiB", "ex/s", "vs in-memory",
-              "hit rate", "predicted", "MiB read/step", "MiB written/step", "tiers ms/step"):
+    for c in (
+        "config",
+        "table rows",
+        "file GiB",
+        "limit GiB",
+        "peak GiB",
+        "ex/s",
+        "vs in-memory",
+        "hit rate",
+        "predicted",
+        "MiB read/step",
+        "MiB written/step",
+        "tiers ms/step",
+    ):
         t.add_column(c, justify="right")
     for r in results:
         gib = lambda k, r=r: f"{r[k] / 2**30:.2f}" if k in r else "-"  # noqa: E731

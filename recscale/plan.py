@@ -412,8 +412,15 @@ def table_access_counts(cfg: Any, schema: Any, sample_batches: int) -> dict[str,
     return {t: (c, n[t] / sample_batches) for t, c in counts.items()}
 
 
-def plan_tiers(cfg: Any, hw: tpu_gpu_configs.LaunchPreset, *, hbm_gib: float = 0.0,
-               dram_gib: float = 64.0, policy: str = "lru", sample_batches: int = 64) -> str:
+def plan_tiers(
+    cfg: Any,
+    hw: tpu_gpu_configs.LaunchPreset,
+    *,
+    hbm_gib: float = 0.0,
+    dram_gib: float = 64.0,
+    policy: str = "lru",
+    sample_batches: int = 64,
+) -> str:
     """The tier planner's placement (``recscale.embeddings.tier_plan.place``) of ``cfg``'s
     tables on ``hw``: device memory ``hbm_gib`` (0: the hardware's, all devices), host RAM
     ``dram_gib``; returns the rendered plan and the ``--embeddings.tiers`` it asks for."""
