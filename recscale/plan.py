@@ -431,11 +431,16 @@ def plan_tiers(
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.embeddings.storage_dtype]
     row_bytes = dim * itemsize + _STATE_BYTES[cfg.embedding_optim.name](dim)
     access = table_access_counts(cfg, schema, sample_batches)
-    tables = [
-        tier_plan.TierTable(name=t, num_rows=len(c), row_bytes=row_bytes, counts=c,
-                            lookups_per_step=lookups)
-        for t, (c, lookups) in access.items()
-    ]  # fmt: skip
+    # a cache must also hold an evaluation batch's distinct rows (expected, plus 10% and 4 sd
+    # of a Poisson count: the trainer stops with a clear error on a batch that does not fit)
+    scale = cfg.data.eval_batch_size / cfg.data.batch_size
+    tables = []
+    for t, (c, lookups) in access.items():
+        d = tier_plan.expected_distinct(c, lookups * scale) if scale > 1 else 0.0
+        tables.append(tier_plan.TierTable(
+            name=t, num_rows=len(c), row_bytes=row_bytes, counts=c, lookups_per_step=lookups,
+            min_rows=math.ceil(1.1 * d + 4 * math.sqrt(d)),
+        ))  # fmt: skip
     devices = hw.num_hosts * hw.devices_per_host
     hbm = hbm_gib * 2**30 if hbm_gib else get_profile(hw.profile).memory_bytes * devices
     plan = tier_plan.place(tables, hbm_bytes=int(hbm), dram_bytes=int(dram_gib * 2**30),

@@ -308,6 +308,11 @@ def predict_hit_rate(
     return _Profile.from_counts(counts, lookups_per_step).hit_rate(capacity, policy)
 
 
+def expected_distinct(counts: np.ndarray, lookups: float) -> float:
+    """Expected distinct rows among ``lookups`` ids drawn as ``counts`` says."""
+    return _Profile.from_counts(counts, lookups).distinct_per_step
+
+
 # ---------------------------------------------------------------------------------------------
 # Placement
 
@@ -324,6 +329,9 @@ class TierTable:
     """Per-row access counts from a sample of the data, shape ``(num_rows,)``."""
     lookups_per_step: float
     """Ids of this table per step (batch size x bag size)."""
+    min_rows: int = 0
+    """Rows the cache must hold whatever the hit rates say, e.g. an evaluation batch's
+    distinct rows (:func:`expected_distinct` of its ids, with a margin)."""
 
     def __post_init__(self):
         if not self.name or any(c in self.name for c in "=:,"):
@@ -347,8 +355,9 @@ class TierTable:
 
     @property
     def min_cache_rows(self) -> int:
-        """A cache must hold one step's distinct rows: at most all rows or all of the ids."""
-        return min(self.num_rows, math.ceil(self.lookups_per_step))
+        """A cache must hold one step's distinct rows (at most all rows or all of the ids)
+        and ``min_rows``."""
+        return min(self.num_rows, max(math.ceil(self.lookups_per_step), self.min_rows))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -239,3 +239,28 @@ def test_tables_are_checked():
     t = _table("t", 100)
     with pytest.raises(ValueError, match="unique"):
         tier_plan.place([t, t], hbm_bytes=10, dram_bytes=10)
+
+
+def test_the_plan_cli_proposes_tiers_that_hold_an_evaluation_batch():
+    """``python -m recscale.plan PRESET --tiers``: pins for the tables that do not fit, each
+    cache at least an evaluation batch's expected distinct rows; one line when nothing fits."""
+    import dlrm.presets  # noqa: F401, PLC0415
+    import tpu_gpu_configs  # noqa: PLC0415
+    from recscale.config import get_preset  # noqa: PLC0415
+    from recscale.plan import plan_tiers, table_access_counts  # noqa: PLC0415
+
+    cfg, hw = get_preset("dlrm/synthetic"), tpu_gpu_configs.get("cpu-local")
+    text = plan_tiers(cfg, hw, hbm_gib=0.0005)
+    pins = text.splitlines()[-1].split()
+    assert pins[0] == "--embeddings.tiers" and len(pins) > 1, text
+    from data.schemas import schema_of  # noqa: PLC0415
+
+    counts = table_access_counts(cfg, schema_of(cfg.data), 1)
+    scale = cfg.data.eval_batch_size / cfg.data.batch_size
+    for pin in pins[1:]:
+        name, rest = pin.split("=")
+        c, lookups = counts[name]
+        assert int(rest.split(":")[1]) >= tier_plan.expected_distinct(c, lookups * scale), pin
+    assert "no tiers needed" in plan_tiers(cfg, hw, hbm_gib=1.0)
+    with pytest.raises(ValueError, match="'f0'"):
+        plan_tiers(cfg, hw, hbm_gib=1e-5)
