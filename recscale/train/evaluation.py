@@ -83,7 +83,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         raise FileNotFoundError(f"{cfg_path} not found: is {workdir} a recscale run directory?")
     cfg = config_lib.load_json(config_cls, cfg_path)
     if cfg.embeddings.tiers:
-        raise ValueError(
+        raise config_lib.ConfigError(
             f"{cfg_path}: embeddings.tiers: the tiered tables live in their stores, not in the "
             "checkpoint; checkpoint evaluation does not read them yet (the run's own "
             "evaluations in metrics.jsonl do)"
