@@ -27,8 +27,8 @@ checkpoints. A checkpoint at step ``k`` (:meth:`TieredTables.checkpoint`) writes
 cached row back, syncs the file and starts an **undo log** ``undo.<k>.log``: before a row of
 the file is first overwritten after step ``k``, its old bytes are appended to that log. Restoring
 step ``k`` applies the logs of steps ``>= k`` newest first, which puts every row back to its
-value at ``k`` (a kill in the middle of a write-back loses nothing: a row is logged before it
-is written, and a torn last record belongs to a write that never happened). The cache's
+value at ``k`` (a kill in the middle of a write-back loses nothing: a row is logged, in full,
+before it is written, so a torn last record belongs to a write that never happened). The cache's
 directory is saved beside (``cache.<k>.npz``), so a resumed run continues bitwise, hit rates
 included. Logs older than the oldest kept checkpoint are deleted. Crash-consistent against
 process kills; against power loss the log would also need an ``fsync`` per write (it gets one
@@ -67,6 +67,7 @@ _MAGIC = 0x52435449  # "RCTI": one undo record
 _HEADER = struct.Struct("<qq")  # magic, row count
 _CHUNK = 1 << 16  # rows per chunk when creating or scanning a store
 _AXIS = sharding.DATA_AXIS
+_UINT = {2: jnp.uint16, 4: jnp.uint32}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,12 +200,15 @@ class RowStore:
         """Rows into the file, each logged (its old bytes appended to the undo log) before
         its first overwrite since the last checkpoint."""
         first = rows[~self._logged[rows]]
-        if len(first):
-            old = np.asarray(self._mm[first], np.float32)
-            record = (_HEADER.pack(_MAGIC, len(first)) + first.astype("<i8").tobytes()
+        for a in range(0, len(first), _CHUNK):  # records of bounded size
+            r = first[a : a + _CHUNK]
+            old = np.asarray(self._mm[r], np.float32)
+            record = (_HEADER.pack(_MAGIC, len(r)) + r.astype("<i8").tobytes()
                       + old.astype("<f4").tobytes())  # fmt: skip
-            os.write(self._log_fd, record)
-            self._logged[first] = True
+            view = memoryview(record)
+            while view:  # os.write may write less than asked (2 GiB cap, signals, full disk)
+                view = view[os.write(self._log_fd, view) :]
+            self._logged[r] = True
         self._mm[rows] = values
 
     def prefetch(self, rows: np.ndarray) -> None:
@@ -828,7 +832,13 @@ def _gather_rows(p: _Placed, mesh, arrays: list, rows) -> list:
     def body(rows, *arrs):
         local = _local(p, rows)
         got = [a.at[local].get(mode="fill", fill_value=0) for a in arrs]
-        return [jax.lax.psum(g, _AXIS) for g in got] if p.block_rows else got
+        if not p.block_rows:
+            return got
+        # Summed as bit patterns: every row is in one block (the others add zero bits), so the
+        # values come back exact, -0.0 included (a float sum would give +0.0).
+        bits = [jax.lax.bitcast_convert_type(g, _UINT[g.dtype.itemsize]) for g in got]
+        return [jax.lax.bitcast_convert_type(jax.lax.psum(b, _AXIS), g.dtype)
+                for b, g in zip(bits, got, strict=True)]  # fmt: skip
 
     if not p.block_rows:
         return body(rows, *arrays)

@@ -342,3 +342,20 @@ def test_the_trainer_trains_resumes_and_reports_with_tiered_tables(tmp_path, cap
     # checkpoint evaluation refuses a tiered run in one line (no traceback)
     with pytest.raises(SystemExit, match="embeddings.tiers: the tiered tables live in their"):
         dlrm_evaluate.main(["--workdir", str(tmp_path / "full")])
+
+
+def test_row_sharded_reads_return_exact_bits_including_negative_zero():
+    """The row-sharded read sums every device's (mostly empty) share: as bit patterns, so a
+    row holding -0.0 comes back as -0.0 (a float sum would make it +0.0)."""
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=8, rules="replicated"))
+    spec = tiers_lib.TierSpec(table="t", tier="dram", cache_rows=32)
+    p = tiers_lib._Placed(spec=spec, feature=0, hotness=1, num_rows=100, dim=2, opt_path="",
+                          opt_names=(), pos=np.arange(32), buffer_rows=32, block_rows=4)  # fmt: skip
+    buf = np.arange(64, dtype=np.float32).reshape(32, 2)
+    buf[5] = -0.0
+    x = jax.device_put(buf, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    rows = np.array([5, 31, 0, 32], np.int32)  # 32: padding, reads zeros
+    (got,) = jax.jit(lambda a, r: tiers_lib._gather_rows(p, mesh, [a], r))(x, rows)
+    got = np.asarray(got)
+    np.testing.assert_array_equal(got[:3], buf[[5, 31, 0]])
+    assert np.signbit(got[0]).all() and not got[3].any()
