@@ -15,17 +15,7 @@
 # travel as wheels in .whl/ (see /work/.library/device/README.md) and are installed to /tmp/site.
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=3
-{
-  nvidia-smi -L
-  python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jaxlib.__version__, jax.devices())'
-} 2>&1 | tee "$OUT/env.txt"
+source benchmarks/gpu_env.sh
 
 echo "== 1. kernels on the device"
 JAX_PLATFORMS=cuda RECSCALE_TEST_XLA_OPT=1 RECSCALE_TEST_JAX_CACHE=0 timeout "${T_TESTS:-210}" \

@@ -12,17 +12,7 @@
 # Packages the GPU image lacks travel as wheels in .whl/ (as benchmarks/gpu_checks.sh).
 set -u
 OUT=${OUT:-/tmp/gpu_issue19}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=3
-{
-  nvidia-smi -L
-  python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jaxlib.__version__, jax.devices())'
-} 2>&1 | tee "$OUT/env.txt"
+source benchmarks/gpu_env.sh
 
 echo "== 1. compressed exchange codec"
 timeout "${T_CODEC:-150}" python3 benchmarks/compress_codec.py --out "$OUT/codec.json" 2>&1 |

@@ -41,6 +41,7 @@ from data.schemas import schema_of
 from recscale import config as config_lib
 from recscale import optim, sharding
 from recscale.embeddings import EmbeddingTable, engine
+from recscale.embeddings.planner import OPTIMIZER_STATE_BYTES
 from recscale.kernels import common
 from recscale.train.loop import state_parts
 from recscale.train.steps import make_train_step
@@ -380,8 +381,6 @@ def render(r: StepReport) -> str:
 # ------------------------------------------------------------------------------------------------
 # Tiers: which tables stay in device memory, which get a cache over host DRAM or SSD.
 
-_STATE_BYTES = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 4, "adam": lambda d: 8 * d}
-
 
 def table_access_counts(cfg: Any, schema: Any, sample_batches: int) -> dict[str, tuple]:
     """Per table ``(counts, lookups per step)``: synthetic data from its Zipf law (exact
@@ -429,7 +428,8 @@ def plan_tiers(
     schema = schema_of(cfg.data)
     dim = cfg.model.embed_dim
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.embeddings.storage_dtype]
-    row_bytes = dim * itemsize + _STATE_BYTES[cfg.embedding_optim.name](dim)
+    per_row, per_element = OPTIMIZER_STATE_BYTES[cfg.embedding_optim.name]
+    row_bytes = dim * (itemsize + per_element) + per_row
     access = table_access_counts(cfg, schema, sample_batches)
     # a cache must also hold an evaluation batch's distinct rows (expected, plus 10% and 4 sd
     # of a Poisson count: the trainer stops with a clear error on a batch that does not fit)

@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 from data.batch import PAD_ID, Batch, Schema
 from recscale import sharding
 from recscale.config import ConfigError
+from recscale.embeddings.planner import OPTIMIZER_STATE_BYTES
 
 Tier = Literal["dram", "ssd"]
 Policy = Literal["lru", "lfu"]
@@ -485,7 +486,9 @@ class _Placed:
 
 
 def _state_width(optimizer: str, dim: int) -> int:
-    return {"sgd": 0, "rowwise_adagrad": 1, "adam": 2 * dim}[optimizer]
+    """float32 words of a row's optimizer state (the planner's bytes, ``OPTIMIZER_STATE_BYTES``)."""
+    per_row, per_element = OPTIMIZER_STATE_BYTES[optimizer]
+    return (per_row + per_element * dim) // 4
 
 
 class TieredTables:
