@@ -11,7 +11,10 @@ their gradients differs:
 * ``float32``: the uncompressed all-to-all (the baseline);
 * ``eb8``, ``eb6``, ``eb4``: ``error_bounded`` with ε = 0.002, 0.0081, 0.036 both ways (8-, 6-
   and 4-bit codes);
-* ``fp8_e4m3``, ``fp8_e5m2``.
+* ``fp8_e4m3``, ``fp8_e5m2``;
+* ``tables`` (with ``--tables-from comm_sensitivity.json``): per-table bounds proposed from
+  each table's measured sensitivity (``python -m FAMILY.evaluate --workdir DIR
+  --comm-sensitivity``), around that file's base bound.
 
 Printed per scheme: the all-to-all bytes of one step (forward + backward, all devices, as the
 engine's layout sends them), the ratio to float32, the final validation AUC and logloss on the
@@ -50,6 +53,14 @@ SCHEMES = {
 _BYTES = re.compile(r"all-to-all per step, all devices: ([\d.e+-]+) MiB forward \+ ([\d.e+-]+) MiB")
 
 
+def _table_scheme(path: str) -> str:
+    """The ``tables`` scheme: per-table bounds proposed by ``--comm-sensitivity``
+    (``comm_sensitivity.json``: its base bound, and each table's scale of it)."""
+    prop = json.loads(Path(path).read_text())
+    return (EB.format(e=prop["base_bound"]) + " --embeddings.comm-error-bound-tables "
+            + " ".join(prop["comm_error_bound_tables"]))  # fmt: skip
+
+
 def _run(args, name: str, extra: list[str]) -> dict:
     wd = Path(args.out) / name
     log = wd.with_suffix(".log")
@@ -58,7 +69,7 @@ def _run(args, name: str, extra: list[str]) -> dict:
         cmd = [sys.executable, "-m", f"{family}.train", args.preset, "--workdir", str(wd),
                "--embeddings.sharding", args.sharding, "--train.num-steps", str(args.steps),
                "--train.eval-max-batches", "0", "--train.no-progress",
-               *SCHEMES[name].split(), *extra]  # fmt: skip
+               *args.scheme_args[name].split(), *extra]  # fmt: skip
         env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(args.devices)}
         wd.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as f:
@@ -83,7 +94,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--schemes", nargs="*", default=list(SCHEMES))
     ap.add_argument("--out", default="runs/bench_comm")
+    ap.add_argument("--tables-from", default="",
+                    help="a comm_sensitivity.json (python -m FAMILY.evaluate --workdir DIR "
+                         "--comm-sensitivity): adds the scheme 'tables', its per-table bounds")  # fmt: skip
     args = ap.parse_args(argv)
+    args.scheme_args = dict(SCHEMES)
+    if args.tables_from:
+        args.scheme_args["tables"] = _table_scheme(args.tables_from)
+        args.schemes = [*args.schemes, "tables"] if "tables" not in args.schemes else args.schemes
+    unknown = set(args.schemes) - set(args.scheme_args)
+    if unknown:
+        raise SystemExit(
+            f"error: unknown schemes {sorted(unknown)}; known: {sorted(args.scheme_args)}"
+        )
     if "float32" not in args.schemes:
         raise SystemExit("error: --schemes must include float32 (the baseline)")
     console = Console(width=140)

@@ -572,6 +572,7 @@ _ADDED_AT_DEFAULT: dict[str, Any] = {
     "embeddings.tiers": [],
     "embeddings.comm_error_bound_schedule": [],
     "embeddings.tier_policy": "lru",
+    "embeddings.comm_error_bound_tables": [],
 }
 
 

@@ -10,7 +10,10 @@ Dimension glossary: ``B`` batch, ``F`` features, ``H`` bag slots, ``D`` embeddin
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Literal
 
 import jax
@@ -25,6 +28,54 @@ from recscale.embeddings import lookup as lookup_lib
 from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature
 from recscale.kernels.embedding_bag import api as bag_api
 from recscale.kernels.quantized_embedding_bag import api as q_api
+
+
+@dataclasses.dataclass
+class Probe:
+    """Within :func:`probe`: ``deltas`` ``{feature: [B, D]}`` added to each feature's pooled
+    outputs (None: only their shapes are recorded, in ``shapes``); the outputs, deltas added, in
+    ``outputs``; each feature's table in ``tables``. Gradients with respect to the deltas are
+    the loss's with respect to the pooled embeddings, whatever path looked them up."""
+
+    deltas: dict | None
+    outputs: dict = dataclasses.field(default_factory=dict)
+    shapes: dict = dataclasses.field(default_factory=dict)
+    tables: dict = dataclasses.field(default_factory=dict)
+
+
+_PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar(
+    "recscale_embedding_probe", default=None
+)
+
+
+@contextlib.contextmanager
+def probe(deltas: dict | None) -> Iterator[Probe]:
+    """Records (and perturbs by ``deltas``) every collection's pooled outputs per table, for
+    measurements of the model's sensitivity to them (``recscale.analysis.comm_sensitivity``)."""
+    p = Probe(deltas)
+    token = _PROBE.set(p)
+    try:
+        yield p
+    finally:
+        _PROBE.reset(token)
+
+
+def _probed(features, outs: list[jax.Array]) -> list[jax.Array]:
+    p = _PROBE.get()
+    if p is None:
+        return outs
+    res = []
+    for f, x in zip(features, outs, strict=True):
+        if f.name in p.tables:
+            raise ValueError(f"embedding probe: feature {f.name!r} is looked up twice in one call")
+        p.tables[f.name] = f.table
+        if p.deltas is None:
+            p.shapes[f.name] = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        else:
+            x = x + p.deltas[f.name]
+            p.outputs[f.name] = x
+        res.append(x)
+    return res
 
 
 class EmbeddingTable(nnx.Param):
@@ -199,12 +250,14 @@ class EmbeddingCollection(nnx.Module):
                 buffers = {k: v[...] for k, v in self.buffers.items()}
             flat_bd = lookup_lib.lookup(self, self.layout, buffers, ids_bfh)
             offsets = np.cumsum((0,) + self.layout.feature_dims)
-            return [flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+            return _probed(self.feature_specs, [
+                flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+            ])  # fmt: skip
         # One array per table, laid out by the sharding rules: XLA partitions the reference's
         # gathers (a Pallas or FFI kernel is a custom call it cannot split, so the kernels run
         # in the engine, where every device holds its own blocks).
         if self.int8:
-            return [
+            return _probed(self.feature_specs, [
                 q_api.pool(
                     self.tables[feat.table]["q"][...],
                     self.tables[feat.table]["scale_bias"][...],
@@ -213,8 +266,8 @@ class EmbeddingCollection(nnx.Module):
                     impl="xla",
                 )
                 for f, feat in enumerate(self.feature_specs)
-            ]
-        return [
+            ])  # fmt: skip
+        return _probed(self.feature_specs, [
             bag_api.pool(
                 self.tables[feat.table][...],
                 ids_bfh[:, f, : feat.max_hotness],
@@ -222,7 +275,7 @@ class EmbeddingCollection(nnx.Module):
                 impl="xla",
             )
             for f, feat in enumerate(self.feature_specs)
-        ]
+        ])  # fmt: skip
 
     def __call__(self, ids_bfh: jax.Array) -> jax.Array:
         """Pooled embeddings stacked as ``[B, F, D]`` (all tables must share D)."""

@@ -56,6 +56,10 @@ class EngineSpec:
     tiered: tuple[str, ...] = ()
     """Tables whose engine table is a cache of a larger one (``recscale.embeddings.tiers``):
     placed whole rows at a time (never column-split) unless pinned."""
+    bound_scales: tuple[str, ...] = ()
+    """``TABLE=SCALE`` pins (``embeddings.comm_error_bound_tables``): the table's exchange
+    bounds are :attr:`compression`'s times SCALE (0: uncompressed). Tables of one scale share
+    buffers, since an all-to-all has one code width."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> EngineSpec | None:
@@ -73,7 +77,8 @@ class EngineSpec:
         return cls(e.sharding, tuple(e.per_table), e.profile, e.host_size, e.storage_dtype,
                    e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size,
                    cfg.kernels.embedding_bag, cfg.kernels.embedding_update, comp,
-                   tuple(t.split("=", 1)[0] for t in e.tiers))  # fmt: skip
+                   tuple(t.split("=", 1)[0] for t in e.tiers),
+                   tuple(e.comm_error_bound_tables))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +100,8 @@ class BufferLayout:
     table_dim: tuple[tuple[int, ...], ...]
     cw_group: tuple[tuple[int, ...], ...]
     """Index of the slot's table among column-split tables (``num_cw_groups``: not split)."""
+    bound_scale: float = 1.0
+    """Its tables' exchange bounds relative to the layout's (``EngineSpec.bound_scales``)."""
 
     def arr(self, name: str) -> np.ndarray:
         return np.asarray(getattr(self, name), np.int32)
@@ -124,6 +131,17 @@ class Layout:
     def buffer(self, key: str) -> BufferLayout:
         return next(b for b in self.buffers if b.key == key)
 
+    def compression_of(self, bl: BufferLayout) -> Compression:
+        """How buffer ``bl``'s exchange is compressed: :attr:`compression` with its bounds
+        times ``bl.bound_scale`` (scale 0: uncompressed)."""
+        c = self.compression
+        if bl.bound_scale == 1.0 or c.kind == "none":
+            return c
+        if bl.bound_scale == 0.0:
+            return Compression()
+        s = bl.bound_scale
+        return dataclasses.replace(c, eps=c.eps * s, eps_grad=c.eps_grad * s)
+
     def exchange_bytes(self, batch_size: int) -> dict[str, float]:
         """Bytes the all-to-alls of one step move, all devices: ``forward`` (pooled outputs)
         and ``backward`` (their gradients) as :attr:`compression` sends them, and
@@ -137,13 +155,14 @@ class Layout:
                 continue
             blocks = n * len(bl.feature[0]) * n  # (device, slot, destination)
             m = (batch_size // n) * bl.width
-            if self.compression.kind == "none":  # as comm_dtype says
+            comp = self.compression_of(bl)
+            if comp.kind == "none":  # as comm_dtype says
                 size = jnp.dtype(DTYPES[self.comm_dtype]).itemsize
                 out["forward"] += blocks * size * m
                 out["backward"] += blocks * size * m
             else:
-                out["forward"] += blocks * self.compression.payload_bytes(m)
-                out["backward"] += blocks * self.compression.payload_bytes(m, grad=True)
+                out["forward"] += blocks * comp.payload_bytes(m)
+                out["backward"] += blocks * comp.payload_bytes(m, grad=True)
             out["float32"] += 2 * blocks * 4.0 * m
         return out
 
@@ -176,6 +195,12 @@ def build_layout(
     unknown = set(pins) - set(by_table)
     if unknown:
         raise ValueError(f"embeddings.per_table names unknown tables {sorted(unknown)}")
+    scales = {name: float(v) for name, v in (item.split("=", 1) for item in spec.bound_scales)}
+    unknown = set(scales) - set(by_table)
+    if unknown:
+        raise ValueError(
+            f"embeddings.comm_error_bound_tables names unknown tables {sorted(unknown)}"
+        )
     profile = get_profile(spec.profile or default_profile())
     if spec.host_size:
         profile = dataclasses.replace(profile, devices_per_host=spec.host_size)
@@ -208,8 +233,9 @@ def build_layout(
     table_plans = plan.by_table()
     cw_tables = [t.name for t in tables if table_plans[t.name].sharding in COLUMN_TYPES]
     cw_index = {name: i for i, name in enumerate(cw_tables)}
-    # groups: key -> per device list of (feature, row_start, row_count, col_start, dim, cw)
-    groups: dict[tuple[int, bool], list[list[tuple]]] = {}
+    # groups: (width, replicated, bound scale) -> per device list of (feature, row_start,
+    # row_count, col_start, dim, cw); a replicated buffer exchanges nothing (scale 1)
+    groups: dict[tuple[int, bool, float], list[list[tuple]]] = {}
     for t in tables:
         tp = table_plans[t.name]
         (f,) = by_table[t.name]
@@ -220,11 +246,13 @@ def build_layout(
             c0, c1 = sh.cols[0], min(sh.cols[1], t.dim)
             if r1 <= r0 or c1 <= c0:
                 continue
-            devs = groups.setdefault((c1 - c0, replicated), [[] for _ in range(num_devices)])
+            scale = 1.0 if replicated else scales.get(t.name, 1.0)
+            devs = groups.setdefault((c1 - c0, replicated, scale),
+                                     [[] for _ in range(num_devices)])  # fmt: skip
             cw = cw_index.get(t.name, len(cw_tables))
             devs[0 if replicated else sh.device].append((f, r0, r1 - r0, c0, t.dim, cw))
     buffers = []
-    for (width, replicated), devs in sorted(groups.items()):
+    for (width, replicated, scale), devs in sorted(groups.items()):
         if replicated:
             devs = devs[:1]
         num_slots = max(len(d) for d in devs)
@@ -247,11 +275,13 @@ def build_layout(
                 fields[k].append(tuple(per[k]))
         rows = -(-rows // 8) * 8
         kind = "replicated" if replicated else "sharded"
+        # the default scale keeps the key checkpoints have always had; 0.25 -> "_eb0p25"
+        tag = "" if scale == 1.0 else "_eb" + f"{scale:g}".replace(".", "p").replace("-", "m")
         buffers.append(
             BufferLayout(
-                key=f"{kind}_w{width}_{spec.storage_dtype}", width=width,
+                key=f"{kind}_w{width}_{spec.storage_dtype}{tag}", width=width,
                 dtype=spec.storage_dtype, replicated=replicated, rows=rows,
-                **{k: tuple(v) for k, v in fields.items()},
+                **{k: tuple(v) for k, v in fields.items()}, bound_scale=scale,
             )
         )  # fmt: skip
     return Layout(

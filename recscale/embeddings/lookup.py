@@ -276,8 +276,9 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         )  # [S, B, w]: partial outputs for the whole batch
         if maybe_delta:
             pooled = pooled + maybe_delta[0]
-        if not layout.compression.lossless:
-            return compress.exchange(pooled, AXIS, layout.compression), keys
+        comp = layout.compression_of(bl)
+        if not comp.lossless:
+            return compress.exchange(pooled, AXIS, comp), keys
         recv = jax.lax.all_to_all(pooled.astype(comm), AXIS, split_axis=1, concat_axis=0,
                                   tiled=True)  # fmt: skip
         return recv.astype(jnp.float32), keys

@@ -57,12 +57,13 @@ CHUNK_ROWS = 1 << 16
 """Most table rows moved through the host at once."""
 _MIN_CHUNK = 1 << 10  # smaller tables share one compiled gather / scatter per array
 _PLAN_FIELDS = ("sharding", "per_table", "profile", "host_size", "storage_dtype", "optimizer",
-                "batch_size", "comm_dtype")  # fmt: skip
+                "batch_size", "comm_dtype", "bound_scales")  # fmt: skip
 """The engine spec's fields the plan depends on (kernels do not move rows; ``comm_dtype`` is
 in the planner's costs)."""
-_PLAN_DEFAULTS = {"comm_dtype": "float32"}
+_PLAN_DEFAULTS = {"comm_dtype": "float32", "bound_scales": []}
 """Plan inputs recorded since: a checkpoint without one was planned as with this value (the
-planner costed float32 exchanges whatever ``comm_dtype`` said)."""
+planner costed float32 exchanges whatever ``comm_dtype`` said; per-table bounds, which group
+tables into buffers, came later)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def _saved_config(saved: dict, cfg: Any) -> Any:
     emb = dataclasses.replace(
         cfg.embeddings, sharding=e["sharding"], per_table=tuple(e["per_table"]),
         profile=e["profile"], host_size=e["host_size"], storage_dtype=e["storage_dtype"],
-        comm_dtype=e["comm_dtype"],
+        comm_dtype=e["comm_dtype"], comm_error_bound_tables=tuple(e["bound_scales"]),
     )  # fmt: skip
     return dataclasses.replace(
         cfg, embeddings=emb,

@@ -10,14 +10,14 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from flax import nnx
 
 from recscale import config as config_lib
 from recscale import sharding
-from recscale.analysis import curvature
+from recscale.analysis import comm_sensitivity, curvature
 from recscale.embeddings import EmbeddingTable, engine, relayout
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.loop import BEST_DIR, BuildModel, Experiment
@@ -57,6 +57,23 @@ class EvalArgs:
     """Box sizes ε of the ε-sharpness (Keskar et al. report 1e-3 and 5e-4)."""
     curvature_ascent_steps: int = 20
     """Projected ascent steps of each ε-sharpness maximisation."""
+    comm_sensitivity: bool = False
+    """Also measure each table's sensitivity to a compressed embedding exchange on the first
+    ``comm_sensitivity_batches`` training batches (``recscale.analysis.comm_sensitivity``) and
+    propose per-table bounds (``embeddings.comm_error_bound_tables``) around
+    ``comm_error_bound``. The JSON adds ``comm_sensitivity``, also written to
+    ``DIR/comm_sensitivity.json``."""
+    comm_sensitivity_batches: int = 8
+    """Training batches the sensitivity sums over."""
+    comm_error_bound: float = 0.0
+    """The base bound the proposed scales multiply (0: the run's ``comm_error_bound``, or 0.002,
+    8-bit codes, if it had none)."""
+    comm_budget: Literal["bytes", "error"] = "bytes"
+    """``bytes``: less predicted error at about the uniform bound's bytes; ``error``: fewer
+    bytes at about its predicted error."""
+    comm_max_shift: int = 3
+    """Largest power of two a table's bound may move from the base bound (each is about a bit
+    per value)."""
     embeddings_int8: bool = False
     """Quantize the embedding tables to int8 row-wise (FBGEMM's format: per-row scale and
     bias) and evaluate with the fused dequantize-and-pool lookup (inference serving's tables:
@@ -100,7 +117,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     # Evaluate on this machine's devices, whatever mesh the run trained on (checkpoints restore
     # onto any mesh; the engine's buffers are re-laid out): as many as divide the eval batch.
     n = args.num_devices or math.gcd(cfg.data.eval_batch_size, jax.device_count())
-    if args.curvature and not args.num_devices:  # training batches too
+    if (args.curvature or args.comm_sensitivity) and not args.num_devices:  # training batches too
         n = math.gcd(n, cfg.data.batch_size)
     spec = engine.EngineSpec.from_config(cfg)
     # Data parallel only: evaluation holds no optimizer state, and checkpoints reshard.
@@ -112,7 +129,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
             build_model,
             eval_path=args.data_path,
             with_optimizer=False,
-            eval_only=not args.curvature,
+            eval_only=not (args.curvature or args.comm_sensitivity),
             workdir=str(workdir),
         )
         abstract = exp.abstract_state
@@ -141,6 +158,9 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
                                                                      batch_stats)  # fmt: skip
         metrics = exp.evaluate(params, batch_stats, graphdef=graphdef)
         curv = _curvature(exp, params, batch_stats, args) if args.curvature else None
+        sens = None
+        if args.comm_sensitivity:
+            sens = _comm_sensitivity(exp, params, batch_stats, args, workdir)
     ckpt.close()
     result: dict[str, Any] = {**metrics, "step": int(meta.get("step", step))}
     if curv is not None:
@@ -148,6 +168,12 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         if jax.process_index() == 0:
             (workdir / "curvature.json").write_text(json_line({**curv, "step": result["step"]})
                                                     + "\n")  # fmt: skip
+    if sens is not None:
+        result["comm_sensitivity"] = sens
+        if jax.process_index() == 0:
+            (workdir / "comm_sensitivity.json").write_text(
+                json_line({**sens, "step": result["step"]}) + "\n"
+            )
     if args.embeddings_int8:
         result["embeddings"] = "int8"
     result["data_path"] = args.data_path or cfg.data.eval_path or f"synthetic:{cfg.data.kind}"
@@ -187,6 +213,30 @@ def _curvature(exp: Experiment, params, batch_stats, args: EvalArgs) -> dict:
     out["batches"] = args.curvature_batches
     out["examples"] = sum(int(b.labels_b.shape[0]) for b in batches)
     return out
+
+
+def _comm_sensitivity(exp: Experiment, params, batch_stats, args: EvalArgs,
+                      workdir: Path) -> dict:  # fmt: skip
+    """Each table's measured sensitivity to its compressed exchange and the per-table bounds
+    proposed from it (``recscale.analysis.comm_sensitivity``), on the exchange's blocks of the
+    training mesh."""
+    if args.comm_sensitivity_batches < 1:
+        raise ValueError(f"comm_sensitivity_batches={args.comm_sensitivity_batches}: must be >= 1")
+    cfg = exp.cfg
+    n_train = cfg.mesh.data_parallel
+    n_train = _trained_device_count(workdir) if n_train == -1 else n_train
+    batches = [exp.device_batch(exp.source.train_batch(i))
+               for i in range(args.comm_sensitivity_batches)]  # fmt: skip
+
+    def loss(logits, b):
+        return weighted_bce(logits, b.labels_b, b.weights_b)
+
+    sens = comm_sensitivity.measure(exp.graphdef, params, batch_stats, batches,
+                                    blocks=n_train, loss_fn=loss)  # fmt: skip
+    eps = args.comm_error_bound or cfg.embeddings.comm_error_bound or 0.002
+    plan = comm_sensitivity.propose(sens, eps, budget=args.comm_budget,
+                                    max_shift=args.comm_max_shift)  # fmt: skip
+    return {"tables": sens, **plan, "batches": len(batches), "blocks": n_train}
 
 
 def quantize_embeddings_int8(graphdef, params, batch_stats):

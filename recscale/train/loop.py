@@ -307,6 +307,10 @@ class Experiment:
                 f"backward ({c.layout.compression.describe()}"
                 + (f", {x['float32'] / sent:.2f}x fewer bytes than float32)" if sent else ")")
             )
+            for bl in c.layout.buffers:  # per-table bounds: each scaled buffer's own codes
+                if bl.bound_scale != 1.0 and not bl.replicated:
+                    comp = c.layout.compression_of(bl)
+                    out[k] += f"\n  buffer {bl.key} (bounds x{bl.bound_scale:g}): {comp.describe()}"
         return out
 
     def init_state(self) -> TrainState:

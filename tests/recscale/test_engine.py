@@ -266,6 +266,81 @@ def test_exchange_bytes_are_the_planners_and_shrink_by_the_code_width():
     assert y["backward"] == blocks * 4 * (2 + m * 4 // 32)
 
 
+def test_per_table_bounds_group_tables_into_buffers_of_their_own_code_width():
+    """Issue 19, per-table bounds: each table's exchange is bounded by the base bound times its
+    scale, element-wise (f2 at a quarter of the base: 10-bit codes; f3 at 4x: 7 bits); a table
+    at scale 0 goes uncompressed, bitwise; bytes are counted per buffer; and a run whose tables
+    are all at scale 0 trains bitwise as the float32 exchange."""
+    eb = dict(comm_compression="error_bounded", comm_error_bound=0.002,
+              comm_error_bound_grad=0.002)  # fmt: skip
+    scales = ("f1=0", "f2=0.25", "f3=4")
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
+    ids = jnp.asarray(_batches(1)[0].ids_bfh)
+    outs = {}
+    with sharding.activate(mesh, "replicated"):
+        for name, emb in (("exact", {}), ("scaled", dict(eb, comm_error_bound_tables=scales))):
+            coll = build_model(_cfg("table_wise", 8, **emb), SCHEMA, nnx.Rngs(params=0)).embeddings
+            outs[name] = [np.asarray(x) for x in jax.jit(lambda c, i: c.lookup(i))(coll, ids)]
+    layout = coll.layout
+    by_key = {bl.key: bl for bl in layout.buffers}
+    for key, table in (("", 0), ("_eb0", 1), ("_eb0p25", 2), ("_eb4", 3)):
+        bl = by_key.pop("sharded_w8_float32" + key)
+        held = {f for fs, cs in zip(bl.feature, bl.row_count, strict=True)
+                for f, c in zip(fs, cs, strict=True) if c}  # fmt: skip
+        assert held == {table}, (key, held)
+    assert not by_key
+    by_key = {bl.key: bl for bl in layout.buffers}
+    codes = {k: layout.compression_of(bl).describe() for k, bl in by_key.items()}
+    assert codes["sharded_w8_float32_eb0p25"].startswith("error_bounded, 10-bit codes")
+    assert codes["sharded_w8_float32_eb4"].startswith("error_bounded, 7-bit codes")
+    assert codes["sharded_w8_float32_eb0"] == "none"
+    # bytes: each buffer's slots (one per device holding a table, padded to the most) at its width
+    x = layout.exchange_bytes(B)
+    m = (B // 8) * D
+    expect = 0.0
+    for bl in layout.buffers:
+        blocks = 8 * len(bl.feature[0]) * 8
+        bits = {0.0: 32, 0.25: 10, 1.0: 8, 4.0: 7}[bl.bound_scale]
+        expect += blocks * 4 * (m if bits == 32 else 2 + -(-m * bits // 32))
+    assert x["forward"] == expect
+    # element-wise: within the scaled bound of the block's range (at most the batch's range)
+    for f, eps in ((0, 0.002), (2, 0.0005), (3, 0.008)):
+        a, b = outs["exact"][f], outs["scaled"][f]
+        err = np.abs(b - a).max()
+        assert 0 < err <= eps * (a.max() - a.min()) * (1 + 1e-5), (f, err)
+    np.testing.assert_array_equal(outs["scaled"][1], outs["exact"][1])  # scale 0: float32
+    # 7-bit codes at 4x the bound do err beyond the base's 8-bit bound somewhere
+    a, b = outs["exact"][3], outs["scaled"][3]
+    assert np.abs(b - a).max() > 0.002 * (a.max() - a.min())
+    exact = _on_8_devices("row_wise")
+    zero = _run(_cfg("row_wise", 8, **eb, comm_error_bound_tables=tuple(
+        f"f{i}=0" for i in range(F))), _batches(3))  # fmt: skip
+    for a, b in zip(jax.tree.leaves(exact), jax.tree.leaves(zero), strict=True):
+        np.testing.assert_array_equal(b, a)
+
+
+def test_per_table_bounds_clear_errors():
+    eb = dict(sharding="row_wise", comm_compression="error_bounded", comm_error_bound=0.002)
+    with pytest.raises(ValueError, match="TABLE=SCALE"):
+        EmbeddingShardingConfig(**eb, comm_error_bound_tables=("f0:2",))
+    with pytest.raises(ValueError, match="each table once"):
+        EmbeddingShardingConfig(**eb, comm_error_bound_tables=("f0=2", "f0=1"))
+    with pytest.raises(ValueError, match=r"bound 0\.8 .*outside"):
+        EmbeddingShardingConfig(**eb, comm_error_bound_tables=("f0=400",))
+    with pytest.raises(ValueError, match="fp8_e4m3 has no bound to scale"):
+        EmbeddingShardingConfig(sharding="row_wise", comm_compression="fp8_e4m3",
+                                comm_error_bound_tables=("f0=2",))  # fmt: skip
+    with pytest.raises(ValueError, match="needs the engine and a comm_compression"):
+        EmbeddingShardingConfig(sharding="row_wise", comm_error_bound_tables=("f0=0",))
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
+    with (
+        sharding.activate(mesh, "replicated"),
+        pytest.raises(ValueError, match=r"comm_error_bound_tables names unknown tables \['nope'\]"),
+    ):
+        build_model(_cfg("row_wise", 8, **{k: v for k, v in eb.items() if k != "sharding"},
+                         comm_error_bound_tables=("nope=2",)), SCHEMA, nnx.Rngs(params=0))  # fmt: skip
+
+
 @pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad"])
 def test_sparse_updates_equal_the_dense_reference_with_repeated_ids(opt):
     # Few distinct ids: many repeats within a bag and across a batch.
@@ -457,6 +532,14 @@ def test_trainer_resumes_and_evaluates_with_the_engine(tmp_path, capsys):
     assert c["top"] == sorted(c["top"], reverse=True) and c["top"][0] > 0
     assert c["min"] <= c["top"][-1] and c["dim"] > 0
     assert c["sharpness"][0]["max_loss"] >= c["sharpness"][0]["loss"]
+    # Each table's sensitivity to a compressed exchange, and per-table bounds proposed from it
+    # (``recscale.analysis.comm_sensitivity``; its own tests check the numbers).
+    sens = dlrm_evaluate.main(["--workdir", str(tmp_path / "full"), "--comm-sensitivity",
+                               "--comm-sensitivity-batches", "1"])["comm_sensitivity"]  # fmt: skip
+    saved = json.loads((tmp_path / "full" / "comm_sensitivity.json").read_text())
+    assert saved["step"] == 6 and saved["scales"] == sens["scales"]
+    assert sens["base_bound"] == 0.002 and sens["blocks"] == 8 and sens["bits_ratio"] <= 1
+    assert len(sens["comm_error_bound_tables"]) == len(sens["tables"]) > 0
     # int8 inference on the engine's (re-laid-out) buffers: close to float32, not equal.
     int8 = dlrm_evaluate.main(["--workdir", str(tmp_path / "full"), "--num-devices", "2",
                                "--embeddings-int8"])  # fmt: skip
