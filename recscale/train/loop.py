@@ -301,10 +301,12 @@ class Experiment:
         for k, c in engine.engine_collections(model).items():
             x = c.layout.exchange_bytes(self.cfg.data.batch_size)
             sent = x["forward"] + x["backward"]
+            scaled = any(b.bound_scale != 1.0 for b in c.layout.buffers)
             out[k] = (
                 f"{c.layout.plan_text.rstrip()}\nall-to-all per step, all devices: "
                 f"{x['forward'] / 2**20:.6g} MiB forward + {x['backward'] / 2**20:.6g} MiB "
                 f"backward ({c.layout.compression.describe()}"
+                + (", bounds per table" if scaled else "")
                 + (f", {x['float32'] / sent:.2f}x fewer bytes than float32)" if sent else ")")
             )
             for bl in c.layout.buffers:  # per-table bounds: each scaled buffer's own codes
