@@ -9,12 +9,13 @@ engine over ``--devices`` simulated CPU devices, and only the exchange of pooled
 their gradients differs:
 
 * ``float32``: the uncompressed all-to-all (the baseline);
-* ``eb8``, ``eb6``, ``eb4``: ``error_bounded`` with ε = 0.002, 0.0081, 0.036 both ways (8-, 6-
-  and 4-bit codes);
+* ``eb8``, ``eb6``, ``eb5``, ``eb4``: ``error_bounded`` with ε = 0.002, 0.0081, 0.0167, 0.036
+  both ways (8-, 6-, 5- and 4-bit codes);
 * ``fp8_e4m3``, ``fp8_e5m2``;
-* ``tables`` (with ``--tables-from comm_sensitivity.json``): per-table bounds proposed from
-  each table's measured sensitivity (``python -m FAMILY.evaluate --workdir DIR
-  --comm-sensitivity``), around that file's base bound.
+* ``tables`` (with ``--tables-from comm_sensitivity.json``; another name with
+  ``--tables-name``): per-table bounds proposed from each table's measured sensitivity
+  (``python -m FAMILY.evaluate --workdir DIR --comm-sensitivity``), around that file's base
+  bound.
 
 Printed per scheme: the all-to-all bytes of one step (forward + backward, all devices, as the
 engine's layout sends them), the ratio to float32, the final validation AUC and logloss on the
@@ -46,6 +47,7 @@ SCHEMES = {
     "float32": "",
     "eb8": EB.format(e=0.002),
     "eb6": EB.format(e=0.0081),
+    "eb5": EB.format(e=0.0167),
     "eb4": EB.format(e=0.036),
     "fp8_e4m3": "--embeddings.comm-compression fp8_e4m3",
     "fp8_e5m2": "--embeddings.comm-compression fp8_e5m2",
@@ -97,11 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tables-from", default="",
                     help="a comm_sensitivity.json (python -m FAMILY.evaluate --workdir DIR "
                          "--comm-sensitivity): adds the scheme 'tables', its per-table bounds")  # fmt: skip
+    ap.add_argument("--tables-name", default="tables", help="the --tables-from scheme's name")
     args = ap.parse_args(argv)
     args.scheme_args = dict(SCHEMES)
     if args.tables_from:
-        args.scheme_args["tables"] = _table_scheme(args.tables_from)
-        args.schemes = [*args.schemes, "tables"] if "tables" not in args.schemes else args.schemes
+        args.scheme_args[args.tables_name] = _table_scheme(args.tables_from)
+        if args.tables_name not in args.schemes:
+            args.schemes = [*args.schemes, args.tables_name]
     unknown = set(args.schemes) - set(args.scheme_args)
     if unknown:
         raise SystemExit(

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +122,7 @@ class EmbeddingCollection(nnx.Module):
         self.table_specs = nnx.static(tuple(tables))
         self.feature_specs = nnx.static(tuple(features))
         self.int8 = nnx.static(False)
+        self.serving = nnx.static(None)
         if engine is not None:
             # The sharded engine: tables cut into shards and packed into per-width buffers.
             mesh = sharding.active_mesh()
@@ -224,6 +225,31 @@ class EmbeddingCollection(nnx.Module):
             self.tables = nnx.Dict({k: self._quantized(v, "vocab") for k, v in self.tables.items()})
         self.int8 = nnx.static(True)
 
+    def to_serving(self, tables: dict[str, Any], precisions: dict[str, str]) -> None:
+        """Replaces the tables by ``tables`` ``{name: [V, D] float}`` stored in ``precisions``
+        ``{name: precision}`` (``recscale.serving.precision``), looked up by its dequantising
+        pooled lookup: the serving model. Inference only; one array per table (the engine's
+        buffers are exported to tables first: ``engine.export_tables``)."""
+        from recscale.serving import precision as prec  # noqa: PLC0415
+
+        if self.int8 or self.serving is not None:
+            raise ValueError("this embedding collection is already quantized")
+        names = [t.name for t in self.table_specs]
+        if set(tables) != set(names) or set(precisions) != set(names):
+            raise ValueError(f"to_serving needs every table of {names}: got tables "
+                             f"{sorted(tables)}, precisions {sorted(precisions)}")  # fmt: skip
+        by_name = {t.name: t for t in self.table_specs}
+        entries = {}
+        for name in names:
+            table = np.asarray(tables[name])[: by_name[name].num_rows]
+            entries[name] = nnx.Dict({k: QuantizedTable(v) for k, v in
+                                      prec.quantize(table, precisions[name]).items()})  # fmt: skip
+        if self.layout is not None:
+            del self.buffers
+        self.layout = nnx.static(None)
+        self.tables = nnx.Dict(entries)
+        self.serving = nnx.static(tuple(sorted(precisions.items())))
+
     @staticmethod
     def _quantized(var: nnx.Variable, row_axis: str | None) -> nnx.Dict:
         q, scale_bias = q_api.quantize_rowwise(var[...])
@@ -243,6 +269,17 @@ class EmbeddingCollection(nnx.Module):
             raise ValueError(
                 f"ids must be [B, F={len(self.feature_specs)}, H], got shape {ids_bfh.shape}"
             )
+        if self.serving is not None:
+            from recscale.serving import precision as prec  # noqa: PLC0415
+
+            precisions = dict(self.serving)
+            dims = {t.name: t.dim for t in self.table_specs}
+            return _probed(self.feature_specs, [
+                prec.pool({k: v[...] for k, v in self.tables[feat.table].items()},
+                          precisions[feat.table], ids_bfh[:, f, : feat.max_hotness],
+                          dim=dims[feat.table], pooling=feat.pooling)
+                for f, feat in enumerate(self.feature_specs)
+            ])  # fmt: skip
         if self.layout is not None:
             if self.int8:  # (q, scale_bias) per buffer: the engine pools with the int8 kernel
                 buffers = {k: (v["q"][...], v["scale_bias"][...]) for k, v in self.buffers.items()}

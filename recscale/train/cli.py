@@ -83,3 +83,29 @@ def evaluate_main(
             raise SystemExit(f"error: {e}") from None
         _print_result(result)
     return result
+
+
+def export_main(
+    family: str,
+    config_cls: type | None,
+    build_model: BuildModel | None,
+    argv: list[str] | None = None,
+    *,
+    package: str = "",
+) -> dict:
+    """``python -m PACKAGE.export --workdir DIR --out MODEL [...]``: the run as a serving
+    artifact (``recscale.serving.export``); prints the manifest's summary as one JSON line."""
+    from recscale.serving.export import ExportArgs, export_workdir  # noqa: PLC0415
+
+    args = tyro.cli(ExportArgs, args=argv, prog=f"python -m {package or family}.export")
+    with exit_at_once_on_error():
+        try:
+            manifest = export_workdir(config_cls, build_model, args, family=package or family)
+        except (*_input_errors(), ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"error: {e}") from None
+        summary = {k: manifest[k] for k in ("format", "family", "platforms", "table_bytes",
+                                            "seconds")}  # fmt: skip
+        summary.update(out=args.out, step=manifest["source"]["step"],
+                       precisions={k: v["precision"] for k, v in manifest["tables"].items()})  # fmt: skip
+        _print_result(summary)
+    return manifest

@@ -6,9 +6,11 @@ least ``auc``, ``logloss``, ``ne``, ``calibration``, ``num_examples``, ``step``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -93,65 +95,94 @@ def json_line(obj: dict) -> str:
     return json.dumps(clean(obj), sort_keys=True, allow_nan=False)
 
 
-def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) -> dict:
-    workdir = Path(args.workdir)
+@dataclasses.dataclass
+class Restored:
+    """A run's checkpoint restored for inference (:func:`restored`)."""
+
+    cfg: Any
+    exp: Experiment
+    params: Any
+    batch_stats: Any
+    step: int
+    """The checkpoint's step."""
+
+
+@contextlib.contextmanager
+def restored(config_cls: type, build_model: BuildModel, workdir: str | Path, *,
+             step: int | None = None, best: bool = False, num_devices: int = 0,
+             data_path: str | None = None, train_batches: bool = False,
+             what: str = "checkpoint evaluation", kernels: Any = None) -> Iterator[Restored]:  # fmt: skip
+    """The run in ``workdir`` rebuilt on this machine's devices, its checkpoint (``step``, the
+    latest by default; ``best``: the early-stopping best) restored, inside its mesh.
+
+    ``num_devices``: the data-parallel devices (0: as many as divide the eval batch, and the
+    training batch with ``train_batches``). Checkpoints restore onto any mesh; the engine's
+    buffers are re-laid out from the layout the checkpoint records. ``kernels``: a
+    ``KernelConfig`` to build the model with instead of the run's (implementations only)."""
+    workdir = Path(workdir)
     cfg_path = workdir / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: is {workdir} a recscale run directory?")
     cfg = config_lib.load_json(config_cls, cfg_path)
+    if kernels is not None:
+        cfg = dataclasses.replace(cfg, kernels=kernels)
     if cfg.embeddings.tiers:
         raise config_lib.ConfigError(
             f"{cfg_path}: embeddings.tiers: the tiered tables live in their stores, not in the "
-            "checkpoint; checkpoint evaluation does not read them yet (the run's own "
-            "evaluations in metrics.jsonl do)"
+            f"checkpoint; {what} does not read them yet (the run's own evaluations in "
+            "metrics.jsonl do)"
         )
-    if args.best and not (workdir / BEST_DIR).is_dir():
+    if best and not (workdir / BEST_DIR).is_dir():
         raise FileNotFoundError(
             f"{workdir / BEST_DIR} not found: --best needs a run trained with "
             "train.early_stopping_metric"
         )
-    ckpt = Checkpointer(workdir / (BEST_DIR if args.best else "checkpoints"), async_save=False)
-    step = args.step if args.step is not None else ckpt.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoints in {ckpt.directory}")
-    # Evaluate on this machine's devices, whatever mesh the run trained on (checkpoints restore
-    # onto any mesh; the engine's buffers are re-laid out): as many as divide the eval batch.
-    n = args.num_devices or math.gcd(cfg.data.eval_batch_size, jax.device_count())
-    if (args.curvature or args.comm_sensitivity) and not args.num_devices:  # training batches too
-        n = math.gcd(n, cfg.data.batch_size)
-    spec = engine.EngineSpec.from_config(cfg)
-    # Data parallel only: evaluation holds no optimizer state, and checkpoints reshard.
-    mesh_cfg = dataclasses.replace(cfg.mesh, data_parallel=n, model_parallel=1)
-    mesh = sharding.make_mesh(mesh_cfg)
-    with sharding.activate(mesh, mesh_cfg):
-        exp = Experiment.build(
-            cfg,
-            build_model,
-            eval_path=args.data_path,
-            with_optimizer=False,
-            eval_only=not (args.curvature or args.comm_sensitivity),
-            workdir=str(workdir),
-        )
-        abstract = exp.abstract_state
-        # The layout the checkpoint was saved under: recorded in its meta, or (checkpoints
-        # written before that) the run's config on the training mesh's device count.
-        meta = ckpt.read_meta(step)
-        saved = meta.get("layout")
-        if saved is None and spec is not None:
-            n_train = cfg.mesh.data_parallel
-            n_train = _trained_device_count(workdir) if n_train == -1 else n_train
-            saved = relayout.layout_meta(cfg, device_count=n_train)
-        if relayout.needs_relayout(saved, cfg):
-            # The engine's buffers are laid out for the training mesh and plan: restored there
-            # and re-laid out for this one, table by table.
-            trees = relayout.restore_relaid(
-                ckpt, step, exp, cfg, build_model, saved, with_opt_state=False
-            )
-        else:
-            trees, _ = ckpt.restore(
-                step, {"params": abstract.params, "batch_stats": abstract.batch_stats}
-            )
-        params, batch_stats = trees["params"], trees["batch_stats"]
+    ckpt = Checkpointer(workdir / (BEST_DIR if best else "checkpoints"), async_save=False)
+    try:
+        step = step if step is not None else ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoints in {ckpt.directory}")
+        n = num_devices or math.gcd(cfg.data.eval_batch_size, jax.device_count())
+        if train_batches and not num_devices:
+            n = math.gcd(n, cfg.data.batch_size)
+        spec = engine.EngineSpec.from_config(cfg)
+        # Data parallel only: inference holds no optimizer state, and checkpoints reshard.
+        mesh_cfg = dataclasses.replace(cfg.mesh, data_parallel=n, model_parallel=1)
+        mesh = sharding.make_mesh(mesh_cfg)
+        with sharding.activate(mesh, mesh_cfg):
+            exp = Experiment.build(cfg, build_model, eval_path=data_path, with_optimizer=False,
+                                   eval_only=not train_batches, workdir=str(workdir))  # fmt: skip
+            abstract = exp.abstract_state
+            # The layout the checkpoint was saved under: recorded in its meta, or (checkpoints
+            # written before that) the run's config on the training mesh's device count.
+            meta = ckpt.read_meta(step)
+            saved = meta.get("layout")
+            if saved is None and spec is not None:
+                n_train = cfg.mesh.data_parallel
+                n_train = _trained_device_count(workdir) if n_train == -1 else n_train
+                saved = relayout.layout_meta(cfg, device_count=n_train)
+            if relayout.needs_relayout(saved, cfg):
+                # The engine's buffers are laid out for the training mesh and plan: restored
+                # there and re-laid out for this one, table by table.
+                trees = relayout.restore_relaid(
+                    ckpt, step, exp, cfg, build_model, saved, with_opt_state=False
+                )
+            else:
+                trees, _ = ckpt.restore(
+                    step, {"params": abstract.params, "batch_stats": abstract.batch_stats}
+                )
+            yield Restored(cfg, exp, trees["params"], trees["batch_stats"],
+                           int(meta.get("step", step)))  # fmt: skip
+    finally:
+        ckpt.close()
+
+
+def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) -> dict:
+    workdir = Path(args.workdir)
+    with restored(config_cls, build_model, workdir, step=args.step, best=args.best,
+                  num_devices=args.num_devices, data_path=args.data_path,
+                  train_batches=args.curvature or args.comm_sensitivity) as r:  # fmt: skip
+        exp, params, batch_stats = r.exp, r.params, r.batch_stats
         graphdef = None
         if args.embeddings_int8:
             graphdef, params, batch_stats = quantize_embeddings_int8(exp.graphdef, params,
@@ -161,8 +192,8 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         sens = None
         if args.comm_sensitivity:
             sens = _comm_sensitivity(exp, params, batch_stats, args, workdir)
-    ckpt.close()
-    result: dict[str, Any] = {**metrics, "step": int(meta.get("step", step))}
+        cfg = r.cfg
+    result: dict[str, Any] = {**metrics, "step": r.step}
     if curv is not None:
         result["curvature"] = curv
         if jax.process_index() == 0:

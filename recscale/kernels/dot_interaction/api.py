@@ -77,9 +77,9 @@ def dot_interaction(
     if x.ndim != 3:
         raise ValueError(f"{OP}: x must be [B, N, D], got shape {x.shape}")
     self_interaction = bool(self_interaction)
-    chosen = common.resolve(
-        OP, impl, unsupported(x.shape, x.dtype, self_interaction), dtype=x.dtype
-    )
+    # (the reference asks no kernel: its shapes may be symbolic, as in ``jax.export``)
+    why = {} if impl == "xla" else unsupported(x.shape, x.dtype, self_interaction)
+    chosen = common.resolve(OP, impl, why, dtype=x.dtype)
     if chosen == "xla":
         return reference.dot_interaction(x, self_interaction=self_interaction)
     if interpret is None:

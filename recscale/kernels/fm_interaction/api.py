@@ -75,9 +75,10 @@ def fm_interaction(
       ValueError: on shapes that are not ``[B, E, D]`` with ``[E, K]`` / ``[B, E, K]``.
     """
     _check(x, y)
-    unsupported = {
+    # (the reference asks no kernel: its shapes may be symbolic, as in ``jax.export``)
+    unsupported = {} if impl == "xla" else {
         name: mod.unsupported_reason(x.shape, y.shape, x.dtype) for name, mod in _KERNELS.items()
-    }
+    }  # fmt: skip
     chosen = common.resolve(OP, impl, unsupported, dtype=x.dtype)
     if chosen == "xla":
         return _with_vjp(reference.fm_interaction, reference.fm_interaction_vjp, x, y)

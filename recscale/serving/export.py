@@ -1,0 +1,226 @@
+"""Export a trained run as a self-contained serving artifact (issue 20).
+
+``python -m recscale.export --workdir DIR --out MODEL [--precision int8]
+[--table-precision user=float16 item=int4] [--platforms cpu cuda tpu]`` writes ``MODEL/``:
+
+* ``forward.jax``: the model's forward pass, ``probabilities [B] = f(weights, dense [B, N],
+  ids [B, F, H])``, serialised by ``jax.export`` (StableHLO, a symbolic batch size ``B``), lowered
+  for each of ``platforms`` from this host (a GPU or TPU needs no recscale and no model code to
+  run it, only jax);
+* ``weights.npz``: every weight by name; the tables in their serving precision
+  (``recscale.serving.precision``: float32, bfloat16, float16, int8 or int4 row-wise with a
+  scale and bias per row; bfloat16 stored as its uint16 bits);
+* ``manifest.json``: the format version, the run and checkpoint it came from, the inputs' names
+  and shapes (dense feature names; per sparse feature its table, vocabulary size and bag size;
+  ids ``-1`` pad a bag), each table's precision and bytes, the weights' dtypes and shapes, and the
+  feature vocabularies where the data has them (``vocab``);
+* ``recscale_model.py``: the loader (``recscale/serving/runtime.py``, which imports only numpy
+  and jax): ``Model.load(MODEL).predict(dense, ids)``.
+
+The engine's sharded buffers are exported to one array per table first
+(``engine.export_tables``), so the artifact does not depend on the mesh or plan the run trained
+with. The exported forward is the evaluation forward (no dropout, BatchNorm's running statistics)
+with each table's lookup gathering and dequantising only the rows a bag reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from recscale.config import KernelConfig
+from recscale.embeddings import EmbeddingCollection, engine
+from recscale.serving import precision as prec
+from recscale.serving import runtime
+from recscale.train.evaluation import restored
+from recscale.train.loop import BuildModel
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+XLA_KERNELS = KernelConfig(embedding_bag="xla", embedding_update="xla", dot_interaction="xla",
+                           fm_interaction="xla")  # fmt: skip
+"""The artifact's forward is plain StableHLO: every hot op in its jnp reference (a Pallas or
+FFI kernel is a custom call of one backend; XLA compiles the references for each)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportArgs:
+    """Export a trained run as a serving artifact."""
+
+    workdir: str
+    """The run's directory (holds config.json and checkpoints/)."""
+    out: str
+    """The artifact's directory (created; an existing one is replaced)."""
+    step: int | None = None
+    """Checkpoint step to export (default: the latest)."""
+    best: bool = False
+    """Export the early-stopping best checkpoint."""
+    precision: str = "float32"
+    """Every table's precision: float32, bfloat16, float16, int8 or int4 (row-wise)."""
+    table_precision: tuple[str, ...] = ()
+    """Per-table overrides, ``TABLE=PRECISION`` (e.g. ``item=int4``)."""
+    platforms: tuple[str, ...] = ("cpu",)
+    """Backends to lower the forward for (``cpu``, ``cuda``, ``rocm``, ``tpu``), from this host."""
+
+
+def table_precisions(tables: list[str], default: str, overrides: tuple[str, ...]) -> dict[str, str]:
+    """``{table: precision}`` from a default and ``TABLE=PRECISION`` overrides."""
+    prec.check(default)
+    out = dict.fromkeys(tables, default)
+    for item in overrides:
+        name, sep, p = item.partition("=")
+        if not sep or name not in out:
+            raise ValueError(f"table precision {item!r}: expected TABLE=PRECISION with TABLE one "
+                             f"of {', '.join(tables)}")  # fmt: skip
+        out[name] = prec.check(p)
+    return out
+
+
+def _collection(model: nnx.Module) -> EmbeddingCollection:
+    found = [m for _, m in nnx.iter_modules(model) if isinstance(m, EmbeddingCollection)]
+    if len(found) != 1:
+        raise ValueError(f"export needs a model with one embedding collection, found {len(found)}")
+    return found[0]
+
+
+def float_tables(coll: EmbeddingCollection) -> dict[str, np.ndarray]:
+    """``{table: [V, D] float32}`` of a trained collection, from the engine's buffers or the
+    per-table arrays."""
+    if coll.int8 or coll.serving is not None:
+        raise ValueError("the collection is already quantized")
+    if coll.layout is not None:
+        bufs = {k: v[...] for k, v in coll.buffers.items()}
+        return engine.export_tables(coll.layout, bufs, coll.table_specs, coll.feature_specs)
+    return {t.name: np.asarray(jax.device_get(coll.tables[t.name][...]), np.float32)[: t.num_rows]
+            for t in coll.table_specs}  # fmt: skip
+
+
+def serving_model(graphdef, params, batch_stats, precisions: dict[str, str] | str):
+    """``(model, {table: precision})``: the trained model with its tables in serving precision
+    (a precision name for every table, or ``{table: precision}``)."""
+    model = nnx.merge(graphdef, params, batch_stats)
+    coll = _collection(model)
+    tables = float_tables(coll)
+    if isinstance(precisions, str):
+        precisions = dict.fromkeys(tables, prec.check(precisions))
+    coll.to_serving(tables, precisions)
+    return model, precisions
+
+
+def flat_weights(model: nnx.Module) -> tuple[nnx.GraphDef, dict[str, jax.Array], Any]:
+    """``(graphdef, {name: array}, state structure)``: the model's parameters and statistics as
+    plain named arrays (what the artifact stores and the exported function takes)."""
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    weights = {"/".join(map(str, path)): v[...] for path, v in flat}
+    return graphdef, weights, [path for path, _ in flat]
+
+
+def forward_fn(graphdef: nnx.GraphDef, paths: list) -> Any:
+    """``f(weights, dense_bn, ids_bfh) -> probabilities [B]`` of the model ``graphdef`` whose
+    state is ``weights`` ``{name: array}`` (names as :func:`flat_weights` gives them)."""
+
+    def forward(weights: dict[str, jax.Array], dense_bn: jax.Array, ids_bfh: jax.Array):
+        state = nnx.from_flat_state([(path, weights["/".join(map(str, path))]) for path in paths])
+        model = nnx.merge(graphdef, state)
+        return jax.nn.sigmoid(model(dense_bn, ids_bfh).astype(jnp.float32))
+
+    return forward
+
+
+def export_model(model: nnx.Module, num_dense: int, num_features: int, hotness: int,
+                 platforms: tuple[str, ...]) -> tuple[bytes, dict[str, np.ndarray]]:  # fmt: skip
+    """``(serialised exported forward, weights)`` of a serving model, for a symbolic batch."""
+    unknown = set(platforms) - set(PLATFORMS)
+    if unknown or not platforms:
+        raise ValueError(f"platforms {list(platforms)}: expected some of {', '.join(PLATFORMS)}")
+    graphdef, weights, paths = flat_weights(model)
+    weights = {k: np.asarray(jax.device_get(v)) for k, v in weights.items()}
+    (b,) = jax.export.symbolic_shape("b")
+    specs = (
+        {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in weights.items()},
+        jax.ShapeDtypeStruct((b, num_dense), jnp.float32),
+        jax.ShapeDtypeStruct((b, num_features, hotness), jnp.int32),
+    )
+    exported = jax.export.export(jax.jit(forward_fn(graphdef, paths)),
+                                 platforms=tuple(platforms))(*specs)  # fmt: skip
+    return bytes(exported.serialize()), weights
+
+
+def _vocab(source: Any) -> dict | None:
+    """The raw-value vocabularies of the run's data, where its source has them."""
+    fn = getattr(source, "serving_vocab", None)
+    return fn() if callable(fn) else None
+
+
+def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
+                   family: str = "") -> dict:  # fmt: skip
+    """Writes the artifact of ``args`` and returns its manifest."""
+    t0 = time.perf_counter()
+    with restored(config_cls, build_model, args.workdir, step=args.step, best=args.best,
+                  num_devices=1, what="export", kernels=XLA_KERNELS) as r:  # fmt: skip
+        schema = r.exp.source.schema
+        names = sorted({f.table_name for f in schema.features})
+        precisions = table_precisions(names, args.precision, args.table_precision)
+        model, precisions = serving_model(r.exp.graphdef, r.params, r.batch_stats, precisions)
+        blob, weights = export_model(model, schema.num_dense, schema.num_sparse,
+                                     schema.max_hotness, tuple(args.platforms))  # fmt: skip
+        coll = _collection(model)
+        table_bytes = {n: prec.nbytes({k: v[...] for k, v in coll.tables[n].items()})
+                       for n in names}  # fmt: skip
+        dims = {t.name: t.dim for t in coll.table_specs}
+        vocab = _vocab(r.exp.source)
+        cfg, step = r.cfg, r.step
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    stored = {k: (v.view(np.uint16) if v.dtype == jnp.bfloat16 else v) for k, v in weights.items()}
+    np.savez(tmp / runtime.WEIGHTS, **stored)
+    (tmp / runtime.FORWARD).write_bytes(blob)
+    manifest = {
+        "format": runtime.FORMAT,
+        "family": family,
+        "source": {
+            "workdir": str(Path(args.workdir).resolve()),
+            "step": step,
+            "data": cfg.data.kind,
+            "eval_path": cfg.data.eval_path,
+        },  # fmt: skip
+        "platforms": list(args.platforms),
+        "inputs": {
+            "dense": list(schema.dense_names),
+            "features": [
+                {
+                    "name": f.name,
+                    "table": f.table_name,
+                    "vocab_size": f.vocab_size,
+                    "max_hotness": f.max_hotness,
+                }
+                for f in schema.features
+            ],  # fmt: skip
+            "max_hotness": schema.max_hotness,
+            "pad_id": -1,
+        },
+        "output": "probability of a positive label, float32 [B]",
+        "tables": {
+            n: {"precision": precisions[n], "dim": dims[n], "bytes": table_bytes[n]} for n in names
+        },  # fmt: skip
+        "table_bytes": sum(table_bytes.values()),
+        "weights": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in weights.items()},
+        "vocab": vocab,
+    }
+    (tmp / runtime.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    shutil.copyfile(Path(runtime.__file__), tmp / "recscale_model.py")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    manifest["seconds"] = round(time.perf_counter() - t0, 2)
+    return manifest

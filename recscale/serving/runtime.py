@@ -1,0 +1,116 @@
+"""Load and run a recscale serving artifact with only numpy and jax (issue 20).
+
+This file is copied into every artifact as ``recscale_model.py``; it imports nothing from
+recscale, so a machine with jax installed runs an exported model without the project::
+
+    from recscale_model import Model          # or: from recscale.serving.runtime import Model
+    model = Model.load("MODEL")
+    p = model.predict(dense_bn, ids_bfh)      # float32 [B] probabilities
+
+Inputs: ``dense_bn`` float32 ``[B, N]`` in the order of ``manifest["inputs"]["dense"]``;
+``ids_bfh`` int ``[B, F, H]`` per feature of ``manifest["inputs"]["features"]``, bags padded with
+-1 (``H`` up to the artifact's ``max_hotness``; shorter bags are padded). An id outside its
+feature's vocabulary is treated as a missing id (padding) and counted in
+``Model.counters["out_of_vocab_ids"]``; nothing else is changed silently. Batches are padded to
+the next power of two, so a server's varying batch sizes compile a handful of programs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT = "recscale-serving/1"
+MANIFEST, WEIGHTS, FORWARD = "manifest.json", "weights.npz", "forward.jax"
+
+
+class ArtifactError(ValueError):
+    """A malformed artifact or input, with a message naming the file, field or feature."""
+
+
+class Model:
+    """An exported model, its weights on one device."""
+
+    def __init__(self, manifest: dict, weights: dict[str, np.ndarray], exported: Any,
+                 device: Any = None):  # fmt: skip
+        self.manifest = manifest
+        inputs = manifest["inputs"]
+        self.dense_names = list(inputs["dense"])
+        self.features = list(inputs["features"])
+        self.max_hotness = int(inputs["max_hotness"])
+        self.vocab_sizes = np.array([f["vocab_size"] for f in self.features], np.int64)
+        self.exported = exported
+        self.device = device or jax.devices()[0]
+        self.weights = jax.device_put(weights, self.device)
+        self._call = jax.jit(exported.call)
+        self._lock = threading.Lock()
+        self.counters = {"requests": 0, "examples": 0, "out_of_vocab_ids": 0}
+
+    @classmethod
+    def load(cls, path: str | Path, device: Any = None) -> Model:
+        path = Path(path)
+        man_path = path / MANIFEST
+        if not man_path.is_file():
+            raise ArtifactError(f"{man_path}: not found (is {path} a recscale serving artifact?)")
+        manifest = json.loads(man_path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise ArtifactError(f"{man_path}: format {manifest.get('format')!r}, expected {FORMAT}")
+        with np.load(path / WEIGHTS) as z:
+            weights = {}
+            for name, meta in manifest["weights"].items():
+                if name not in z:
+                    raise ArtifactError(f"{path / WEIGHTS}: weight {name!r} is missing")
+                a = z[name]
+                weights[name] = a.view(jnp.bfloat16) if meta["dtype"] == "bfloat16" else a
+                if list(weights[name].shape) != meta["shape"]:
+                    raise ArtifactError(f"{path / WEIGHTS}: weight {name!r} has shape "
+                                        f"{list(a.shape)}, the manifest says {meta['shape']}")  # fmt: skip
+        exported = jax.export.deserialize(bytearray((path / FORWARD).read_bytes()))
+        return cls(manifest, weights, exported, device)
+
+    def check(self, dense_bn: Any, ids_bfh: Any) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(dense float32 [B, N], ids int32 [B, F, H], out-of-vocabulary ids)`` from the inputs;
+        a clear :class:`ArtifactError` for wrong shapes or types."""
+        dense = np.asarray(dense_bn)
+        ids = np.asarray(ids_bfh)
+        n, f = len(self.dense_names), len(self.features)
+        if dense.ndim != 2 or dense.shape[1] != n:
+            raise ArtifactError(f"dense: expected [B, {n}] ({', '.join(self.dense_names) or 'none'}),"
+                                f" got shape {list(dense.shape)}")  # fmt: skip
+        if not np.issubdtype(dense.dtype, np.number):
+            raise ArtifactError(f"dense: expected numbers, got {dense.dtype}")
+        if ids.ndim != 3 or ids.shape[1] != f or ids.shape[2] > self.max_hotness:
+            raise ArtifactError(f"ids: expected [B, {f}, H <= {self.max_hotness}], got shape "
+                                f"{list(ids.shape)}")  # fmt: skip
+        if ids.shape[0] != dense.shape[0]:
+            raise ArtifactError(f"dense has {dense.shape[0]} rows, ids {ids.shape[0]}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ArtifactError(f"ids: expected integers, got {ids.dtype}")
+        ids = ids.astype(np.int64)
+        bad = (ids < -1) | (ids >= self.vocab_sizes[None, :, None])
+        ids = np.where(bad, -1, ids).astype(np.int32)
+        if ids.shape[2] < self.max_hotness:
+            pad = self.max_hotness - ids.shape[2]
+            ids = np.pad(ids, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+        return dense.astype(np.float32), ids, int(bad.sum())
+
+    def predict(self, dense_bn: Any, ids_bfh: Any) -> np.ndarray:
+        """Probabilities ``float32 [B]``."""
+        dense, ids, oov = self.check(dense_bn, ids_bfh)
+        b = dense.shape[0]
+        size = 1 << max(0, (b - 1).bit_length())  # the next power of two
+        if size != b:
+            dense = np.pad(dense, ((0, size - b), (0, 0)))
+            ids = np.pad(ids, ((0, size - b), (0, 0), (0, 0)), constant_values=-1)
+        out = np.asarray(self._call(self.weights, dense, ids))[:b]
+        with self._lock:
+            self.counters["requests"] += 1
+            self.counters["examples"] += b
+            self.counters["out_of_vocab_ids"] += oov
+        return out
