@@ -154,7 +154,11 @@ def test_per_table_precisions_and_the_jax_only_loader(run_dir, tmp_path):
                                     table_precision=("f0=float32", "f1=int4"),
                                     platforms=("cpu", "cuda", "tpu")),
                          family="dlrm")  # fmt: skip
-    assert [man["tables"][t]["precision"] for t in ("f0", "f1", "f2")] == ["float32", "int4", "int8"]
+    assert [man["tables"][t]["precision"] for t in ("f0", "f1", "f2")] == [
+        "float32",
+        "int4",
+        "int8",
+    ]
     assert man["platforms"] == ["cpu", "cuda", "tpu"]  # lowered for all three from this CPU host
     in_process = Model.load(out).predict(dense, ids)
     np.testing.assert_allclose(in_process, want, atol=PROB_ATOL["int4"])
