@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,13 @@ class ExportArgs:
     best: bool = False
     """Export the early-stopping best checkpoint."""
     precision: str = "float32"
-    """Every table's precision: float32, bfloat16, float16, int8 or int4 (row-wise)."""
+    """Every table's precision: float32, bfloat16, float16, int8 or int4 (row-wise); ``auto``:
+    the smallest per table that keeps the validation AUC within ``auc_budget`` of float32's
+    (:func:`choose_precisions`)."""
+    auc_budget: float = 0.0002
+    """``auto``: the most validation AUC the tables' precisions may cost together."""
+    auto_candidates: tuple[str, ...] = ("int4", "int8", "float16")
+    """``auto``: the precisions tried below float32, smallest first."""
     table_precision: tuple[str, ...] = ()
     """Per-table overrides, ``TABLE=PRECISION`` (e.g. ``item=int4``)."""
     platforms: tuple[str, ...] = ("cpu",)
@@ -161,15 +168,82 @@ def _vocab(source: Any) -> dict | None:
     return fn() if callable(fn) else None
 
 
+def _auc(exp: Any, graphdef, params, batch_stats, precisions: dict[str, str]) -> tuple[float, int]:
+    """``(validation AUC, table bytes)`` of the model with its tables in ``precisions``."""
+    model, _ = serving_model(graphdef, params, batch_stats, precisions)
+    coll = _collection(model)
+    size = sum(prec.nbytes({k: v[...] for k, v in coll.tables[n].items()}) for n in precisions)
+    g, p, st = nnx.split(model, nnx.Param, nnx.BatchStat)
+    return float(exp.evaluate(p, st, graphdef=g)["auc"]), size
+
+
+def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str], *,
+                      budget: float, candidates: tuple[str, ...], log=print) -> dict[str, Any]:  # fmt: skip
+    """The smallest precision per table that keeps the validation AUC within ``budget`` of the
+    float32 model's, and what each choice measured.
+
+    1. Each table alone in each candidate precision (the others float32): its AUC cost.
+    2. Greedily, the change saving the most bytes per AUC it cost alone is made, and the
+       combined model evaluated; it is kept if the combined AUC is still within ``budget`` of
+       float32's, else undone. Every table ends in the smallest precision that passed, and the
+       final combination is measured, not predicted from the solo costs.
+    """
+    for c in candidates:
+        prec.check(c)
+    if budget < 0:
+        raise ValueError(f"auc_budget={budget}: must be >= 0")
+    base = dict.fromkeys(tables, "float32")
+    auc0, bytes0 = _auc(exp, graphdef, params, batch_stats, base)
+    log(f"float32: AUC {auc0:.6f}, tables {bytes0 / 2**20:.3f} MiB")
+    solo: dict[str, dict[str, dict[str, float]]] = {t: {} for t in tables}
+    for t in tables:
+        for c in candidates:
+            auc, size = _auc(exp, graphdef, params, batch_stats, {**base, t: c})
+            solo[t][c] = {"auc_cost": auc0 - auc, "bytes_saved": bytes0 - size}
+            log(
+                f"  {t} in {c}: AUC cost {auc0 - auc:+.6f}, saves {(bytes0 - size) / 2**20:.4f} MiB"
+            )
+    moves = sorted(
+        ((t, c) for t in tables for c in candidates if solo[t][c]["bytes_saved"] > 0),
+        key=lambda tc: -solo[tc[0]][tc[1]]["bytes_saved"] / max(solo[tc[0]][tc[1]]["auc_cost"], 1e-9),
+    )  # fmt: skip
+    chosen, auc, tried = dict(base), auc0, []
+    order = {c: i for i, c in enumerate(candidates)}  # smallest first
+    for t, c in moves:
+        if chosen[t] != "float32" and order[chosen[t]] <= order[c]:
+            continue  # already as small
+        trial = {**chosen, t: c}
+        a, _ = _auc(exp, graphdef, params, batch_stats, trial)
+        ok = auc0 - a <= budget
+        tried.append({"table": t, "precision": c, "auc": a, "kept": ok})
+        log(f"  try {t}={c}: AUC {a:.6f} ({a - auc0:+.6f}) {'kept' if ok else 'undone'}")
+        if ok:
+            chosen, auc = trial, a
+    final_auc, final_bytes = _auc(exp, graphdef, params, batch_stats, chosen)
+    return {"precisions": chosen, "auc_float32": auc0, "auc": final_auc,
+            "auc_cost": auc0 - final_auc, "budget": budget, "bytes_float32": bytes0,
+            "bytes": final_bytes, "solo": solo, "tried": tried}  # fmt: skip
+
+
 def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
-                   family: str = "") -> dict:  # fmt: skip
-    """Writes the artifact of ``args`` and returns its manifest."""
+                   family: str = "", log=None) -> dict:  # fmt: skip
+    """Writes the artifact of ``args`` and returns its manifest (``log``: progress lines, to
+    stderr by default)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     with restored(config_cls, build_model, args.workdir, step=args.step, best=args.best,
                   num_devices=1, what="export", kernels=XLA_KERNELS) as r:  # fmt: skip
         schema = r.exp.source.schema
         names = sorted({f.table_name for f in schema.features})
-        precisions = table_precisions(names, args.precision, args.table_precision)
+        auto = None
+        if args.precision == "auto":
+            auto = choose_precisions(r.exp, r.exp.graphdef, r.params, r.batch_stats, names,
+                                     budget=args.auc_budget, candidates=args.auto_candidates,
+                                     log=log)  # fmt: skip
+            precisions = table_precisions(names, "float32", tuple(
+                f"{k}={v}" for k, v in auto["precisions"].items()) + args.table_precision)  # fmt: skip
+        else:
+            precisions = table_precisions(names, args.precision, args.table_precision)
         model, precisions = serving_model(r.exp.graphdef, r.params, r.batch_stats, precisions)
         blob, weights = export_model(model, schema.num_dense, schema.num_sparse,
                                      schema.max_hotness, tuple(args.platforms))  # fmt: skip
@@ -217,6 +291,7 @@ def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
         "table_bytes": sum(table_bytes.values()),
         "weights": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in weights.items()},
         "vocab": vocab,
+        "auto_precision": auto,
     }
     (tmp / runtime.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     shutil.copyfile(Path(runtime.__file__), tmp / "recscale_model.py")
