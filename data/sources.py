@@ -334,7 +334,7 @@ def _eval_path(cfg: DataConfig, eval_path: str | None) -> str:
 def _make_frappe(
     cfg: DataConfig, eval_path: str, *, eval_only: bool = False, **kw
 ) -> InMemorySource:
-    from data.frappe.reader import build_frappe_vocab, frappe_schema, read_frappe
+    from data.frappe.reader import build_frappe_vocab, frappe_schema, read_frappe, serving_vocab
 
     vocab = build_frappe_vocab(cfg.train_path)  # the vocabulary always comes from training
     train_rows, train_stats = (None, None) if eval_only else read_frappe(cfg.train_path, vocab)
@@ -345,7 +345,9 @@ def _make_frappe(
         "train": train_stats.as_dict() if train_stats else None,
         "eval": eval_stats.as_dict(),
     }
-    return InMemorySource(frappe_schema(vocab), train_rows, eval_rows, stats=stats, **kw)
+    source = InMemorySource(frappe_schema(vocab), train_rows, eval_rows, stats=stats, **kw)
+    source.serving_vocab = functools.partial(serving_vocab, vocab)  # for exported models
+    return source
 
 
 def _criteo_rejects(cfg: DataConfig, rejects_dir: str | None) -> tuple[str | None, str | None]:
@@ -563,7 +565,7 @@ def _tfds_stats(cfg: DataConfig, builder, train, eval_split: str | None, eval_fi
 
 
 def _make_frappe_tfds(cfg: DataConfig, eval_path: str | None, **kw) -> RandomAccessSource:
-    from data.frappe.reader import frappe_schema, read_frappe
+    from data.frappe.reader import frappe_schema, read_frappe, serving_vocab
     from data.tfds_builders.frappe import FrappeBars, frappe_bars_vocab
 
     train_path = _abspath(cfg.train_path)
@@ -598,9 +600,11 @@ def _make_frappe_tfds(cfg: DataConfig, eval_path: str | None, **kw) -> RandomAcc
     else:
         evals, eval_stats = read_frappe(eval_file, vocab)
         stats["eval"] = eval_stats.as_dict()
-    return RandomAccessSource(
+    source = RandomAccessSource(
         frappe_schema(vocab), train, evals, to_batch=to_batch, stats=stats, **kw
     )
+    source.serving_vocab = functools.partial(serving_vocab, vocab)  # for exported models
+    return source
 
 
 def _criteo_tfds_config(cfg: DataConfig):

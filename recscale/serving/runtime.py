@@ -51,6 +51,7 @@ class Model:
         self._call = jax.jit(exported.call)
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "examples": 0, "out_of_vocab_ids": 0}
+        self._sorted: dict[str, np.ndarray] = {}
 
     @classmethod
     def load(cls, path: str | Path, device: Any = None) -> Model:
@@ -73,6 +74,87 @@ class Model:
                                         f"{list(a.shape)}, the manifest says {meta['shape']}")  # fmt: skip
         exported = jax.export.deserialize(bytearray((path / FORWARD).read_bytes()))
         return cls(manifest, weights, exported, device)
+
+    def encode(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+        """``(dense [B, N], ids [B, F, H], counts)`` from JSON-like requests, one per example:
+        ``{"dense": {name: number} | [numbers], "features": {name: value or list of values}}``.
+
+        Feature values are raw values where the artifact has the data's vocabulary
+        (``manifest["vocab"]``: unseen ones map to its OOV id and are counted in
+        ``unseen_values``), ids otherwise. A feature left out is an empty bag (counted in
+        ``missing_features``). An unknown feature, a wrong type, a missing dense value or a bag
+        longer than the feature's raise :class:`ArtifactError` naming the example and field."""
+        n, f, h = len(self.dense_names), len(self.features), self.max_hotness
+        dense = np.zeros((len(rows), n), np.float32)
+        ids = np.full((len(rows), f, h), -1, np.int64)
+        counts = {"unseen_values": 0, "missing_features": 0}
+        vocab = self.manifest.get("vocab") or None
+        index = {feat["name"]: i for i, feat in enumerate(self.features)}
+        for r, row in enumerate(rows):
+            where = f"example {r}"
+            if not isinstance(row, dict):
+                raise ArtifactError(f"{where}: expected an object with dense and features")
+            unknown = set(row) - {"dense", "features"}
+            if unknown:
+                raise ArtifactError(f"{where}: unknown field {sorted(unknown)[0]!r} (expected "
+                                    "dense, features)")  # fmt: skip
+            dv = row.get("dense", {} if n == 0 else None)
+            if isinstance(dv, dict):
+                extra = set(dv) - set(self.dense_names)
+                if extra:
+                    raise ArtifactError(f"{where}: unknown dense feature {sorted(extra)[0]!r}")
+                missing = [d for d in self.dense_names if d not in dv]
+                if missing:
+                    raise ArtifactError(f"{where}: dense feature {missing[0]!r} is missing")
+                dv = [dv[d] for d in self.dense_names]
+            if not isinstance(dv, list) or len(dv) != n:
+                raise ArtifactError(f"{where}: dense must be {n} numbers or an object of "
+                                    f"{', '.join(self.dense_names) or 'nothing'}")  # fmt: skip
+            for j, x in enumerate(dv):
+                if isinstance(x, bool) or not isinstance(x, int | float):
+                    raise ArtifactError(f"{where}: dense feature {self.dense_names[j]!r} must be "
+                                        f"a number, got {type(x).__name__}")  # fmt: skip
+                dense[r, j] = x
+            feats = row.get("features", {})
+            if not isinstance(feats, dict):
+                raise ArtifactError(f"{where}: features must be an object of feature: values")
+            for name in feats:
+                if name not in index:
+                    raise ArtifactError(f"{where}: unknown feature {name!r}")
+            counts["missing_features"] += f - len(feats)
+            for name, value in feats.items():
+                i = index[name]
+                values = value if isinstance(value, list) else [value]
+                if len(values) > self.features[i]["max_hotness"]:
+                    raise ArtifactError(f"{where}: feature {name!r} has {len(values)} values, at "
+                                        f"most {self.features[i]['max_hotness']}")  # fmt: skip
+                for k, v in enumerate(values):
+                    ids[r, i, k] = self._id(name, v, vocab, counts, where)
+        return dense, ids, counts
+
+    def _id(self, name: str, v: Any, vocab: dict | None, counts: dict, where: str) -> int:
+        if vocab is None:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ArtifactError(f"{where}: feature {name!r}: ids are integers, got "
+                                    f"{type(v).__name__} {v!r}")  # fmt: skip
+            return v
+        if vocab["kind"] != "sorted_values":
+            raise ArtifactError(f"vocabulary kind {vocab['kind']!r} is not supported")
+        table = self._sorted.get(name)
+        if table is None:
+            table = self._sorted[name] = np.asarray(vocab["features"][name])
+        if isinstance(v, bool) or not isinstance(v, int | str):
+            raise ArtifactError(f"{where}: feature {name!r}: expected a raw value, got "
+                                f"{type(v).__name__} {v!r}")  # fmt: skip
+        try:
+            v = int(v)
+        except ValueError:
+            raise ArtifactError(f"{where}: feature {name!r}: {v!r} is not an integer") from None
+        pos = int(np.searchsorted(table, v))
+        if pos < table.size and table[pos] == v:
+            return pos + 1
+        counts["unseen_values"] += 1
+        return int(vocab["oov_id"])
 
     def check(self, dense_bn: Any, ids_bfh: Any) -> tuple[np.ndarray, np.ndarray, int]:
         """``(dense float32 [B, N], ids int32 [B, F, H], out-of-vocabulary ids)`` from the inputs;
@@ -103,6 +185,12 @@ class Model:
     def predict(self, dense_bn: Any, ids_bfh: Any) -> np.ndarray:
         """Probabilities ``float32 [B]``."""
         dense, ids, oov = self.check(dense_bn, ids_bfh)
+        with self._lock:
+            self.counters["out_of_vocab_ids"] += oov
+        return self.predict_checked(dense, ids)
+
+    def predict_checked(self, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """:meth:`predict` of inputs :meth:`check` returned (thread-safe)."""
         b = dense.shape[0]
         size = 1 << max(0, (b - 1).bit_length())  # the next power of two
         if size != b:
@@ -112,5 +200,4 @@ class Model:
         with self._lock:
             self.counters["requests"] += 1
             self.counters["examples"] += b
-            self.counters["out_of_vocab_ids"] += oov
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -210,3 +211,159 @@ def test_loader_errors_and_out_of_vocabulary_ids(run_dir, tmp_path):
     (out / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(ArtifactError, match=f"weight {name!r} has shape"):
         Model.load(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# The HTTP server.
+
+
+@pytest.fixture(scope="module")
+def artifact(run_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifact") / "m"
+    export_workdir(DLRMConfig, build_model, ExportArgs(workdir=str(run_dir), out=str(out)))
+    return out
+
+
+def _serve(model, requests, **kw):
+    """Runs ``requests(client) -> result`` against the app on a real localhost socket."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from recscale.serving.server import make_app
+
+    async def main():
+        async with TestClient(TestServer(make_app(model, **kw))) as client:
+            return await requests(client)
+
+    return asyncio.run(main())
+
+
+def _examples(dense, ids):
+    return [{"dense": [float(x) for x in d],
+             "features": {f"f{j}": [int(v) for v in ids[i, j] if v >= 0] for j in range(4)}}
+            for i, d in enumerate(dense)]  # fmt: skip
+
+
+def test_the_server_answers_and_batches_concurrent_requests(run_dir, artifact):
+    import asyncio
+
+    dense, ids, _ = _reference(run_dir)
+    dense, ids = dense[:48], ids[:48]
+    model = Model.load(artifact)
+    want = model.predict(dense, ids)
+
+    async def requests(client):
+        async def one(i):
+            r = await client.post(
+                "/predict", json={"examples": _examples(dense[i : i + 1], ids[i : i + 1])}
+            )
+            assert r.status == 200, await r.text()
+            return (await r.json())["scores"][0]
+
+        got = await asyncio.gather(*(one(i) for i in range(48)))
+        arrays = await client.post("/predict", json={"dense": dense[:3].tolist(),
+                                                      "ids": ids[:3].tolist()})  # fmt: skip
+        stats = await (await client.get("/metrics")).json()
+        health = await (await client.get("/healthz")).json()
+        return got, (await arrays.json())["scores"], stats, health
+
+    got, arrays, stats, health = _serve(model, requests, max_batch=16, max_wait=0.05)
+    # batched with other requests (padded to powers of two): the same scores to float rounding
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(arrays, want[:3], rtol=1e-6, atol=1e-7)
+    assert health == {"ok": True}
+    assert stats["requests"] == 49 and stats["examples"] == 51 and stats["shed"] == 0
+    assert stats["batches"] < 20 and 1 < stats["mean_batch"] <= 16, stats
+
+
+def test_the_server_sheds_load_beyond_its_queue_with_503(artifact):
+    import asyncio
+    import time as time_lib
+
+    model = Model.load(artifact)
+    slow = model.predict_checked
+
+    def predict(dense, ids):  # a slow model: the queue fills
+        time_lib.sleep(0.2)
+        return slow(dense, ids)
+
+    dense, ids = np.zeros((1, 4), np.float32), np.zeros((1, 4, 3), np.int32)
+
+    async def requests(client):
+        from recscale.serving.server import BATCHER
+
+        client.server.app[BATCHER].predict = predict
+
+        async def one():
+            r = await client.post("/predict", json={"dense": dense.tolist(), "ids": ids.tolist()})
+            return r.status, await r.json()
+
+        t0 = time_lib.perf_counter()
+        res = await asyncio.gather(*(one() for _ in range(30)))
+        waited = time_lib.perf_counter() - t0
+        stats = await (await client.get("/metrics")).json()
+        return res, waited, stats
+
+    res, waited, stats = _serve(model, requests, max_batch=2, max_wait=0.0, max_queue=4)
+    codes = [c for c, _ in res]
+    assert set(codes) == {200, 503}
+    shed = [body["error"] for c, body in res if c == 503]
+    assert all("overloaded" in e and "max 4" in e for e in shed)
+    assert stats["shed"] == len(shed) >= 20 and stats["queued_examples"] == 0
+    # at most 4 examples ever waited: 2 batches of 2 at 0.2 s each, not 15 batches
+    assert codes.count(200) <= 6 and waited < 1.5, (codes.count(200), waited)
+
+
+def test_the_server_rejects_malformed_requests_clearly(artifact):
+    model = Model.load(artifact)
+    ok = {"dense": [0.1, 0.2, 0.3, 0.4], "features": {"f0": 3, "f1": [1, 2]}}
+
+    async def requests(client):
+        out = []
+        for body in (
+            b"{not json",
+            {"examples": [{**ok, "features": {"nope": 1}}]},
+            {"examples": [{**ok, "features": {"f0": "x"}}]},
+            {"examples": [{**ok, "features": {"f1": [1, 2, 3]}}]},
+            {"examples": [{"dense": {"d0": 1.0}, "features": {}}]},
+            {"examples": [ok], "extra": 1},
+            {"dense": [[0.0] * 4], "ids": [[[0.5]] * 4]},
+            {"examples": [ok, {**ok, "features": {"f0": 10_000}}]},
+        ):
+            kw = {"data": body} if isinstance(body, bytes) else {"json": body}
+            r = await client.post("/predict", **kw)
+            out.append((r.status, await r.json()))
+        stats = await (await client.get("/metrics")).json()
+        return out, stats
+
+    out, stats = _serve(model, requests)
+    codes = [c for c, _ in out]
+    assert codes == [400] * 7 + [200], out
+    msgs = [b.get("error", "") for _, b in out]
+    assert "not JSON" in msgs[0]
+    assert "example 0: unknown feature 'nope'" in msgs[1]
+    assert "example 0: feature 'f0': ids are integers, got str" in msgs[2]
+    assert "feature 'f1' has 3 values, at most 2" in msgs[3]
+    assert "example 0: dense feature 'd1' is missing" in msgs[4]
+    assert 'expected {"examples": [...]} and nothing else' in msgs[5]
+    assert "ids: expected a [B, F, H] array of integers" in msgs[6]
+    assert len(out[7][1]["scores"]) == 2 and out[7][1]["missing_features"] == 2 + 3
+    assert stats["malformed"] == 7 and stats["out_of_vocab_ids"] == 1, stats
+
+
+def test_raw_values_map_through_the_artifacts_vocabulary(artifact, tmp_path):
+    out = tmp_path / "v"
+    shutil.copytree(artifact, out)
+    man = json.loads((out / "manifest.json").read_text())
+    # the vocabulary a dataset would give: raw values, id = position + 1, 0 for unseen ones
+    man["vocab"] = {"kind": "sorted_values", "oov_id": 0,
+                    "features": {f"f{j}": [10 * k + 7 for k in range(5)] for j in range(4)}}  # fmt: skip
+    (out / "manifest.json").write_text(json.dumps(man))
+    model = Model.load(out)
+    dense, ids, counts = model.encode([{"dense": [0.0] * 4,
+                                        "features": {"f0": 27, "f1": ["17", 99], "f3": 47}}])  # fmt: skip
+    assert ids[0, 0, 0] == 3 and list(ids[0, 1, :2]) == [2, 0] and ids[0, 3, 0] == 5
+    assert counts == {"unseen_values": 1, "missing_features": 1}
+    with pytest.raises(ArtifactError, match="'f0': 'x' is not an integer"):
+        model.encode([{"dense": [0.0] * 4, "features": {"f0": "x"}}])
