@@ -169,12 +169,74 @@ def _vocab(source: Any) -> dict | None:
 
 
 def _auc(exp: Any, graphdef, params, batch_stats, precisions: dict[str, str]) -> tuple[float, int]:
-    """``(validation AUC, table bytes)`` of the model with its tables in ``precisions``."""
+    """``(validation AUC, table bytes)`` of the serving model with its tables in
+    ``precisions`` (compiled for it)."""
     model, _ = serving_model(graphdef, params, batch_stats, precisions)
     coll = _collection(model)
     size = sum(prec.nbytes({k: v[...] for k, v in coll.tables[n].items()}) for n in precisions)
     g, p, st = nnx.split(model, nnx.Param, nnx.BatchStat)
     return float(exp.evaluate(p, st, graphdef=g)["auc"]), size
+
+
+class _ProbeEvaluator:
+    """Validation AUCs of one model under many table precisions, compiled once: each
+    precision's effect enters as the difference of a feature's dequantised pooled embeddings
+    from its float32 ones, added where the model reads them (``collection.probe``), computed
+    once per (table, precision) and batch. Equal to the serving model's AUC up to float32
+    rounding of that addition (the final choice is measured on the real serving model)."""
+
+    def __init__(self, exp: Any, graphdef, params, batch_stats):
+        from recscale.embeddings import collection  # noqa: PLC0415
+
+        model = nnx.merge(graphdef, params, batch_stats)
+        coll = _collection(model)
+        self.tables = float_tables(coll)
+        self.features = [(i, f.name, f.table, f.max_hotness, f.pooling)
+                         for i, f in enumerate(coll.feature_specs)]  # fmt: skip
+        self.dims = {t.name: t.dim for t in coll.table_specs}
+        self.batches = [exp.device_batch(b) for b in exp.source.eval_batches()]
+        self._cache: dict[tuple[str, str], list[dict[str, jax.Array]]] = {}
+
+        @jax.jit
+        def logits(batch, deltas):
+            with collection.probe(deltas):
+                return nnx.merge(graphdef, params, batch_stats)(batch.dense_bn, batch.ids_bfh)
+
+        self._logits = logits
+
+    def _deltas(self, table: str, precision: str) -> list[dict[str, jax.Array]]:
+        key = (table, precision)
+        if key not in self._cache:
+            q = prec.quantize(self.tables[table], precision)
+            f32 = prec.quantize(self.tables[table], "float32")
+            feats = [f for f in self.features if f[2] == table]
+
+            @jax.jit
+            def delta(ids_bfh):
+                return {name: prec.pool(q, precision, ids_bfh[:, i, :h], dim=self.dims[table],
+                                        pooling=pool)
+                        - prec.pool(f32, "float32", ids_bfh[:, i, :h], dim=self.dims[table],
+                                    pooling=pool) for i, name, _, h, pool in feats}  # fmt: skip
+
+            self._cache[key] = [delta(b.ids_bfh) for b in self.batches]
+        return self._cache[key]
+
+    def auc(self, precisions: dict[str, str]) -> float:
+        from recscale.metrics import EvalAccumulator  # noqa: PLC0415
+
+        acc = EvalAccumulator()
+        low = {t: self._deltas(t, p) for t, p in precisions.items() if p != "float32"}
+        for k, b in enumerate(self.batches):
+            deltas = {name: jnp.zeros((b.ids_bfh.shape[0], self.dims[t]), jnp.float32)
+                      for _, name, t, _, _ in self.features}  # fmt: skip
+            for per_batch in low.values():
+                deltas.update(per_batch[k])
+            acc.update(np.asarray(self._logits(b, deltas)), np.asarray(b.labels_b),
+                       np.asarray(b.weights_b))  # fmt: skip
+        return float(acc.result()["auc"])
+
+    def bytes(self, precisions: dict[str, str]) -> int:
+        return sum(prec.nbytes(prec.quantize(self.tables[t], p)) for t, p in precisions.items())
 
 
 def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str], *,
@@ -185,43 +247,47 @@ def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str]
     1. Each table alone in each candidate precision (the others float32): its AUC cost.
     2. Greedily, the change saving the most bytes per AUC it cost alone is made, and the
        combined model evaluated; it is kept if the combined AUC is still within ``budget`` of
-       float32's, else undone. Every table ends in the smallest precision that passed, and the
-       final combination is measured, not predicted from the solo costs.
-    """
+       float32's, else undone.
+    3. The final combination is measured on the serving model itself (not the probe).
+
+    Steps 1-2 run one compiled evaluation (:class:`_ProbeEvaluator`)."""
     for c in candidates:
         prec.check(c)
     if budget < 0:
         raise ValueError(f"auc_budget={budget}: must be >= 0")
+    ev = _ProbeEvaluator(exp, graphdef, params, batch_stats)
     base = dict.fromkeys(tables, "float32")
-    auc0, bytes0 = _auc(exp, graphdef, params, batch_stats, base)
+    auc0, bytes0 = ev.auc(base), ev.bytes(base)
     log(f"float32: AUC {auc0:.6f}, tables {bytes0 / 2**20:.3f} MiB")
     solo: dict[str, dict[str, dict[str, float]]] = {t: {} for t in tables}
     for t in tables:
         for c in candidates:
-            auc, size = _auc(exp, graphdef, params, batch_stats, {**base, t: c})
-            solo[t][c] = {"auc_cost": auc0 - auc, "bytes_saved": bytes0 - size}
-            log(
-                f"  {t} in {c}: AUC cost {auc0 - auc:+.6f}, saves {(bytes0 - size) / 2**20:.4f} MiB"
-            )
+            trial = {**base, t: c}
+            solo[t][c] = {"auc_cost": auc0 - ev.auc(trial), "bytes_saved": bytes0 - ev.bytes(trial)}
+            log(f"  {t} in {c}: AUC cost {solo[t][c]['auc_cost']:+.6f}, saves "
+                f"{solo[t][c]['bytes_saved'] / 2**20:.4f} MiB")  # fmt: skip
     moves = sorted(
         ((t, c) for t in tables for c in candidates if solo[t][c]["bytes_saved"] > 0),
         key=lambda tc: -solo[tc[0]][tc[1]]["bytes_saved"] / max(solo[tc[0]][tc[1]]["auc_cost"], 1e-9),
     )  # fmt: skip
-    chosen, auc, tried = dict(base), auc0, []
+    chosen, tried = dict(base), []
     order = {c: i for i, c in enumerate(candidates)}  # smallest first
     for t, c in moves:
         if chosen[t] != "float32" and order[chosen[t]] <= order[c]:
             continue  # already as small
         trial = {**chosen, t: c}
-        a, _ = _auc(exp, graphdef, params, batch_stats, trial)
+        a = ev.auc(trial)
         ok = auc0 - a <= budget
         tried.append({"table": t, "precision": c, "auc": a, "kept": ok})
         log(f"  try {t}={c}: AUC {a:.6f} ({a - auc0:+.6f}) {'kept' if ok else 'undone'}")
         if ok:
-            chosen, auc = trial, a
+            chosen = trial
     final_auc, final_bytes = _auc(exp, graphdef, params, batch_stats, chosen)
-    return {"precisions": chosen, "auc_float32": auc0, "auc": final_auc,
-            "auc_cost": auc0 - final_auc, "budget": budget, "bytes_float32": bytes0,
+    ref_auc, _ = _auc(exp, graphdef, params, batch_stats, base)
+    log(f"chosen: AUC {final_auc:.6f} against float32's {ref_auc:.6f} (serving models), "
+        f"tables {final_bytes / 2**20:.3f} MiB")  # fmt: skip
+    return {"precisions": chosen, "auc_float32": ref_auc, "auc": final_auc,
+            "auc_cost": ref_auc - final_auc, "budget": budget, "bytes_float32": bytes0,
             "bytes": final_bytes, "solo": solo, "tried": tried}  # fmt: skip
 
 

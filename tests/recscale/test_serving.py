@@ -367,3 +367,30 @@ def test_raw_values_map_through_the_artifacts_vocabulary(artifact, tmp_path):
     assert counts == {"unseen_values": 1, "missing_features": 1}
     with pytest.raises(ArtifactError, match="'f0': 'x' is not an integer"):
         model.encode([{"dense": [0.0] * 4, "features": {"f0": "x"}}])
+
+
+def test_auto_precision_keeps_the_auc_budget(run_dir, tmp_path):
+    loose = export_workdir(DLRMConfig, build_model, ExportArgs(
+        workdir=str(run_dir), out=str(tmp_path / "a"), precision="auto", auc_budget=1.0),
+        log=lambda _: None)  # fmt: skip
+    assert {t["precision"] for t in loose["tables"].values()} == {"int4"}  # all smallest
+    auto = loose["auto_precision"]
+    assert set(auto["solo"]) == {"f0", "f1", "f2", "f3"}
+    assert all(set(v) == {"int4", "int8", "float16"} for v in auto["solo"].values())
+    strict = export_workdir(DLRMConfig, build_model, ExportArgs(
+        workdir=str(run_dir), out=str(tmp_path / "s"), precision="auto", auc_budget=0.0),
+        log=lambda _: None)["auto_precision"]  # fmt: skip
+    # the combination chosen through the probe, measured on the serving model itself: within
+    # the budget up to the probe's float32 rounding
+    assert strict["auc_cost"] <= 1e-6, strict
+    assert strict["bytes"] <= strict["bytes_float32"]
+    # the artifact's own AUC is the one reported
+    dense, ids, _ = _reference(run_dir)
+    with restored(DLRMConfig, build_model, run_dir, num_devices=1) as r:
+        batches = list(r.exp.source.eval_batches())
+    labels = np.concatenate([b.labels_b for b in batches])
+    weights = np.concatenate([b.weights_b for b in batches])  # 0: the last batch's padding
+    from recscale.metrics import auc
+
+    got = auc(Model.load(tmp_path / "s").predict(dense, ids), labels, weights)
+    np.testing.assert_allclose(got, strict["auc"], atol=1e-6)
