@@ -186,10 +186,12 @@ class EmbeddingShardingConfig:
     those). E.g. ``0:0.036:0.036 2000:0.002:0.002``: 4-bit codes early, 8-bit late. Each
     distinct pair is its own compiled step; train rows log the bounds in force."""
     comm_error_bound_tables: tuple[str, ...] = ()
-    """Per table: ``TABLE=SCALE`` entries, that table's bounds (both ways, the schedule's
-    included) being the bounds above times SCALE; 0 sends the table uncompressed (float32; with
-    ``fp8_*`` only 0 and 1). Tables of one scale share buffers (one code width per all-to-all).
-    ``python -m recscale.comm_bounds`` proposes scales from each table's measured sensitivity."""
+    """Per table: ``TABLE=SCALE[:SCALE_GRAD]`` entries, that table's bounds (the schedule's
+    included) being the bounds above times SCALE forward and SCALE_GRAD (default SCALE) back; 0
+    sends that direction uncompressed (float32; with ``fp8_*`` only 0 and 1, the same both
+    ways). Tables of one pair share buffers (one code width per all-to-all).
+    ``python -m FAMILY.evaluate --workdir DIR --comm-sensitivity`` proposes them from each
+    table's measured sensitivity."""
     tiers: tuple[str, ...] = ()
     """Tables kept beyond device memory, ``TABLE=TIER:CACHE_ROWS`` (e.g. ``C1=ssd:65536``):
     the whole table in host RAM (``dram``) or in a memory-mapped file (``ssd``), and a cache
@@ -270,27 +272,31 @@ class EmbeddingShardingConfig:
         seen = set()
         for item in self.comm_error_bound_tables:
             name, sep, value = item.partition("=")
+            fwd, _, grad = value.partition(":")
             try:
-                scale = float(value)
+                pair = (float(fwd), float(grad or fwd))
             except ValueError:
-                scale = -1.0
-            if not sep or not name or not 0 <= scale < float("inf") or name in seen:
+                pair = (-1.0, -1.0)
+            if not sep or not name or not all(0 <= x < float("inf") for x in pair) or name in seen:
                 raise ValueError(f"embeddings.comm_error_bound_tables entry {item!r}: expected "
-                                 "TABLE=SCALE, SCALE >= 0, each table once (e.g. C3=0.5)")  # fmt: skip
+                                 "TABLE=SCALE[:SCALE_GRAD], scales >= 0, each table once (e.g. "
+                                 "C3=0.5 or C3=0.5:1)")  # fmt: skip
             seen.add(name)
             if self.comm_compression == "none" or self.sharding == "off":
                 raise ValueError("embeddings.comm_error_bound_tables needs the engine and a "
                                  f"comm_compression, not {self.comm_compression}")  # fmt: skip
-            if self.comm_compression != "error_bounded" and scale not in (0.0, 1.0):
+            if self.comm_compression != "error_bounded" and (
+                pair[0] != pair[1] or pair[0] not in (0.0, 1.0)
+            ):
                 raise ValueError(f"embeddings.comm_error_bound_tables entry {item!r}: "
                                  f"{self.comm_compression} has no bound to scale (0 sends the "
-                                 "table uncompressed, 1 as the others)")  # fmt: skip
-            for pair in base if self.comm_compression == "error_bounded" else ():
-                bad = [b * scale for b in pair if b and not 2.0**-16 <= b * scale < 0.5]
-                if bad and scale:
-                    raise ValueError(f"embeddings.comm_error_bound_tables entry {item!r}: bound "
-                                     f"{bad[0]:.3g} (a base bound times {scale:g}) is outside "
-                                     "[1.5e-05, 0.5)")  # fmt: skip
+                                 "table uncompressed both ways, 1 as the others)")  # fmt: skip
+            for b, g in base if self.comm_compression == "error_bounded" else ():
+                for bound, scale in ((b, pair[0]), (g, pair[1])):
+                    if bound and scale and not 2.0**-16 <= bound * scale < 0.5:
+                        raise ValueError(f"embeddings.comm_error_bound_tables entry {item!r}: "
+                                         f"bound {bound * scale:.3g} (a base bound times "
+                                         f"{scale:g}) is outside [1.5e-05, 0.5)")  # fmt: skip
 
 
 KernelImpl = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]

@@ -12,7 +12,10 @@ loss moves to first order by ``Σ g·δ``, ``g = ∂L/∂x``, whose variance is
 — a table whose outputs span a wide range where the loss is steep is sensitive; one whose
 gradients are small is not. The gradients sent back are quantised the same way; their error
 relative to the gradient, ``ε · ρ`` with ``ρ² = Σ_b R_{g,b}² m_b / 3 / ‖g‖²``, is reported
-too (row-wise Adagrad divides it out of the scale, so it is a relative error that matters).
+too (row-wise Adagrad divides it out of the scale, so it is a relative error that matters). It
+is about the same for every table (ρ ≈ 21 on Frappe), so it does not rank them, and a coarse
+gradient code hurts a table however little its forward values matter: by default the proposed
+scales apply to the forward exchange only (``TABLE=SCALE:1``).
 
 **Allocation.** Codes of a table with bound ``ε_t`` cost about ``log2(1 / ε_t)`` bits per
 value, ``n_t`` values per step. Minimising the forward variance ``Σ s_t² ε_t²`` for a fixed
@@ -131,13 +134,17 @@ def bound_for_bits(bits: int) -> float:
 
 
 def propose(sens: dict[str, dict[str, Any]], eps: float, *,
-            budget: Literal["bytes", "error"] = "bytes", max_shift: int = 3) -> dict[str, Any]:  # fmt: skip
+            budget: Literal["bytes", "error"] = "bytes", max_shift: int = 3,
+            grad: Literal["base", "same"] = "base") -> dict[str, Any]:  # fmt: skip
     """Per-table code widths (within ``max_shift`` bits of the base bound's) chosen greedily:
     starting from the narrowest, a bit at a time to the table whose forward variance
     ``s_t² ε_t²`` drops most per value it costs (optimal for this separable problem, as each
     bit gains less than the one before). ``budget="bytes"``: until the uniform bound's bits are
     spent; ``"error"``: until the predicted variance is the uniform bound's. Each table's bound
     is the tightest of its width (:func:`bound_for_bits`), given as a scale of ``eps``.
+
+    The allocation is of the forward exchange, whose sensitivity it measures; ``grad="base"``
+    leaves the gradients at the base bound (``TABLE=SCALE:1``), ``"same"`` scales them alike.
 
     Returned: ``scales``, ``bits``, ``bounds`` per table, ``comm_error_bound_tables`` (the
     config entries), and against the uniform ``eps``: ``bits_ratio`` (bits on the wire) and
@@ -146,6 +153,8 @@ def propose(sens: dict[str, dict[str, Any]], eps: float, *,
         raise ValueError(f"base bound {eps}: must be in [{MIN_EPS:.3g}, 0.5)")
     if budget not in ("bytes", "error"):
         raise ValueError(f"budget {budget!r}: expected bytes or error")
+    if grad not in ("base", "same"):
+        raise ValueError(f"grad {grad!r}: expected base or same")
     names = sorted(sens)
     s2 = {n: float(sens[n]["forward"]) ** 2 for n in names}
     nv = {n: float(sens[n]["values"]) for n in names}
@@ -188,5 +197,8 @@ def propose(sens: dict[str, dict[str, Any]], eps: float, *,
         "scales": scales,
         "bits_ratio": spent() / bits_budget,
         "forward_error_ratio": math.sqrt(var(bits) / var_budget) if var_budget > 0 else 0.0,
-        "comm_error_bound_tables": [f"{n}={scales[n]:g}" for n in names],
+        "grad": grad,
+        "comm_error_bound_tables": [
+            f"{n}={scales[n]:g}" + (":1" if grad == "base" else "") for n in names
+        ],
     }

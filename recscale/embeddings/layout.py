@@ -57,9 +57,10 @@ class EngineSpec:
     """Tables whose engine table is a cache of a larger one (``recscale.embeddings.tiers``):
     placed whole rows at a time (never column-split) unless pinned."""
     bound_scales: tuple[str, ...] = ()
-    """``TABLE=SCALE`` pins (``embeddings.comm_error_bound_tables``): the table's exchange
-    bounds are :attr:`compression`'s times SCALE (0: uncompressed). Tables of one scale share
-    buffers, since an all-to-all has one code width."""
+    """``TABLE=SCALE[:SCALE_GRAD]`` pins (``embeddings.comm_error_bound_tables``): the table's
+    exchange bounds are :attr:`compression`'s times SCALE forward and SCALE_GRAD (default:
+    SCALE) back (0: uncompressed). Tables of one pair share buffers, since an all-to-all has one
+    code width."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> EngineSpec | None:
@@ -101,7 +102,13 @@ class BufferLayout:
     cw_group: tuple[tuple[int, ...], ...]
     """Index of the slot's table among column-split tables (``num_cw_groups``: not split)."""
     bound_scale: float = 1.0
-    """Its tables' exchange bounds relative to the layout's (``EngineSpec.bound_scales``)."""
+    """Its tables' forward exchange bound relative to the layout's (``EngineSpec.bound_scales``)."""
+    bound_scale_grad: float = 1.0
+    """The same for the gradients' exchange."""
+
+    @property
+    def scaled(self) -> bool:
+        return (self.bound_scale, self.bound_scale_grad) != (1.0, 1.0)
 
     def arr(self, name: str) -> np.ndarray:
         return np.asarray(getattr(self, name), np.int32)
@@ -135,12 +142,12 @@ class Layout:
         """How buffer ``bl``'s exchange is compressed: :attr:`compression` with its bounds
         times ``bl.bound_scale`` (scale 0: uncompressed)."""
         c = self.compression
-        if bl.bound_scale == 1.0 or c.kind == "none":
+        s, g = bl.bound_scale, bl.bound_scale_grad
+        if not bl.scaled or c.kind == "none":
             return c
-        if bl.bound_scale == 0.0:
+        if s == g == 0.0:
             return Compression()
-        s = bl.bound_scale
-        return dataclasses.replace(c, eps=c.eps * s, eps_grad=c.eps_grad * s)
+        return dataclasses.replace(c, eps=c.eps * s, eps_grad=c.eps_grad * g)
 
     def exchange_bytes(self, batch_size: int) -> dict[str, float]:
         """Bytes the all-to-alls of one step move, all devices: ``forward`` (pooled outputs)
@@ -195,7 +202,11 @@ def build_layout(
     unknown = set(pins) - set(by_table)
     if unknown:
         raise ValueError(f"embeddings.per_table names unknown tables {sorted(unknown)}")
-    scales = {name: float(v) for name, v in (item.split("=", 1) for item in spec.bound_scales)}
+    scales = {}
+    for item in spec.bound_scales:
+        name, value = item.split("=", 1)
+        fwd, _, grad = value.partition(":")
+        scales[name] = (float(fwd), float(grad or fwd))
     unknown = set(scales) - set(by_table)
     if unknown:
         raise ValueError(
@@ -233,9 +244,9 @@ def build_layout(
     table_plans = plan.by_table()
     cw_tables = [t.name for t in tables if table_plans[t.name].sharding in COLUMN_TYPES]
     cw_index = {name: i for i, name in enumerate(cw_tables)}
-    # groups: (width, replicated, bound scale) -> per device list of (feature, row_start,
-    # row_count, col_start, dim, cw); a replicated buffer exchanges nothing (scale 1)
-    groups: dict[tuple[int, bool, float], list[list[tuple]]] = {}
+    # groups: (width, replicated, bound scales) -> per device list of (feature, row_start,
+    # row_count, col_start, dim, cw); a replicated buffer exchanges nothing (scales 1)
+    groups: dict[tuple[int, bool, tuple[float, float]], list[list[tuple]]] = {}
     for t in tables:
         tp = table_plans[t.name]
         (f,) = by_table[t.name]
@@ -246,7 +257,7 @@ def build_layout(
             c0, c1 = sh.cols[0], min(sh.cols[1], t.dim)
             if r1 <= r0 or c1 <= c0:
                 continue
-            scale = 1.0 if replicated else scales.get(t.name, 1.0)
+            scale = (1.0, 1.0) if replicated else scales.get(t.name, (1.0, 1.0))
             devs = groups.setdefault((c1 - c0, replicated, scale),
                                      [[] for _ in range(num_devices)])  # fmt: skip
             cw = cw_index.get(t.name, len(cw_tables))
@@ -275,13 +286,20 @@ def build_layout(
                 fields[k].append(tuple(per[k]))
         rows = -(-rows // 8) * 8
         kind = "replicated" if replicated else "sharded"
-        # the default scale keeps the key checkpoints have always had; 0.25 -> "_eb0p25"
-        tag = "" if scale == 1.0 else "_eb" + f"{scale:g}".replace(".", "p").replace("-", "m")
+
+        # the default scales keep the key checkpoints have always had; 0.25 -> "_eb0p25",
+        # 0.25 forward and 1 back -> "_eb0p25_g1"
+        def fmt(x: float) -> str:
+            return f"{x:g}".replace(".", "p").replace("-", "m")
+
+        tag = "" if scale == (1.0, 1.0) else "_eb" + fmt(scale[0])
+        tag += "" if scale[1] == scale[0] else "_g" + fmt(scale[1])
         buffers.append(
             BufferLayout(
                 key=f"{kind}_w{width}_{spec.storage_dtype}{tag}", width=width,
                 dtype=spec.storage_dtype, replicated=replicated, rows=rows,
-                **{k: tuple(v) for k, v in fields.items()}, bound_scale=scale,
+                **{k: tuple(v) for k, v in fields.items()}, bound_scale=scale[0],
+                bound_scale_grad=scale[1],
             )
         )  # fmt: skip
     return Layout(

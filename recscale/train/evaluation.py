@@ -73,6 +73,9 @@ class EvalArgs:
     comm_budget: Literal["bytes", "error"] = "bytes"
     """``bytes``: less predicted error at about the uniform bound's bytes; ``error``: fewer
     bytes at about its predicted error."""
+    comm_grad: Literal["base", "same"] = "base"
+    """``base``: the proposed scales bound the forward exchange only, gradients keep the base
+    bound; ``same``: both ways."""
     comm_max_shift: int = 3
     """Largest power of two a table's bound may move from the base bound (each is about a bit
     per value)."""
@@ -266,7 +269,7 @@ def _comm_sensitivity(exp: Experiment, params, batch_stats, args: EvalArgs,
                                     blocks=n_train, loss_fn=loss)  # fmt: skip
     eps = args.comm_error_bound or cfg.embeddings.comm_error_bound or 0.002
     plan = comm_sensitivity.propose(sens, eps, budget=args.comm_budget,
-                                    max_shift=args.comm_max_shift)  # fmt: skip
+                                    max_shift=args.comm_max_shift, grad=args.comm_grad)  # fmt: skip
     return {"tables": sens, **plan, "batches": len(batches), "blocks": n_train}
 
 

@@ -301,7 +301,7 @@ class Experiment:
         for k, c in engine.engine_collections(model).items():
             x = c.layout.exchange_bytes(self.cfg.data.batch_size)
             sent = x["forward"] + x["backward"]
-            scaled = any(b.bound_scale != 1.0 for b in c.layout.buffers)
+            scaled = any(b.scaled for b in c.layout.buffers)
             out[k] = (
                 f"{c.layout.plan_text.rstrip()}\nall-to-all per step, all devices: "
                 f"{x['forward'] / 2**20:.6g} MiB forward + {x['backward'] / 2**20:.6g} MiB "
@@ -310,9 +310,10 @@ class Experiment:
                 + (f", {x['float32'] / sent:.2f}x fewer bytes than float32)" if sent else ")")
             )
             for bl in c.layout.buffers:  # per-table bounds: each scaled buffer's own codes
-                if bl.bound_scale != 1.0 and not bl.replicated:
+                if bl.scaled and not bl.replicated:
                     comp = c.layout.compression_of(bl)
-                    out[k] += f"\n  buffer {bl.key} (bounds x{bl.bound_scale:g}): {comp.describe()}"
+                    out[k] += (f"\n  buffer {bl.key} (bounds x{bl.bound_scale:g} forward, "
+                               f"x{bl.bound_scale_grad:g} back): {comp.describe()}")  # fmt: skip
         return out
 
     def init_state(self) -> TrainState:

@@ -118,8 +118,16 @@ def test_the_greedy_allocation_is_optimal_and_keeps_its_budget():
     # equal sensitivities per value: the uniform bound's width everywhere
     same = {f"t{i}": {"forward": 1.0, "values": 100} for i in range(3)}
     assert set(cs.propose(same, 0.002)["bits"].values()) == {8}
-    # the config entries round-trip through the layout's scales
-    assert all("=" in e for e in cs.propose(same, 0.002)["comm_error_bound_tables"])
+    # the config entries: forward scales, gradients at the base bound (or scaled alike)
+    from recscale.config import EmbeddingShardingConfig
+
+    prop = cs.propose(sens, 0.036)
+    for grad, tail in (("base", ":1"), ("same", "")):
+        entries = cs.propose(sens, 0.036, grad=grad)["comm_error_bound_tables"]
+        assert entries == [f"{n}={prop['scales'][n]:g}{tail}" for n in sorted(sens)]
+        EmbeddingShardingConfig(sharding="row_wise", comm_compression="error_bounded",
+                                comm_error_bound=0.036, comm_error_bound_grad=0.036,
+                                comm_error_bound_tables=tuple(entries))  # fmt: skip
 
 
 def test_bounds_for_bits_and_clear_errors():

@@ -273,7 +273,7 @@ def test_per_table_bounds_group_tables_into_buffers_of_their_own_code_width():
     are all at scale 0 trains bitwise as the float32 exchange."""
     eb = dict(comm_compression="error_bounded", comm_error_bound=0.002,
               comm_error_bound_grad=0.002)  # fmt: skip
-    scales = ("f1=0", "f2=0.25", "f3=4")
+    scales = ("f1=0", "f2=0.25:1", "f3=4")  # f2: a quarter of the bound forward, the base back
     mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
     ids = jnp.asarray(_batches(1)[0].ids_bfh)
     outs = {}
@@ -283,7 +283,7 @@ def test_per_table_bounds_group_tables_into_buffers_of_their_own_code_width():
             outs[name] = [np.asarray(x) for x in jax.jit(lambda c, i: c.lookup(i))(coll, ids)]
     layout = coll.layout
     by_key = {bl.key: bl for bl in layout.buffers}
-    for key, table in (("", 0), ("_eb0", 1), ("_eb0p25", 2), ("_eb4", 3)):
+    for key, table in (("", 0), ("_eb0", 1), ("_eb0p25_g1", 2), ("_eb4", 3)):
         bl = by_key.pop("sharded_w8_float32" + key)
         held = {f for fs, cs in zip(bl.feature, bl.row_count, strict=True)
                 for f, c in zip(fs, cs, strict=True) if c}  # fmt: skip
@@ -291,18 +291,22 @@ def test_per_table_bounds_group_tables_into_buffers_of_their_own_code_width():
     assert not by_key
     by_key = {bl.key: bl for bl in layout.buffers}
     codes = {k: layout.compression_of(bl).describe() for k, bl in by_key.items()}
-    assert codes["sharded_w8_float32_eb0p25"].startswith("error_bounded, 10-bit codes")
+    assert (
+        codes["sharded_w8_float32_eb0p25_g1"]
+        == "error_bounded, 10-bit codes forward, 8-bit codes back"
+    )
     assert codes["sharded_w8_float32_eb4"].startswith("error_bounded, 7-bit codes")
     assert codes["sharded_w8_float32_eb0"] == "none"
     # bytes: each buffer's slots (one per device holding a table, padded to the most) at its width
     x = layout.exchange_bytes(B)
     m = (B // 8) * D
-    expect = 0.0
-    for bl in layout.buffers:
-        blocks = 8 * len(bl.feature[0]) * 8
-        bits = {0.0: 32, 0.25: 10, 1.0: 8, 4.0: 7}[bl.bound_scale]
-        expect += blocks * 4 * (m if bits == 32 else 2 + -(-m * bits // 32))
-    assert x["forward"] == expect
+    for way, scale in (("forward", "bound_scale"), ("backward", "bound_scale_grad")):
+        expect = 0.0
+        for bl in layout.buffers:
+            blocks = 8 * len(bl.feature[0]) * 8
+            bits = {0.0: 32, 0.25: 10, 1.0: 8, 4.0: 7}[getattr(bl, scale)]
+            expect += blocks * 4 * (m if bits == 32 else 2 + -(-m * bits // 32))
+        assert x[way] == expect, way
     # element-wise: within the scaled bound of the block's range (at most the batch's range)
     for f, eps in ((0, 0.002), (2, 0.0005), (3, 0.008)):
         a, b = outs["exact"][f], outs["scaled"][f]
@@ -321,7 +325,7 @@ def test_per_table_bounds_group_tables_into_buffers_of_their_own_code_width():
 
 def test_per_table_bounds_clear_errors():
     eb = dict(sharding="row_wise", comm_compression="error_bounded", comm_error_bound=0.002)
-    with pytest.raises(ValueError, match="TABLE=SCALE"):
+    with pytest.raises(ValueError, match=r"TABLE=SCALE\[:SCALE_GRAD\]"):
         EmbeddingShardingConfig(**eb, comm_error_bound_tables=("f0:2",))
     with pytest.raises(ValueError, match="each table once"):
         EmbeddingShardingConfig(**eb, comm_error_bound_tables=("f0=2", "f0=1"))
