@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         logit = lambda p: np.log(np.clip(p, 1e-7, 1 - 1e-7) / np.clip(1 - p, 1e-7, 1))  # noqa: E731
         rows = {}
         for p in args.precisions:
-            art = out / Path(wd).name / p
+            art = out / str(Path(wd)).strip("/").replace("/", "__") / p  # unique per run
             if not (art / "manifest.json").is_file():
                 extra = ["--auc-budget", str(args.auc_budget)] if p == "auto" else []
                 fam.main(["--workdir", wd, "--out", str(art), "--precision", p, *extra])
