@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import queue as queue_lib
 import sys
 from pathlib import Path
 
@@ -84,7 +85,7 @@ async def _drive(score, dense, ids, rate: float, duration: float, seed: int) -> 
 
 
 async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int, rate: float,
-                         duration: float, seed: int, http: bool) -> dict:  # fmt: skip
+                         duration: float, seed: int, http: bool, barrier=None) -> dict:  # fmt: skip
     from recscale.serving.batcher import DynamicBatcher
     from recscale.serving.runtime import Model
 
@@ -94,6 +95,8 @@ async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int,
     max_batch, max_wait = policy
     for b in sorted({1 << k for k in range(max_batch.bit_length())} | {max_batch}):  # compile
         model.predict_checked(dense[:b], ids[:b])
+    if barrier is not None:  # co-located processes start their load together, warmed up
+        barrier.wait()
     if http:
         from aiohttp import ClientSession, TCPConnector
         from aiohttp.test_utils import TestServer
@@ -132,11 +135,8 @@ async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int,
     return out
 
 
-def _worker(args_tuple, q):
-    import os
-
-    os.environ.setdefault("XLA_FLAGS", "")
-    q.put(asyncio.run(_run_inprocess(*args_tuple)))
+def _worker(args_tuple, barrier, q):
+    q.put(asyncio.run(_run_inprocess(*args_tuple, barrier=barrier)))
 
 
 def measure(artifact: str, policy, coloc: str, rate: float, duration: float, http: bool) -> dict:
@@ -146,12 +146,20 @@ def measure(artifact: str, policy, coloc: str, rate: float, duration: float, htt
         res = [asyncio.run(_run_inprocess(artifact, policy, n, rate, duration, 0, http))]
     else:  # n processes, each with rate / n
         ctx = mp.get_context("spawn")
-        q = ctx.Queue()
+        q, barrier = ctx.Queue(), ctx.Barrier(n)
         procs = [ctx.Process(target=_worker, args=((artifact, policy, 1, rate / n, duration, s,
-                                                     http), q)) for s in range(n)]  # fmt: skip
+                                                     http), barrier, q)) for s in range(n)]  # fmt: skip
         for p in procs:
             p.start()
-        res = [q.get() for _ in procs]
+        res = []
+        for _ in procs:
+            try:
+                res.append(q.get(timeout=duration * 20 + 300))
+            except queue_lib.Empty:
+                codes = [p.exitcode for p in procs]
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"error: a co-located process gave no result (exit codes {codes})")
         for p in procs:
             p.join()
     lat = np.concatenate([np.asarray(r["latencies"]) for r in res]) * 1e3
@@ -189,11 +197,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     fam = importlib.import_module(f"{family_of(args.workdir)}.export")
     sizes = {}
-    for p in args.precisions:
+    for p in dict.fromkeys(["float32", *args.precisions]):  # float32: the baseline's
         art = out / f"model_{p}"
-        if not (art / "manifest.json").is_file():
+        man = art / "manifest.json"
+        src = json.loads(man.read_text())["source"]["workdir"] if man.is_file() else None
+        if src != str(Path(args.workdir).resolve()):  # none yet, or another run's
             fam.main(["--workdir", args.workdir, "--out", str(art), "--precision", p])
-        sizes[p] = json.loads((art / "manifest.json").read_text())["table_bytes"]
+        sizes[p] = json.loads(man.read_text())["table_bytes"]
     configs = [("float32", "1:0", "t1")]  # the baseline first
     configs += [(p, pol, c) for p in args.precisions for pol in args.policies
                 for c in args.colocation if (p, pol, c) != configs[0]]  # fmt: skip
@@ -210,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
                           f"batch {r['mean_batch']:.1f}")  # fmt: skip
             if r["p99_ms"] > 20 * args.bound_ms or r["shed"]:
                 break  # far past saturation: higher rates only queue longer
-        ok = [r["rate"] for r in rows if r["p99_ms"] <= args.bound_ms and not r["shed"]]
+        ok = [r["rate"] for r in rows
+              if r["p99_ms"] <= args.bound_ms and not r["shed"] and not r["errors"]]  # fmt: skip
         results.append({"precision": p, "policy": pol, "colocation": coloc, "rows": rows,
                         "max_rate_within_bound": max(ok) if ok else 0.0})  # fmt: skip
     base = results[0]["max_rate_within_bound"] or float("nan")

@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ArtifactError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"serving {args.model} on http://{args.host}:{args.port}/predict", file=sys.stderr)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None)
+    except OSError as e:  # e.g. the port is taken
+        raise SystemExit(f"error: {args.host}:{args.port}: {e.strerror or e}") from None
 
 
 if __name__ == "__main__":

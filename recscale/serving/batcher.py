@@ -1,10 +1,10 @@
 """Dynamic batching of scoring requests, with bounded queues (issue 20).
 
-Requests (each a few examples) wait in one queue; a worker takes the oldest and keeps adding the
-next ones while the batch stays within ``max_batch`` examples and the oldest has waited less
-than ``max_wait`` seconds, then scores the batch in a thread (so the event loop keeps accepting
-requests) and answers every request of it. ``workers`` such loops share the queue, each with its
-own thread: co-located model instances in one process (DeepRecSys's co-location; the model's
+Requests (each a few examples) wait in one FIFO queue. Whenever one of ``workers`` threads is
+free, a batch is formed from the oldest request and the next ones while it stays within
+``max_batch`` examples and the oldest has waited less than ``max_wait`` seconds; it is scored in
+that thread (the event loop keeps accepting requests) and every request of it answered.
+``workers`` > 1: co-located model instances in one process (DeepRecSys's co-location; the
 weights are shared, XLA runs the batches concurrently).
 
 Memory is bounded: a request that would take the queue beyond ``max_queue`` examples is refused
@@ -16,6 +16,7 @@ serving frameworks with dynamic batching (Triton, TF Serving, Ray Serve) either 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -57,8 +58,11 @@ class BatchStats:
 class DynamicBatcher:
     """``await batcher.score(dense [b, N], ids [b, F, H]) -> [b]``, batched with other calls.
 
-    ``predict(dense, ids) -> scores`` runs in the batcher's threads. Start with :meth:`start`
-    (inside the running loop), stop with :meth:`close`."""
+    One collector forms batches in arrival order, each as soon as a worker is free: from the
+    oldest waiting request, adding the next ones while the batch stays within ``max_batch``
+    examples and the oldest has waited less than ``max_wait``. ``predict(dense, ids) -> scores``
+    runs in one of ``workers`` threads. Start with :meth:`start` (inside the running loop); stop
+    with :meth:`close`, which fails every request not yet answered."""
 
     def __init__(self, predict: Callable[[np.ndarray, np.ndarray], np.ndarray], *,
                  max_batch: int = 256, max_wait: float = 0.002, max_queue: int = 4096,
@@ -70,22 +74,38 @@ class DynamicBatcher:
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.workers = workers
         self.stats = BatchStats()
-        self._queue: asyncio.Queue[_Pending] | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._arrived: asyncio.Event | None = None
+        self._free: asyncio.Semaphore | None = None
+        self._collector: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="score")
-        self._head: list[_Pending] = []  # a request taken but not fitting the last batch
+        self._closed = False
 
     def start(self) -> None:
-        self._queue = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._loop()) for _ in range(self.workers)]
+        self._arrived = asyncio.Event()
+        self._free = asyncio.Semaphore(self.workers)
+        self._collector = asyncio.create_task(self._collect())
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._closed = True
+        if self._collector is not None:
+            self._collector.cancel()
+            await asyncio.gather(self._collector, return_exceptions=True)
+        await asyncio.gather(*self._running, return_exceptions=True)  # batches in flight finish
+        self._fail_pending(RuntimeError("the batcher was closed"))
         self._pool.shutdown(wait=True)
 
+    def _fail_pending(self, err: Exception) -> None:
+        while self._pending:
+            p = self._pending.popleft()
+            self.stats.queued_examples -= int(p.dense.shape[0])
+            if not p.future.done():
+                p.future.set_exception(err)
+
     async def score(self, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        if self._closed:
+            raise RuntimeError("the batcher is closed")
         n = int(dense.shape[0])
         if n > self.max_batch:
             raise ValueError(f"a request of {n} examples exceeds max_batch={self.max_batch}")
@@ -96,55 +116,67 @@ class DynamicBatcher:
         fut = asyncio.get_running_loop().create_future()
         self.stats.queued_examples += n
         self.stats.requests += 1
-        await self._queue.put(_Pending(dense, ids, fut, time.perf_counter()))
+        self._pending.append(_Pending(dense, ids, fut, time.perf_counter()))
+        self._arrived.set()
         return await fut
 
-    async def _next(self) -> _Pending:
-        return self._head.pop() if self._head else await self._queue.get()
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _collect(self) -> None:
         while True:
-            first = await self._next()
-            batch, size = [first], int(first.dense.shape[0])
+            await self._free.acquire()  # a worker is free: form the next batch
+            while not self._pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+            first = self._pending[0]
             deadline = first.arrived + self.max_wait
-            while size < self.max_batch:
+            size = 0
+            while True:  # wait for the batch to fill, until the oldest's deadline
+                size = 0
+                fits = 0
+                for p in self._pending:
+                    if size + p.dense.shape[0] > self.max_batch:
+                        break
+                    size += int(p.dense.shape[0])
+                    fits += 1
+                full = fits < len(self._pending) or size >= self.max_batch
+                left = deadline - time.perf_counter()
+                if full or left <= 0:
+                    break
+                self._arrived.clear()
                 try:
-                    if self._queue.empty():
-                        left = deadline - time.perf_counter()
-                        if left <= 0:
-                            break
-                        nxt = await asyncio.wait_for(self._queue.get(), left)
-                    else:
-                        nxt = self._queue.get_nowait()
+                    await asyncio.wait_for(self._arrived.wait(), left)
                 except TimeoutError:
-                    break
-                if size + nxt.dense.shape[0] > self.max_batch:
-                    self._head.append(nxt)  # first in the next batch
-                    break
-                batch.append(nxt)
-                size += int(nxt.dense.shape[0])
+                    pass
+            batch = [self._pending.popleft() for _ in range(fits)]
+            task = asyncio.create_task(self._run(batch, size))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _run(self, batch: list[_Pending], size: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
             dense = np.concatenate([p.dense for p in batch])
             ids = np.concatenate([p.ids for p in batch])
-            try:
-                scores = await loop.run_in_executor(self._pool, self.predict, dense, ids)
-            except Exception as e:  # every request of the batch gets the error
-                self.stats.errors += 1
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                scores = None
-            finally:
-                self.stats.queued_examples -= size
+            scores = await loop.run_in_executor(self._pool, self.predict, dense, ids)
+        except BaseException as e:  # every request of the batch gets the error
+            self.stats.errors += 1
+            err = e if isinstance(e, Exception) else RuntimeError("scoring was cancelled")
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(err)
+            if not isinstance(e, Exception):
+                raise
+            return
+        finally:
+            self.stats.queued_examples -= size
             self.stats.batches += 1
             self.stats.examples += size
             self.stats.batch_sizes.append(size)
             if len(self.stats.batch_sizes) > 10_000:
                 del self.stats.batch_sizes[:5_000]
-            if scores is not None:
-                start = 0
-                for p in batch:
-                    n = int(p.dense.shape[0])
-                    if not p.future.done():
-                        p.future.set_result(scores[start : start + n])
-                    start += n
+            self._free.release()
+        start = 0
+        for p in batch:
+            n = int(p.dense.shape[0])
+            if not p.future.done():
+                p.future.set_result(scores[start : start + n])
+            start += n

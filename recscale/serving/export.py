@@ -94,7 +94,8 @@ def table_precisions(tables: list[str], default: str, overrides: tuple[str, ...]
 def _collection(model: nnx.Module) -> EmbeddingCollection:
     found = [m for _, m in nnx.iter_modules(model) if isinstance(m, EmbeddingCollection)]
     if len(found) != 1:
-        raise ValueError(f"export needs a model with one embedding collection, found {len(found)}")
+        raise ValueError(f"export supports models with one embedding collection; this one has "
+                         f"{len(found)} (e.g. FinalMLP's gate contexts): not exportable yet")  # fmt: skip
     return found[0]
 
 
@@ -181,8 +182,10 @@ def _auc(exp: Any, graphdef, params, batch_stats, precisions: dict[str, str]) ->
 class _ProbeEvaluator:
     """Validation AUCs of one model under many table precisions, compiled once: each
     precision's effect enters as the difference of a feature's dequantised pooled embeddings
-    from its float32 ones, added where the model reads them (``collection.probe``), computed
-    once per (table, precision) and batch. Equal to the serving model's AUC up to float32
+    from its float32 ones, added where the model reads them (``collection.probe``). The
+    weights and tables are arguments of the compiled programs (not constants in them); batches
+    stay on the host and each evaluation streams them, so memory does not grow with the
+    evaluation set or the number of candidates. Equal to the serving model's AUC up to float32
     rounding of that addition (the final choice is measured on the real serving model)."""
 
     def __init__(self, exp: Any, graphdef, params, batch_stats):
@@ -190,49 +193,54 @@ class _ProbeEvaluator:
 
         model = nnx.merge(graphdef, params, batch_stats)
         coll = _collection(model)
+        self.exp = exp
+        self.params, self.batch_stats = params, batch_stats
         self.tables = float_tables(coll)
         self.features = [(i, f.name, f.table, f.max_hotness, f.pooling)
                          for i, f in enumerate(coll.feature_specs)]  # fmt: skip
         self.dims = {t.name: t.dim for t in coll.table_specs}
-        self.batches = [exp.device_batch(b) for b in exp.source.eval_batches()]
-        self._cache: dict[tuple[str, str], list[dict[str, jax.Array]]] = {}
+        self._quantized: dict[tuple[str, str], dict] = {}
+        self._delta_fns: dict[tuple[str, str], Any] = {}
 
         @jax.jit
-        def logits(batch, deltas):
+        def logits(params, batch_stats, batch, deltas):
             with collection.probe(deltas):
                 return nnx.merge(graphdef, params, batch_stats)(batch.dense_bn, batch.ids_bfh)
 
         self._logits = logits
 
-    def _deltas(self, table: str, precision: str) -> list[dict[str, jax.Array]]:
+    def _delta(self, table: str, precision: str):
         key = (table, precision)
-        if key not in self._cache:
-            q = prec.quantize(self.tables[table], precision)
-            f32 = prec.quantize(self.tables[table], "float32")
+        if key not in self._delta_fns:
+            self._quantized[key] = prec.quantize(self.tables[table], precision)
+            self._quantized[(table, "float32")] = prec.quantize(self.tables[table], "float32")
             feats = [f for f in self.features if f[2] == table]
+            dim = self.dims[table]
 
             @jax.jit
-            def delta(ids_bfh):
-                return {name: prec.pool(q, precision, ids_bfh[:, i, :h], dim=self.dims[table],
-                                        pooling=pool)
-                        - prec.pool(f32, "float32", ids_bfh[:, i, :h], dim=self.dims[table],
-                                    pooling=pool) for i, name, _, h, pool in feats}  # fmt: skip
+            def delta(q, f32, ids_bfh):
+                return {name: prec.pool(q, precision, ids_bfh[:, i, :h], dim=dim, pooling=pool)
+                        - prec.pool(f32, "float32", ids_bfh[:, i, :h], dim=dim, pooling=pool)
+                        for i, name, _, h, pool in feats}  # fmt: skip
 
-            self._cache[key] = [delta(b.ids_bfh) for b in self.batches]
-        return self._cache[key]
+            self._delta_fns[key] = delta
+        fn = self._delta_fns[key]
+        q, f32 = self._quantized[key], self._quantized[(table, "float32")]
+        return lambda ids: fn(q, f32, ids)
 
     def auc(self, precisions: dict[str, str]) -> float:
         from recscale.metrics import EvalAccumulator  # noqa: PLC0415
 
         acc = EvalAccumulator()
-        low = {t: self._deltas(t, p) for t, p in precisions.items() if p != "float32"}
-        for k, b in enumerate(self.batches):
+        low = [self._delta(t, p) for t, p in precisions.items() if p != "float32"]
+        for host in self.exp.source.eval_batches():
+            b = self.exp.device_batch(host)
             deltas = {name: jnp.zeros((b.ids_bfh.shape[0], self.dims[t]), jnp.float32)
                       for _, name, t, _, _ in self.features}  # fmt: skip
-            for per_batch in low.values():
-                deltas.update(per_batch[k])
-            acc.update(np.asarray(self._logits(b, deltas)), np.asarray(b.labels_b),
-                       np.asarray(b.weights_b))  # fmt: skip
+            for fn in low:
+                deltas.update(fn(b.ids_bfh))
+            out = self._logits(self.params, self.batch_stats, b, deltas)
+            acc.update(np.asarray(out), np.asarray(b.labels_b), np.asarray(b.weights_b))
         return float(acc.result()["auc"])
 
     def bytes(self, precisions: dict[str, str]) -> int:
@@ -240,7 +248,8 @@ class _ProbeEvaluator:
 
 
 def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str], *,
-                      budget: float, candidates: tuple[str, ...], log=print) -> dict[str, Any]:  # fmt: skip
+                      budget: float, candidates: tuple[str, ...],
+                      pinned: dict[str, str] | None = None, log=print) -> dict[str, Any]:  # fmt: skip
     """The smallest precision per table that keeps the validation AUC within ``budget`` of the
     float32 model's, and what each choice measured.
 
@@ -250,24 +259,34 @@ def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str]
        float32's, else undone.
     3. The final combination is measured on the serving model itself (not the probe).
 
-    Steps 1-2 run one compiled evaluation (:class:`_ProbeEvaluator`)."""
+    ``pinned`` tables keep their given precision throughout (the budget includes them; the
+    reference is still all float32). Steps 1-2 run one compiled evaluation
+    (:class:`_ProbeEvaluator`)."""
     for c in candidates:
         prec.check(c)
     if budget < 0:
         raise ValueError(f"auc_budget={budget}: must be >= 0")
+    pinned = dict(pinned or {})
     ev = _ProbeEvaluator(exp, graphdef, params, batch_stats)
-    base = dict.fromkeys(tables, "float32")
-    auc0, bytes0 = ev.auc(base), ev.bytes(base)
+    float32 = dict.fromkeys(tables, "float32")
+    base = {**float32, **pinned}
+    free = [t for t in tables if t not in pinned]
+    auc0, bytes0 = ev.auc(float32), ev.bytes(float32)
+    # candidates by the bytes they take (smallest first), whatever order they were given in
+    candidates = tuple(sorted(candidates, key=lambda c: prec.nbytes(prec.quantize(
+        np.zeros((1, 8), np.float32), c))))  # fmt: skip
     log(f"float32: AUC {auc0:.6f}, tables {bytes0 / 2**20:.3f} MiB")
-    solo: dict[str, dict[str, dict[str, float]]] = {t: {} for t in tables}
-    for t in tables:
+    auc_b, bytes_b = (auc0, bytes0) if not pinned else (ev.auc(base), ev.bytes(base))
+    solo: dict[str, dict[str, dict[str, float]]] = {t: {} for t in free}
+    for t in free:  # each against the pinned base
         for c in candidates:
             trial = {**base, t: c}
-            solo[t][c] = {"auc_cost": auc0 - ev.auc(trial), "bytes_saved": bytes0 - ev.bytes(trial)}
+            solo[t][c] = {"auc_cost": auc_b - ev.auc(trial),
+                          "bytes_saved": bytes_b - ev.bytes(trial)}  # fmt: skip
             log(f"  {t} in {c}: AUC cost {solo[t][c]['auc_cost']:+.6f}, saves "
                 f"{solo[t][c]['bytes_saved'] / 2**20:.4f} MiB")  # fmt: skip
     moves = sorted(
-        ((t, c) for t in tables for c in candidates if solo[t][c]["bytes_saved"] > 0),
+        ((t, c) for t in free for c in candidates if solo[t][c]["bytes_saved"] > 0),
         key=lambda tc: -solo[tc[0]][tc[1]]["bytes_saved"] / max(solo[tc[0]][tc[1]]["auc_cost"], 1e-9),
     )  # fmt: skip
     chosen, tried = dict(base), []
@@ -283,7 +302,7 @@ def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str]
         if ok:
             chosen = trial
     final_auc, final_bytes = _auc(exp, graphdef, params, batch_stats, chosen)
-    ref_auc, _ = _auc(exp, graphdef, params, batch_stats, base)
+    ref_auc, _ = _auc(exp, graphdef, params, batch_stats, float32)
     log(f"chosen: AUC {final_auc:.6f} against float32's {ref_auc:.6f} (serving models), "
         f"tables {final_bytes / 2**20:.3f} MiB")  # fmt: skip
     return {"precisions": chosen, "auc_float32": ref_auc, "auc": final_auc,
@@ -291,11 +310,31 @@ def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str]
             "bytes": final_bytes, "solo": solo, "tried": tried}  # fmt: skip
 
 
+def _check_out(out: Path, workdir: Path) -> None:
+    """``out`` may be replaced: it is new, or an earlier artifact, and not the run's folder."""
+    o, w = out.resolve(), workdir.resolve()
+    if o == w or o in w.parents or w in o.parents:
+        raise ValueError(
+            f"--out {out}: must not be the run's folder {workdir}, inside it or above it"
+        )
+    if out.exists() and not (out / runtime.MANIFEST).is_file():
+        raise ValueError(f"--out {out}: exists and is not a serving artifact; not replacing it")
+    if (out / runtime.MANIFEST).is_file():
+        try:
+            fmt = json.loads((out / runtime.MANIFEST).read_text()).get("format")
+        except (json.JSONDecodeError, OSError):
+            fmt = None
+        if fmt != runtime.FORMAT:
+            raise ValueError(f"--out {out}: its manifest.json is not a {runtime.FORMAT} "
+                             "artifact's; not replacing it")  # fmt: skip
+
+
 def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
                    family: str = "", log=None) -> dict:  # fmt: skip
     """Writes the artifact of ``args`` and returns its manifest (``log``: progress lines, to
     stderr by default)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    _check_out(Path(args.out), Path(args.workdir))
     t0 = time.perf_counter()
     with restored(config_cls, build_model, args.workdir, step=args.step, best=args.best,
                   num_devices=1, what="export", kernels=XLA_KERNELS) as r:  # fmt: skip
@@ -303,11 +342,12 @@ def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
         names = sorted({f.table_name for f in schema.features})
         auto = None
         if args.precision == "auto":
+            pinned = dict(item.split("=", 1) for item in args.table_precision)
+            table_precisions(names, "float32", args.table_precision)  # checked before the search
             auto = choose_precisions(r.exp, r.exp.graphdef, r.params, r.batch_stats, names,
                                      budget=args.auc_budget, candidates=args.auto_candidates,
-                                     log=log)  # fmt: skip
-            precisions = table_precisions(names, "float32", tuple(
-                f"{k}={v}" for k, v in auto["precisions"].items()) + args.table_precision)  # fmt: skip
+                                     pinned=pinned, log=log)  # fmt: skip
+            precisions = auto["precisions"]
         else:
             precisions = table_precisions(names, args.precision, args.table_precision)
         model, precisions = serving_model(r.exp.graphdef, r.params, r.batch_stats, precisions)

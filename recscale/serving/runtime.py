@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class Model:
         self.features = list(inputs["features"])
         self.max_hotness = int(inputs["max_hotness"])
         self.vocab_sizes = np.array([f["vocab_size"] for f in self.features], np.int64)
+        self.hotness = np.array([f["max_hotness"] for f in self.features], np.int64)
         self.exported = exported
         self.device = device or jax.devices()[0]
         self.weights = jax.device_put(weights, self.device)
@@ -59,10 +61,21 @@ class Model:
         man_path = path / MANIFEST
         if not man_path.is_file():
             raise ArtifactError(f"{man_path}: not found (is {path} a recscale serving artifact?)")
-        manifest = json.loads(man_path.read_text())
-        if manifest.get("format") != FORMAT:
-            raise ArtifactError(f"{man_path}: format {manifest.get('format')!r}, expected {FORMAT}")
-        with np.load(path / WEIGHTS) as z:
+        try:
+            manifest = json.loads(man_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ArtifactError(f"{man_path}: not JSON ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            fmt = manifest.get("format") if isinstance(manifest, dict) else None
+            raise ArtifactError(f"{man_path}: format {fmt!r}, expected {FORMAT}")
+        for key in ("inputs", "weights"):
+            if not isinstance(manifest.get(key), dict):
+                raise ArtifactError(f"{man_path}: the {key!r} field is missing")
+        try:
+            z = np.load(path / WEIGHTS, allow_pickle=False)
+        except (OSError, ValueError, zipfile.BadZipFile) as e:
+            raise ArtifactError(f"{path / WEIGHTS}: not a weights archive ({e})") from None
+        with z:
             weights = {}
             for name, meta in manifest["weights"].items():
                 if name not in z:
@@ -72,8 +85,15 @@ class Model:
                 if list(weights[name].shape) != meta["shape"]:
                     raise ArtifactError(f"{path / WEIGHTS}: weight {name!r} has shape "
                                         f"{list(a.shape)}, the manifest says {meta['shape']}")  # fmt: skip
-        exported = jax.export.deserialize(bytearray((path / FORWARD).read_bytes()))
-        return cls(manifest, weights, exported, device)
+        try:
+            exported = jax.export.deserialize(bytearray((path / FORWARD).read_bytes()))
+        except Exception as e:  # noqa: BLE001 - flatbuffers and jax raise many kinds
+            raise ArtifactError(f"{path / FORWARD}: not a serialised jax.export module "
+                                f"({type(e).__name__}: {e})") from None  # fmt: skip
+        try:
+            return cls(manifest, weights, exported, device)
+        except (KeyError, TypeError) as e:
+            raise ArtifactError(f"{man_path}: malformed inputs ({type(e).__name__}: {e})") from None
 
     def encode(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         """``(dense [B, N], ids [B, F, H], counts)`` from JSON-like requests, one per example:
@@ -114,7 +134,11 @@ class Model:
                 if isinstance(x, bool) or not isinstance(x, int | float):
                     raise ArtifactError(f"{where}: dense feature {self.dense_names[j]!r} must be "
                                         f"a number, got {type(x).__name__}")  # fmt: skip
-                dense[r, j] = x
+                try:
+                    dense[r, j] = x
+                except OverflowError:
+                    raise ArtifactError(f"{where}: dense feature {self.dense_names[j]!r}: {x!r} "
+                                        "is out of range") from None  # fmt: skip
             feats = row.get("features", {})
             if not isinstance(feats, dict):
                 raise ArtifactError(f"{where}: features must be an object of feature: values")
@@ -137,7 +161,7 @@ class Model:
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ArtifactError(f"{where}: feature {name!r}: ids are integers, got "
                                     f"{type(v).__name__} {v!r}")  # fmt: skip
-            return v
+            return v if -(2**62) < v < 2**62 else -2  # an id that large: out of vocabulary
         if vocab["kind"] != "sorted_values":
             raise ArtifactError(f"vocabulary kind {vocab['kind']!r} is not supported")
         table = self._sorted.get(name)
@@ -150,6 +174,9 @@ class Model:
             v = int(v)
         except ValueError:
             raise ArtifactError(f"{where}: feature {name!r}: {v!r} is not an integer") from None
+        if not -(2**62) < v < 2**62:  # beyond any vocabulary
+            counts["unseen_values"] += 1
+            return int(vocab["oov_id"])
         pos = int(np.searchsorted(table, v))
         if pos < table.size and table[pos] == v:
             return pos + 1
@@ -158,29 +185,47 @@ class Model:
 
     def check(self, dense_bn: Any, ids_bfh: Any) -> tuple[np.ndarray, np.ndarray, int]:
         """``(dense float32 [B, N], ids int32 [B, F, H], out-of-vocabulary ids)`` from the inputs;
-        a clear :class:`ArtifactError` for wrong shapes or types."""
-        dense = np.asarray(dense_bn)
-        ids = np.asarray(ids_bfh)
+        a clear :class:`ArtifactError` for wrong shapes, types, non-finite dense values or a bag
+        longer than its feature's."""
+        try:
+            dense = np.asarray(dense_bn)
+        except (ValueError, TypeError) as e:
+            raise ArtifactError(f"dense: not an array of numbers ({e})") from None
+        try:
+            ids = np.asarray(ids_bfh)
+        except (ValueError, TypeError) as e:
+            raise ArtifactError(f"ids: not an array of integers ({e})") from None
         n, f = len(self.dense_names), len(self.features)
         if dense.ndim != 2 or dense.shape[1] != n:
             raise ArtifactError(f"dense: expected [B, {n}] ({', '.join(self.dense_names) or 'none'}),"
                                 f" got shape {list(dense.shape)}")  # fmt: skip
-        if not np.issubdtype(dense.dtype, np.number):
+        if dense.dtype == bool or not np.issubdtype(dense.dtype, np.number):
             raise ArtifactError(f"dense: expected numbers, got {dense.dtype}")
+        dense = dense.astype(np.float32)
+        if not np.isfinite(dense).all():
+            r, c = np.argwhere(~np.isfinite(dense))[0]
+            raise ArtifactError(f"dense: example {r}, {self.dense_names[c]!r} is not finite "
+                                f"({dense[r, c]})")  # fmt: skip
         if ids.ndim != 3 or ids.shape[1] != f or ids.shape[2] > self.max_hotness:
             raise ArtifactError(f"ids: expected [B, {f}, H <= {self.max_hotness}], got shape "
                                 f"{list(ids.shape)}")  # fmt: skip
         if ids.shape[0] != dense.shape[0]:
             raise ArtifactError(f"dense has {dense.shape[0]} rows, ids {ids.shape[0]}")
-        if not np.issubdtype(ids.dtype, np.integer):
+        if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
             raise ArtifactError(f"ids: expected integers, got {ids.dtype}")
         ids = ids.astype(np.int64)
+        slot = np.arange(ids.shape[2])[None, None, :]
+        too_long = (ids >= 0) & (slot >= self.hotness[None, :, None])
+        if too_long.any():
+            r, j, _ = np.argwhere(too_long)[0]
+            raise ArtifactError(f"ids: example {r}, feature {self.features[j]['name']!r} has more "
+                                f"than its {self.hotness[j]} ids")  # fmt: skip
         bad = (ids < -1) | (ids >= self.vocab_sizes[None, :, None])
         ids = np.where(bad, -1, ids).astype(np.int32)
         if ids.shape[2] < self.max_hotness:
             pad = self.max_hotness - ids.shape[2]
             ids = np.pad(ids, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
-        return dense.astype(np.float32), ids, int(bad.sum())
+        return dense, ids, int(bad.sum())
 
     def predict(self, dense_bn: Any, ids_bfh: Any) -> np.ndarray:
         """Probabilities ``float32 [B]``."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
 from recscale.serving.batcher import DynamicBatcher, Overloaded
@@ -54,10 +53,7 @@ async def predict(request: web.Request) -> web.Response:
                 raise ArtifactError("examples is empty")
             dense, ids, enc = model.encode(body["examples"])
         elif set(body) == {"dense", "ids"}:
-            dense = np.asarray(body["dense"], dtype=np.float64)
-            ids = np.asarray(body["ids"])
-            if ids.dtype == object or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-                raise ArtifactError("ids: expected a [B, F, H] array of integers")
+            dense, ids = body["dense"], body["ids"]  # checked (and named in errors) below
         else:
             raise ArtifactError(f"unknown fields {sorted(body)}: expected examples, or dense "
                                 "and ids")  # fmt: skip
@@ -65,9 +61,6 @@ async def predict(request: web.Request) -> web.Response:
     except (ArtifactError, ValueError) as e:
         counts["malformed"] += 1
         return _error(400, str(e))
-    counts["unseen_values"] += enc["unseen_values"]
-    counts["missing_features"] += enc["missing_features"]
-    counts["out_of_vocab_ids"] += oov
     try:
         scores = await batcher.score(dense, ids)
     except Overloaded as e:
@@ -75,6 +68,10 @@ async def predict(request: web.Request) -> web.Response:
     except ValueError as e:  # larger than a batch
         counts["malformed"] += 1
         return _error(400, str(e))
+    # counted for answered requests only (a shed request is sent again)
+    counts["unseen_values"] += enc["unseen_values"]
+    counts["missing_features"] += enc["missing_features"]
+    counts["out_of_vocab_ids"] += oov
     return web.json_response({"scores": [float(s) for s in scores], **enc})
 
 

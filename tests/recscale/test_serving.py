@@ -184,6 +184,12 @@ def test_per_table_precisions_and_the_jax_only_loader(run_dir, tmp_path):
 def test_loader_errors_and_out_of_vocabulary_ids(run_dir, tmp_path):
     dense, ids, _ = _reference(run_dir)
     out = tmp_path / "m"
+    # an export never replaces the run, a folder above it or one that is not an artifact
+    for bad_out in (run_dir, run_dir / "checkpoints", run_dir.parent, tmp_path):
+        with pytest.raises(ValueError, match="--out"):
+            export_workdir(DLRMConfig, build_model,
+                           ExportArgs(workdir=str(run_dir), out=str(bad_out)))  # fmt: skip
+    assert (run_dir / "config.json").is_file()
     export_workdir(DLRMConfig, build_model, ExportArgs(workdir=str(run_dir), out=str(out)))
     model = Model.load(out)
     base = model.predict(dense[:4], ids[:4])
@@ -288,7 +294,8 @@ def test_the_server_sheds_load_beyond_its_queue_with_503(artifact):
         time_lib.sleep(0.2)
         return slow(dense, ids)
 
-    dense, ids = np.zeros((1, 4), np.float32), np.zeros((1, 4, 3), np.int32)
+    dense, ids = np.zeros((1, 4), np.float32), np.full((1, 4, 3), -1, np.int32)
+    ids[:, :, 0] = 0  # one id per bag
 
     async def requests(client):
         from recscale.serving.server import BATCHER
@@ -329,7 +336,12 @@ def test_the_server_rejects_malformed_requests_clearly(artifact):
             {"examples": [{"dense": {"d0": 1.0}, "features": {}}]},
             {"examples": [ok], "extra": 1},
             {"dense": [[0.0] * 4], "ids": [[[0.5]] * 4]},
-            {"examples": [ok, {**ok, "features": {"f0": 10_000}}]},
+            {"dense": [[None] * 4], "ids": [[[0]] * 4]},
+            b'{"dense": [[NaN, 0, 0, 0]], "ids": [[[0], [0], [0], [0]]]}',
+            {"dense": [[0.0] * 4], "ids": [[[0], [0, 1], [0], [0]]]},
+            {"dense": [[0.0] * 4], "ids": [[[-1, 0], [0, -1], [0, -1], [0, -1]]]},
+            b'{"examples": [{"dense": [1' + b"0" * 400 + b", 0, 0, 0]}]}",  # an int past float
+            {"examples": [ok, {**ok, "features": {"f0": 10_000, "f1": 2**70}}]},
         ):
             kw = {"data": body} if isinstance(body, bytes) else {"json": body}
             r = await client.post("/predict", **kw)
@@ -339,7 +351,7 @@ def test_the_server_rejects_malformed_requests_clearly(artifact):
 
     out, stats = _serve(model, requests)
     codes = [c for c, _ in out]
-    assert codes == [400] * 7 + [200], out
+    assert codes == [400] * 12 + [200], out
     msgs = [b.get("error", "") for _, b in out]
     assert "not JSON" in msgs[0]
     assert "example 0: unknown feature 'nope'" in msgs[1]
@@ -347,9 +359,14 @@ def test_the_server_rejects_malformed_requests_clearly(artifact):
     assert "feature 'f1' has 3 values, at most 2" in msgs[3]
     assert "example 0: dense feature 'd1' is missing" in msgs[4]
     assert 'expected {"examples": [...]} and nothing else' in msgs[5]
-    assert "ids: expected a [B, F, H] array of integers" in msgs[6]
-    assert len(out[7][1]["scores"]) == 2 and out[7][1]["missing_features"] == 2 + 3
-    assert stats["malformed"] == 7 and stats["out_of_vocab_ids"] == 1, stats
+    assert "ids: expected integers, got float64" in msgs[6]
+    assert "dense: expected numbers, got object" in msgs[7]
+    assert "dense: example 0, 'd0' is not finite (nan)" in msgs[8]
+    assert "ids: not an array of integers" in msgs[9]  # a ragged array
+    assert "ids: example 0, feature 'f0' has more than its 1 ids" in msgs[10]
+    assert msgs[11].startswith("example 0: dense feature 'd0': 1000") and "out of range" in msgs[11]
+    assert len(out[12][1]["scores"]) == 2 and out[12][1]["missing_features"] == 2 + 2
+    assert stats["malformed"] == 12 and stats["out_of_vocab_ids"] == 2, stats
 
 
 def test_raw_values_map_through_the_artifacts_vocabulary(artifact, tmp_path):
@@ -394,3 +411,44 @@ def test_auto_precision_keeps_the_auc_budget(run_dir, tmp_path):
 
     got = auc(Model.load(tmp_path / "s").predict(dense, ids), labels, weights)
     np.testing.assert_allclose(got, strict["auc"], atol=1e-6)
+
+
+def test_the_batcher_is_fifo_across_workers_and_fails_what_it_cannot_answer():
+    import asyncio
+    import time as time_lib
+
+    from recscale.serving.batcher import DynamicBatcher
+
+    def slow(dense, ids):
+        time_lib.sleep(0.3)
+        return dense[:, 0]
+
+    async def main():
+        b = DynamicBatcher(slow, max_batch=4, max_wait=0.0, workers=2)
+        b.start()
+        t0 = time_lib.perf_counter()
+        done = {}
+
+        async def req(name, n, delay):
+            await asyncio.sleep(delay)
+            x = np.full((n, 1), float(n), np.float32)
+            out = await b.score(x, np.zeros((n, 1, 1), np.int32))
+            done[name] = time_lib.perf_counter() - t0
+            return out
+
+        outs = await asyncio.gather(req("r1", 3, 0), req("r2", 3, 0.01), req("r3", 1, 0.1))
+        # a request held back from a full batch is served before a later one, on the free worker
+        assert done["r2"] <= done["r3"] and done["r2"] < 0.5, done
+        assert [o.tolist() for o in outs] == [[3.0] * 3, [3.0] * 3, [1.0]]
+        # closing answers every waiting request with an error, and refuses new ones
+        pending = [asyncio.create_task(req(f"p{i}", 4, 0)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        await b.close()
+        res = await asyncio.gather(*pending, return_exceptions=True)
+        assert sum(isinstance(r, RuntimeError) and "closed" in str(r) for r in res) >= 2, res
+        assert all(isinstance(r, np.ndarray | RuntimeError) for r in res)
+        assert b.stats.queued_examples == 0
+        with pytest.raises(RuntimeError, match="closed"):
+            await b.score(np.zeros((1, 1), np.float32), np.zeros((1, 1, 1), np.int32))
+
+    asyncio.run(main())
