@@ -159,7 +159,9 @@ def measure(artifact: str, policy, coloc: str, rate: float, duration: float, htt
                 codes = [p.exitcode for p in procs]
                 for p in procs:
                     p.kill()
-                raise SystemExit(f"error: a co-located process gave no result (exit codes {codes})")
+                raise SystemExit(
+                    f"error: a co-located process gave no result (exit codes {codes})"
+                ) from None
         for p in procs:
             p.join()
     lat = np.concatenate([np.asarray(r["latencies"]) for r in res]) * 1e3
