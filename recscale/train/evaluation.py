@@ -73,9 +73,9 @@ class EvalArgs:
     comm_budget: Literal["bytes", "error"] = "bytes"
     """``bytes``: less predicted error at about the uniform bound's bytes; ``error``: fewer
     bytes at about its predicted error."""
-    comm_grad: Literal["base", "same"] = "base"
-    """``base``: the proposed scales bound the forward exchange only, gradients keep the base
-    bound; ``same``: both ways."""
+    comm_grad: Literal["base", "same"] = "same"
+    """``same``: the proposed scales bound both exchanges; ``base``: the forward one only, the
+    gradients keep the base bound."""
     comm_max_shift: int = 3
     """Largest power of two a table's bound may move from the base bound (each is about a bit
     per value)."""
