@@ -388,12 +388,15 @@ def test_raw_values_map_through_the_artifacts_vocabulary(artifact, tmp_path):
 
 def test_auto_precision_keeps_the_auc_budget(run_dir, tmp_path):
     loose = export_workdir(DLRMConfig, build_model, ExportArgs(
-        workdir=str(run_dir), out=str(tmp_path / "a"), precision="auto", auc_budget=1.0),
+        workdir=str(run_dir), out=str(tmp_path / "a"), precision="auto", auc_budget=1.0,
+        auto_candidates=("int8", "int4"), table_precision=("f3=bfloat16",)),
         log=lambda _: None)  # fmt: skip
-    assert {t["precision"] for t in loose["tables"].values()} == {"int4"}  # all smallest
+    # all the smallest, but the pinned table
+    assert [loose["tables"][t]["precision"] for t in ("f0", "f1", "f2", "f3")] == [
+        "int4", "int4", "int4", "bfloat16"]  # fmt: skip
     auto = loose["auto_precision"]
-    assert set(auto["solo"]) == {"f0", "f1", "f2", "f3"}
-    assert all(set(v) == {"int4", "int8", "float16"} for v in auto["solo"].values())
+    assert set(auto["solo"]) == {"f0", "f1", "f2"}  # the pinned table is not searched
+    assert all(set(v) == {"int4", "int8"} for v in auto["solo"].values())
     strict = export_workdir(DLRMConfig, build_model, ExportArgs(
         workdir=str(run_dir), out=str(tmp_path / "s"), precision="auto", auc_budget=0.0),
         log=lambda _: None)["auto_precision"]  # fmt: skip
