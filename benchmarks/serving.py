@@ -254,13 +254,19 @@ def _plot(results: list[dict], args, path: Path) -> None:
 
     precisions = sorted({r["precision"] for r in results})
     fig, axes = plt.subplots(1, len(precisions), figsize=(5 * len(precisions), 4), squeeze=False)
+    policies = sorted({r["policy"] for r in results}, key=lambda p: int(p.split(":")[0]))
+    colors = dict(zip(policies, plt.cm.viridis(np.linspace(0, 0.9, len(policies))), strict=True))
+    styles = {"t1": "-", "t2": "--"}
     for ax, p in zip(axes[0], precisions, strict=True):
         for r in results:
             if r["precision"] != p:
                 continue
             x = [row["rate"] for row in r["rows"]]
             y = [row["p99_ms"] for row in r["rows"]]
-            ax.plot(x, y, marker="o", label=f"{r['policy']} {r['colocation']}")
+            ax.plot(x, y, marker="o", color=colors[r["policy"]],
+                    ls=styles.get(r["colocation"], ":"),
+                    label="max {}, wait {} ms, ".format(*r["policy"].split(":"))
+                    + r["colocation"])  # fmt: skip
         ax.axhline(args.bound_ms, color="gray", ls="--", lw=1)
         ax.set(xscale="log", yscale="log", xlabel="offered load (requests/s)",
                ylabel="p99 latency (ms)", title=p)  # fmt: skip
