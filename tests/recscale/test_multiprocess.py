@@ -181,7 +181,7 @@ def runs(tmp_path_factory, shop) -> Path:
     every = [(f"{f}_{s}", f, s, ()) for f, s in JOBS] + [shop_job]
     four = [(f"{f}_{s}", f, s, ()) for f, s in JOBS_4]
     resume = ("resumed", "dlrm", "row_wise", ())
-    for name, family, sharding, extra in [*every, resume]:
+    for name, family, sharding, extra in [*every, *four, resume]:  # the 1-process references
         _train_here(_args(family, sharding, root / "p1" / name, *extra), family)
     evaluate = {"kind": "evaluate", "family": "dlrm", "workdir": str(root / "p2" / "dlrm_auto"),
                 "output": str(root / "p2" / "eval.json")}  # fmt: skip
@@ -217,7 +217,7 @@ def test_each_process_reads_only_its_share(runs, processes):
     """Every process read its share of each training batch and of the eval set, and holds no
     rows: on prepared feature-spec files (array_record shards read by random access; 2
     processes, whose run also equals one process's) and from the generator (2 and 4)."""
-    names = ["dlrm_column_wise"]
+    names = ["dlrm_row_wise" if processes == 2 else "dlrm_column_wise"]
     if processes == 2:
         _compare(runs / "p1" / "shop", runs / "p2" / "shop", 2)
         names.append("shop")
