@@ -35,7 +35,9 @@ class Probe:
     """Within :func:`probe`: ``deltas`` ``{feature: [B, D]}`` added to each feature's pooled
     outputs (None: only their shapes are recorded, in ``shapes``); the outputs, deltas added, in
     ``outputs``; each feature's table in ``tables``. Gradients with respect to the deltas are
-    the loss's with respect to the pooled embeddings, whatever path looked them up."""
+    the loss's with respect to the pooled embeddings, whatever path looked them up. A feature
+    looked up again (by another collection, as FinalMLP's gate contexts do) is keyed
+    ``name#2``, ``name#3``, ... in the order of the lookups."""
 
     deltas: dict | None
     outputs: dict = dataclasses.field(default_factory=dict)
@@ -66,14 +68,16 @@ def _probed(features, outs: list[jax.Array]) -> list[jax.Array]:
         return outs
     res = []
     for f, x in zip(features, outs, strict=True):
-        if f.name in p.tables:
-            raise ValueError(f"embedding probe: feature {f.name!r} is looked up twice in one call")
-        p.tables[f.name] = f.table
+        key, k = f.name, 1
+        while key in p.tables:  # the same feature in another collection (FinalMLP's gates)
+            k += 1
+            key = f"{f.name}#{k}"
+        p.tables[key] = f.table
         if p.deltas is None:
-            p.shapes[f.name] = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            p.shapes[key] = jax.ShapeDtypeStruct(x.shape, x.dtype)
         else:
-            x = x + p.deltas[f.name]
-            p.outputs[f.name] = x
+            x = x + p.deltas[key]
+            p.outputs[key] = x
         res.append(x)
     return res
 

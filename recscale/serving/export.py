@@ -91,11 +91,20 @@ def table_precisions(tables: list[str], default: str, overrides: tuple[str, ...]
     return out
 
 
-def _collection(model: nnx.Module) -> EmbeddingCollection:
+def _collections(model: nnx.Module) -> list[EmbeddingCollection]:
+    """The model's embedding collections (FinalMLP's gate contexts have their own tables, named
+    like the main collection's)."""
     found = [m for _, m in nnx.iter_modules(model) if isinstance(m, EmbeddingCollection)]
+    if not found:
+        raise ValueError("the model has no embedding collection to export")
+    return found
+
+
+def _collection(model: nnx.Module) -> EmbeddingCollection:
+    found = _collections(model)
     if len(found) != 1:
-        raise ValueError(f"export supports models with one embedding collection; this one has "
-                         f"{len(found)} (e.g. FinalMLP's gate contexts): not exportable yet")  # fmt: skip
+        raise ValueError(f"--precision auto supports models with one embedding collection; this "
+                         f"one has {len(found)} (FinalMLP's gate contexts): pass precisions")  # fmt: skip
     return found[0]
 
 
@@ -115,11 +124,14 @@ def serving_model(graphdef, params, batch_stats, precisions: dict[str, str] | st
     """``(model, {table: precision})``: the trained model with its tables in serving precision
     (a precision name for every table, or ``{table: precision}``)."""
     model = nnx.merge(graphdef, params, batch_stats)
-    coll = _collection(model)
-    tables = float_tables(coll)
+    for coll in _collections(model):  # a table's precision holds in every collection naming it
+        tables = float_tables(coll)
+        mine = (dict.fromkeys(tables, prec.check(precisions)) if isinstance(precisions, str)
+                else {t: precisions[t] for t in tables})  # fmt: skip
+        coll.to_serving(tables, mine)
     if isinstance(precisions, str):
-        precisions = dict.fromkeys(tables, prec.check(precisions))
-    coll.to_serving(tables, precisions)
+        names = {t.name for c in _collections(model) for t in c.table_specs}
+        precisions = dict.fromkeys(sorted(names), precisions)
     return model, precisions
 
 
@@ -353,10 +365,14 @@ def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
         model, precisions = serving_model(r.exp.graphdef, r.params, r.batch_stats, precisions)
         blob, weights = export_model(model, schema.num_dense, schema.num_sparse,
                                      schema.max_hotness, tuple(args.platforms))  # fmt: skip
-        coll = _collection(model)
-        table_bytes = {n: prec.nbytes({k: v[...] for k, v in coll.tables[n].items()})
-                       for n in names}  # fmt: skip
-        dims = {t.name: t.dim for t in coll.table_specs}
+        table_bytes = dict.fromkeys(names, 0)  # summed over the collections holding a table
+        dims = {}
+        for coll in _collections(model):
+            for t in coll.table_specs:
+                table_bytes[t.name] += prec.nbytes(
+                    {k: v[...] for k, v in coll.tables[t.name].items()}
+                )
+                dims.setdefault(t.name, t.dim)
         vocab = _vocab(r.exp.source)
         cfg, step = r.cfg, r.step
     out = Path(args.out)

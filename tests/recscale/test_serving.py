@@ -24,6 +24,7 @@ from recscale.serving.export import ExportArgs, export_workdir
 from recscale.serving.runtime import ArtifactError, Model
 from recscale.train.evaluation import restored
 from recscale.train.loop import train
+from recscale.train.steps import weighted_bce
 
 # ------------------------------------------------------------------------------------------------
 # Quantizers against NumPy.
@@ -455,3 +456,36 @@ def test_the_batcher_is_fifo_across_workers_and_fails_what_it_cannot_answer():
             await b.score(np.zeros((1, 1), np.float32), np.zeros((1, 1, 1), np.int32))
 
     asyncio.run(main())
+
+
+def test_a_model_with_several_embedding_collections_exports(tmp_path):
+    """FinalMLP's stream-1 gate reads f0 through a collection of its own (tables named like the
+    main one's): both are exported in the precision asked, and its per-table sensitivity sums
+    both lookups of f0."""
+    import baselines.finalmlp.presets  # noqa: F401
+    from baselines.finalmlp.config import FinalMLPConfig
+    from baselines.finalmlp.model import build_model as build_finalmlp
+    from recscale.analysis import comm_sensitivity
+
+    wd = tmp_path / "run"
+    cfg = get_preset("finalmlp/tiny")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=5,
+                                                             progress=False))  # fmt: skip
+    train(cfg, build_finalmlp, wd, argv=["-m", "baselines.finalmlp.train", "finalmlp/tiny"])
+    man = export_workdir(FinalMLPConfig, build_finalmlp,
+                         ExportArgs(workdir=str(wd), out=str(tmp_path / "m"), precision="int8"))  # fmt: skip
+    rows = 100 + 50 + 200 + 30
+    assert man["table_bytes"] == (rows + 100) * (8 + 8)  # f0's table twice: main and gate
+    with restored(FinalMLPConfig, build_finalmlp, wd, num_devices=1) as r:
+        batches = list(r.exp.source.eval_batches())
+        want = np.concatenate([np.asarray(jax.nn.sigmoid(
+            r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(b)))) for b in batches])  # fmt: skip
+        train_batches = [r.exp.device_batch(r.exp.source.train_batch(i)) for i in range(2)]
+        sens = comm_sensitivity.measure(
+            r.exp.graphdef, r.params, r.batch_stats, train_batches, blocks=8,
+            loss_fn=lambda logits, b: weighted_bce(logits, b.labels_b, b.weights_b))  # fmt: skip
+    dense = np.concatenate([b.dense_bn for b in batches])
+    ids = np.concatenate([b.ids_bfh for b in batches])
+    got = Model.load(tmp_path / "m").predict(dense, ids)
+    np.testing.assert_allclose(got, want, atol=PROB_ATOL["int8"])
+    assert sens["f0"]["features"] == ["f0", "f0#2"] and sens["f1"]["features"] == ["f1"]
