@@ -255,7 +255,9 @@ def _comm_sensitivity(exp: Experiment, params, batch_stats, args: EvalArgs,
     proposed from it (``recscale.analysis.comm_sensitivity``), on the exchange's blocks of the
     training mesh."""
     if args.comm_sensitivity_batches < 1:
-        raise ValueError(f"comm_sensitivity_batches={args.comm_sensitivity_batches}: must be >= 1")
+        raise config_lib.ConfigError(
+            f"comm_sensitivity_batches={args.comm_sensitivity_batches}: must be >= 1"
+        )
     cfg = exp.cfg
     n_train = cfg.mesh.data_parallel
     n_train = _trained_device_count(workdir) if n_train == -1 else n_train
@@ -265,11 +267,14 @@ def _comm_sensitivity(exp: Experiment, params, batch_stats, args: EvalArgs,
     def loss(logits, b):
         return weighted_bce(logits, b.labels_b, b.weights_b)
 
-    sens = comm_sensitivity.measure(exp.graphdef, params, batch_stats, batches,
-                                    blocks=n_train, loss_fn=loss)  # fmt: skip
     eps = args.comm_error_bound or cfg.embeddings.comm_error_bound or 0.002
-    plan = comm_sensitivity.propose(sens, eps, budget=args.comm_budget,
-                                    max_shift=args.comm_max_shift, grad=args.comm_grad)  # fmt: skip
+    try:  # bad arguments (a bound out of range, a batch the devices do not divide): one line
+        sens = comm_sensitivity.measure(exp.graphdef, params, batch_stats, batches,
+                                        blocks=n_train, loss_fn=loss)  # fmt: skip
+        plan = comm_sensitivity.propose(sens, eps, budget=args.comm_budget,
+                                        max_shift=args.comm_max_shift, grad=args.comm_grad)  # fmt: skip
+    except ValueError as e:
+        raise config_lib.ConfigError(f"--comm-sensitivity: {e}") from None
     return {"tables": sens, **plan, "batches": len(batches), "blocks": n_train}
 
 
