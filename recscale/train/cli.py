@@ -79,7 +79,7 @@ def evaluate_main(
     with exit_at_once_on_error():
         try:
             result = evaluate_workdir(config_cls, build_model, args)
-        except (*_input_errors(), FileNotFoundError) as e:  # a missing run or checkpoint
+        except _input_errors() as e:
             raise SystemExit(f"error: {e}") from None
         _print_result(result)
     return result
