@@ -124,14 +124,13 @@ def serving_model(graphdef, params, batch_stats, precisions: dict[str, str] | st
     """``(model, {table: precision})``: the trained model with its tables in serving precision
     (a precision name for every table, or ``{table: precision}``)."""
     model = nnx.merge(graphdef, params, batch_stats)
-    for coll in _collections(model):  # a table's precision holds in every collection naming it
-        tables = float_tables(coll)
-        mine = (dict.fromkeys(tables, prec.check(precisions)) if isinstance(precisions, str)
-                else {t: precisions[t] for t in tables})  # fmt: skip
-        coll.to_serving(tables, mine)
+    collections = _collections(model)
     if isinstance(precisions, str):
-        names = {t.name for c in _collections(model) for t in c.table_specs}
-        precisions = dict.fromkeys(sorted(names), precisions)
+        names = {t.name for c in collections for t in c.table_specs}
+        precisions = dict.fromkeys(sorted(names), prec.check(precisions))
+    for coll in collections:  # a table's precision holds in every collection naming it
+        tables = float_tables(coll)
+        coll.to_serving(tables, {t: precisions[t] for t in tables})
     return model, precisions
 
 
@@ -213,6 +212,7 @@ class _ProbeEvaluator:
         self.dims = {t.name: t.dim for t in coll.table_specs}
         self._quantized: dict[tuple[str, str], dict] = {}
         self._delta_fns: dict[tuple[str, str], Any] = {}
+        self._sizes: dict[tuple[str, str], int] = {}
 
         @jax.jit
         def logits(params, batch_stats, batch, deltas):
@@ -256,7 +256,10 @@ class _ProbeEvaluator:
         return float(acc.result()["auc"])
 
     def bytes(self, precisions: dict[str, str]) -> int:
-        return sum(prec.nbytes(prec.quantize(self.tables[t], p)) for t, p in precisions.items())
+        for t, p in precisions.items():  # each table quantised once per precision
+            if (t, p) not in self._sizes:
+                self._sizes[t, p] = prec.nbytes(prec.quantize(self.tables[t], p))
+        return sum(self._sizes[t, p] for t, p in precisions.items())
 
 
 def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str], *,

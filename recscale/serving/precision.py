@@ -65,7 +65,7 @@ def rows(entry: dict[str, jax.Array], precision: str, ids_n: jax.Array, dim: int
     sb = jnp.take(entry["scale_bias"], ids_n, axis=0, mode="clip")
     if precision == "int4":
         q = jnp.stack([q & 0x0F, q >> 4], axis=-1).reshape(q.shape[0], -1)[:, :dim]
-    return q.astype(jnp.float32) * sb[:, 0:1] + sb[:, 1:2]
+    return int8_reference.dequantize_rows(q, sb)  # q scale + bias, either width
 
 
 def dequantize(entry: dict[str, jax.Array], precision: str, dim: int) -> jax.Array:

@@ -310,10 +310,17 @@ def test_round_trip_is_bitwise_for_every_optimizer(
 ):
     pins = PINS if kind_a == "auto" else ()
     cfg_a = _cfg(kind_a, n_a, opt, per_table=pins, host_size=2)
-    cfg_b = _cfg(kind_b, n_b, opt)
+    _assert_fabricated_round_trip(cfg_a, _cfg(kind_b, n_b, opt), tmp_path, seed=1)
+
+
+def _assert_fabricated_round_trip(cfg_a, cfg_b, tmp_path, *, seed: int, check_a=None) -> None:
+    """A fabricated state saved under ``cfg_a``, restored under ``cfg_b`` and back: bitwise.
+    ``check_a(exp)``: more checks of ``cfg_a``'s experiment."""
     ckpt = Checkpointer(tmp_path / "a", async_save=False)
     with _active(cfg_a) as exp:
-        state = _fabricated(exp, seed=1)
+        if check_a is not None:
+            check_a(exp)
+        state = _fabricated(exp, seed=seed)
         want = _flat(state)
         _save(ckpt, state, cfg_a)
     flat, _ = _round_trip(ckpt, cfg_a, cfg_b, tmp_path)
@@ -328,19 +335,13 @@ def test_per_table_bounds_buffers_round_trip_bitwise(tmp_path, no_fingerprints):
     row-wise on 4 devices with them restores table-wise on 2 and back, bitwise."""
     comp = dict(comm_compression="error_bounded", comm_error_bound=0.002,
                 comm_error_bound_tables=("f0=0", "f2=4"))  # fmt: skip
-    cfg_a, cfg_b = _cfg("row_wise", 4, **comp), _cfg("table_wise", 2, **comp)
-    ckpt = Checkpointer(tmp_path / "a", async_save=False)
-    with _active(cfg_a) as exp:
+
+    def scaled_buffers(exp):
         keys = set(exp.abstract_state.params["embeddings"]["buffers"])
         assert {"sharded_w8_float32_eb0", "sharded_w8_float32_eb4"} < keys, keys
-        state = _fabricated(exp, seed=2)
-        want = _flat(state)
-        _save(ckpt, state, cfg_a)
-    flat, _ = _round_trip(ckpt, cfg_a, cfg_b, tmp_path)
-    ckpt.close()
-    assert flat.keys() == want.keys()
-    for path, value in want.items():
-        _assert_bitwise(flat[path], value, path)
+
+    _assert_fabricated_round_trip(_cfg("row_wise", 4, **comp), _cfg("table_wise", 2, **comp),
+                                  tmp_path, seed=2, check_a=scaled_buffers)  # fmt: skip
 
 
 def test_engine_off_restores_onto_another_device_count_through_orbax(tmp_path, no_fingerprints):
