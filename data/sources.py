@@ -802,6 +802,8 @@ def _make_tabular(cfg: DataConfig, eval_path: str, **kw) -> RandomAccessSource:
     else:
         evals = p.records(cfg.tabular.eval_split)
         stats["eval"] = {"split": cfg.tabular.eval_split}
-    return RandomAccessSource(
+    source = RandomAccessSource(
         p.schema, p.records("train"), evals, to_batch=p.to_batch, stats=stats, **kw
     )
+    source.serving_encoding = p.serving_encoding  # for exported models
+    return source

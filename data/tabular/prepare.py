@@ -399,6 +399,15 @@ class Prepared:
                  "truncated_tokens": counts["truncated_tokens"]}  # fmt: skip
         return Batch(dense, ids, labels, weights), stats
 
+    def serving_encoding(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """The encoding as a serving artifact stores it (``data/tabular/serving.py``); reads
+        the side tables again."""
+        from data.tabular.serving import serving_encoding
+
+        return serving_encoding(
+            self.spec, self.vocab, load_sides(self.spec, resolve_inputs(self.spec))
+        )
+
     @classmethod
     def load(cls, folder: str, spec: TabularSpec) -> Prepared:
         with open(os.path.join(folder, "manifest.json")) as fh:

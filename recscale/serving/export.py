@@ -12,10 +12,13 @@
   scale and bias per row; bfloat16 stored as its uint16 bits);
 * ``manifest.json``: the format version, the run and checkpoint it came from, the inputs' names
   and shapes (dense feature names; per sparse feature its table, vocabulary size and bag size;
-  ids ``-1`` pad a bag), each table's precision and bytes, the weights' dtypes and shapes, and the
-  feature vocabularies where the data has them (``vocab``);
+  ids ``-1`` pad a bag), each table's precision and bytes, the weights' dtypes and shapes, and
+  how raw values become inputs where the data says (``vocab``): Frappe's raw-value
+  vocabularies, or a feature spec's whole encoding (``data/tabular/serving.py``);
+* ``vocab.npz`` (feature-spec runs): that encoding's vocabularies and side tables;
 * ``recscale_model.py``: the loader (``recscale/serving/runtime.py``, which imports only numpy
-  and jax): ``Model.load(MODEL).predict(dense, ids)``.
+  and jax): ``Model.load(MODEL).predict(dense, ids)``, ``Model.encode(rows)`` of raw rows, and
+  ``python recscale_model.py MODEL FILE`` to score a raw data file.
 
 The engine's sharded buffers are exported to one array per table first
 (``engine.export_tables``), so the artifact does not depend on the mesh or plan the run trained
@@ -174,10 +177,15 @@ def export_model(model: nnx.Module, num_dense: int, num_features: int, hotness: 
     return bytes(exported.serialize()), weights
 
 
-def _vocab(source: Any) -> dict | None:
-    """The raw-value vocabularies of the run's data, where its source has them."""
+def _vocab(source: Any) -> tuple[dict | None, dict[str, np.ndarray]]:
+    """``(description, arrays)`` of how the run's data maps raw values to inputs, where its
+    source knows: a feature spec's whole encoding (``data/tabular/serving.py``), or raw-value
+    vocabularies (Frappe)."""
+    fn = getattr(source, "serving_encoding", None)
+    if callable(fn):
+        return fn()
     fn = getattr(source, "serving_vocab", None)
-    return fn() if callable(fn) else None
+    return (fn() if callable(fn) else None), {}
 
 
 def _auc(exp: Any, graphdef, params, batch_stats, precisions: dict[str, str]) -> tuple[float, int]:
@@ -376,7 +384,7 @@ def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
                     {k: v[...] for k, v in coll.tables[t.name].items()}
                 )
                 dims.setdefault(t.name, t.dim)
-        vocab = _vocab(r.exp.source)
+        vocab, vocab_arrays = _vocab(r.exp.source)
         cfg, step = r.cfg, r.step
     out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
@@ -385,6 +393,8 @@ def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
     stored = {k: (v.view(np.uint16) if v.dtype == jnp.bfloat16 else v) for k, v in weights.items()}
     np.savez(tmp / runtime.WEIGHTS, **stored)
     (tmp / runtime.FORWARD).write_bytes(blob)
+    if vocab_arrays:
+        np.savez(tmp / runtime.VOCAB, **vocab_arrays)
     manifest = {
         "format": runtime.FORMAT,
         "family": family,

@@ -13,13 +13,24 @@ Inputs: ``dense_bn`` float32 ``[B, N]`` in the order of ``manifest["inputs"]["de
 feature's vocabulary is treated as a missing id (padding) and counted in
 ``Model.counters["out_of_vocab_ids"]``; nothing else is changed silently. Batches are padded to
 the next power of two, so a server's varying batch sizes compile a handful of programs.
+
+A model trained on a feature spec (``data.kind=tabular``) also takes raw rows, as in its data
+files: ``model.encode(rows)`` gives the inputs ``prepare`` gave them (:class:`RowEncoder`), and
+``python recscale_model.py MODEL FILE [--out SCORES]`` scores a whole CSV file.
 """
 
 from __future__ import annotations
 
+import bz2
+import csv
+import gzip
+import hashlib
+import itertools
 import json
+import re
 import threading
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +40,8 @@ import numpy as np
 
 FORMAT = "recscale-serving/1"
 MANIFEST, WEIGHTS, FORWARD = "manifest.json", "weights.npz", "forward.jax"
+VOCAB = "vocab.npz"  # the arrays of a feature-spec run's encoding (``RowEncoder``)
+TABULAR = "tabular/1"
 
 
 class ArtifactError(ValueError):
@@ -39,7 +52,7 @@ class Model:
     """An exported model, its weights on one device."""
 
     def __init__(self, manifest: dict, weights: dict[str, np.ndarray], exported: Any,
-                 device: Any = None):  # fmt: skip
+                 device: Any = None, vocab_arrays: dict[str, np.ndarray] | None = None):  # fmt: skip
         self.manifest = manifest
         inputs = manifest["inputs"]
         self.dense_names = list(inputs["dense"])
@@ -54,6 +67,9 @@ class Model:
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "examples": 0, "out_of_vocab_ids": 0}
         self._sorted: dict[str, np.ndarray] = {}
+        vocab = manifest.get("vocab") or {}
+        self.rows = (RowEncoder(vocab, vocab_arrays or {}, self.max_hotness)
+                     if vocab.get("kind") == TABULAR else None)  # fmt: skip
 
     @classmethod
     def load(cls, path: str | Path, device: Any = None) -> Model:
@@ -90,13 +106,23 @@ class Model:
         except Exception as e:  # noqa: BLE001 - flatbuffers and jax raise many kinds
             raise ArtifactError(f"{path / FORWARD}: not a serialised jax.export module "
                                 f"({type(e).__name__}: {e})") from None  # fmt: skip
+        arrays = None
+        if (manifest.get("vocab") or {}).get("kind") == TABULAR:
+            try:
+                with np.load(path / VOCAB, allow_pickle=False) as z:
+                    arrays = {k: z[k] for k in z.files}
+            except (OSError, ValueError, zipfile.BadZipFile) as e:
+                raise ArtifactError(f"{path / VOCAB}: not a vocabulary archive ({e})") from None
         try:
-            return cls(manifest, weights, exported, device)
+            return cls(manifest, weights, exported, device, arrays)
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{man_path}: malformed inputs ({type(e).__name__}: {e})") from None
 
     def encode(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
-        """``(dense [B, N], ids [B, F, H], counts)`` from JSON-like requests, one per example:
+        """``(dense [B, N], ids [B, F, H], counts)`` from JSON-like requests, one per example.
+
+        A model trained on a feature spec (``data.kind=tabular``) takes raw rows, objects of
+        column: value as in its data files (:class:`RowEncoder`). Others take
         ``{"dense": {name: number} | [numbers], "features": {name: value or list of values}}``.
 
         Feature values are raw values where the artifact has the data's vocabulary
@@ -104,6 +130,8 @@ class Model:
         ``unseen_values``), ids otherwise. A feature left out is an empty bag (counted in
         ``missing_features``). An unknown feature, a wrong type, a missing dense value or a bag
         longer than the feature's raise :class:`ArtifactError` naming the example and field."""
+        if self.rows is not None:
+            return self.rows.encode(rows)
         n, f, h = len(self.dense_names), len(self.features), self.max_hotness
         dense = np.zeros((len(rows), n), np.float32)
         ids = np.full((len(rows), f, h), -1, np.int64)
@@ -246,3 +274,353 @@ class Model:
             self.counters["requests"] += 1
             self.counters["examples"] += b
         return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Raw rows of a feature-spec (``data.tabular``) run, encoded as ``prepare`` encoded its data.
+
+_WS = "[ \t\n\f\r]"  # RE2's \s: the class of the regexes prepare's pyarrow kernels ran
+_INT = re.compile(rf"{_WS}*[+-]?[0-9]{{1,18}}{_WS}*")
+_FLOAT = re.compile(
+    rf"{_WS}*[+-]?(?:[0-9]+\.?[0-9]*(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?){_WS}*"
+)
+_HEX = re.compile(r"\s*(?:0[xX])?[0-9a-fA-F]{1,16}\s*")  # Python's \s, as prepare's hex check
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _fmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output mix (``data.criteo.reader.fmix64``), wrapping uint64 arithmetic."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _words(arrays: dict, name: str) -> list[str | None]:
+    """A string column stored as UTF-8 bytes and offsets (``data/tabular/serving.py``)."""
+    data, offs = arrays[f"{name}.utf8"].tobytes(), arrays[f"{name}.offsets"].tolist()
+    out: list[str | None] = [data[a:b].decode() for a, b in zip(offs[:-1], offs[1:], strict=True)]
+    null = arrays.get(f"{name}.null")
+    if null is not None:
+        out = [None if n else w for w, n in zip(out, null.tolist(), strict=True)]
+    return out
+
+
+def _absent(v: Any, nulls: set[str]) -> bool:
+    return v is None or (isinstance(v, str) and v in nulls)
+
+
+class _Bad(ValueError):
+    """A value that breaks its feature's rule (the message says which rule)."""
+
+
+class RowEncoder:
+    """Raw rows -> ``(dense [B, N], ids [B, F, H])`` by a feature spec's rules, with the
+    vocabularies, numeric moments and side tables ``prepare`` built from the training split:
+    the ids and dense values ``data.tabular`` gave the same rows (tested against its encoder).
+
+    A row is a mapping of column to value: a string as read from a CSV file (the spec's
+    ``null_values`` are missing), or a JSON number, ``null``, or (multi-categorical features)
+    a list of tokens. Rows carry the join keys; the artifact supplies the side tables' columns.
+    Missing values, unseen values (the out-of-vocabulary id) and tokens beyond a bag's size
+    are counted; an unknown column, a value that does not parse, a key absent from its side
+    table raise :class:`ArtifactError` naming the example and column.
+    """
+
+    def __init__(self, spec: dict, arrays: dict[str, np.ndarray], max_hotness: int):
+        self.dense, self.sparse = spec["dense"], spec["sparse"]
+        self.nulls = set(spec["null_values"])
+        self.max_hotness = max_hotness
+        self.vocab: dict[str, Any] = {}
+        for t, kind in spec["tables"].items():
+            if kind == "string":
+                self.vocab[t] = {w: i + 1 for i, w in enumerate(_words(arrays, f"vocab.{t}"))}
+            else:
+                self.vocab[t] = np.asarray(arrays[f"vocab.{t}"], np.dtype(kind))
+        self.joins = []
+        for j, join in enumerate(spec["joins"]):
+            keys = {k: i for i, k in enumerate(_words(arrays, f"join{j}.key"))}
+            cols = {c: _words(arrays, f"join{j}.{c}") for c in join["columns"]}
+            self.joins.append((join, keys, cols))
+        supplied = {c for join, _, _ in self.joins for c in join["columns"]}
+        read = {f["column"] for f in (*self.dense, *self.sparse)}
+        read |= {join["key"] for join, _, _ in self.joins}
+        self.columns = sorted(read - supplied)
+        self.supplied = {c: join["file"] for join, _, _ in self.joins for c in join["columns"]}
+        self.ignored = set(spec["ignored_columns"])
+
+    # -------------------------------------------------------------------- one value
+
+    def _nulls(self, column: str) -> set[str]:
+        """The strings that mean a missing value in a column: the spec's ``null_values``, none
+        for a side table's column (its file's were applied when ``prepare`` read it)."""
+        return set() if column in self.supplied else self.nulls
+
+    def _number(self, v: Any, dtype: str, nulls: set[str]) -> float | None:
+        if _absent(v, nulls):
+            return None
+        if isinstance(v, str):
+            if not v.strip():
+                return None
+            if not (_INT if dtype == "int" else _FLOAT).fullmatch(v):
+                raise _Bad("not an integer" if dtype == "int" else "not a number")
+            x = float(int(v)) if dtype == "int" else float(v)
+        elif isinstance(v, bool) or not isinstance(v, int | float):
+            raise _Bad(f"expected a number, got {type(v).__name__}")
+        else:
+            try:
+                x = float(v)
+            except OverflowError:
+                raise _Bad("out of range") from None
+            if dtype == "int" and x != round(x):
+                raise _Bad("not an integer")
+        if not np.isfinite(x):
+            raise _Bad("not a number")
+        return x
+
+    def _key(self, v: Any, parse: str, nulls: set[str]) -> str | int | None:
+        """A categorical value as its vocabulary's type (None: missing)."""
+        if _absent(v, nulls):
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | str):
+            raise _Bad(f"expected a string or integer, got {type(v).__name__}")
+        if isinstance(v, int):
+            if parse == "int":
+                if not -(2**63) <= v < 2**63:
+                    raise _Bad("not an int value")
+                return v
+            v = str(v)
+        if parse == "string":
+            v = v.strip()
+            return v or None
+        if parse == "int":
+            if not v.strip():
+                return None
+            if not _INT.fullmatch(v):
+                raise _Bad("not an integer")
+            return int(v)
+        if v == "":
+            return None
+        if not _HEX.fullmatch(v):
+            raise _Bad("bad hex")
+        return int(v, 16)
+
+    def _tokens(self, v: Any, f: dict, nulls: set[str]) -> list[str | int]:
+        if _absent(v, nulls):
+            return []
+        if isinstance(v, str):
+            tokens: list = v.split(f["separator"])
+        elif isinstance(v, list):
+            tokens = v
+        else:
+            raise _Bad(f"expected a string or a list of tokens, got {type(v).__name__}")
+        out = []
+        for t in tokens:
+            t = t.strip() if isinstance(t, str) else t
+            try:
+                k = self._key(t, f["parse"], set())
+            except _Bad as e:
+                raise _Bad(f"token {e}") from None
+            if k is not None:
+                out.append(k)
+        return out
+
+    def _ids(self, f: dict, keys: list, counts: dict) -> np.ndarray:
+        """Ids of present keys (``prepare``'s vocabulary or hash)."""
+        if not keys:
+            return np.zeros(0, np.int64)
+        if f["hash_buckets"]:
+            if f["parse"] == "string":
+                u = [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little")
+                     for k in keys]  # fmt: skip
+            else:
+                u = [k % 2**64 for k in keys]  # an int64 as its two's-complement bits
+            z = _fmix64(np.array(u, np.uint64) + np.uint64(int(f["hash_key"])))
+            span = np.uint64(max(f["hash_buckets"] - 1, 1))
+            ids = (np.uint64(1) + z % span).astype(np.int64)
+            return ids if f["hash_buckets"] > 1 else np.zeros_like(ids)
+        vocab = self.vocab[f["vocab"]]
+        if isinstance(vocab, dict):
+            ids = np.array([vocab.get(k, 0) for k in keys], np.int64)
+        else:
+            k = np.array(keys, vocab.dtype)
+            pos = np.searchsorted(vocab, k)
+            found = pos < vocab.size
+            found[found] &= vocab[pos[found]] == k[found]
+            ids = np.where(found, pos + 1, 0).astype(np.int64)
+        counts["unseen_values"] += int((ids == 0).sum())
+        return ids
+
+    # -------------------------------------------------------------------- rows
+
+    def _row(self, r: int, row: Any) -> dict:
+        """The row with its side tables' columns joined."""
+        if not isinstance(row, dict):
+            raise ArtifactError(f"example {r}: expected an object of column: value")
+        for c in row:
+            if c in self.supplied:
+                raise ArtifactError(f"example {r}: column {c!r} comes from side table "
+                                    f"{self.supplied[c]} (send its key)")  # fmt: skip
+            if c not in self.ignored and c not in self.columns:
+                raise ArtifactError(f"example {r}: unknown column {c!r} (the model reads "
+                                    f"{', '.join(self.columns)})")  # fmt: skip
+        row = dict(row)
+        for join, keys, cols in self.joins:
+            k = row.get(join["key"])
+            if _absent(k, self._nulls(join["key"])):
+                raise ArtifactError(f"example {r}: column {join['key']!r}: missing key of "
+                                    f"side table {join['file']}")  # fmt: skip
+            if isinstance(k, bool) or not isinstance(k, int | str):
+                raise ArtifactError(f"example {r}: column {join['key']!r}: a key is a string "
+                                    f"or integer, got {type(k).__name__}")  # fmt: skip
+            i = keys.get(str(k))
+            if i is None:
+                raise ArtifactError(f"example {r}: column {join['key']!r}: key not in side "
+                                    f"table {join['file']}: {str(k)!r}")  # fmt: skip
+            row.update({c: v[i] for c, v in cols.items()})
+        return row
+
+    def encode(self, rows: list) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+        """``(dense float32 [B, N], ids int64 [B, F, H], counts)`` of raw rows."""
+        n = len(rows)
+        rows = [self._row(r, row) for r, row in enumerate(rows)]
+        counts = {"unseen_values": 0, "missing_features": 0, "truncated_tokens": 0}
+        dense = np.zeros((n, len(self.dense)), np.float32)
+        for j, f in enumerate(self.dense):
+            x, missing = self._numbers(rows, f, counts)
+            if f["clip"] is not None:
+                x = np.clip(x, f["clip"][0], f["clip"][1])
+            if f["log"]:
+                x = np.sign(x) * np.log1p(np.abs(x))
+            if f["standardize"] is not None:
+                mean, std = f["standardize"]
+                x = (x - mean) / std
+            dense[:, j] = np.where(missing, f["fill"], x)
+        ids = np.full((n, len(self.sparse), self.max_hotness), -1, np.int64)
+        for j, f in enumerate(self.sparse):
+            if f["kind"] == "bucketized":
+                x, missing = self._numbers(rows, f, counts)
+                b = 1 + np.searchsorted(np.asarray(f["boundaries"], np.float64), x, side="right")
+                ids[:, j, 0] = np.where(missing, 0, b)
+                continue
+            bags, nulls = [], self._nulls(f["column"])
+            for r, row in enumerate(rows):
+                try:
+                    if f["kind"] == "categorical":
+                        k = self._key(row.get(f["column"]), f["parse"], nulls)
+                        bags.append([] if k is None else [k])
+                    else:
+                        bags.append(self._tokens(row.get(f["column"]), f, nulls))
+                except _Bad as e:
+                    raise ArtifactError(f"example {r}: column {f['column']!r}: {e}: "
+                                        f"{row.get(f['column'])!r}") from None  # fmt: skip
+            flat = self._ids(f, [k for bag in bags for k in bag], counts)
+            start = 0
+            for r, bag in enumerate(bags):
+                if not bag:
+                    counts["missing_features"] += 1
+                    if f["kind"] == "categorical":
+                        ids[r, j, 0] = 0  # a missing value: the OOV id
+                    continue
+                take = min(len(bag), f["max_hotness"])
+                ids[r, j, :take] = flat[start : start + take]
+                counts["truncated_tokens"] += len(bag) - take
+                start += len(bag)
+        return dense, ids, counts
+
+    def _numbers(self, rows: list[dict], f: dict, counts: dict) -> tuple[np.ndarray, np.ndarray]:
+        x = np.zeros(len(rows), np.float64)
+        missing = np.zeros(len(rows), bool)
+        nulls = self._nulls(f["column"])
+        for r, row in enumerate(rows):
+            try:
+                v = self._number(row.get(f["column"]), f["dtype"], nulls)
+            except _Bad as e:
+                raise ArtifactError(f"example {r}: column {f['column']!r}: {e}: "
+                                    f"{row.get(f['column'])!r}") from None  # fmt: skip
+            missing[r] = v is None
+            x[r] = 0.0 if v is None else v
+        counts["missing_features"] += int(missing.sum())
+        return x, missing
+
+
+def read_rows(
+    path: str | Path, fmt: dict, columns: list[str] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Rows of a CSV/TSV file (``.gz``/``.bz2`` too) as column: string, read with the spec's
+    ``format`` (stdlib ``csv``; a Parquet file needs pyarrow); only ``columns`` where given
+    (as ``prepare`` reads a file: each must be in it). A row with the wrong number of fields
+    raises :class:`ArtifactError` naming the file and line."""
+    path = Path(path)
+    if columns is not None:
+        rows = read_rows(path, fmt)
+        first = next(rows, None)
+        if first is not None:
+            absent = [c for c in columns if c not in first]
+            if absent:
+                raise ArtifactError(f"{path}: column {absent[0]!r} named by the spec is not in "
+                                    f"the file (its columns: {', '.join(first)})")  # fmt: skip
+            for row in itertools.chain([first], rows):
+                yield {c: row[c] for c in columns}
+        return
+    name = path.name.lower()
+    if name.endswith((".parquet", ".pq")):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ArtifactError(f"{path}: reading Parquet needs pyarrow") from None
+        yield from pq.read_table(path).to_pylist()
+        return
+    if name.endswith(".zst"):
+        raise ArtifactError(f"{path}: decompress .zst files first (the loader reads .gz, .bz2)")
+    opener = {".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix.lower(), open)
+    delimiter = fmt["delimiter"] or ("\t" if ".tsv" in name else ",")
+    quote = fmt["quote_char"]
+    with opener(path, "rt", newline="", encoding="utf-8") as fh:
+        reader = csv.reader(fh, delimiter=delimiter, quotechar=quote or None,
+                            quoting=csv.QUOTE_MINIMAL if quote else csv.QUOTE_NONE)  # fmt: skip
+        names = list(fmt["column_names"]) if not fmt["header"] else next(reader, None)
+        if names is None:
+            raise ArtifactError(f"{path}: empty file")
+        for row in reader:
+            if len(row) != len(names):
+                raise ArtifactError(f"{path}: line {reader.line_num}: {len(row)} fields, "
+                                    f"expected {len(names)}")  # fmt: skip
+            yield dict(zip(names, row, strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python recscale_model.py MODEL FILE [--batch-size N] [--out SCORES]``: scores every
+    row of a raw data file of a feature-spec run, one probability a line."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="recscale_model.py", description=main.__doc__)
+    ap.add_argument("model")
+    ap.add_argument("file")
+    ap.add_argument("--batch-size", type=int, default=4096)
+    ap.add_argument("--out", default="", help="scores file ('' = standard output)")
+    args = ap.parse_args(argv)
+    try:
+        model = Model.load(args.model)
+        if model.rows is None:
+            raise ArtifactError(f"{args.model}: not a feature-spec model (score it with "
+                                "Model.predict on encoded inputs)")  # fmt: skip
+        out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115
+        totals: dict[str, int] = {}
+        rows = read_rows(args.file, model.manifest["vocab"]["format"], model.rows.columns)
+        while batch := list(itertools.islice(rows, max(args.batch_size, 1))):
+            dense, ids, counts = model.encode(batch)
+            out.writelines(f"{p:.9g}\n" for p in model.predict(dense, ids))
+            for k, v in counts.items():
+                totals[k] = totals.get(k, 0) + v
+        if args.out:
+            out.close()
+    except (ArtifactError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"file": args.file, **totals}), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

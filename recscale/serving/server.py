@@ -3,10 +3,12 @@
 ``python -m recscale.serve MODEL [--host 127.0.0.1] [--port 8080] [--max-batch 256]
 [--max-wait-ms 2] [--max-queue 4096] [--workers 1]``
 
-* ``POST /predict`` with ``{"examples": [{"dense": {...}, "features": {...}}, ...]}`` (the
-  example format of ``recscale.serving.runtime.Model.encode``: raw values where the artifact
-  has the data's vocabulary) or ``{"dense": [[...]], "ids": [[[...]]]}`` (encoded arrays);
-  answers ``{"scores": [...], "unseen_values": n, "missing_features": n}``.
+* ``POST /predict`` with ``{"examples": [...]}`` (the example format of
+  ``recscale.serving.runtime.Model.encode``: ``{"dense": {...}, "features": {...}}`` with raw
+  values where the artifact has the data's vocabulary; a feature-spec model's raw rows, objects
+  of column: value) or ``{"dense": [[...]], "ids": [[[...]]]}`` (encoded arrays); answers
+  ``{"scores": [...], "unseen_values": n, "missing_features": n}`` (and ``truncated_tokens``
+  for raw rows).
 * ``GET /healthz``: ``{"ok": true}``; ``GET /metrics``: the counters (requests, examples,
   batches, mean batch, shed, malformed requests, out-of-vocabulary ids and unseen values).
 
@@ -69,8 +71,8 @@ async def predict(request: web.Request) -> web.Response:
         counts["malformed"] += 1
         return _error(400, str(e))
     # counted for answered requests only (a shed request is sent again)
-    counts["unseen_values"] += enc["unseen_values"]
-    counts["missing_features"] += enc["missing_features"]
+    for k, v in enc.items():
+        counts[k] = counts.get(k, 0) + v
     counts["out_of_vocab_ids"] += oov
     return web.json_response({"scores": [float(s) for s in scores], **enc})
 

@@ -489,3 +489,78 @@ def test_a_model_with_several_embedding_collections_exports(tmp_path):
     got = Model.load(tmp_path / "m").predict(dense, ids)
     np.testing.assert_allclose(got, want, atol=PROB_ATOL["int8"])
     assert sens["f0"]["features"] == ["f0", "f0#2"] and sens["f1"]["features"] == ["f1"]
+
+
+SHOP_SPEC = """
+name: shop
+train: [interactions.csv]
+joins:
+  - {path: users.csv, key: user_id}
+  - {path: items.csv, key: item_id}
+split: {kind: random, valid_fraction: 0.2, seed: 0}
+label: {column: rating, threshold: 4}
+features:
+  - {name: user_id, kind: categorical}
+  - {name: item_id, kind: categorical, parse: int, table: item}
+  - {name: genres, kind: multi_categorical, separator: "|", max_hotness: 3}
+  - {name: gender, kind: categorical, hash_buckets: 8}
+  - {name: age, kind: numeric, standardize: true}
+  - {name: price, kind: numeric, log: true}
+  - {name: age_band, column: age, kind: numeric, boundaries: [25, 35, 50]}
+"""
+
+
+def test_a_feature_spec_run_scores_raw_rows(tmp_path):
+    """A run on a feature spec (with side tables) exports its whole encoding: the artifact
+    scores raw rows (the join keys in, side columns from the artifact) as the checkpoint scores
+    the rows ``prepare`` encoded, in process, over HTTP, and from a file with the jax-only
+    loader's command line."""
+    from data.config import TabularConfig
+    from data.tabular import example, prepare
+    from recscale.serving.runtime import read_rows
+
+    shop = tmp_path / "shop"
+    example.make(str(shop), rows=2000)
+    (shop / "spec.yaml").write_text(SHOP_SPEC)
+    lines = (shop / "new.csv").read_text().splitlines()
+    (shop / "later.csv").write_text("\n".join(lines[:257]) + "\n")  # a header and 256 rows
+    cfg = get_preset("dlrm/tiny")
+    tab = TabularConfig(spec=str(shop / "spec.yaml"), prepared_dir=str(shop / "prep"))
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, kind="tabular", batch_size=64,
+                                      eval_batch_size=256, tabular=tab),
+        train=dataclasses.replace(cfg.train, num_steps=3, progress=False))  # fmt: skip
+    wd, out = tmp_path / "run", tmp_path / "m"
+    train(cfg, build_model, wd)
+    man = export_workdir(DLRMConfig, build_model, ExportArgs(workdir=str(wd), out=str(out)))
+    assert man["vocab"]["kind"] == "tabular/1" and (out / "vocab.npz").is_file()
+    want_batch, _ = prepare(tab.spec, tab.prepared_dir, progress=False).encode_file(
+        str(shop / "later.csv"))  # fmt: skip
+    with restored(DLRMConfig, build_model, wd, num_devices=8) as r:
+        logits = r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(want_batch))
+        want = np.asarray(jax.nn.sigmoid(logits))
+    model = Model.load(out)
+    rows = list(read_rows(shop / "later.csv", man["vocab"]["format"], model.rows.columns))
+    dense, ids, counts = model.encode(rows)
+    np.testing.assert_array_equal(ids, want_batch.ids_bfh)
+    np.testing.assert_array_equal(dense, want_batch.dense_bn)
+    got = model.predict(dense, ids)
+    np.testing.assert_allclose(got, want, atol=PROB_ATOL["float32"])
+    assert counts["unseen_values"] > 0  # later users never seen in training
+
+    async def requests(client):
+        r = await client.post("/predict", json={"examples": rows[:5]})
+        bad = await client.post("/predict", json={"examples": [{"user_id": "u1", "age": 30}]})
+        return (r.status, await r.json()), (bad.status, await bad.json())
+
+    (status, body), (bad_status, bad_body) = _serve(model, requests)
+    assert status == 200 and np.allclose(body["scores"], got[:5], atol=1e-6)
+    assert bad_status == 400 and "column 'age' comes from side table" in bad_body["error"]
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, str(out / "recscale_model.py"), str(out),
+                          str(shop / "later.csv"), "--batch-size", "100"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, check=True)  # fmt: skip
+    np.testing.assert_allclose(np.array(res.stdout.split(), float), got, rtol=1e-7, atol=1e-9)
+    assert json.loads(res.stderr.strip().splitlines()[-1])["unseen_values"] == counts[
+        "unseen_values"]  # fmt: skip

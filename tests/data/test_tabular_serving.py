@@ -1,0 +1,167 @@
+"""A serving artifact's raw-row encoder (``recscale/serving/runtime.py``, numpy only) gives the ids
+and dense values ``data.tabular`` gave the same rows: every feature kind, parse mode, hash,
+transform, side table and edge value of a spec, read from its files or sent as JSON values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.tabular import TabularFormatError, prepare
+from data.tabular.spec import spec_from_dict
+from recscale.serving.runtime import ArtifactError, RowEncoder, read_rows
+
+HEADER = ["label", "uid", "city", "age", "item", "tags", "htags", "price", "n", "src", "dst", "hx"]
+# Planted: whitespace around values, "NA" (a null value), a value seen once (min_count 2), ints
+# with "+" and leading zeros, an empty token and a blank one, negative hashed ints, hex with a
+# 0x prefix and upper case, exponents, prices beyond the clip, a shared table.
+TRAIN = [
+    ("1", "u1", "paris", "5", "apple", "a|b", "1;2", "3.5", "4", "x", "y", "0a1b2c3d"),
+    ("0", "u2", " rome", "12", "pear", "b", "-3", "-3.5", "7", "y", "x", "deadbeef"),
+    ("1", "u3", "paris", "+100", "", "a|b|c", "", "80", "NA", "z", "w", "0x0A1B2C3D"),
+    ("0", "u1", "oslo", "", "apple", "", "5;;6", "NA", "2", "x", "z", ""),
+    ("0", "u2", "rome ", "007", "fig", "c|d|a|b", "9", "0", "11", "y", "y", "12345678"),
+    ("1", "u4", "lima", "40", "pear", " d ", "1;2;3;4", "12.25", "-5", "x", "w", "ffffffff"),
+    ("0", "u3", "", "75", "apple", "a", " 2 ", "7", "0", "z", "x", "00000000"),
+    ("1", "u4", "oslo", " 12", "kiwi", "b|c", "", "", "3", "w", "x", "DEADBEEF"),
+    ("0", "u1", "paris", "5", "fig", "a||b", "-1", "1e1", "8", "x", "y", "deadbeef"),
+    ("1", "u2", "rome", "100", "", "c| |a", "4", " 49.9 ", "1", "y", "z", "0a1b2c3d"),
+]
+VALID = [  # unseen values: tokyo, age 300, tokens e/f, src q, item mango, user u9's side row
+    ("1", "u3", "tokyo", "5", "apple", "a|e", "8;1", "3", "6", "x", "y", "0a1b2c3d"),
+    ("0", "u9", "lima", "300", "mango", "b", "", "", "NA", "q", "w", "DeadBeef"),
+    ("1", "u1", "paris", "", "", "", "1;1;1;1", "60", "4", "", "x", ""),
+    ("0", "u2", "rome", "-12", "fig", "e|f|a", "-3", "-2", "2", "y", "y", "ffffffff"),
+]
+USERS = "uid,gender,score,unused\nu1,f,0.5,z\nu2,m,,z\nu3,NA,2.5,z\nu4,f,1,z\nu9,x,7,z\n"
+FEATURES = [
+    {"name": "city", "kind": "categorical", "min_count": 2},
+    {"name": "age", "kind": "categorical", "parse": "int"},
+    {"name": "item", "kind": "categorical", "hash_buckets": 11, "hash_seed": 3},
+    {"name": "tags", "kind": "multi_categorical", "separator": "|", "max_hotness": 2},
+    {"name": "htags", "kind": "multi_categorical", "separator": ";", "max_hotness": 3,
+     "parse": "int", "hash_buckets": 50, "hash_seed": 1},
+    {"name": "price", "kind": "numeric", "clip": [0, 50], "log": True, "standardize": True,
+     "fill": -1.0},
+    {"name": "age_b", "column": "age", "kind": "numeric", "boundaries": [10, 50]},
+    {"name": "n", "kind": "numeric", "dtype": "int", "standardize": True},
+    {"name": "src", "kind": "categorical", "table": "place"},
+    {"name": "dst", "kind": "categorical", "table": "place"},
+    {"name": "hx", "kind": "categorical", "parse": "hex", "hash_buckets": 1000, "hash_seed": 5},
+    {"name": "gender", "kind": "categorical"},
+    {"name": "score", "kind": "numeric", "log": True},
+    {"name": "hx_vocab", "column": "hx", "kind": "categorical", "parse": "hex"},
+]  # fmt: skip
+
+
+def _write(path: Path, rows) -> Path:
+    path.write_text("\n".join(",".join(r) for r in [HEADER, *rows]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve_tabular")
+    _write(d / "train.csv", TRAIN)
+    _write(d / "valid.csv", VALID)
+    (d / "users.csv").write_text(USERS)
+    spec = spec_from_dict(
+        {
+            "name": "kinds", "train": ["train.csv"], "valid": ["valid.csv"],
+            "split": {"kind": "files"}, "label": {"column": "label"},
+            "format": {"null_values": ["", "NA"]},
+            "joins": [{"path": ["users.csv"], "key": "uid", "columns": ["gender", "score"]}],
+            "features": FEATURES,
+        },
+        where="test", base_dir=str(d),
+    )  # fmt: skip
+    p = prepare(spec, str(d / "prep"), workers=1, progress=False)
+    desc, arrays = p.serving_encoding()
+    return d, p, desc, RowEncoder(desc, arrays, p.schema.max_hotness)
+
+
+@pytest.mark.parametrize("name", ["train.csv", "valid.csv"])
+def test_raw_rows_encode_as_prepare_encoded_them(prepared, name):
+    d, p, desc, rows_enc = prepared
+    want, stats = p.encode_file(str(d / name))
+    dense, ids, counts = rows_enc.encode(list(read_rows(d / name, desc["format"])))
+    np.testing.assert_array_equal(dense, want.dense_bn)  # bitwise: the same float64 steps
+    np.testing.assert_array_equal(ids, want.ids_bfh)
+    assert counts["truncated_tokens"] == sum(stats["truncated_tokens"].values())
+    if name == "valid.csv":
+        # unseen values, counted per value (prepare counts rows with one): city tokyo and lima
+        # (rare), age 300 and -12, tokens e, e, f, src q, gender x (user u9's side row)
+        assert counts["unseen_values"] == 9
+        assert stats["oov"] == {"city": 2, "age": 2, "tags": 2, "src": 1, "gender": 1}
+    # every kind is exercised: a hashed bag, a bucket, a side-table column
+    f = [x["name"] for x in desc["sparse"]]
+    assert (ids[:, f.index("htags")] > 0).any() and (ids[:, f.index("age_b")] == 3).any()
+    assert (ids[:, f.index("gender"), 0] > 0).any()
+
+
+def test_json_values_encode_as_their_text(prepared):
+    """A client sends numbers as numbers, bags as lists, missing values as null or not at all."""
+    d, p, desc, rows_enc = prepared
+    text = list(read_rows(d / "valid.csv", desc["format"]))
+    typed = []
+    for row in text:
+        t = {k: (None if v in ("", "NA") else v) for k, v in row.items()}
+        t["age"] = None if t["age"] is None else int(t["age"])
+        t["price"] = None if t["price"] is None else float(t["price"])
+        t["n"] = None if t["n"] is None else int(t["n"])
+        t["tags"] = [] if t["tags"] is None else t["tags"].split("|")
+        t["htags"] = [] if t["htags"] is None else [int(x) for x in t["htags"].split(";")]
+        typed.append({k: v for k, v in t.items() if v is not None})  # left out: missing
+    a, b = rows_enc.encode(text), rows_enc.encode(typed)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize(
+    "column, value, match",
+    [
+        ("price", "abc", "column 'price': not a number: 'abc'"),
+        ("n", "1.5", "column 'n': not an integer"),
+        ("age", "12x", "column 'age': not an integer"),
+        ("hx", "xyz", "column 'hx': bad hex"),
+        ("htags", "1;b", "column 'htags': token not an integer"),
+        ("uid", "u77", "column 'uid': key not in side table .*users.csv: 'u77'"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_is_an_error_in_both(prepared, tmp_path, column, value, match):
+    d, p, desc, rows_enc = prepared
+    row = list(VALID[0])
+    row[HEADER.index(column)] = value
+    bad = _write(tmp_path / "bad.csv", [VALID[1], tuple(row)])
+    with pytest.raises(TabularFormatError):
+        p.encode_file(str(bad), strict=True)
+    with pytest.raises(ArtifactError, match=f"example 1: {match}"):
+        rows_enc.encode(list(read_rows(bad, desc["format"])))
+
+
+def test_request_errors_name_the_column(prepared):
+    _, _, _, rows_enc = prepared
+    with pytest.raises(ArtifactError, match="example 0: unknown column 'cty'"):
+        rows_enc.encode([{"cty": "paris", "uid": "u1"}])
+    with pytest.raises(ArtifactError, match="column 'gender' comes from side table"):
+        rows_enc.encode([{"gender": "f", "uid": "u1"}])
+    with pytest.raises(ArtifactError, match="column 'uid': missing key"):
+        rows_enc.encode([{"city": "paris"}])
+    with pytest.raises(ArtifactError, match="column 'price': expected a number, got list"):
+        rows_enc.encode([{"uid": "u1", "price": [1]}])
+    # the label is part of a training row: accepted and not read; a column left out is a
+    # missing value (the OOV id, an empty bag, the fill)
+    dense, ids, counts = rows_enc.encode([{"uid": "u1", "label": "1"}])
+    assert counts["missing_features"] == 12  # all but the side table's two
+    np.testing.assert_array_equal(ids[0, :, 0], [0, 0, 0, -1, -1, 0, 0, 0, 0, 2, 0])  # f: id 2
+    assert dense[0, 0] == -1.0  # price's fill
+
+
+def test_read_rows_names_a_short_line(tmp_path):
+    f = tmp_path / "x.csv"
+    f.write_text("a,b\n1,2\n3\n")
+    fmt = {"delimiter": "", "header": True, "column_names": [], "quote_char": '"'}
+    with pytest.raises(ArtifactError, match=r"x.csv: line 3: 1 fields, expected 2"):
+        list(read_rows(f, fmt))
