@@ -37,12 +37,14 @@ class Probe:
     ``outputs``; each feature's table in ``tables``. Gradients with respect to the deltas are
     the loss's with respect to the pooled embeddings, whatever path looked them up. A feature
     looked up again (by another collection, as FinalMLP's gate contexts do) is keyed
-    ``name#2``, ``name#3``, ... in the order of the lookups."""
+    ``name#2``, ``name#3``, ... in the order of the lookups; ``owners`` has each key's collection
+    and feature spec."""
 
     deltas: dict | None
     outputs: dict = dataclasses.field(default_factory=dict)
     shapes: dict = dataclasses.field(default_factory=dict)
     tables: dict = dataclasses.field(default_factory=dict)
+    owners: dict = dataclasses.field(default_factory=dict)
 
 
 _PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar(
@@ -62,17 +64,18 @@ def probe(deltas: dict | None) -> Iterator[Probe]:
         _PROBE.reset(token)
 
 
-def _probed(features, outs: list[jax.Array]) -> list[jax.Array]:
+def _probed(coll: EmbeddingCollection, outs: list[jax.Array]) -> list[jax.Array]:
     p = _PROBE.get()
     if p is None:
         return outs
     res = []
-    for f, x in zip(features, outs, strict=True):
+    for f, x in zip(coll.feature_specs, outs, strict=True):
         key, k = f.name, 1
         while key in p.tables:  # the same feature in another collection (FinalMLP's gates)
             k += 1
             key = f"{f.name}#{k}"
         p.tables[key] = f.table
+        p.owners[key] = (coll, f)
         if p.deltas is None:
             p.shapes[key] = jax.ShapeDtypeStruct(x.shape, x.dtype)
         else:
@@ -278,7 +281,7 @@ class EmbeddingCollection(nnx.Module):
 
             precisions = dict(self.serving)
             dims = {t.name: t.dim for t in self.table_specs}
-            return _probed(self.feature_specs, [
+            return _probed(self, [
                 prec.pool({k: v[...] for k, v in self.tables[feat.table].items()},
                           precisions[feat.table], ids_bfh[:, f, : feat.max_hotness],
                           dim=dims[feat.table], pooling=feat.pooling)
@@ -291,14 +294,14 @@ class EmbeddingCollection(nnx.Module):
                 buffers = {k: v[...] for k, v in self.buffers.items()}
             flat_bd = lookup_lib.lookup(self, self.layout, buffers, ids_bfh)
             offsets = np.cumsum((0,) + self.layout.feature_dims)
-            return _probed(self.feature_specs, [
+            return _probed(self, [
                 flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)
             ])  # fmt: skip
         # One array per table, laid out by the sharding rules: XLA partitions the reference's
         # gathers (a Pallas or FFI kernel is a custom call it cannot split, so the kernels run
         # in the engine, where every device holds its own blocks).
         if self.int8:
-            return _probed(self.feature_specs, [
+            return _probed(self, [
                 q_api.pool(
                     self.tables[feat.table]["q"][...],
                     self.tables[feat.table]["scale_bias"][...],
@@ -308,7 +311,7 @@ class EmbeddingCollection(nnx.Module):
                 )
                 for f, feat in enumerate(self.feature_specs)
             ])  # fmt: skip
-        return _probed(self.feature_specs, [
+        return _probed(self, [
             bag_api.pool(
                 self.tables[feat.table][...],
                 ids_bfh[:, f, : feat.max_hotness],

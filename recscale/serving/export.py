@@ -103,14 +103,6 @@ def _collections(model: nnx.Module) -> list[EmbeddingCollection]:
     return found
 
 
-def _collection(model: nnx.Module) -> EmbeddingCollection:
-    found = _collections(model)
-    if len(found) != 1:
-        raise ValueError(f"--precision auto supports models with one embedding collection; this "
-                         f"one has {len(found)} (FinalMLP's gate contexts): pass precisions")  # fmt: skip
-    return found[0]
-
-
 def float_tables(coll: EmbeddingCollection) -> dict[str, np.ndarray]:
     """``{table: [V, D] float32}`` of a trained collection, from the engine's buffers or the
     per-table arrays."""
@@ -192,8 +184,8 @@ def _auc(exp: Any, graphdef, params, batch_stats, precisions: dict[str, str]) ->
     """``(validation AUC, table bytes)`` of the serving model with its tables in
     ``precisions`` (compiled for it)."""
     model, _ = serving_model(graphdef, params, batch_stats, precisions)
-    coll = _collection(model)
-    size = sum(prec.nbytes({k: v[...] for k, v in coll.tables[n].items()}) for n in precisions)
+    size = sum(prec.nbytes({k: v[...] for k, v in coll.tables[t.name].items()})
+               for coll in _collections(model) for t in coll.table_specs)  # fmt: skip
     g, p, st = nnx.split(model, nnx.Param, nnx.BatchStat)
     return float(exp.evaluate(p, st, graphdef=g)["auc"]), size
 
@@ -205,20 +197,29 @@ class _ProbeEvaluator:
     weights and tables are arguments of the compiled programs (not constants in them); batches
     stay on the host and each evaluation streams them, so memory does not grow with the
     evaluation set or the number of candidates. Equal to the serving model's AUC up to float32
-    rounding of that addition (the final choice is measured on the real serving model)."""
+    rounding of that addition (the final choice is measured on the real serving model).
+
+    A model with several embedding collections (FinalMLP's gate contexts, tables named like the
+    main collection's) has a table name's precision applied to every collection's table of
+    that name, as the export does: each lookup's delta comes from its own collection's table
+    (which collection looked a probe key up is recorded by tracing the model once)."""
 
     def __init__(self, exp: Any, graphdef, params, batch_stats):
         from recscale.embeddings import collection  # noqa: PLC0415
 
         model = nnx.merge(graphdef, params, batch_stats)
-        coll = _collection(model)
+        colls = _collections(model)
         self.exp = exp
         self.params, self.batch_stats = params, batch_stats
-        self.tables = float_tables(coll)
-        self.features = [(i, f.name, f.table, f.max_hotness, f.pooling)
-                         for i, f in enumerate(coll.feature_specs)]  # fmt: skip
-        self.dims = {t.name: t.dim for t in coll.table_specs}
-        self._quantized: dict[tuple[str, str], dict] = {}
+        # (collection, table) -> [V, D] float32
+        self.tables = {(c, t): v for c, coll in enumerate(colls)
+                       for t, v in float_tables(coll).items()}  # fmt: skip
+        self.dims = {t.name: t.dim for coll in colls for t in coll.table_specs}
+        names = [f.name for f in exp.source.schema.features]
+        # (probe key, collection, column of ids_bfh, table, bag size, pooling) per lookup
+        self.features = [(key, c, names.index(f.name), f.table, f.max_hotness, f.pooling)
+                         for key, (c, f) in self._lookups(graphdef).items()]  # fmt: skip
+        self._quantized: dict[tuple[int, str, str], dict] = {}
         self._delta_fns: dict[tuple[str, str], Any] = {}
         self._sizes: dict[tuple[str, str], int] = {}
 
@@ -229,23 +230,45 @@ class _ProbeEvaluator:
 
         self._logits = logits
 
+    def _lookups(self, graphdef) -> dict[str, tuple[int, Any]]:
+        """``{probe key: (collection index, feature spec)}`` of every lookup the forward
+        makes, from one abstract trace of it."""
+        from recscale.embeddings import collection  # noqa: PLC0415
+
+        found: dict[str, tuple[int, Any]] = {}
+        batch = self.exp.device_batch(next(iter(self.exp.source.eval_batches())))
+
+        def trace(params, batch_stats, dense, ids):
+            m = nnx.merge(graphdef, params, batch_stats)
+            index = {id(c): i for i, c in enumerate(_collections(m))}
+            with collection.probe(None) as p:
+                m(dense, ids)
+            found.update({k: (index[id(c)], f) for k, (c, f) in p.owners.items()})
+
+        jax.eval_shape(trace, self.params, self.batch_stats, batch.dense_bn, batch.ids_bfh)
+        return found
+
     def _delta(self, table: str, precision: str):
         key = (table, precision)
+        feats = [f for f in self.features if f[3] == table]
+        colls = sorted({c for _, c, *_ in feats})
         if key not in self._delta_fns:
-            self._quantized[key] = prec.quantize(self.tables[table], precision)
-            self._quantized[(table, "float32")] = prec.quantize(self.tables[table], "float32")
-            feats = [f for f in self.features if f[2] == table]
+            for c in colls:
+                self._quantized[(c, *key)] = prec.quantize(self.tables[c, table], precision)
+                self._quantized[c, table, "float32"] = prec.quantize(self.tables[c, table],
+                                                                     "float32")  # fmt: skip
             dim = self.dims[table]
 
             @jax.jit
             def delta(q, f32, ids_bfh):
-                return {name: prec.pool(q, precision, ids_bfh[:, i, :h], dim=dim, pooling=pool)
-                        - prec.pool(f32, "float32", ids_bfh[:, i, :h], dim=dim, pooling=pool)
-                        for i, name, _, h, pool in feats}  # fmt: skip
+                return {name: prec.pool(q[c], precision, ids_bfh[:, i, :h], dim=dim, pooling=pool)
+                        - prec.pool(f32[c], "float32", ids_bfh[:, i, :h], dim=dim, pooling=pool)
+                        for name, c, i, _, h, pool in feats}  # fmt: skip
 
             self._delta_fns[key] = delta
         fn = self._delta_fns[key]
-        q, f32 = self._quantized[key], self._quantized[(table, "float32")]
+        q = {c: self._quantized[(c, *key)] for c in colls}
+        f32 = {c: self._quantized[c, table, "float32"] for c in colls}
         return lambda ids: fn(q, f32, ids)
 
     def auc(self, precisions: dict[str, str]) -> float:
@@ -256,7 +279,7 @@ class _ProbeEvaluator:
         for host in self.exp.source.eval_batches():
             b = self.exp.device_batch(host)
             deltas = {name: jnp.zeros((b.ids_bfh.shape[0], self.dims[t]), jnp.float32)
-                      for _, name, t, _, _ in self.features}  # fmt: skip
+                      for name, _, _, t, _, _ in self.features}  # fmt: skip
             for fn in low:
                 deltas.update(fn(b.ids_bfh))
             out = self._logits(self.params, self.batch_stats, b, deltas)
@@ -266,7 +289,8 @@ class _ProbeEvaluator:
     def bytes(self, precisions: dict[str, str]) -> int:
         for t, p in precisions.items():  # each table quantised once per precision
             if (t, p) not in self._sizes:
-                self._sizes[t, p] = prec.nbytes(prec.quantize(self.tables[t], p))
+                self._sizes[t, p] = sum(prec.nbytes(prec.quantize(v, p))
+                                        for (_, name), v in self.tables.items() if name == t)  # fmt: skip
         return sum(self._sizes[t, p] for t, p in precisions.items())
 
 

@@ -20,7 +20,7 @@ from dlrm.config import DLRMConfig
 from dlrm.model import build_model
 from recscale.config import EmbeddingShardingConfig, get_preset
 from recscale.serving import precision as prec
-from recscale.serving.export import ExportArgs, export_workdir
+from recscale.serving.export import ExportArgs, choose_precisions, export_workdir
 from recscale.serving.runtime import ArtifactError, Model
 from recscale.train.evaluation import restored
 from recscale.train.loop import train
@@ -484,11 +484,19 @@ def test_a_model_with_several_embedding_collections_exports(tmp_path):
         sens = comm_sensitivity.measure(
             r.exp.graphdef, r.params, r.batch_stats, train_batches, blocks=8,
             loss_fn=lambda logits, b: weighted_bce(logits, b.labels_b, b.weights_b))  # fmt: skip
+        # auto precision: the probe's AUC of every table in int4 (each lookup's delta from its
+        # own collection's f0) is the int4 serving model's
+        auto = choose_precisions(r.exp, r.exp.graphdef, r.params, r.batch_stats,
+                                 ["f0", "f1", "f2", "f3"], budget=1.0, candidates=("int4",),
+                                 log=lambda _: None)  # fmt: skip
     dense = np.concatenate([b.dense_bn for b in batches])
     ids = np.concatenate([b.ids_bfh for b in batches])
     got = Model.load(tmp_path / "m").predict(dense, ids)
     np.testing.assert_allclose(got, want, atol=PROB_ATOL["int8"])
     assert sens["f0"]["features"] == ["f0", "f0#2"] and sens["f1"]["features"] == ["f1"]
+    assert auto["precisions"] == dict.fromkeys(["f0", "f1", "f2", "f3"], "int4")
+    assert auto["tried"][-1]["kept"] and abs(auto["tried"][-1]["auc"] - auto["auc"]) < 1e-6
+    assert auto["bytes"] == (rows + 100) * (4 + 8) and auto["auc"] != auto["auc_float32"]
 
 
 SHOP_SPEC = """
