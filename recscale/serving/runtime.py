@@ -324,9 +324,14 @@ class RowEncoder:
     Missing values, unseen values (the out-of-vocabulary id) and tokens beyond a bag's size
     are counted; an unknown column, a value that does not parse, a key absent from its side
     table raise :class:`ArtifactError` naming the example and column.
+
+    Work is column by column: each distinct string of a column is parsed and looked up once
+    (and remembered, up to ``cache_size`` per feature), the ids of a batch's new values are
+    hashed or searched in one numpy call (``benchmarks/row_encoding.py``).
     """
 
-    def __init__(self, spec: dict, arrays: dict[str, np.ndarray], max_hotness: int):
+    def __init__(self, spec: dict, arrays: dict[str, np.ndarray], max_hotness: int,
+                 cache_size: int = 1 << 20):  # fmt: skip
         self.dense, self.sparse = spec["dense"], spec["sparse"]
         self.nulls = set(spec["null_values"])
         self.max_hotness = max_hotness
@@ -341,19 +346,21 @@ class RowEncoder:
             keys = {k: i for i, k in enumerate(_words(arrays, f"join{j}.key"))}
             cols = {c: _words(arrays, f"join{j}.{c}") for c in join["columns"]}
             self.joins.append((join, keys, cols))
-        supplied = {c for join, _, _ in self.joins for c in join["columns"]}
+        self.side = {c: j for j, (join, _, _) in enumerate(self.joins) for c in join["columns"]}
         read = {f["column"] for f in (*self.dense, *self.sparse)}
         read |= {join["key"] for join, _, _ in self.joins}
-        self.columns = sorted(read - supplied)
-        self.supplied = {c: join["file"] for join, _, _ in self.joins for c in join["columns"]}
+        self.columns = sorted(read - set(self.side))
         self.ignored = set(spec["ignored_columns"])
+        self.allowed = set(self.columns) | self.ignored
+        self.cache_size = cache_size
+        self._caches: dict[str, dict] = {}
 
     # -------------------------------------------------------------------- one value
 
     def _nulls(self, column: str) -> set[str]:
         """The strings that mean a missing value in a column: the spec's ``null_values``, none
         for a side table's column (its file's were applied when ``prepare`` read it)."""
-        return set() if column in self.supplied else self.nulls
+        return set() if column in self.side else self.nulls
 
     def _number(self, v: Any, dtype: str, nulls: set[str]) -> float | None:
         if _absent(v, nulls):
@@ -386,7 +393,7 @@ class RowEncoder:
         if isinstance(v, int):
             if parse == "int":
                 if not -(2**63) <= v < 2**63:
-                    raise _Bad("not an int value")
+                    raise _Bad("not an integer")
                 return v
             v = str(v)
         if parse == "string":
@@ -424,8 +431,8 @@ class RowEncoder:
                 out.append(k)
         return out
 
-    def _ids(self, f: dict, keys: list, counts: dict) -> np.ndarray:
-        """Ids of present keys (``prepare``'s vocabulary or hash)."""
+    def _ids(self, f: dict, keys: list) -> np.ndarray:
+        """Ids of present keys (``prepare``'s vocabulary or hash; 0 for an unseen value)."""
         if not keys:
             return np.zeros(0, np.int64)
         if f["hash_buckets"]:
@@ -440,53 +447,119 @@ class RowEncoder:
             return ids if f["hash_buckets"] > 1 else np.zeros_like(ids)
         vocab = self.vocab[f["vocab"]]
         if isinstance(vocab, dict):
-            ids = np.array([vocab.get(k, 0) for k in keys], np.int64)
-        else:
-            k = np.array(keys, vocab.dtype)
-            pos = np.searchsorted(vocab, k)
-            found = pos < vocab.size
-            found[found] &= vocab[pos[found]] == k[found]
-            ids = np.where(found, pos + 1, 0).astype(np.int64)
-        counts["unseen_values"] += int((ids == 0).sum())
-        return ids
+            return np.array([vocab.get(k, 0) for k in keys], np.int64)
+        k = np.array(keys, vocab.dtype)
+        pos = np.searchsorted(vocab, k)
+        found = pos < vocab.size
+        found[found] &= vocab[pos[found]] == k[found]
+        return np.where(found, pos + 1, 0).astype(np.int64)
+
+    # -------------------------------------------------------------------- columns
+
+    def _cache(self, name: str) -> dict:
+        cache = self._caches.get(name)
+        if cache is None or len(cache) > self.cache_size:
+            cache = self._caches[name] = {}  # a new dict: other threads keep the old one
+        return cache
+
+    def _entries(self, f: dict, vals: list, parse: Any) -> list:
+        """Each value through ``parse`` (a ``_Bad`` names the value's position ``i`` as
+        ``e.args[1]``), for a column's values not in its cache."""
+        out = []
+        for i, v in enumerate(vals):
+            try:
+                out.append(parse(v))
+            except _Bad as e:
+                raise _Bad(str(e), i) from None
+        return out
+
+    def _column(self, vals: list, f: dict, parse: Any, finish: Any = None) -> list:
+        """Per row the entry of its value: ``parse`` each distinct string once (then
+        ``finish`` the new entries of the batch together), and every other value."""
+        cache = self._cache(f["name"])
+        new = list({v: None for v in vals if type(v) is str and v not in cache})
+        others = [r for r, v in enumerate(vals) if type(v) is not str]
+        todo = new + [vals[r] for r in others]
+        try:
+            parsed = self._entries(f, todo, parse)
+        except _Bad as e:
+            i = e.args[1]
+            r = vals.index(todo[i]) if i < len(new) else others[i - len(new)]
+            raise ArtifactError(f"example {r}: column {f['column']!r}: {e.args[0]}: "
+                                f"{vals[r]!r}") from None  # fmt: skip
+        if finish is not None:
+            parsed = finish(parsed)
+        cache.update(zip(new, parsed[: len(new)], strict=True))
+        out = [cache[v] if type(v) is str else None for v in vals]  # this call's dict: no evictions
+        for r, e in zip(others, parsed[len(new) :], strict=True):
+            out[r] = e
+        return out
+
+    def _bags(self, f: dict, keys: list) -> list[tuple[tuple, int, int]]:
+        """``(ids padded to H, unseen, keys)`` per row of its keys (lists of present keys): a
+        missing categorical is id 0, a bag is cut at the feature's size and padded with -1;
+        the ids of all rows in one call."""
+        h, cut = self.max_hotness, f["max_hotness"]
+        ids = self._ids(f, [k for ks in keys for k in ks]).tolist()
+        out, start = [], 0
+        for ks in keys:
+            bag = ids[start : start + len(ks)]
+            start += len(ks)
+            unseen = 0 if f["hash_buckets"] else bag.count(0)
+            if f["kind"] == "categorical" and not bag:
+                bag = [0]
+            out.append((tuple(bag[:cut] + [-1] * (h - min(len(bag), cut))), unseen, len(ks)))
+        return out
 
     # -------------------------------------------------------------------- rows
 
-    def _row(self, r: int, row: Any) -> dict:
-        """The row with its side tables' columns joined."""
-        if not isinstance(row, dict):
-            raise ArtifactError(f"example {r}: expected an object of column: value")
-        for c in row:
-            if c in self.supplied:
-                raise ArtifactError(f"example {r}: column {c!r} comes from side table "
-                                    f"{self.supplied[c]} (send its key)")  # fmt: skip
-            if c not in self.ignored and c not in self.columns:
-                raise ArtifactError(f"example {r}: unknown column {c!r} (the model reads "
-                                    f"{', '.join(self.columns)})")  # fmt: skip
-        row = dict(row)
-        for join, keys, cols in self.joins:
-            k = row.get(join["key"])
-            if _absent(k, self._nulls(join["key"])):
-                raise ArtifactError(f"example {r}: column {join['key']!r}: missing key of "
-                                    f"side table {join['file']}")  # fmt: skip
-            if isinstance(k, bool) or not isinstance(k, int | str):
-                raise ArtifactError(f"example {r}: column {join['key']!r}: a key is a string "
-                                    f"or integer, got {type(k).__name__}")  # fmt: skip
-            i = keys.get(str(k))
-            if i is None:
-                raise ArtifactError(f"example {r}: column {join['key']!r}: key not in side "
-                                    f"table {join['file']}: {str(k)!r}")  # fmt: skip
-            row.update({c: v[i] for c, v in cols.items()})
-        return row
+    def _check(self, rows: list) -> None:
+        for r, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ArtifactError(f"example {r}: expected an object of column: value")
+            if row.keys() <= self.allowed:
+                continue
+            for c in row:
+                if c in self.side:
+                    file = self.joins[self.side[c]][0]["file"]
+                    raise ArtifactError(f"example {r}: column {c!r} comes from side table "
+                                        f"{file} (send its key)")  # fmt: skip
+                if c not in self.allowed:
+                    raise ArtifactError(f"example {r}: unknown column {c!r} (the model reads "
+                                        f"{', '.join(self.columns)})")  # fmt: skip
+
+    def _values(self, rows: list[dict], column: str, side: dict[int, list[int]]) -> list:
+        """A column's values, from the rows or their side tables' rows."""
+        j = self.side.get(column)
+        if j is None:
+            return [row.get(column) for row in rows]
+        col = self.joins[j][2][column]
+        return [col[i] for i in side[j]]
 
     def encode(self, rows: list) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         """``(dense float32 [B, N], ids int64 [B, F, H], counts)`` of raw rows."""
         n = len(rows)
-        rows = [self._row(r, row) for r, row in enumerate(rows)]
+        self._check(rows)
+        side: dict[int, list[int]] = {}  # per join, the side table's row of each example
+        for j, (join, keys, _) in enumerate(self.joins):
+            col, nulls = join["key"], self._nulls(join["key"])
+            side[j] = []
+            for r, k in enumerate(self._values(rows, col, side)):
+                if _absent(k, nulls):
+                    raise ArtifactError(f"example {r}: column {col!r}: missing key of side "
+                                        f"table {join['file']}")  # fmt: skip
+                if isinstance(k, bool) or not isinstance(k, int | str):
+                    raise ArtifactError(f"example {r}: column {col!r}: a key is a string or "
+                                        f"integer, got {type(k).__name__}")  # fmt: skip
+                i = keys.get(str(k))
+                if i is None:
+                    raise ArtifactError(f"example {r}: column {col!r}: key not in side "
+                                        f"table {join['file']}: {str(k)!r}")  # fmt: skip
+                side[j].append(i)
         counts = {"unseen_values": 0, "missing_features": 0, "truncated_tokens": 0}
         dense = np.zeros((n, len(self.dense)), np.float32)
         for j, f in enumerate(self.dense):
-            x, missing = self._numbers(rows, f, counts)
+            x, missing = self._numbers(rows, f, side, counts)
             if f["clip"] is not None:
                 x = np.clip(x, f["clip"][0], f["clip"][1])
             if f["log"]:
@@ -495,50 +568,37 @@ class RowEncoder:
                 mean, std = f["standardize"]
                 x = (x - mean) / std
             dense[:, j] = np.where(missing, f["fill"], x)
-        ids = np.full((n, len(self.sparse), self.max_hotness), -1, np.int64)
+        h = self.max_hotness
+        ids = np.full((n, len(self.sparse), h), -1, np.int64)
         for j, f in enumerate(self.sparse):
             if f["kind"] == "bucketized":
-                x, missing = self._numbers(rows, f, counts)
+                x, missing = self._numbers(rows, f, side, counts)
                 b = 1 + np.searchsorted(np.asarray(f["boundaries"], np.float64), x, side="right")
                 ids[:, j, 0] = np.where(missing, 0, b)
                 continue
-            bags, nulls = [], self._nulls(f["column"])
-            for r, row in enumerate(rows):
-                try:
-                    if f["kind"] == "categorical":
-                        k = self._key(row.get(f["column"]), f["parse"], nulls)
-                        bags.append([] if k is None else [k])
-                    else:
-                        bags.append(self._tokens(row.get(f["column"]), f, nulls))
-                except _Bad as e:
-                    raise ArtifactError(f"example {r}: column {f['column']!r}: {e}: "
-                                        f"{row.get(f['column'])!r}") from None  # fmt: skip
-            flat = self._ids(f, [k for bag in bags for k in bag], counts)
-            start = 0
-            for r, bag in enumerate(bags):
-                if not bag:
-                    counts["missing_features"] += 1
-                    if f["kind"] == "categorical":
-                        ids[r, j, 0] = 0  # a missing value: the OOV id
-                    continue
-                take = min(len(bag), f["max_hotness"])
-                ids[r, j, :take] = flat[start : start + take]
-                counts["truncated_tokens"] += len(bag) - take
-                start += len(bag)
+            nulls = self._nulls(f["column"])
+            if f["kind"] == "categorical":
+                parse = lambda v, f=f, nulls=nulls: self._key(v, f["parse"], nulls)  # noqa: E731
+                keys = lambda k: [] if k is None else [k]  # noqa: E731
+            else:
+                parse = lambda v, f=f, nulls=nulls: self._tokens(v, f, nulls)  # noqa: E731
+                keys = list
+            entries = self._column(self._values(rows, f["column"], side), f, parse,
+                                   lambda ks, f=f, keys=keys: self._bags(f, [keys(k) for k in ks]))  # fmt: skip
+            flat = itertools.chain.from_iterable(e[0] for e in entries)
+            ids[:, j, :] = np.fromiter(flat, np.int64, n * h).reshape(n, h)
+            counts["unseen_values"] += sum(e[1] for e in entries)
+            counts["missing_features"] += sum(not e[2] for e in entries)
+            counts["truncated_tokens"] += sum(max(e[2] - f["max_hotness"], 0) for e in entries)
         return dense, ids, counts
 
-    def _numbers(self, rows: list[dict], f: dict, counts: dict) -> tuple[np.ndarray, np.ndarray]:
-        x = np.zeros(len(rows), np.float64)
-        missing = np.zeros(len(rows), bool)
+    def _numbers(self, rows: list[dict], f: dict, side: dict, counts: dict
+                 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         nulls = self._nulls(f["column"])
-        for r, row in enumerate(rows):
-            try:
-                v = self._number(row.get(f["column"]), f["dtype"], nulls)
-            except _Bad as e:
-                raise ArtifactError(f"example {r}: column {f['column']!r}: {e}: "
-                                    f"{row.get(f['column'])!r}") from None  # fmt: skip
-            missing[r] = v is None
-            x[r] = 0.0 if v is None else v
+        vals = self._column(self._values(rows, f["column"], side), f,
+                            lambda v: self._number(v, f["dtype"], nulls))  # fmt: skip
+        missing = np.array([v is None for v in vals], bool)
+        x = np.array([0.0 if v is None else v for v in vals], np.float64)
         counts["missing_features"] += int(missing.sum())
         return x, missing
 

@@ -86,9 +86,14 @@ def prepared(tmp_path_factory):
 def test_raw_rows_encode_as_prepare_encoded_them(prepared, name):
     d, p, desc, rows_enc = prepared
     want, stats = p.encode_file(str(d / name))
-    dense, ids, counts = rows_enc.encode(list(read_rows(d / name, desc["format"])))
+    rows = list(read_rows(d / name, desc["format"]))
+    dense, ids, counts = rows_enc.encode(rows)
     np.testing.assert_array_equal(dense, want.dense_bn)  # bitwise: the same float64 steps
     np.testing.assert_array_equal(ids, want.ids_bfh)
+    again = rows_enc.encode(rows[::-1])  # every string now from the encoder's cache
+    np.testing.assert_array_equal(again[0], dense[::-1])
+    np.testing.assert_array_equal(again[1], ids[::-1])
+    assert again[2] == counts
     assert counts["truncated_tokens"] == sum(stats["truncated_tokens"].values())
     if name == "valid.csv":
         # unseen values, counted per value (prepare counts rows with one): city tokyo and lima
