@@ -334,7 +334,8 @@ def _eval_path(cfg: DataConfig, eval_path: str | None) -> str:
 def _make_frappe(
     cfg: DataConfig, eval_path: str, *, eval_only: bool = False, **kw
 ) -> InMemorySource:
-    from data.frappe.reader import build_frappe_vocab, frappe_schema, read_frappe, serving_vocab
+    from data.frappe.reader import build_frappe_vocab, frappe_schema, read_frappe
+    from data.tabular.serving import frappe_encoding
 
     vocab = build_frappe_vocab(cfg.train_path)  # the vocabulary always comes from training
     train_rows, train_stats = (None, None) if eval_only else read_frappe(cfg.train_path, vocab)
@@ -346,7 +347,7 @@ def _make_frappe(
         "eval": eval_stats.as_dict(),
     }
     source = InMemorySource(frappe_schema(vocab), train_rows, eval_rows, stats=stats, **kw)
-    source.serving_vocab = functools.partial(serving_vocab, vocab)  # for exported models
+    source.serving_encoding = functools.partial(frappe_encoding, vocab.values)  # for exports
     return source
 
 
@@ -383,9 +384,17 @@ def _make_criteo(
         "report": (f"train {train_stats.report()}; " if train_stats else "")
         + f"eval {eval_stats.report()}",
     }
-    return InMemorySource(
+    source = InMemorySource(
         criteo_schema(cfg.criteo.vocab_sizes), train_rows, eval_rows, stats=stats, **kw
     )
+    source.serving_encoding = _criteo_encoding(cfg)  # for exported models
+    return source
+
+
+def _criteo_encoding(cfg: DataConfig):
+    from data.tabular.serving import criteo_encoding
+
+    return functools.partial(criteo_encoding, cfg.criteo.vocab_sizes, cfg.criteo.hash_seed)
 
 
 # ----------------------------------------------------------------------------- tfds route
@@ -565,7 +574,8 @@ def _tfds_stats(cfg: DataConfig, builder, train, eval_split: str | None, eval_fi
 
 
 def _make_frappe_tfds(cfg: DataConfig, eval_path: str | None, **kw) -> RandomAccessSource:
-    from data.frappe.reader import frappe_schema, read_frappe, serving_vocab
+    from data.frappe.reader import frappe_schema, read_frappe
+    from data.tabular.serving import frappe_encoding
     from data.tfds_builders.frappe import FrappeBars, frappe_bars_vocab
 
     train_path = _abspath(cfg.train_path)
@@ -603,7 +613,7 @@ def _make_frappe_tfds(cfg: DataConfig, eval_path: str | None, **kw) -> RandomAcc
     source = RandomAccessSource(
         frappe_schema(vocab), train, evals, to_batch=to_batch, stats=stats, **kw
     )
-    source.serving_vocab = functools.partial(serving_vocab, vocab)  # for exported models
+    source.serving_encoding = functools.partial(frappe_encoding, vocab.values)  # for exports
     return source
 
 
@@ -717,9 +727,11 @@ def _make_criteo_tfds(
         stats["report"] = (
             f"criteo tfds {builder.data_path}: train {len(train)} rows; eval {eval_stats.report()}"
         )
-    return RandomAccessSource(
+    source = RandomAccessSource(
         criteo_schema(cfg.criteo.vocab_sizes), train, evals, to_batch=to_batch, stats=stats, **kw
     )
+    source.serving_encoding = _criteo_encoding(cfg)  # for exported models
+    return source
 
 
 def make_source(

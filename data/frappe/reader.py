@@ -225,16 +225,6 @@ def _parse_int_table(buf: np.ndarray, *, path: str, ncols: int, first_line: int)
     return values.reshape(nl_pos.size, ncols)
 
 
-def serving_vocab(vocab: FrappeVocab) -> dict:
-    """The vocabulary as a serving artifact stores it (``recscale.serving``): per field its
-    sorted raw values; raw value ``values[i]`` is id ``i + 1``, anything else id 0 (OOV)."""
-    return {
-        "kind": "sorted_values",
-        "oov_id": 0,
-        "features": {name: list(v) for name, v in zip(FRAPPE_FIELDS, vocab.values, strict=True)},
-    }
-
-
 def build_frappe_vocab(train_path: str | os.PathLike) -> FrappeVocab:
     """Builds the per-field vocabulary from the training file only."""
     table = parse_frappe_csv(train_path)

@@ -126,3 +126,28 @@ def serving_encoding(
         "joins": joins,
         "ignored_columns": sorted({c for c in ignored if c} - read),
     }, arrays
+
+
+def criteo_encoding(
+    vocab_sizes: tuple[int, ...], hash_seed: int
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The Criteo reader's encoding (``data/criteo``), as its feature spec states it
+    (``presets.criteo_spec``: the same batches, tested): raw TSV rows of an exported Criteo
+    model are hashed as in training."""
+    from data.tabular.presets import criteo_spec
+
+    spec = criteo_spec(("<criteo>",), vocab_sizes=tuple(vocab_sizes), hash_seed=hash_seed)
+    return serving_encoding(spec, enc.Vocabulary(dict.fromkeys(spec.tables), {}), [])
+
+
+def frappe_encoding(
+    values: tuple[tuple[int, ...], ...],
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The Frappe reader's encoding (``data/frappe``: per field its sorted training values,
+    ``FrappeVocab.values``), as its feature spec states it (``presets.frappe_spec``: the same
+    batches, tested): raw CSV rows of an exported Frappe model map as in training."""
+    from data.tabular.presets import FRAPPE_FIELDS, frappe_spec
+
+    spec = frappe_spec("<frappe>")
+    tables = {f: pa.array(v, pa.int64()) for f, v in zip(FRAPPE_FIELDS, values, strict=True)}
+    return serving_encoding(spec, enc.Vocabulary(tables, {}), [])

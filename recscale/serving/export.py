@@ -13,9 +13,10 @@
 * ``manifest.json``: the format version, the run and checkpoint it came from, the inputs' names
   and shapes (dense feature names; per sparse feature its table, vocabulary size and bag size;
   ids ``-1`` pad a bag), each table's precision and bytes, the weights' dtypes and shapes, and
-  how raw values become inputs where the data says (``vocab``): Frappe's raw-value
-  vocabularies, or a feature spec's whole encoding (``data/tabular/serving.py``);
-* ``vocab.npz`` (feature-spec runs): that encoding's vocabularies and side tables;
+  how raw rows become inputs where the data says (``vocab``): the feature spec's encoding of a
+  ``data.kind=tabular`` run, or Frappe's and Criteo's as their specs state them
+  (``data/tabular/serving.py``);
+* ``vocab.npz``: that encoding's vocabularies and side tables;
 * ``recscale_model.py``: the loader (``recscale/serving/runtime.py``, which imports only numpy
   and jax): ``Model.load(MODEL).predict(dense, ids)``, ``Model.encode(rows)`` of raw rows, and
   ``python recscale_model.py MODEL FILE`` to score a raw data file.
@@ -170,14 +171,10 @@ def export_model(model: nnx.Module, num_dense: int, num_features: int, hotness: 
 
 
 def _vocab(source: Any) -> tuple[dict | None, dict[str, np.ndarray]]:
-    """``(description, arrays)`` of how the run's data maps raw values to inputs, where its
-    source knows: a feature spec's whole encoding (``data/tabular/serving.py``), or raw-value
-    vocabularies (Frappe)."""
+    """``(description, arrays)`` of how the run's data maps raw rows to inputs, where its
+    source knows (``data/tabular/serving.py``: a feature spec's, Frappe's and Criteo's)."""
     fn = getattr(source, "serving_encoding", None)
-    if callable(fn):
-        return fn()
-    fn = getattr(source, "serving_vocab", None)
-    return (fn() if callable(fn) else None), {}
+    return fn() if callable(fn) else (None, {})
 
 
 def _auc(exp: Any, graphdef, params, batch_stats, precisions: dict[str, str]) -> tuple[float, int]:

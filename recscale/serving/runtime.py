@@ -14,9 +14,10 @@ feature's vocabulary is treated as a missing id (padding) and counted in
 ``Model.counters["out_of_vocab_ids"]``; nothing else is changed silently. Batches are padded to
 the next power of two, so a server's varying batch sizes compile a handful of programs.
 
-A model trained on a feature spec (``data.kind=tabular``) also takes raw rows, as in its data
-files: ``model.encode(rows)`` gives the inputs ``prepare`` gave them (:class:`RowEncoder`), and
-``python recscale_model.py MODEL FILE [--out SCORES]`` scores a whole CSV file.
+A model trained on a feature spec (``data.kind=tabular``), Frappe or Criteo also takes raw rows,
+as in its data files: ``model.encode(rows)`` gives the inputs training gave them
+(:class:`RowEncoder`), and ``python recscale_model.py MODEL FILE [--out SCORES]`` scores a whole
+data file.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 
 FORMAT = "recscale-serving/1"
 MANIFEST, WEIGHTS, FORWARD = "manifest.json", "weights.npz", "forward.jax"
-VOCAB = "vocab.npz"  # the arrays of a feature-spec run's encoding (``RowEncoder``)
+VOCAB = "vocab.npz"  # the arrays of the data's encoding (``RowEncoder``)
 TABULAR = "tabular/1"
 
 
@@ -66,10 +67,8 @@ class Model:
         self._call = jax.jit(exported.call)
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "examples": 0, "out_of_vocab_ids": 0}
-        self._sorted: dict[str, np.ndarray] = {}
-        vocab = manifest.get("vocab") or {}
-        self.rows = (RowEncoder(vocab, vocab_arrays or {}, self.max_hotness)
-                     if vocab.get("kind") == TABULAR else None)  # fmt: skip
+        vocab = manifest.get("vocab")
+        self.rows = RowEncoder(vocab, vocab_arrays or {}, self.max_hotness) if vocab else None
 
     @classmethod
     def load(cls, path: str | Path, device: Any = None) -> Model:
@@ -106,8 +105,12 @@ class Model:
         except Exception as e:  # noqa: BLE001 - flatbuffers and jax raise many kinds
             raise ArtifactError(f"{path / FORWARD}: not a serialised jax.export module "
                                 f"({type(e).__name__}: {e})") from None  # fmt: skip
-        arrays = None
-        if (manifest.get("vocab") or {}).get("kind") == TABULAR:
+        arrays, vocab = None, manifest.get("vocab")
+        if vocab is not None and (not isinstance(vocab, dict) or vocab.get("kind") != TABULAR):
+            kind = vocab.get("kind") if isinstance(vocab, dict) else vocab
+            raise ArtifactError(f"{man_path}: vocabulary kind {kind!r} is not supported by this "
+                                f"loader ({TABULAR}): export the model again")  # fmt: skip
+        if vocab:
             try:
                 with np.load(path / VOCAB, allow_pickle=False) as z:
                     arrays = {k: z[k] for k in z.files}
@@ -121,22 +124,19 @@ class Model:
     def encode(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         """``(dense [B, N], ids [B, F, H], counts)`` from JSON-like requests, one per example.
 
-        A model trained on a feature spec (``data.kind=tabular``) takes raw rows, objects of
-        column: value as in its data files (:class:`RowEncoder`). Others take
-        ``{"dense": {name: number} | [numbers], "features": {name: value or list of values}}``.
-
-        Feature values are raw values where the artifact has the data's vocabulary
-        (``manifest["vocab"]``: unseen ones map to its OOV id and are counted in
-        ``unseen_values``), ids otherwise. A feature left out is an empty bag (counted in
-        ``missing_features``). An unknown feature, a wrong type, a missing dense value or a bag
-        longer than the feature's raise :class:`ArtifactError` naming the example and field."""
+        An artifact with its data's encoding (``manifest["vocab"]``: a feature-spec run's,
+        Frappe's, Criteo's) takes raw rows, objects of column: value as in its data files
+        (:class:`RowEncoder`). Others (synthetic data) take encoded examples,
+        ``{"dense": {name: number} | [numbers], "features": {name: id or list of ids}}``: a
+        feature left out is an empty bag (counted in ``missing_features``); an unknown feature,
+        a wrong type, a missing dense value or a bag longer than the feature's raise
+        :class:`ArtifactError` naming the example and field."""
         if self.rows is not None:
             return self.rows.encode(rows)
         n, f, h = len(self.dense_names), len(self.features), self.max_hotness
         dense = np.zeros((len(rows), n), np.float32)
         ids = np.full((len(rows), f, h), -1, np.int64)
         counts = {"unseen_values": 0, "missing_features": 0}
-        vocab = self.manifest.get("vocab") or None
         index = {feat["name"]: i for i, feat in enumerate(self.features)}
         for r, row in enumerate(rows):
             where = f"example {r}"
@@ -181,35 +181,15 @@ class Model:
                     raise ArtifactError(f"{where}: feature {name!r} has {len(values)} values, at "
                                         f"most {self.features[i]['max_hotness']}")  # fmt: skip
                 for k, v in enumerate(values):
-                    ids[r, i, k] = self._id(name, v, vocab, counts, where)
+                    ids[r, i, k] = self._id(name, v, where)
         return dense, ids, counts
 
-    def _id(self, name: str, v: Any, vocab: dict | None, counts: dict, where: str) -> int:
-        if vocab is None:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ArtifactError(f"{where}: feature {name!r}: ids are integers, got "
-                                    f"{type(v).__name__} {v!r}")  # fmt: skip
-            return v if -(2**62) < v < 2**62 else -2  # an id that large: out of vocabulary
-        if vocab["kind"] != "sorted_values":
-            raise ArtifactError(f"vocabulary kind {vocab['kind']!r} is not supported")
-        table = self._sorted.get(name)
-        if table is None:
-            table = self._sorted[name] = np.asarray(vocab["features"][name])
-        if isinstance(v, bool) or not isinstance(v, int | str):
-            raise ArtifactError(f"{where}: feature {name!r}: expected a raw value, got "
+    @staticmethod
+    def _id(name: str, v: Any, where: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ArtifactError(f"{where}: feature {name!r}: ids are integers, got "
                                 f"{type(v).__name__} {v!r}")  # fmt: skip
-        try:
-            v = int(v)
-        except ValueError:
-            raise ArtifactError(f"{where}: feature {name!r}: {v!r} is not an integer") from None
-        if not -(2**62) < v < 2**62:  # beyond any vocabulary
-            counts["unseen_values"] += 1
-            return int(vocab["oov_id"])
-        pos = int(np.searchsorted(table, v))
-        if pos < table.size and table[pos] == v:
-            return pos + 1
-        counts["unseen_values"] += 1
-        return int(vocab["oov_id"])
+        return v if -(2**62) < v < 2**62 else -2  # an id that large: out of vocabulary
 
     def check(self, dense_bn: Any, ids_bfh: Any) -> tuple[np.ndarray, np.ndarray, int]:
         """``(dense float32 [B, N], ids int32 [B, F, H], out-of-vocabulary ids)`` from the inputs;
@@ -277,7 +257,8 @@ class Model:
 
 
 # ------------------------------------------------------------------------------------------------
-# Raw rows of a feature-spec (``data.tabular``) run, encoded as ``prepare`` encoded its data.
+# Raw rows, encoded as training encoded them (a feature spec's rules: ``data.tabular``; Frappe's
+# and Criteo's readers as their specs state them).
 
 _WS = "[ \t\n\f\r]"  # RE2's \s: the class of the regexes prepare's pyarrow kernels ran
 _INT = re.compile(rf"{_WS}*[+-]?[0-9]{{1,18}}{_WS}*")
@@ -650,7 +631,7 @@ def read_rows(
 
 def main(argv: list[str] | None = None) -> int:
     """``python recscale_model.py MODEL FILE [--batch-size N] [--out SCORES]``: scores every
-    row of a raw data file of a feature-spec run, one probability a line."""
+    row of a raw data file (of a feature-spec, Frappe or Criteo run), one probability a line."""
     import argparse
     import sys
 
@@ -663,8 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = Model.load(args.model)
         if model.rows is None:
-            raise ArtifactError(f"{args.model}: not a feature-spec model (score it with "
-                                "Model.predict on encoded inputs)")  # fmt: skip
+            raise ArtifactError(f"{args.model}: has no encoding of raw rows (synthetic data: "
+                                "score it with Model.predict on encoded inputs)")  # fmt: skip
         out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115
         totals: dict[str, int] = {}
         rows = read_rows(args.file, model.manifest["vocab"]["format"], model.rows.columns)

@@ -4,11 +4,10 @@
 [--max-wait-ms 2] [--max-queue 4096] [--workers 1]``
 
 * ``POST /predict`` with ``{"examples": [...]}`` (the example format of
-  ``recscale.serving.runtime.Model.encode``: ``{"dense": {...}, "features": {...}}`` with raw
-  values where the artifact has the data's vocabulary; a feature-spec model's raw rows, objects
-  of column: value) or ``{"dense": [[...]], "ids": [[[...]]]}`` (encoded arrays); answers
-  ``{"scores": [...], "unseen_values": n, "missing_features": n}`` (and ``truncated_tokens``
-  for raw rows).
+  ``recscale.serving.runtime.Model.encode``: raw rows, objects of column: value, where the
+  artifact has its data's encoding; else ``{"dense": {...}, "features": {...}}`` of ids) or
+  ``{"dense": [[...]], "ids": [[[...]]]}`` (encoded arrays); answers ``{"scores": [...],
+  "unseen_values": n, "missing_features": n}`` (and ``truncated_tokens`` for raw rows).
 * ``GET /healthz``: ``{"ok": true}``; ``GET /metrics``: the counters (requests, examples,
   batches, mean batch, shed, malformed requests, out-of-vocabulary ids and unseen values).
 

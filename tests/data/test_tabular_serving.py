@@ -170,3 +170,47 @@ def test_read_rows_names_a_short_line(tmp_path):
     fmt = {"delimiter": "", "header": True, "column_names": [], "quote_char": '"'}
     with pytest.raises(ArtifactError, match=r"x.csv: line 3: 1 fields, expected 2"):
         list(read_rows(f, fmt))
+
+
+def test_criteo_raw_rows_encode_as_the_criteo_reader(criteo_files):
+    """A model trained with the Criteo reader (``data.kind=criteo``) exports the reader's
+    hashing: raw TSV lines of the generated and the real sample give the reader's batches."""
+    from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CriteoConfig, DataConfig
+    from data.sources import make_source
+
+    path = str(criteo_files.path)
+    cfg = DataConfig(kind="criteo", train_path=path, eval_path=path, batch_size=256,
+                     eval_batch_size=4096, criteo=CriteoConfig(
+                         vocab_sizes=CRITEO_KAGGLE_VOCAB_SIZES, hash_seed=7))  # fmt: skip
+    source = make_source(cfg)
+    (want,) = list(source.eval_batches())
+    n = int(want.weights_b.sum())  # the padding of the batch weighs 0
+    desc, arrays = source.serving_encoding()
+    rows = list(read_rows(path, desc["format"]))
+    assert len(rows) == n == 1999
+    dense, ids, counts = RowEncoder(desc, arrays, 1).encode(rows)
+    np.testing.assert_array_equal(dense, want.dense_bn[:n])
+    np.testing.assert_array_equal(ids, want.ids_bfh[:n])
+    assert counts["unseen_values"] == 0 and counts["missing_features"] > 0
+
+
+def test_frappe_raw_rows_encode_as_the_frappe_reader(frappe_files):
+    """A Frappe model exports the reader's training vocabulary: raw validation rows (generated
+    and real) give the reader's ids, unseen values counted as the reader counts them."""
+    import dataclasses
+
+    from data.presets import frappe as frappe_preset
+    from data.sources import make_source
+
+    cfg = dataclasses.replace(frappe_preset(str(frappe_files.path)), eval_batch_size=8192)
+    source = make_source(cfg)
+    batches = list(source.eval_batches())
+    ids_want = np.concatenate([b.ids_bfh for b in batches])
+    n = int(sum(b.weights_b.sum() for b in batches))  # the last batch's padding weighs 0
+    desc, arrays = source.serving_encoding()
+    rows = list(read_rows(frappe_files.path / "valid.csv", desc["format"]))
+    assert len(rows) == n
+    dense, ids, counts = RowEncoder(desc, arrays, 1).encode(rows)
+    assert dense.shape == (n, 0)
+    np.testing.assert_array_equal(ids, ids_want[:n])
+    assert counts["unseen_values"] == sum(source.stats["eval"]["oov"].values())

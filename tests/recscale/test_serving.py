@@ -370,21 +370,15 @@ def test_the_server_rejects_malformed_requests_clearly(artifact):
     assert stats["malformed"] == 12 and stats["out_of_vocab_ids"] == 2, stats
 
 
-def test_raw_values_map_through_the_artifacts_vocabulary(artifact, tmp_path):
+def test_an_artifact_with_an_unknown_encoding_is_refused(artifact, tmp_path):
     out = tmp_path / "v"
     shutil.copytree(artifact, out)
     man = json.loads((out / "manifest.json").read_text())
-    # the vocabulary a dataset would give: raw values, id = position + 1, 0 for unseen ones
-    man["vocab"] = {"kind": "sorted_values", "oov_id": 0,
-                    "features": {f"f{j}": [10 * k + 7 for k in range(5)] for j in range(4)}}  # fmt: skip
+    assert man["vocab"] is None  # synthetic data: encoded inputs only
+    man["vocab"] = {"kind": "sorted_values"}  # session 7's Frappe format, now a tabular/1 one
     (out / "manifest.json").write_text(json.dumps(man))
-    model = Model.load(out)
-    dense, ids, counts = model.encode([{"dense": [0.0] * 4,
-                                        "features": {"f0": 27, "f1": ["17", 99], "f3": 47}}])  # fmt: skip
-    assert ids[0, 0, 0] == 3 and list(ids[0, 1, :2]) == [2, 0] and ids[0, 3, 0] == 5
-    assert counts == {"unseen_values": 1, "missing_features": 1}
-    with pytest.raises(ArtifactError, match="'f0': 'x' is not an integer"):
-        model.encode([{"dense": [0.0] * 4, "features": {"f0": "x"}}])
+    with pytest.raises(ArtifactError, match="'sorted_values' is not supported .* export the model"):
+        Model.load(out)
 
 
 def test_auto_precision_keeps_the_auc_budget(run_dir, tmp_path):
