@@ -115,7 +115,8 @@ def parse_numbers(
     """Numbers of a column: (float64 values, missing mask, bad mask). Strings must be decimal
     numbers (``integer``: base-10 integers of at most 18 digits); non-finite values are bad."""
     missing = arr.is_null().to_numpy(zero_copy_only=False)
-    fast = _cast_or_none(arr, pa.int64() if integer else pa.float64())
+    fast = _cast_or_none(arr, pa.int64()) if integer and _plain_ints(arr) else (
+        None if integer else _cast_or_none(arr, pa.float64()))  # fmt: skip
     if fast is not None and (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         # Clean data: pyarrow's own strict cast (no whitespace, no junk) does all the work.
         values = fast.to_numpy(zero_copy_only=False).astype(np.float64)
@@ -146,6 +147,18 @@ def parse_numbers(
     return np.where(bad, 0.0, values), missing, bad
 
 
+def _plain_ints(arr: pa.Array) -> bool:
+    """Whether pyarrow's string-to-int64 cast may decide a string column: it also takes hex
+    (``0x10``, wrapping past 2^63) and 19 digits, which the rule (``_INT_RE``: at most 18
+    digits) rejects, so such columns go the regex's way."""
+    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+        return True
+    if not len(arr) or arr.null_count == len(arr):
+        return True
+    longest = pc.max(pc.binary_length(arr)).as_py()
+    return longest <= 18 and not pc.any(pc.match_substring(arr, "x", ignore_case=True)).as_py()
+
+
 def _cast_or_none(arr: pa.Array, typ: pa.DataType) -> pa.Array | None:
     try:
         return pc.cast(arr, typ)
@@ -166,7 +179,9 @@ def _parse_hex_words(words: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     spaces, or bad text) one by one in Python."""
     n = len(words)
     offs = np.frombuffer(words.buffers()[1], np.int32)[words.offset : words.offset + n + 1]
-    data = np.frombuffer(words.buffers()[2], np.uint8) if n else np.zeros(1, np.uint8)
+    data = np.frombuffer(words.buffers()[2] or b"", np.uint8) if n else np.zeros(0, np.uint8)
+    if not data.size:  # no word has a character (all empty): nothing to index
+        data = np.zeros(1, np.uint8)
     start, length = offs[:-1].astype(np.int64), np.diff(offs).astype(np.int64)
     k = np.arange(16)
     use = k >= (16 - length)[:, None]  # right-aligned digits
@@ -208,7 +223,7 @@ def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
         bad = valid & bad_words[idx] if len(nums) else np.zeros(n, bool)
         values = np.where(bad, 0, nums[idx]) if len(nums) else np.zeros(n, np.uint64)
         return pa.array(values, pa.uint64(), mask=~valid | bad), bad
-    fast = _cast_or_none(arr, pa.int64())
+    fast = _cast_or_none(arr, pa.int64()) if _plain_ints(arr) else None
     if fast is not None:
         return fast, np.zeros(n, bool)
     arr = _blank_is_null(arr)  # only here: an empty string fails the cast above

@@ -49,8 +49,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-FORMAT_VERSION = 1
-"""Bumped when prepared data's layout or encoding changes (part of every fingerprint)."""
+FORMAT_VERSION = 2
+"""Bumped when prepared data's layout or encoding changes (part of every fingerprint). 2: an
+integer column with hex or 19-digit values is checked by the rule, not pyarrow's cast."""
 
 
 class SpecError(ValueError):

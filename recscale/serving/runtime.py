@@ -374,11 +374,15 @@ class RowEncoder:
         if isinstance(v, int):
             if parse == "int":
                 if not -(2**63) <= v < 2**63:
-                    raise _Bad("not an integer")
+                    raise _Bad("out of the int64 range")
                 return v
             v = str(v)
         if parse == "string":
             v = v.strip()
+            try:
+                v.encode()  # hashed as UTF-8; a lone surrogate (from JSON) has none
+            except UnicodeEncodeError:
+                raise _Bad("not a valid Unicode string") from None
             return v or None
         if parse == "int":
             if not v.strip():
@@ -589,8 +593,13 @@ def read_rows(
 ) -> Iterator[dict[str, Any]]:
     """Rows of a CSV/TSV file (``.gz``/``.bz2`` too) as column: string, read with the spec's
     ``format`` (stdlib ``csv``; a Parquet file needs pyarrow); only ``columns`` where given
-    (as ``prepare`` reads a file: each must be in it). A row with the wrong number of fields
-    raises :class:`ArtifactError` naming the file and line."""
+    (as ``prepare`` reads a file: each must be in it). A row with the wrong number of fields,
+    bytes that are not UTF-8 or a malformed field raise :class:`ArtifactError` naming the file
+    and line.
+
+    One difference from ``prepare``'s reader: ``csv`` does not say which fields were quoted, so
+    a quoted null string (``"NA"`` with ``NA`` among ``null_values``) is missing here, where
+    ``prepare`` keeps it as the string ``NA``."""
     path = Path(path)
     if columns is not None:
         rows = read_rows(path, fmt)
@@ -612,21 +621,37 @@ def read_rows(
         yield from pq.read_table(path).to_pylist()
         return
     if name.endswith(".zst"):
-        raise ArtifactError(f"{path}: decompress .zst files first (the loader reads .gz, .bz2)")
+        raise ArtifactError(f"{path}: decompress .zst files first (this loader reads plain, .gz "
+                            "and .bz2 files)")  # fmt: skip
     opener = {".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix.lower(), open)
     delimiter = fmt["delimiter"] or ("\t" if ".tsv" in name else ",")
     quote = fmt["quote_char"]
-    with opener(path, "rt", newline="", encoding="utf-8") as fh:
+    # undecodable bytes are kept as surrogates, to be named with their line below
+    with opener(path, "rt", newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
         reader = csv.reader(fh, delimiter=delimiter, quotechar=quote or None,
                             quoting=csv.QUOTE_MINIMAL if quote else csv.QUOTE_NONE)  # fmt: skip
-        names = list(fmt["column_names"]) if not fmt["header"] else next(reader, None)
-        if names is None:
-            raise ArtifactError(f"{path}: empty file")
-        for row in reader:
+        names = list(fmt["column_names"]) if not fmt["header"] else None
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as e:
+                raise ArtifactError(f"{path}: line {reader.line_num}: {e}") from None
+            try:
+                "".join(row).encode()
+            except UnicodeEncodeError as e:
+                raise ArtifactError(f"{path}: line {reader.line_num}: not UTF-8 text "
+                                    f"({e.object[e.start:e.end].encode(errors='surrogateescape')!r})") from None  # fmt: skip
+            if names is None:
+                names = row
+                continue
             if len(row) != len(names):
                 raise ArtifactError(f"{path}: line {reader.line_num}: {len(row)} fields, "
                                     f"expected {len(names)}")  # fmt: skip
             yield dict(zip(names, row, strict=True))
+        if names is None:
+            raise ArtifactError(f"{path}: empty file")
 
 
 def main(argv: list[str] | None = None) -> int:

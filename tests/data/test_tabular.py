@@ -639,6 +639,12 @@ BAD_CASES = {
                 r"bad\.csv: line 3: column 'u': .*'x7'"),
     "bad_hex": ("bad.csv", BASE_HEADER + "1,0a0b,1\n0,zz,2\n", {"features": U_HEX},
                 r"bad\.csv: line 3: column 'u': bad hex: 'zz'"),
+    # pyarrow's int cast takes these when the whole chunk is clean; the rule does not
+    "hex_int": ("bad.csv", BASE_HEADER + "1,7,1\n0,0x10,2\n", {"features": U_INT},
+                r"bad\.csv: line 3: column 'u': .*'0x10'"),
+    "int_19_digits": ("bad.csv", BASE_HEADER + "1,a,1\n0,b,1234567890123456789\n",
+                      {"features": X_INT},
+                      r"bad\.csv: line 3: column 'x': not an integer: '1234567890123456789'"),
     "not_an_integer": ("bad.csv", BASE_HEADER + "1,a,1\n0,b,-2\n1,c,3\n1,d,1.5\n",
                        {"features": X_INT},
                        r"bad\.csv: line 5: column 'x': not an integer: '1\.5'"),
@@ -669,6 +675,18 @@ def test_bad_input_strict_names_file_line_and_column(tmp_path, case):
     spec = _bad_spec(tmp_path, [name], **extra)
     with pytest.raises(TabularFormatError, match=message):
         _prepare(spec, tmp_path)
+
+
+def test_a_hex_column_of_empty_strings_is_missing(tmp_path):
+    """A quoted "" is an empty string, not a null: in a hex column (alone in its chunk) it is
+    a missing value, and an empty bag of a hex multi-categorical."""
+    _write(tmp_path / "e.csv", 'label,u,x,m\n1,"",1,""\n0,"",2,|\n')
+    spec = _bad_spec(tmp_path, ["e.csv"], features=[
+        *U_HEX, {"name": "m", "kind": "multi_categorical", "parse": "hex", "hash_buckets": 5,
+                 "max_hotness": 2}])  # fmt: skip
+    b = _batch(_prepare(spec, tmp_path), "train")
+    np.testing.assert_array_equal(b.ids_bfh[:, 0, 0], [0, 0])
+    np.testing.assert_array_equal(b.ids_bfh[:, 1], [[PAD_ID, PAD_ID], [PAD_ID, PAD_ID]])
 
 
 def test_bad_parquet_row_names_row_group_and_row(tmp_path):

@@ -214,3 +214,20 @@ def test_frappe_raw_rows_encode_as_the_frappe_reader(frappe_files):
     assert dense.shape == (n, 0)
     np.testing.assert_array_equal(ids, ids_want[:n])
     assert counts["unseen_values"] == sum(source.stats["eval"]["oov"].values())
+
+
+def test_read_rows_takes_a_bom_and_names_bad_bytes(prepared, tmp_path):
+    d, p, desc, rows_enc = prepared
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + (d / "valid.csv").read_bytes())
+    want, _ = p.encode_file(str(bom))
+    dense, ids, _ = rows_enc.encode(list(read_rows(bom, desc["format"])))
+    np.testing.assert_array_equal(ids, want.ids_bfh)
+    bad = tmp_path / "bad.csv"
+    bad.write_bytes((d / "valid.csv").read_bytes() + b"1,u1,caf\xe9,5,,,,,,,,\n")
+    with pytest.raises(ArtifactError, match=r"bad.csv: line 6: not UTF-8 text \(b'\\xe9'\)"):
+        list(read_rows(bad, desc["format"]))
+    with pytest.raises(ArtifactError, match="column 'city': not a valid Unicode string"):
+        rows_enc.encode([{"uid": "u1", "city": "\ud800"}])
+    with pytest.raises(ArtifactError, match="column 'age': out of the int64 range"):
+        rows_enc.encode([{"uid": "u1", "age": 2**63}])
