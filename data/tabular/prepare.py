@@ -401,12 +401,19 @@ class Prepared:
 
     def serving_encoding(self) -> tuple[dict, dict[str, np.ndarray]]:
         """The encoding as a serving artifact stores it (``data/tabular/serving.py``); reads
-        the side tables again."""
+        the side tables again, and the first training file's column names (where it is gone,
+        a request may carry only the columns the spec names)."""
+        from data.tabular.read import file_columns
         from data.tabular.serving import serving_encoding
 
-        return serving_encoding(
-            self.spec, self.vocab, load_sides(self.spec, resolve_inputs(self.spec))
-        )
+        spec = self.spec
+        sides = tuple(tuple(_expand(spec, j.path, f"side table of {j.key!r}")) for j in spec.joins)
+        try:
+            columns = tuple(file_columns(_expand(spec, spec.train[:1], "train file")[0],
+                                         spec.format))  # fmt: skip
+        except (OSError, TabularFormatError):
+            columns = ()
+        return serving_encoding(spec, self.vocab, load_sides(spec, Inputs((), sides)), columns)
 
     @classmethod
     def load(cls, folder: str, spec: TabularSpec) -> Prepared:

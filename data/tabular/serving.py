@@ -8,11 +8,14 @@ a time, and needs from here what ``prepare`` learned and the spec says:
   clip, log, the training split's mean and standard deviation, fill, bucket boundaries);
 * each vocabulary table's values in id order (``id = position + 1``, 0 out of vocabulary);
 * each side table's keys and the columns the features read from it (rows carry the join key,
-  the artifact supplies the joined columns, as ``prepare`` joined them).
+  the artifact supplies the joined columns, as ``prepare`` joined them);
+* the training files' other columns, which a row as in the data files may carry unread.
 
 Arrays go to the artifact's ``vocab.npz``: integer vocabularies as int64 / uint64 (hex), string
 columns as UTF-8 bytes and offsets (``<name>.utf8``, ``<name>.offsets``, and ``<name>.null``
-where a side column has missing values).
+where a side column has missing values). A typed side column (Parquet) is stored as the text
+``prepare`` cast it to for categorical features, and, floating, also as the float64 values its
+numeric features read (``<name>.f64``: ``float32(0.1)`` is not the text ``"0.1"`` parsed).
 """
 
 from __future__ import annotations
@@ -49,9 +52,14 @@ def _hash_key(table_index: int, seed: int) -> str:
 
 
 def serving_encoding(
-    spec: TabularSpec, vocab: enc.Vocabulary, sides: list[enc.SideTable]
+    spec: TabularSpec,
+    vocab: enc.Vocabulary,
+    sides: list[enc.SideTable],
+    file_columns: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(description for the manifest, arrays for vocab.npz)`` of a prepared dataset."""
+    """``(description for the manifest, arrays for vocab.npz)`` of a prepared dataset;
+    ``file_columns``: the training files' columns (those no feature reads are accepted in a
+    request and ignored)."""
     arrays: dict[str, np.ndarray] = {}
     tables = {}
     for t, values in vocab.values.items():
@@ -72,8 +80,11 @@ def serving_encoding(
         _strings(side.keys, f"join{j}.key", arrays)
         for c in cols:
             col = side.columns.column(c)
-            _strings(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col,
-                     f"join{j}.{c}", arrays)  # fmt: skip
+            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+            _strings(col, f"join{j}.{c}", arrays)
+            if pa.types.is_floating(col.type):
+                x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+                arrays[f"join{j}.{c}.f64"] = np.where(np.isnan(x), np.nan, x)
         joins.append({"key": join.key, "file": side.file, "columns": cols})
     dense = [
         {
@@ -109,6 +120,7 @@ def serving_encoding(
         spec.label.column,
         spec.weight,
         spec.split.column if spec.split.kind == "time" else "",
+        *file_columns,
     }
     read = {f.source for f in spec.features} | {j.key for j in spec.joins}
     return {

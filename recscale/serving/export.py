@@ -414,7 +414,7 @@ def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
     stored = {k: (v.view(np.uint16) if v.dtype == jnp.bfloat16 else v) for k, v in weights.items()}
     np.savez(tmp / runtime.WEIGHTS, **stored)
     (tmp / runtime.FORWARD).write_bytes(blob)
-    if vocab_arrays:
+    if vocab is not None:  # (empty where every table is hashed and nothing is joined)
         np.savez(tmp / runtime.VOCAB, **vocab_arrays)
     manifest = {
         "format": runtime.FORMAT,

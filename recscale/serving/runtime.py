@@ -22,9 +22,8 @@ data file.
 
 from __future__ import annotations
 
-import bz2
+import contextlib
 import csv
-import gzip
 import hashlib
 import itertools
 import json
@@ -46,7 +45,16 @@ TABULAR = "tabular/1"
 
 
 class ArtifactError(ValueError):
-    """A malformed artifact or input, with a message naming the file, field or feature."""
+    """A malformed artifact or input, with a message naming the file, field or feature; for a
+    bad row, its index in the batch (``example``) and the message without it (``detail``)."""
+
+    def __init__(self, msg: str, example: int | None = None, detail: str = ""):
+        super().__init__(msg)
+        self.example, self.detail = example, detail or msg
+
+
+def _row_error(r: int, detail: str) -> ArtifactError:
+    return ArtifactError(f"example {r}: {detail}", r, detail)
 
 
 class Model:
@@ -328,6 +336,11 @@ class RowEncoder:
             cols = {c: _words(arrays, f"join{j}.{c}") for c in join["columns"]}
             self.joins.append((join, keys, cols))
         self.side = {c: j for j, (join, _, _) in enumerate(self.joins) for c in join["columns"]}
+        # a floating side column's float64 values, for numeric features (its text may differ)
+        self.side_numbers = {
+            c: [None if np.isnan(x) else x for x in arrays[f"join{j}.{c}.f64"].tolist()]
+            for c, j in self.side.items() if f"join{j}.{c}.f64" in arrays
+        }  # fmt: skip
         read = {f["column"] for f in (*self.dense, *self.sparse)}
         read |= {join["key"] for join, _, _ in self.joins}
         self.columns = sorted(read - set(self.side))
@@ -470,7 +483,7 @@ class RowEncoder:
         except _Bad as e:
             i = e.args[1]
             r = vals.index(todo[i]) if i < len(new) else others[i - len(new)]
-            raise ArtifactError(f"example {r}: column {f['column']!r}: {e.args[0]}: "
+            raise _row_error(r, f"column {f['column']!r}: {e.args[0]}: "
                                 f"{vals[r]!r}") from None  # fmt: skip
         if finish is not None:
             parsed = finish(parsed)
@@ -501,24 +514,26 @@ class RowEncoder:
     def _check(self, rows: list) -> None:
         for r, row in enumerate(rows):
             if not isinstance(row, dict):
-                raise ArtifactError(f"example {r}: expected an object of column: value")
+                raise _row_error(r, "expected an object of column: value")
             if row.keys() <= self.allowed:
                 continue
             for c in row:
                 if c in self.side:
                     file = self.joins[self.side[c]][0]["file"]
-                    raise ArtifactError(f"example {r}: column {c!r} comes from side table "
+                    raise _row_error(r, f"column {c!r} comes from side table "
                                         f"{file} (send its key)")  # fmt: skip
                 if c not in self.allowed:
-                    raise ArtifactError(f"example {r}: unknown column {c!r} (the model reads "
+                    raise _row_error(r, f"unknown column {c!r} (the model reads "
                                         f"{', '.join(self.columns)})")  # fmt: skip
 
-    def _values(self, rows: list[dict], column: str, side: dict[int, list[int]]) -> list:
-        """A column's values, from the rows or their side tables' rows."""
+    def _values(self, rows: list[dict], column: str, side: dict[int, list[int]],
+                numeric: bool = False) -> list:  # fmt: skip
+        """A column's values, from the rows or their side tables' rows (``numeric``: a
+        floating side column's numbers rather than its text)."""
         j = self.side.get(column)
         if j is None:
             return [row.get(column) for row in rows]
-        col = self.joins[j][2][column]
+        col = (self.side_numbers if numeric else {}).get(column) or self.joins[j][2][column]
         return [col[i] for i in side[j]]
 
     def encode(self, rows: list) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
@@ -531,14 +546,14 @@ class RowEncoder:
             side[j] = []
             for r, k in enumerate(self._values(rows, col, side)):
                 if _absent(k, nulls):
-                    raise ArtifactError(f"example {r}: column {col!r}: missing key of side "
+                    raise _row_error(r, f"column {col!r}: missing key of side "
                                         f"table {join['file']}")  # fmt: skip
                 if isinstance(k, bool) or not isinstance(k, int | str):
-                    raise ArtifactError(f"example {r}: column {col!r}: a key is a string or "
+                    raise _row_error(r, f"column {col!r}: a key is a string or "
                                         f"integer, got {type(k).__name__}")  # fmt: skip
                 i = keys.get(str(k))
                 if i is None:
-                    raise ArtifactError(f"example {r}: column {col!r}: key not in side "
+                    raise _row_error(r, f"column {col!r}: key not in side "
                                         f"table {join['file']}: {str(k)!r}")  # fmt: skip
                 side[j].append(i)
         counts = {"unseen_values": 0, "missing_features": 0, "truncated_tokens": 0}
@@ -580,7 +595,7 @@ class RowEncoder:
     def _numbers(self, rows: list[dict], f: dict, side: dict, counts: dict
                  ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         nulls = self._nulls(f["column"])
-        vals = self._column(self._values(rows, f["column"], side), f,
+        vals = self._column(self._values(rows, f["column"], side, numeric=True), f,
                             lambda v: self._number(v, f["dtype"], nulls))  # fmt: skip
         missing = np.array([v is None for v in vals], bool)
         x = np.array([0.0 if v is None else v for v in vals], np.float64)
@@ -589,40 +604,46 @@ class RowEncoder:
 
 
 def read_rows(
-    path: str | Path, fmt: dict, columns: list[str] | None = None
-) -> Iterator[dict[str, Any]]:
+    path: str | Path, fmt: dict, columns: list[str] | None = None, *, lines: bool = False
+) -> Iterator[Any]:
     """Rows of a CSV/TSV file (``.gz``/``.bz2`` too) as column: string, read with the spec's
     ``format`` (stdlib ``csv``; a Parquet file needs pyarrow); only ``columns`` where given
-    (as ``prepare`` reads a file: each must be in it). A row with the wrong number of fields,
-    bytes that are not UTF-8 or a malformed field raise :class:`ArtifactError` naming the file
-    and line.
+    (as ``prepare`` reads a file: each must be in it); ``lines``: ``(line, row)`` pairs (a
+    Parquet row's line is its 1-based index). A row with the wrong number of fields, bytes that
+    are not UTF-8 or a malformed field raise :class:`ArtifactError` naming the file and line.
 
     One difference from ``prepare``'s reader: ``csv`` does not say which fields were quoted, so
     a quoted null string (``"NA"`` with ``NA`` among ``null_values``) is missing here, where
     ``prepare`` keeps it as the string ``NA``."""
     path = Path(path)
+    pairs = _numbered_rows(path, fmt)
     if columns is not None:
-        rows = read_rows(path, fmt)
-        first = next(rows, None)
-        if first is not None:
-            absent = [c for c in columns if c not in first]
-            if absent:
-                raise ArtifactError(f"{path}: column {absent[0]!r} named by the spec is not in "
-                                    f"the file (its columns: {', '.join(first)})")  # fmt: skip
-            for row in itertools.chain([first], rows):
-                yield {c: row[c] for c in columns}
-        return
+        first = next(pairs, None)
+        if first is None:
+            return
+        absent = [c for c in columns if c not in first[1]]
+        if absent:
+            raise ArtifactError(f"{path}: column {absent[0]!r} named by the spec is not in the "
+                                f"file (its columns: {', '.join(first[1])})")  # fmt: skip
+        pairs = ((n, {c: row[c] for c in columns}) for n, row in itertools.chain([first], pairs))
+    yield from pairs if lines else (row for _, row in pairs)
+
+
+def _numbered_rows(path: Path, fmt: dict) -> Iterator[tuple[int, dict[str, Any]]]:
     name = path.name.lower()
     if name.endswith((".parquet", ".pq")):
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise ArtifactError(f"{path}: reading Parquet needs pyarrow") from None
-        yield from pq.read_table(path).to_pylist()
+        yield from enumerate(pq.read_table(path).to_pylist(), start=1)
         return
     if name.endswith(".zst"):
         raise ArtifactError(f"{path}: decompress .zst files first (this loader reads plain, .gz "
                             "and .bz2 files)")  # fmt: skip
+    import bz2  # here: a Python built without them still loads models
+    import gzip
+
     opener = {".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix.lower(), open)
     delimiter = fmt["delimiter"] or ("\t" if ".tsv" in name else ",")
     quote = fmt["quote_char"]
@@ -649,15 +670,18 @@ def read_rows(
             if len(row) != len(names):
                 raise ArtifactError(f"{path}: line {reader.line_num}: {len(row)} fields, "
                                     f"expected {len(names)}")  # fmt: skip
-            yield dict(zip(names, row, strict=True))
+            yield reader.line_num, dict(zip(names, row, strict=True))
         if names is None:
             raise ArtifactError(f"{path}: empty file")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python recscale_model.py MODEL FILE [--batch-size N] [--out SCORES]``: scores every
-    row of a raw data file (of a feature-spec, Frappe or Criteo run), one probability a line."""
+    row of a raw data file (of a feature-spec, Frappe or Criteo run), one probability a line.
+    A bad row stops it with one line naming the file and line (``--out`` is written whole or
+    not at all)."""
     import argparse
+    import os
     import sys
 
     ap = argparse.ArgumentParser(prog="recscale_model.py", description=main.__doc__)
@@ -666,22 +690,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--out", default="", help="scores file ('' = standard output)")
     args = ap.parse_args(argv)
+    tmp = args.out + ".tmp" if args.out else ""
+    totals: dict[str, int] = {}
     try:
         model = Model.load(args.model)
         if model.rows is None:
             raise ArtifactError(f"{args.model}: has no encoding of raw rows (synthetic data: "
                                 "score it with Model.predict on encoded inputs)")  # fmt: skip
-        out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115
-        totals: dict[str, int] = {}
-        rows = read_rows(args.file, model.manifest["vocab"]["format"], model.rows.columns)
-        while batch := list(itertools.islice(rows, max(args.batch_size, 1))):
-            dense, ids, counts = model.encode(batch)
-            out.writelines(f"{p:.9g}\n" for p in model.predict(dense, ids))
-            for k, v in counts.items():
-                totals[k] = totals.get(k, 0) + v
-        if args.out:
-            out.close()
+        pairs = read_rows(args.file, model.manifest["vocab"]["format"], model.rows.columns,
+                          lines=True)  # fmt: skip
+        with open(tmp, "w") if tmp else contextlib.nullcontext(sys.stdout) as out:
+            while batch := list(itertools.islice(pairs, max(args.batch_size, 1))):
+                try:
+                    dense, ids, counts = model.encode([row for _, row in batch])
+                except ArtifactError as e:
+                    if e.example is None:
+                        raise
+                    raise ArtifactError(f"{args.file}: line {batch[e.example][0]}: "
+                                        f"{e.detail}") from None  # fmt: skip
+                out.writelines(f"{p:.9g}\n" for p in model.predict(dense, ids))
+                for k, v in counts.items():
+                    totals[k] = totals.get(k, 0) + v
+        if tmp:
+            os.replace(tmp, args.out)
     except (ArtifactError, OSError) as e:
+        if tmp and os.path.exists(tmp):
+            os.remove(tmp)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"file": args.file, **totals}), file=sys.stderr)

@@ -231,3 +231,37 @@ def test_read_rows_takes_a_bom_and_names_bad_bytes(prepared, tmp_path):
         rows_enc.encode([{"uid": "u1", "city": "\ud800"}])
     with pytest.raises(ArtifactError, match="column 'age': out of the int64 range"):
         rows_enc.encode([{"uid": "u1", "age": 2**63}])
+
+
+def test_a_typed_side_table_encodes_as_prepare_read_it(tmp_path):
+    """A Parquet side table's float32 column feeds a numeric feature (float32(0.1) widened, not
+    the text "0.1" parsed) and a categorical one (its text), and the rows carry unread columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"item": [f"i{k}" for k in range(20)],
+                             "price": pa.array(rng.uniform(0, 3, 20).round(1), pa.float32()),
+                             "stock": pa.array(rng.integers(0, 4, 20), pa.int64())}),
+                   tmp_path / "items.parquet")  # fmt: skip
+    lines = ["label,item,when"] + [f"{k % 2},i{k % 20},{k}" for k in range(60)]
+    (tmp_path / "x.csv").write_text("\n".join(lines) + "\n")
+    spec = spec_from_dict(
+        {"name": "typed", "train": ["x.csv"], "split": {"kind": "random", "valid_fraction": 0.3},
+         "label": {"column": "label"},
+         "joins": [{"path": ["items.parquet"], "key": "item"}],
+         "features": [{"name": "item", "kind": "categorical"},
+                      {"name": "price", "kind": "numeric", "standardize": True},
+                      {"name": "price_cat", "column": "price", "kind": "categorical"},
+                      {"name": "stock", "kind": "numeric", "log": True}]},
+        where="test", base_dir=str(tmp_path),
+    )  # fmt: skip
+    p = prepare(spec, str(tmp_path / "prep"), workers=1, progress=False)
+    desc, arrays = p.serving_encoding()
+    assert "when" in desc["ignored_columns"]  # a column of the file no feature reads
+    want, _ = p.encode_file(str(tmp_path / "x.csv"))
+    rows = list(read_rows(tmp_path / "x.csv", desc["format"]))
+    dense, ids, _ = RowEncoder(desc, arrays, 1).encode(rows)
+    np.testing.assert_array_equal(dense, want.dense_bn)
+    np.testing.assert_array_equal(ids, want.ids_bfh)
+    assert (ids[:, 1, 0] > 0).any()  # price's text found in its vocabulary

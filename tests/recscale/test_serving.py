@@ -524,7 +524,7 @@ features:
 """
 
 
-def test_a_feature_spec_run_scores_raw_rows(tmp_path):
+def test_a_feature_spec_run_scores_raw_rows(tmp_path, capsys):
     """A run on a feature spec (with side tables) exports its whole encoding: the artifact
     scores raw rows (the join keys in, side columns from the artifact) as the checkpoint scores
     the rows ``prepare`` encoded, in process, over HTTP, and from a file with the jax-only
@@ -562,14 +562,28 @@ def test_a_feature_spec_run_scores_raw_rows(tmp_path):
     np.testing.assert_allclose(got, want, atol=PROB_ATOL["float32"])
     assert counts["unseen_values"] > 0  # later users never seen in training
 
-    async def requests(client):
-        r = await client.post("/predict", json={"examples": rows[:5]})
+    async def requests(client):  # whole rows of the file: its unread columns come along
+        whole = list(read_rows(shop / "later.csv", man["vocab"]["format"]))[:5]
+        r = await client.post("/predict", json={"examples": whole})
         bad = await client.post("/predict", json={"examples": [{"user_id": "u1", "age": 30}]})
-        return (r.status, await r.json()), (bad.status, await bad.json())
+        return (r.status, await r.json()), (bad.status, await bad.json()), whole
 
-    (status, body), (bad_status, bad_body) = _serve(model, requests)
+    (status, body), (bad_status, bad_body), whole = _serve(model, requests)
+    assert {"timestamp", "rating"} <= set(whole[0])  # unread by the spec, or the label
     assert status == 200 and np.allclose(body["scores"], got[:5], atol=1e-6)
     assert bad_status == 400 and "column 'age' comes from side table" in bad_body["error"]
+    # the command line names a bad row's file and line, and leaves no partial scores file
+    bad_file = tmp_path / "bad.csv"
+    text = (shop / "later.csv").read_text().splitlines()
+    text[151] = text[151].replace(text[151].split(",")[0], "u_nobody", 1)
+    bad_file.write_text("\n".join(text) + "\n")
+    from recscale.serving import runtime
+
+    code = runtime.main([str(out), str(bad_file), "--batch-size", "100",
+                         "--out", str(tmp_path / "s.txt")])  # fmt: skip
+    assert code == 2 and not (tmp_path / "s.txt").exists()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {bad_file}: line 152: column 'user_id': key not in side "), err
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     res = subprocess.run([sys.executable, str(out / "recscale_model.py"), str(out),
@@ -578,3 +592,29 @@ def test_a_feature_spec_run_scores_raw_rows(tmp_path):
     np.testing.assert_allclose(np.array(res.stdout.split(), float), got, rtol=1e-7, atol=1e-9)
     assert json.loads(res.stderr.strip().splitlines()[-1])["unseen_values"] == counts[
         "unseen_values"]  # fmt: skip
+
+
+def test_a_criteo_run_scores_raw_lines(tmp_path):
+    """A Criteo-reader run exports the reader's hashing (no vocabulary to store): its artifact
+    loads and scores raw TSV lines as the checkpoint scores the reader's rows."""
+    from data.config import CriteoConfig
+    from recscale.serving import runtime
+    from tests.data.conftest import criteo_lines
+
+    path = tmp_path / "day.tsv"
+    path.write_text("".join(line + "\n" for line in criteo_lines(300, seed=5)))
+    cfg = get_preset("dlrm/tiny")
+    data = dataclasses.replace(cfg.data, kind="criteo", train_path=str(path), eval_path=str(path),
+                               batch_size=64, eval_batch_size=512,
+                               criteo=CriteoConfig(vocab_sizes=(40,) * 26, hash_seed=3))  # fmt: skip
+    cfg = dataclasses.replace(cfg, data=data, train=dataclasses.replace(
+        cfg.train, num_steps=2, progress=False))  # fmt: skip
+    wd, out = tmp_path / "run", tmp_path / "m"
+    train(cfg, build_model, wd)
+    export_workdir(DLRMConfig, build_model, ExportArgs(workdir=str(wd), out=str(out)))
+    with restored(DLRMConfig, build_model, wd, num_devices=8) as r:
+        (b,) = list(r.exp.source.eval_batches())
+        want = np.asarray(jax.nn.sigmoid(
+            r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(b))))[:300]  # fmt: skip
+    assert runtime.main([str(out), str(path), "--out", str(tmp_path / "s.txt")]) == 0
+    np.testing.assert_allclose(np.loadtxt(tmp_path / "s.txt"), want, rtol=1e-6, atol=1e-7)
