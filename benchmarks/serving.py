@@ -2,7 +2,7 @@
 
 ``python benchmarks/serving.py --workdir RUN [--precisions float32 int8 int4]
 [--policies 1:0 64:1 256:2] [--colocation t1 t2 p2] [--rates 250 500 1000 2000 4000 8000]
-[--duration 4] [--bound-ms 10] [--out runs/bench_serving] [--http]``
+[--duration 4] [--bound-ms 10] [--out runs/bench_serving] [--http] [--raw DATA_FILE]``
 
 DeepRecSys's setting: requests of one example arrive as a Poisson process at a fixed rate
 (open loop: a request is sent at its time whether or not earlier ones were answered) and wait
@@ -15,7 +15,10 @@ instances as threads sharing one batcher queue and the weights; ``pN`` runs N pr
 with its own model and batcher, the load split evenly between them (a load balancer).
 
 ``--http`` sends every request through the HTTP server (``recscale.serving.server``) with an
-aiohttp client on localhost, so the numbers include HTTP and JSON. Results go to
+aiohttp client on localhost, so the numbers include HTTP and JSON. ``--raw FILE`` (a model
+whose artifact has its data's encoding: a feature-spec, Frappe or Criteo run) makes each request
+one raw row of the file, encoded by the model as it arrives, so the encoding's cost is in the
+latency (else requests are encoded ids drawn at random). Results go to
 ``OUT/results.json`` and ``OUT/latency_vs_load.png``. The same script runs on a GPU.
 """
 
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import itertools
 import json
 import multiprocessing as mp
 import queue as queue_lib
@@ -85,16 +90,25 @@ async def _drive(score, dense, ids, rate: float, duration: float, seed: int) -> 
 
 
 async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int, rate: float,
-                         duration: float, seed: int, http: bool, barrier=None) -> dict:  # fmt: skip
+                         duration: float, seed: int, http: bool, raw: str = "",
+                         barrier=None) -> dict:  # fmt: skip
     from recscale.serving.batcher import DynamicBatcher
-    from recscale.serving.runtime import Model
+    from recscale.serving.runtime import Model, read_rows
 
     model = Model.load(artifact)
     dense, ids = _inputs(model, 4096, seed)
     dense, ids, _ = model.check(dense, ids)
+    rows = []
+    if raw:  # requests are rows of a data file, encoded by the model as they arrive
+        if model.rows is None:
+            raise SystemExit(f"error: --raw: {artifact} has no encoding of raw rows")
+        rows = list(itertools.islice(read_rows(raw, model.manifest["vocab"]["format"],
+                                               model.rows.columns), 4096))  # fmt: skip
     max_batch, max_wait = policy
     for b in sorted({1 << k for k in range(max_batch.bit_length())} | {max_batch}):  # compile
         model.predict_checked(dense[:b], ids[:b])
+    gc.collect()  # as recscale.serve does: what is alive now is out of the collector's view
+    gc.freeze()
     if barrier is not None:  # co-located processes start their load together, warmed up
         barrier.wait()
     if http:
@@ -107,7 +121,8 @@ async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int,
                        max_queue=max(4096, max_batch))  # fmt: skip
         server = TestServer(app)
         await server.start_server()
-        bodies = [json.dumps({"dense": dense[i : i + 1].tolist(), "ids": ids[i : i + 1].tolist()})
+        bodies = [json.dumps({"examples": [rows[i % len(rows)]]}) if raw else
+                  json.dumps({"dense": dense[i : i + 1].tolist(), "ids": ids[i : i + 1].tolist()})
                   for i in range(256)]  # fmt: skip
         async with ClientSession(connector=TCPConnector(limit=0)) as session:
             url = str(server.make_url("/predict"))
@@ -119,6 +134,7 @@ async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int,
                         raise RuntimeError(f"{r.status}")
                     await r.read()
 
+            await _drive(score, dense, ids, min(rate, 200.0), 0.3, seed + 1)  # warm-up
             out = await _drive(score, dense, ids, rate, duration, seed)
         await server.close()
         return out
@@ -127,10 +143,20 @@ async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int,
     batcher.start()
 
     async def score(i):
-        await batcher.score(dense[i : i + 1], ids[i : i + 1])
+        if raw:  # as the server does: encode and check on the event loop, then queue
+            d, x, _ = model.encode([rows[i % len(rows)]])
+            d, x, _ = model.check(d, x)
+            await batcher.score(d, x)
+        else:
+            await batcher.score(dense[i : i + 1], ids[i : i + 1])
 
+    await _drive(score, dense, ids, min(rate, 200.0), 0.3, seed + 1)  # warm-up, not counted
+    before = batcher.stats.as_dict()
     out = await _drive(score, dense, ids, rate, duration, seed)
-    out["mean_batch"] = batcher.stats.as_dict()["mean_batch"]
+    after = batcher.stats.as_dict()
+    out["mean_batch"] = (after["examples"] - before["examples"]) / max(
+        after["batches"] - before["batches"], 1
+    )
     await batcher.close()
     return out
 
@@ -139,16 +165,17 @@ def _worker(args_tuple, barrier, q):
     q.put(asyncio.run(_run_inprocess(*args_tuple, barrier=barrier)))
 
 
-def measure(artifact: str, policy, coloc: str, rate: float, duration: float, http: bool) -> dict:
+def measure(artifact: str, policy, coloc: str, rate: float, duration: float, http: bool,
+            raw: str = "") -> dict:  # fmt: skip
     """One configuration at one rate: latencies pooled over the co-located instances."""
     kind, n = coloc[0], int(coloc[1:])
     if kind == "t":
-        res = [asyncio.run(_run_inprocess(artifact, policy, n, rate, duration, 0, http))]
+        res = [asyncio.run(_run_inprocess(artifact, policy, n, rate, duration, 0, http, raw))]
     else:  # n processes, each with rate / n
         ctx = mp.get_context("spawn")
         q, barrier = ctx.Queue(), ctx.Barrier(n)
         procs = [ctx.Process(target=_worker, args=((artifact, policy, 1, rate / n, duration, s,
-                                                     http), barrier, q)) for s in range(n)]  # fmt: skip
+                                                     http, raw), barrier, q)) for s in range(n)]  # fmt: skip
         for p in procs:
             p.start()
         res = []
@@ -188,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--duration", type=float, default=4.0)
     ap.add_argument("--bound-ms", type=float, default=10.0)
     ap.add_argument("--http", action="store_true")
+    ap.add_argument("--raw", default="", help="a data file of the run: requests are its raw "
+                    "rows, encoded by the model (its encoding's cost included)")  # fmt: skip
     ap.add_argument("--out", default="runs/bench_serving")
     args = ap.parse_args(argv)
     from recscale.export import family_of
@@ -215,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
         policy = (int(mb), float(mw) / 1e3)
         rows = []
         for rate in args.rates:
-            r = measure(str(out / f"model_{p}"), policy, coloc, rate, args.duration, args.http)
+            r = measure(str(out / f"model_{p}"), policy, coloc, rate, args.duration, args.http,
+                        args.raw)  # fmt: skip
             rows.append(r)
             console.print(f"{p:8s} {pol:>7s} {coloc:3s} rate {rate:7.0f}/s: p50 {r['p50_ms']:7.2f} "
                           f"p99 {r['p99_ms']:8.2f} ms, {r['throughput']:7.0f}/s, shed {r['shed']}, "
@@ -228,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "max_rate_within_bound": max(ok) if ok else 0.0})  # fmt: skip
     base = results[0]["max_rate_within_bound"] or float("nan")
     table = Table(title=f"highest Poisson rate with p99 <= {args.bound_ms:g} ms, nothing shed "
-                        f"({'HTTP' if args.http else 'in process'})")  # fmt: skip
+                        f"({'HTTP' if args.http else 'in process'}"
+                        f"{', raw rows' if args.raw else ''})")  # fmt: skip
     for col in ("precision", "table MiB", "policy", "co-location", "max req/s", "vs baseline",
                 "p50 / p99 ms there"):  # fmt: skip
         table.add_column(col, justify="right")
@@ -240,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{at['p50_ms']:.2f} / {at['p99_ms']:.2f}" if at else "-")  # fmt: skip
     console.print(table)
     _plot(results, args, out / "latency_vs_load.png")
-    res = {"workdir": args.workdir, "bound_ms": args.bound_ms, "http": args.http,
+    res = {"workdir": args.workdir, "bound_ms": args.bound_ms, "http": args.http, "raw": args.raw,
            "duration": args.duration, "table_bytes": sizes, "results": results}  # fmt: skip
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     return res

@@ -263,6 +263,16 @@ class Model:
             self.counters["examples"] += b
         return out
 
+    def warmup(self, max_batch: int) -> list[int]:
+        """Compiles the program of every batch size a request up to ``max_batch`` examples can
+        be padded to (powers of two), so no request waits for a compilation; returns them."""
+        sizes = [1 << k for k in range(max(0, (max_batch - 1).bit_length()) + 1)]
+        n, f = len(self.dense_names), len(self.features)
+        for b in sizes:
+            self._call(self.weights, np.zeros((b, n), np.float32),
+                       np.full((b, f, self.max_hotness), -1, np.int32))  # fmt: skip
+        return sizes
+
 
 # ------------------------------------------------------------------------------------------------
 # Raw rows, encoded as training encoded them (a feature spec's rules: ``data.tabular``; Frappe's

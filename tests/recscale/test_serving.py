@@ -625,3 +625,14 @@ def test_a_criteo_run_scores_raw_lines(tmp_path):
             r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(b))))[:300]  # fmt: skip
     assert runtime.main([str(out), str(path), "--out", str(tmp_path / "s.txt")]) == 0
     np.testing.assert_allclose(np.loadtxt(tmp_path / "s.txt"), want, rtol=1e-6, atol=1e-7)
+
+
+def test_warmup_compiles_every_padded_batch_size(artifact):
+    model = Model.load(artifact)
+    assert model.warmup(5) == [1, 2, 4, 8]
+    compiled = model._call._cache_size()
+    assert compiled == 4
+    ids = np.full((3, 4, 3), -1, np.int32)
+    model.predict(np.zeros((3, 4), np.float32), ids)  # padded to 4: nothing new to compile
+    model.predict(np.zeros((8, 4), np.float32), np.full((8, 4, 3), -1, np.int32))
+    assert model._call._cache_size() == compiled
