@@ -636,3 +636,35 @@ def test_warmup_compiles_every_padded_batch_size(artifact):
     model.predict(np.zeros((3, 4), np.float32), ids)  # padded to 4: nothing new to compile
     model.predict(np.zeros((8, 4), np.float32), np.full((8, 4, 3), -1, np.int32))
     assert model._call._cache_size() == compiled
+
+
+def test_the_serve_command_warms_up_and_answers(artifact):
+    """``python -m recscale.serve``: compiles every padded batch size before it listens, then
+    answers on localhost; a bad artifact path is a one-line error."""
+    import time as time_lib
+    import urllib.request
+
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    proc = subprocess.Popen([sys.executable, "-m", "recscale.serve", str(artifact), "--port",
+                             str(port), "--max-batch", "4"], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = proc.stderr.readline()  # written once warm, just before it listens
+        assert line.startswith("compiled batch sizes 1-4 in "), line
+        body = json.dumps({"dense": [[0.0] * 4], "ids": [[[1], [2], [3], [4]]]}).encode()
+        for _ in range(100):  # until the socket is bound
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/predict", body) as r:
+                    scores = json.loads(r.read())["scores"]
+                break
+            except OSError:
+                time_lib.sleep(0.1)
+        assert len(scores) == 1 and 0.0 < scores[0] < 1.0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stderr.close()
+    bad = subprocess.run([sys.executable, "-m", "recscale.serve", str(artifact.parent / "nope")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
