@@ -82,9 +82,9 @@ def serving_encoding(
             col = side.columns.column(c)
             col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
             _strings(col, f"join{j}.{c}", arrays)
-            if pa.types.is_floating(col.type):
-                x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
-                arrays[f"join{j}.{c}.f64"] = np.where(np.isnan(x), np.nan, x)
+            if pa.types.is_floating(col.type):  # nulls: the text's ``.null`` flags
+                x = pc.fill_null(pc.cast(col, pa.float64()), 0.0)
+                arrays[f"join{j}.{c}.f64"] = x.to_numpy(zero_copy_only=False)
         joins.append({"key": join.key, "file": side.file, "columns": cols})
     dense = [
         {

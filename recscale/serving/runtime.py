@@ -346,11 +346,15 @@ class RowEncoder:
             cols = {c: _words(arrays, f"join{j}.{c}") for c in join["columns"]}
             self.joins.append((join, keys, cols))
         self.side = {c: j for j, (join, _, _) in enumerate(self.joins) for c in join["columns"]}
-        # a floating side column's float64 values, for numeric features (its text may differ)
-        self.side_numbers = {
-            c: [None if np.isnan(x) else x for x in arrays[f"join{j}.{c}.f64"].tolist()]
-            for c, j in self.side.items() if f"join{j}.{c}.f64" in arrays
-        }  # fmt: skip
+        # a floating side column's float64 values, for numeric features (its text may differ;
+        # a NaN stays one, a bad value as in prepare)
+        self.side_numbers = {}
+        for c, j in self.side.items():
+            if f"join{j}.{c}.f64" in arrays:
+                x = arrays[f"join{j}.{c}.f64"].tolist()
+                null = arrays.get(f"join{j}.{c}.null")
+                null = null.tolist() if null is not None else [False] * len(x)
+                self.side_numbers[c] = [None if n else v for v, n in zip(x, null, strict=True)]
         read = {f["column"] for f in (*self.dense, *self.sparse)}
         read |= {join["key"] for join, _, _ in self.joins}
         self.columns = sorted(read - set(self.side))

@@ -241,7 +241,8 @@ def test_a_typed_side_table_encodes_as_prepare_read_it(tmp_path):
 
     rng = np.random.default_rng(0)
     pq.write_table(pa.table({"item": [f"i{k}" for k in range(20)],
-                             "price": pa.array(rng.uniform(0, 3, 20).round(1), pa.float32()),
+                             "price": pa.array([None, *rng.uniform(0, 3, 19).round(1)],
+                                               pa.float32()),  # a null: missing in both
                              "stock": pa.array(rng.integers(0, 4, 20), pa.int64())}),
                    tmp_path / "items.parquet")  # fmt: skip
     lines = ["label,item,when"] + [f"{k % 2},i{k % 20},{k}" for k in range(60)]
@@ -265,3 +266,4 @@ def test_a_typed_side_table_encodes_as_prepare_read_it(tmp_path):
     np.testing.assert_array_equal(dense, want.dense_bn)
     np.testing.assert_array_equal(ids, want.ids_bfh)
     assert (ids[:, 1, 0] > 0).any()  # price's text found in its vocabulary
+    assert ids[0, 1, 0] == 0 and dense[0, 0] == 0.0  # row 0 is item i0: its null price is missing
