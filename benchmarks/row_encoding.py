@@ -4,8 +4,8 @@
 
 A feature-spec model served on raw rows encodes them first (``RowEncoder`` in
 ``recscale/serving/runtime.py``: numpy and Python, so the artifact needs only jax). This prepares
-the example shop dataset (``data/tabular/example.py``: side tables, a vocabulary, a bag, a hash,
-buckets, standardised and log numerics), trains dlrm/tiny on it for a few steps, exports it, and
+the example shop dataset and its spec (``data/tabular/example.py``: side tables, a vocabulary, a
+bag, a hash, buckets, standardised and log numerics), trains dlrm/tiny on it for a few steps, exports it, and
 times per request size: encoding the rows (its caches warm, as a server's are, and cold), scoring
 the encoded inputs, and (baseline, same run)
 ``prepare``'s pyarrow encoder on the same rows as a file. It prints microseconds per row and the
@@ -26,25 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-
-SPEC = """
-name: shop
-train: [interactions.csv]
-joins:
-  - {path: users.csv, key: user_id}
-  - {path: items.csv, key: item_id}
-split: {kind: random, valid_fraction: 0.1, seed: 0}
-label: {column: rating, threshold: 4}
-features:
-  - {name: user_id, kind: categorical}
-  - {name: item_id, kind: categorical, parse: int, table: item}
-  - {name: genres, kind: multi_categorical, separator: "|", max_hotness: 3}
-  - {name: gender, kind: categorical, hash_buckets: 8}
-  - {name: occupation, kind: categorical}
-  - {name: age, kind: numeric, standardize: true}
-  - {name: price, kind: numeric, log: true, standardize: true}
-  - {name: age_band, column: age, kind: numeric, boundaries: [25, 35, 50]}
-"""
 
 
 def _best(fn, repeats: int) -> float:
@@ -78,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp) / "shop"
         example.make(str(d), rows=args.rows)
-        (d / "spec.yaml").write_text(SPEC)
+        (d / "spec.yaml").write_text(example.SPEC)
         cfg = get_preset("dlrm/tiny")
         tab = TabularConfig(spec=str(d / "spec.yaml"), prepared_dir=str(d / "prep"))
         cfg = dataclasses.replace(

@@ -8,6 +8,9 @@ Writes the layout of most public recommendation datasets (MovieLens, Taobao, Ama
 * ``new.csv``: 10,000 later interactions, about 5% of them by 150 users who never appear in
   ``interactions.csv`` (present in ``users.csv``), for ``evaluate --data-path``.
 
+:data:`SPEC` is a feature spec of them (both side tables joined, every feature kind), for the
+tests and benchmarks that train on the example; ``data.tabular.inspect`` proposes one too.
+
 The ratings come from a planted model (a user-genre affinity, an age-by-price term, item
 popularity and noise), so a model that reads the joined features beats the base rate. Nothing is
 downloaded; the files are a pure function of ``--seed``.
@@ -26,6 +29,28 @@ import pyarrow.csv as pacsv
 GENRES = ("action", "comedy", "drama", "horror", "scifi", "romance", "kids", "docs", "music",
           "sport", "travel", "food")  # fmt: skip
 OCCUPATIONS = ("student", "engineer", "artist", "doctor", "retired", "sales", "teacher", "other")
+
+
+SPEC = """\
+name: shop
+train: [interactions.csv]
+joins:
+  - {path: users.csv, key: user_id}
+  - {path: items.csv, key: item_id}
+split: {kind: random, valid_fraction: 0.1, seed: 0}
+label: {column: rating, threshold: 4}
+features:
+  - {name: user_id, kind: categorical}
+  - {name: item_id, kind: categorical, parse: int, table: item}
+  - {name: genres, kind: multi_categorical, separator: "|", max_hotness: 3}
+  - {name: gender, kind: categorical, hash_buckets: 8}
+  - {name: occupation, kind: categorical}
+  - {name: age, kind: numeric, standardize: true}
+  - {name: price, kind: numeric, log: true, standardize: true}
+  - {name: age_band, column: age, kind: numeric, boundaries: [25, 35, 50]}
+"""
+"""The example's feature spec (a string vocabulary, a shared-name table, a bag, a hash, numeric
+transforms and buckets over two side tables)."""
 
 
 def _write(path: str, columns: dict) -> None:

@@ -474,7 +474,7 @@ class RowEncoder:
             cache = self._caches[name] = {}  # a new dict: other threads keep the old one
         return cache
 
-    def _entries(self, f: dict, vals: list, parse: Any) -> list:
+    def _entries(self, vals: list, parse: Any) -> list:
         """Each value through ``parse`` (a ``_Bad`` names the value's position ``i`` as
         ``e.args[1]``), for a column's values not in its cache."""
         out = []
@@ -493,7 +493,7 @@ class RowEncoder:
         others = [r for r, v in enumerate(vals) if type(v) is not str]
         todo = new + [vals[r] for r in others]
         try:
-            parsed = self._entries(f, todo, parse)
+            parsed = self._entries(todo, parse)
         except _Bad as e:
             i = e.args[1]
             r = vals.index(todo[i]) if i < len(new) else others[i - len(new)]

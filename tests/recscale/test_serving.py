@@ -512,25 +512,6 @@ def test_a_model_with_several_embedding_collections_exports(tmp_path):
     assert auto["bytes"] == (rows + 100) * (4 + 8) and auto["auc"] != auto["auc_float32"]
 
 
-SHOP_SPEC = """
-name: shop
-train: [interactions.csv]
-joins:
-  - {path: users.csv, key: user_id}
-  - {path: items.csv, key: item_id}
-split: {kind: random, valid_fraction: 0.2, seed: 0}
-label: {column: rating, threshold: 4}
-features:
-  - {name: user_id, kind: categorical}
-  - {name: item_id, kind: categorical, parse: int, table: item}
-  - {name: genres, kind: multi_categorical, separator: "|", max_hotness: 3}
-  - {name: gender, kind: categorical, hash_buckets: 8}
-  - {name: age, kind: numeric, standardize: true}
-  - {name: price, kind: numeric, log: true}
-  - {name: age_band, column: age, kind: numeric, boundaries: [25, 35, 50]}
-"""
-
-
 def test_a_feature_spec_run_scores_raw_rows(tmp_path, capsys):
     """A run on a feature spec (with side tables) exports its whole encoding: the artifact
     scores raw rows (the join keys in, side columns from the artifact) as the checkpoint scores
@@ -542,7 +523,7 @@ def test_a_feature_spec_run_scores_raw_rows(tmp_path, capsys):
 
     shop = tmp_path / "shop"
     example.make(str(shop), rows=2000)
-    (shop / "spec.yaml").write_text(SHOP_SPEC)
+    (shop / "spec.yaml").write_text(example.SPEC)
     lines = (shop / "new.csv").read_text().splitlines()
     (shop / "later.csv").write_text("\n".join(lines[:257]) + "\n")  # a header and 256 rows
     cfg = get_preset("dlrm/tiny")
