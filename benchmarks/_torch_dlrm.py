@@ -78,11 +78,13 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(1)
     batches = [
-        (torch.randn(B, a["dense"], generator=g).to(device),
-         torch.randint(0, V, (B, F, H), generator=g).to(device),
-         torch.randint(0, 2, (B,), generator=g).float().to(device))
+        (
+            torch.randn(B, a["dense"], generator=g).to(device),
+            torch.randint(0, V, (B, F, H), generator=g).to(device),
+            torch.randint(0, 2, (B,), generator=g).float().to(device),
+        )
         for _ in range(a["num_batches"])
-    ]  # fmt: skip
+    ]
 
     def sync():
         if device.type == "cuda":
@@ -119,11 +121,17 @@ def main() -> None:
                 model(*batches[i % len(batches)][:2])
             sync()
             infer_s = min(infer_s, time.perf_counter() - t0)
-    print(json.dumps({
-        "train_examples_per_s": a["steps"] * B / train_s,
-        "infer_examples_per_s": a["steps"] * B / infer_s,
-        "final_loss": float(loss.detach()), "torch": torch.__version__, "device": str(device),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "train_examples_per_s": a["steps"] * B / train_s,
+                "infer_examples_per_s": a["steps"] * B / infer_s,
+                "final_loss": float(loss.detach()),
+                "torch": torch.__version__,
+                "device": str(device),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

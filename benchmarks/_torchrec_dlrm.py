@@ -26,10 +26,14 @@ def main() -> None:
     F, V, D, H, B = a["tables"], a["rows"], a["dim"], a["hotness"], a["batch"]
     names = [f"f{i}" for i in range(F)]
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=D, num_embeddings=V,
-                                   feature_names=[names[i]]) for i in range(F)],
+        tables=[
+            EmbeddingBagConfig(
+                name=f"t{i}", embedding_dim=D, num_embeddings=V, feature_names=[names[i]]
+            )
+            for i in range(F)
+        ],
         device=torch.device("cpu"),
-    )  # fmt: skip
+    )
     model = DLRM(ebc, a["dense"], list(a["bottom"]), list(a["top"]))
     model = fuse_embedding_optimizer(
         model, RowWiseAdagrad, {"lr": a["emb_lr"]}, torch.device("cpu")
@@ -74,11 +78,16 @@ def main() -> None:
             for i in range(a["steps"]):
                 model(*batches[i % len(batches)][:2])
             infer_s = min(infer_s, time.perf_counter() - t0)
-    print(json.dumps({
-        "train_examples_per_s": a["steps"] * B / train_s,
-        "infer_examples_per_s": a["steps"] * B / infer_s,
-        "final_loss": float(loss.detach()), "torch": torch.__version__,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "train_examples_per_s": a["steps"] * B / train_s,
+                "infer_examples_per_s": a["steps"] * B / infer_s,
+                "final_loss": float(loss.detach()),
+                "torch": torch.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -74,9 +74,11 @@ PROFILES = ("gpu-h100", "gpu-h200", "tpu-v5p", "tpu-v6e")
 LINKS = {"intra": "interconnect_bandwidth", "cross": "cross_host_bandwidth"}
 FULL = {"batch": 65536, "dim": 128, "reps": 20}
 QUICK = {"batch": 16384, "dim": 64, "reps": 10}
-NOTE = ("codec times measured on this backend ({backend}: {kind}); link times from the "
-        "profiles' bandwidths: the sum is meaningful only where this backend is the profile's "
-        "kind of chip")  # fmt: skip
+NOTE = (
+    "codec times measured on this backend ({backend}: {kind}); link times from the "
+    "profiles' bandwidths: the sum is meaningful only where this backend is the profile's "
+    "kind of chip"
+)
 
 
 def _times_ms(fn, *args, reps: int) -> list[float]:
@@ -120,18 +122,33 @@ def _version(pkg: str) -> str | None:
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, help=f"global batch B (default {FULL['batch']}; "
-                    f"--quick {QUICK['batch']})")  # fmt: skip
+    ap.add_argument(
+        "--batch",
+        type=int,
+        help=f"global batch B (default {FULL['batch']}; --quick {QUICK['batch']})",
+    )
     ap.add_argument("--devices", type=int, default=8, help="devices n (= destinations)")
     ap.add_argument("--tables", type=int, default=26, help="tables T (S = ceil(T / n) slots)")
-    ap.add_argument("--dim", type=int, help=f"buffer width w (default {FULL['dim']}; --quick "
-                    f"{QUICK['dim']})")  # fmt: skip
-    ap.add_argument("--reps", type=int, help=f"timed calls per codec, after warm-up (default "
-                    f"{FULL['reps']}; --quick {QUICK['reps']})")  # fmt: skip
-    ap.add_argument("--zeros", type=float, default=0.0, help="fraction of exact zeros (a "
-                    "row-wise shard's partial outputs are mostly zeros)")  # fmt: skip
-    ap.add_argument("--quick", action="store_true", help="CPU-sized defaults: "
-                    + ", ".join(f"{k} {v}" for k, v in QUICK.items()))  # fmt: skip
+    ap.add_argument(
+        "--dim", type=int, help=f"buffer width w (default {FULL['dim']}; --quick {QUICK['dim']})"
+    )
+    ap.add_argument(
+        "--reps",
+        type=int,
+        help=f"timed calls per codec, after warm-up (default "
+        f"{FULL['reps']}; --quick {QUICK['reps']})",
+    )
+    ap.add_argument(
+        "--zeros",
+        type=float,
+        default=0.0,
+        help="fraction of exact zeros (a row-wise shard's partial outputs are mostly zeros)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU-sized defaults: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()),
+    )
     ap.add_argument("--out", default="runs/bench_codec/results.json")
     args = ap.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():  # explicit flags win over --quick
@@ -229,8 +246,19 @@ def main(argv: list[str] | None = None) -> dict:
         )
     )
     t = Table(title=f"codec on this backend ({dev.device_kind}), median of {args.reps}")
-    cols = ("scheme", "bits/value", "ratio", "encode ms", "decode ms", "enc GB/s", "dec GB/s",
-            "codec ms/step", "max err/range", "max err/|max|", "pays off below GB/s")  # fmt: skip
+    cols = (
+        "scheme",
+        "bits/value",
+        "ratio",
+        "encode ms",
+        "decode ms",
+        "enc GB/s",
+        "dec GB/s",
+        "codec ms/step",
+        "max err/range",
+        "max err/|max|",
+        "pays off below GB/s",
+    )
     for c in cols:
         t.add_column(c, justify="right")
     for name, r in res.items():
@@ -249,10 +277,22 @@ def main(argv: list[str] | None = None) -> dict:
             "-" if r["pays_off_below_gbps"] is None else f"{r['pays_off_below_gbps']:.1f}",
         )
     console.print(t)
-    t = Table(title="exchange per step and device, forward + backward: link ms (profile) + "
-                    "codec ms (this backend)")  # fmt: skip
-    for c in ("profile", "link", "GB/s", "float32 ms", "scheme", "link ms", "codec ms",
-              "total ms", "saving ms", "speed-up"):  # fmt: skip
+    t = Table(
+        title="exchange per step and device, forward + backward: link ms (profile) + "
+        "codec ms (this backend)"
+    )
+    for c in (
+        "profile",
+        "link",
+        "GB/s",
+        "float32 ms",
+        "scheme",
+        "link ms",
+        "codec ms",
+        "total ms",
+        "saving ms",
+        "speed-up",
+    ):
         t.add_column(c, justify="right")
     compressed = [(k, r) for k, r in res.items() if k != "float32"]
     for prof in PROFILES:

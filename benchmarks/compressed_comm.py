@@ -41,8 +41,10 @@ from rich.table import Table  # noqa: E402
 
 from tpu_gpu_configs.profiles import get_profile  # noqa: E402
 
-EB = "--embeddings.comm-compression error_bounded --embeddings.comm-error-bound {e} " \
-     "--embeddings.comm-error-bound-grad {e}"  # fmt: skip
+EB = (
+    "--embeddings.comm-compression error_bounded --embeddings.comm-error-bound {e} "
+    "--embeddings.comm-error-bound-grad {e}"
+)
 SCHEMES = {
     "float32": "",
     "eb8": EB.format(e=0.002),
@@ -59,8 +61,11 @@ def _table_scheme(path: str) -> str:
     """The ``tables`` scheme: per-table bounds proposed by ``--comm-sensitivity``
     (``comm_sensitivity.json``: its base bound, and each table's scale of it)."""
     prop = json.loads(Path(path).read_text())
-    return (EB.format(e=prop["base_bound"]) + " --embeddings.comm-error-bound-tables "
-            + " ".join(prop["comm_error_bound_tables"]))  # fmt: skip
+    return (
+        EB.format(e=prop["base_bound"])
+        + " --embeddings.comm-error-bound-tables "
+        + " ".join(prop["comm_error_bound_tables"])
+    )
 
 
 def _run(args, name: str, extra: list[str]) -> dict:
@@ -68,10 +73,23 @@ def _run(args, name: str, extra: list[str]) -> dict:
     log = wd.with_suffix(".log")
     family = args.preset.split("/")[0]
     if not (wd / "timings.jsonl").is_file():  # a finished run is reused
-        cmd = [sys.executable, "-m", f"{family}.train", args.preset, "--workdir", str(wd),
-               "--embeddings.sharding", args.sharding, "--train.num-steps", str(args.steps),
-               "--train.eval-max-batches", "0", "--train.no-progress",
-               *args.scheme_args[name].split(), *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            f"{family}.train",
+            args.preset,
+            "--workdir",
+            str(wd),
+            "--embeddings.sharding",
+            args.sharding,
+            "--train.num-steps",
+            str(args.steps),
+            "--train.eval-max-batches",
+            "0",
+            "--train.no-progress",
+            *args.scheme_args[name].split(),
+            *extra,
+        ]
         env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(args.devices)}
         wd.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as f:
@@ -96,9 +114,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--schemes", nargs="*", default=list(SCHEMES))
     ap.add_argument("--out", default="runs/bench_comm")
-    ap.add_argument("--tables-from", default="",
-                    help="a comm_sensitivity.json (python -m FAMILY.evaluate --workdir DIR "
-                         "--comm-sensitivity): adds the scheme 'tables', its per-table bounds")  # fmt: skip
+    ap.add_argument(
+        "--tables-from",
+        default="",
+        help="a comm_sensitivity.json (python -m FAMILY.evaluate --workdir DIR "
+        "--comm-sensitivity): adds the scheme 'tables', its per-table bounds",
+    )
     ap.add_argument("--tables-name", default="tables", help="the --tables-from scheme's name")
     args = ap.parse_args(argv)
     args.scheme_args = dict(SCHEMES)
@@ -120,10 +141,19 @@ def main(argv: list[str] | None = None) -> dict:
         res[name] = _run(args, name, extra)
     bw = get_profile("gpu-h100").interconnect_bandwidth
     base = res["float32"]
-    table = Table(title=f"{args.preset}, {args.sharding} on {args.devices} devices, "
-                        f"{args.steps} steps")  # fmt: skip
-    for col in ("scheme", "MiB/step", "ratio", "AUC", "ΔAUC", "logloss", "Δlogloss",
-                "H100 exchange ms/step"):  # fmt: skip
+    table = Table(
+        title=f"{args.preset}, {args.sharding} on {args.devices} devices, {args.steps} steps"
+    )
+    for col in (
+        "scheme",
+        "MiB/step",
+        "ratio",
+        "AUC",
+        "ΔAUC",
+        "logloss",
+        "Δlogloss",
+        "H100 exchange ms/step",
+    ):
         table.add_column(col, justify="right")
     for name, r in res.items():
         r["ratio"] = base["bytes"] / r["bytes"]
@@ -131,12 +161,25 @@ def main(argv: list[str] | None = None) -> dict:
         r["delta_logloss"] = r["logloss"] - base["logloss"]
         # every device sends its share at once: per device bytes / the link's bandwidth
         r["h100_exchange_ms"] = r["bytes"] / args.devices / bw * 1e3
-        table.add_row(name, f"{r['bytes'] / 2**20:.3f}", f"{r['ratio']:.2f}", f"{r['auc']:.5f}",
-                      f"{r['delta_auc']:+.5f}", f"{r['logloss']:.5f}",
-                      f"{r['delta_logloss']:+.5f}", f"{r['h100_exchange_ms']:.4f}")  # fmt: skip
+        table.add_row(
+            name,
+            f"{r['bytes'] / 2**20:.3f}",
+            f"{r['ratio']:.2f}",
+            f"{r['auc']:.5f}",
+            f"{r['delta_auc']:+.5f}",
+            f"{r['logloss']:.5f}",
+            f"{r['delta_logloss']:+.5f}",
+            f"{r['h100_exchange_ms']:.4f}",
+        )
     console.print(table)
-    out = {"preset": args.preset, "sharding": args.sharding, "devices": args.devices,
-           "steps": args.steps, "extra": extra, "results": res}  # fmt: skip
+    out = {
+        "preset": args.preset,
+        "sharding": args.sharding,
+        "devices": args.devices,
+        "steps": args.steps,
+        "extra": extra,
+        "results": res,
+    }
     Path(args.out, "results.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
 

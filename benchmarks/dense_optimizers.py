@@ -44,8 +44,12 @@ from sweeps.spec import resolve  # noqa: E402
 def _base_config(rung: str, batch: int, examples: int) -> dict:
     from sweeps.specs import critical_batch  # noqa: PLC0415
 
-    spec = dataclasses.replace(critical_batch.SPEC, examples_per_trial=examples,
-                               batch_sizes=(batch,), lr_multipliers=(1.0,))  # fmt: skip
+    spec = dataclasses.replace(
+        critical_batch.SPEC,
+        examples_per_trial=examples,
+        batch_sizes=(batch,),
+        lr_multipliers=(1.0,),
+    )
     (trial,) = [t for t in resolve(spec).trials if t.rung == rung]
     return trial.config
 
@@ -53,23 +57,49 @@ def _base_config(rung: str, batch: int, examples: int) -> dict:
 def _recipes(cfg: dict) -> list[tuple[str, list[str]]]:
     lr = cfg["dense_optim"]["learning_rate"]
     out = [(f"adam x{m:g}", ["--dense-optim.learning-rate", f"{lr * m:.6g}"]) for m in (0.5, 1, 2)]
-    out += [(f"lamb {r:g}", ["--dense-optim.name", "lamb", "--dense-optim.learning-rate", f"{r:g}"])
-            for r in (3e-3, 1e-2, 3e-2)]  # fmt: skip
     out += [
-        (f"hessian_free cg{k}", ["--dense-optim.name", "hessian_free", "--dense-optim.learning-rate",
-                                 "1.0", "--dense-optim.warmup-steps", "0", "--dense-optim.decay",
-                                 "constant", "--dense-optim.hf-cg-iters", str(k),
-                                 "--dense-optim.hf-damping", "1e-3"])
+        (f"lamb {r:g}", ["--dense-optim.name", "lamb", "--dense-optim.learning-rate", f"{r:g}"])
+        for r in (3e-3, 1e-2, 3e-2)
+    ]
+    out += [
+        (
+            f"hessian_free cg{k}",
+            [
+                "--dense-optim.name",
+                "hessian_free",
+                "--dense-optim.learning-rate",
+                "1.0",
+                "--dense-optim.warmup-steps",
+                "0",
+                "--dense-optim.decay",
+                "constant",
+                "--dense-optim.hf-cg-iters",
+                str(k),
+                "--dense-optim.hf-damping",
+                "1e-3",
+            ],
+        )
         for k in (5, 10)
-    ]  # fmt: skip
+    ]
     return out
 
 
 def _run(cfg_path: Path, workdir: Path, extra: list[str], evals: int, steps: int) -> dict:
     if not (workdir / "timings.jsonl").is_file():  # a finished run is reused
-        cmd = [sys.executable, "-m", "dlrm.train", str(cfg_path), "--workdir", str(workdir),
-               "--train.eval-every", str(max(steps // evals, 1)), "--train.checkpoint-every",
-               str(steps), "--train.no-progress", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "dlrm.train",
+            str(cfg_path),
+            "--workdir",
+            str(workdir),
+            "--train.eval-every",
+            str(max(steps // evals, 1)),
+            "--train.checkpoint-every",
+            str(steps),
+            "--train.no-progress",
+            *extra,
+        ]
         workdir.mkdir(parents=True, exist_ok=True)
         with open(workdir.with_suffix(".log"), "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -96,8 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
     steps = cfg["train"]["num_steps"]
-    recipes = [r for r in _recipes(cfg)
-               if not args.only or any(r[0].startswith(o) for o in args.only)]  # fmt: skip
+    recipes = [
+        r for r in _recipes(cfg) if not args.only or any(r[0].startswith(o) for o in args.only)
+    ]
     console = Console()
     runs = {}
     for name, extra in recipes:
@@ -110,28 +141,45 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for name, r in runs.items():
         s = first_reaching(r["evals"], "logloss", target)
-        results.append({"recipe": name, "best_logloss": r["best"], "steps_to_target": s,
-                        "step_s": r["step_s"],
-                        "seconds_to_target": None if s is None else s * r["step_s"]})  # fmt: skip
-    ref = min((x for x in results if x["recipe"].startswith("adam") and x["steps_to_target"]),
-              key=lambda x: x["steps_to_target"])  # fmt: skip
-    table = Table(title=f"dlrm {args.rung}, batch {args.batch}: to logloss {target:.4f} "
-                        f"(best Adam + {args.gap})")  # fmt: skip
+        results.append(
+            {
+                "recipe": name,
+                "best_logloss": r["best"],
+                "steps_to_target": s,
+                "step_s": r["step_s"],
+                "seconds_to_target": None if s is None else s * r["step_s"],
+            }
+        )
+    ref = min(
+        (x for x in results if x["recipe"].startswith("adam") and x["steps_to_target"]),
+        key=lambda x: x["steps_to_target"],
+    )
+    table = Table(
+        title=f"dlrm {args.rung}, batch {args.batch}: to logloss {target:.4f} "
+        f"(best Adam + {args.gap})"
+    )
     for col in ("recipe", "best logloss", "steps", "x Adam", "s/step", "seconds", "x Adam"):
         table.add_column(col, justify="right")
     for x in results:
         s, t = x["steps_to_target"], x["seconds_to_target"]
         table.add_row(
-            x["recipe"], f"{x['best_logloss']:.4f}",
+            x["recipe"],
+            f"{x['best_logloss']:.4f}",
             "-" if s is None else f"{s:.1f}",
             "-" if s is None else f"{s / ref['steps_to_target']:.2f}",
             f"{x['step_s']:.3f}",
             "-" if t is None else f"{t:.1f}",
             "-" if t is None else f"{t / ref['seconds_to_target']:.2f}",
-        )  # fmt: skip
+        )
     console.print(table)
-    summary = {"rung": args.rung, "batch": args.batch, "steps": steps, "target": target,
-               "reference": ref["recipe"], "results": results}  # fmt: skip
+    summary = {
+        "rung": args.rung,
+        "batch": args.batch,
+        "steps": steps,
+        "target": target,
+        "reference": ref["recipe"],
+        "results": results,
+    }
     (out / "results.json").write_text(json.dumps(summary, indent=1, allow_nan=True) + "\n")
     return summary
 

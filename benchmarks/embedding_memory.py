@@ -73,9 +73,11 @@ def main() -> None:
     a = ap.parse_args()
     schema = Schema(
         dense_names=tuple(f"d{i}" for i in range(13)),
-        features=tuple(FeatureInfo(name=f"f{i}", vocab_size=a.rows, max_hotness=a.hotness)
-                       for i in range(a.tables)),
-    )  # fmt: skip
+        features=tuple(
+            FeatureInfo(name=f"f{i}", vocab_size=a.rows, max_hotness=a.hotness)
+            for i in range(a.tables)
+        ),
+    )
     cfg = DLRMConfig(
         model=DLRMModelConfig(embed_dim=a.dim, bottom_mlp=(256, a.dim), top_mlp=(256, 1)),
         data=DataConfig(batch_size=a.batch, eval_batch_size=a.batch),
@@ -98,9 +100,13 @@ def main() -> None:
         abstract = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(params=0)))
         graphdef, a_params, a_stats = nnx.split(abstract, nnx.Param, nnx.BatchStat)
         tx = make_optimizer(cfg, a_params)
-        a_state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=a_params,
-                             opt_state=jax.eval_shape(tx.init, a_params), batch_stats=a_stats,
-                             rng=jax.eval_shape(initial_rng, 0))  # fmt: skip
+        a_state = TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32),
+            params=a_params,
+            opt_state=jax.eval_shape(tx.init, a_params),
+            batch_stats=a_stats,
+            rng=jax.eval_shape(initial_rng, 0),
+        )
         dbatch = jax.device_put(batch)
         step = (
             jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
@@ -113,9 +119,13 @@ def main() -> None:
         model = build_model(cfg, schema, nnx.Rngs(params=0))
         _, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         del model
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=jax.jit(tx.init)(params), batch_stats=stats,
-                           rng=initial_rng(0))  # fmt: skip
+        state = TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=jax.jit(tx.init)(params),
+            batch_stats=stats,
+            rng=initial_rng(0),
+        )
         del params
         state, m = step(state, dbatch)
         jax.block_until_ready(state)

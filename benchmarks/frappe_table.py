@@ -50,9 +50,18 @@ def run(family: str, seed: int, root: Path, data_dir: str | None, extra: list[st
     if done.is_file():
         return json.loads(done.read_text())
     cmd = [
-        sys.executable, "-m", f"{package}.train", f"{family}/frappe", "--workdir", str(workdir),
-        "--train.seed", str(seed), "--data.shuffle-seed", str(seed), "--train.no-progress",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        f"{package}.train",
+        f"{family}/frappe",
+        "--workdir",
+        str(workdir),
+        "--train.seed",
+        str(seed),
+        "--data.shuffle-seed",
+        str(seed),
+        "--train.no-progress",
+    ]
     cmd += extra
     if data_dir:
         d = Path(data_dir).absolute()
@@ -107,15 +116,25 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--data-dir", default=None, help="Frappe directory (default: the presets')")
-    p.add_argument("--early-stopping", default="", choices=["", "auc", "logloss"],
-                   help="stop on this validation metric and report the best checkpoint")  # fmt: skip
+    p.add_argument(
+        "--early-stopping",
+        default="",
+        choices=["", "auc", "logloss"],
+        help="stop on this validation metric and report the best checkpoint",
+    )
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--patience", type=int, default=2)
     args = p.parse_args()
     extra = []
     if args.early_stopping:
-        extra = ["--train.early-stopping-metric", args.early_stopping, "--train.eval-every",
-                 str(args.eval_every), "--train.early-stopping-patience", str(args.patience)]  # fmt: skip
+        extra = [
+            "--train.early-stopping-metric",
+            args.early_stopping,
+            "--train.eval-every",
+            str(args.eval_every),
+            "--train.early-stopping-patience",
+            str(args.patience),
+        ]
     root = Path(args.root).absolute()
     root.mkdir(parents=True, exist_ok=True)
     rows = []

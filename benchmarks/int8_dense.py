@@ -58,10 +58,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="*", default=["479x128", "128x64", "1024x1024", "512x256"])
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    table = Table(title=f"one dense layer on {jax.devices()[0].platform} "
-                        f"({jax.devices()[0].device_kind}), median ms")  # fmt: skip
-    for col in ("B x K x N", "float32", "bfloat16", "int8", "bf16 / f32", "int8 / f32",
-                "int8 max rel. error"):  # fmt: skip
+    table = Table(
+        title=f"one dense layer on {jax.devices()[0].platform} "
+        f"({jax.devices()[0].device_kind}), median ms"
+    )
+    for col in (
+        "B x K x N",
+        "float32",
+        "bfloat16",
+        "int8",
+        "bf16 / f32",
+        "int8 / f32",
+        "int8 max rel. error",
+    ):
         table.add_column(col, justify="right")
     for shape in args.shapes:
         k, n = map(int, shape.split("x"))
@@ -76,8 +85,15 @@ def main(argv: list[str] | None = None) -> None:
             t8 = _time(jax.jit(int8), x, wq, wscale)
             ref = np.asarray(f32(x, w))
             err = np.abs(np.asarray(int8(x, wq, wscale)) - ref).max() / np.abs(ref).max()
-            table.add_row(f"{b} x {k} x {n}", f"{t32 * 1e3:.4f}", f"{tb * 1e3:.4f}",
-                          f"{t8 * 1e3:.4f}", f"{tb / t32:.2f}", f"{t8 / t32:.2f}", f"{err:.4f}")  # fmt: skip
+            table.add_row(
+                f"{b} x {k} x {n}",
+                f"{t32 * 1e3:.4f}",
+                f"{tb * 1e3:.4f}",
+                f"{t8 * 1e3:.4f}",
+                f"{tb / t32:.2f}",
+                f"{t8 / t32:.2f}",
+                f"{err:.4f}",
+            )
     Console(width=140).print(table)
 
 

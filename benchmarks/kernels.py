@@ -40,8 +40,13 @@ from recscale.kernels.fm_interaction import api as fm_api
 from recscale.kernels.quantized_embedding_bag import api as q_api
 from tpu_gpu_configs.profiles import get_profile
 
-OPS = ("embedding_bag", "embedding_update", "quantized_embedding_bag", "dot_interaction",
-       "fm_interaction")  # fmt: skip
+OPS = (
+    "embedding_bag",
+    "embedding_update",
+    "quantized_embedding_bag",
+    "dot_interaction",
+    "fm_interaction",
+)
 TABLES, ROWS, DIM = 26, 100_000, 128
 
 
@@ -52,8 +57,10 @@ def device_roofline() -> dict:
     if dev.platform == "gpu":
         name = "gpu-h200" if "h200" in kind else "gpu-a100" if "a100" in kind else "gpu-h100"
     elif dev.platform == "tpu":
-        name = next((f"tpu-{v}" for v in ("v6e", "v5p", "v5e", "v4") if v in kind.replace(" ", "")),
-                    "tpu-v5p")  # fmt: skip
+        name = next(
+            (f"tpu-{v}" for v in ("v6e", "v5p", "v5e", "v4") if v in kind.replace(" ", "")),
+            "tpu-v5p",
+        )
     else:
         return {"name": "this CPU (measured)", **measured_cpu_roofline()}
     p = get_profile(name)
@@ -202,16 +209,26 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--batches", nargs="+", type=int, default=[8192, 65536])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kernel", default=None, help="implementation to time against xla "
-                    "(default: pallas_gpu / pallas_tpu on those backends, cpu_ffi on CPU)")  # fmt: skip
-    ap.add_argument("--ref-precision", default="highest", choices=["highest", "default"],
-                    help="matmul precision of the XLA reference: highest (float32 accuracy, as "
-                    "the kernels compute float32 inputs) or default (TF32 on a GPU)")  # fmt: skip
+    ap.add_argument(
+        "--kernel",
+        default=None,
+        help="implementation to time against xla "
+        "(default: pallas_gpu / pallas_tpu on those backends, cpu_ffi on CPU)",
+    )
+    ap.add_argument(
+        "--ref-precision",
+        default="highest",
+        choices=["highest", "default"],
+        help="matmul precision of the XLA reference: highest (float32 accuracy, as "
+        "the kernels compute float32 inputs) or default (TF32 on a GPU)",
+    )
     args = ap.parse_args()
     roof = device_roofline()
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); roofline "
-          f"{roof['name']}: {roof['memory_bytes_per_s'] / 1e9:.0f} GB/s, "
-          f"{roof['flops'] / 1e12:.2f} TFLOP/s; XLA matmul precision {args.ref_precision}")  # fmt: skip
+    print(
+        f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); roofline "
+        f"{roof['name']}: {roof['memory_bytes_per_s'] / 1e9:.0f} GB/s, "
+        f"{roof['flops'] / 1e12:.2f} TFLOP/s; XLA matmul precision {args.ref_precision}"
+    )
     print(
         "| op | case | pass | XLA ms | kernel | kernel ms | XLA / kernel | XLA roofline | "
         "kernel roofline |"
@@ -223,8 +240,10 @@ def main() -> None:
             ref_fns = make("xla")
             ker_fns = make(impl) if impl else (None, None)
             first = "bwd+update" if op == "embedding_update" else "fwd"
-            for name, rf, kf, scale in ((first, ref_fns[0], ker_fns[0], 1),
-                                        ("fwd+bwd", ref_fns[1], ker_fns[1], 3)):  # fmt: skip
+            for name, rf, kf, scale in (
+                (first, ref_fns[0], ker_fns[0], 1),
+                ("fwd+bwd", ref_fns[1], ker_fns[1], 3),
+            ):
                 if rf is None:
                     continue
                 with jax.default_matmul_precision(args.ref_precision):
@@ -236,13 +255,17 @@ def main() -> None:
                         return f"{100 * scale * flops / t / roof['flops']:.1f}% FLOP/s"
                     return f"{100 * scale * moved / t / roof['memory_bytes_per_s']:.1f}% BW"
 
-                print(f"| {op} | {label} | {name} | {1e3 * t_ref:.2f} | {impl or 'none here'} | "
-                      f"{1e3 * t_ker:.2f} | {t_ref / t_ker:.2f} | {frac(t_ref)} | "
-                      f"{frac(t_ker)} |")  # fmt: skip
+                print(
+                    f"| {op} | {label} | {name} | {1e3 * t_ref:.2f} | {impl or 'none here'} | "
+                    f"{1e3 * t_ker:.2f} | {t_ref / t_ker:.2f} | {frac(t_ref)} | "
+                    f"{frac(t_ker)} |"
+                )
     print(f"fallbacks: {dict(common.FALLBACKS) or 'none'}")
     if jax.default_backend() == "cpu":
-        print("GPU/TPU numbers need an accelerator: the Pallas kernels run on CPU only in "
-              "interpret mode, which times the interpreter, not the kernel.")  # fmt: skip
+        print(
+            "GPU/TPU numbers need an accelerator: the Pallas kernels run on CPU only in "
+            "interpret mode, which times the interpreter, not the kernel."
+        )
 
 
 if __name__ == "__main__":

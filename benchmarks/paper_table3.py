@@ -50,9 +50,13 @@ def candidates(name: str):
             range(1, 5), (0, 512), MLPS, ("stacked", "parallel"), ((), (512, 256), (512, 256, 128))
         ):
             cfg = DCNv2ModelConfig(
-                embed_dim=128, num_cross_layers=layers, cross_rank=rank, deep_mlp=deep,
-                structure=structure, dense_mlp=dense,
-            )  # fmt: skip
+                embed_dim=128,
+                num_cross_layers=layers,
+                cross_rank=rank,
+                deep_mlp=deep,
+                structure=structure,
+                dense_mlp=dense,
+            )
             yield (
                 f"{layers} cross (rank {rank or 'full'}), {structure}, deep {deep}, dense MLP {dense}",
                 cfg,
@@ -63,9 +67,15 @@ def candidates(name: str):
             range(1, 5), (8, 16), range(1, 5), WIDTHS, MLPS
         ):
             cfg = dataclasses.replace(
-                base, num_layers=layers, n_fmb=n, n_lcb=n, fmb_rank=24, fmb_mlp_depth=depth,
-                fmb_mlp_width=width, top_mlp=(*top, 1),
-            )  # fmt: skip
+                base,
+                num_layers=layers,
+                n_fmb=n,
+                n_lcb=n,
+                fmb_rank=24,
+                fmb_mlp_depth=depth,
+                fmb_mlp_width=width,
+                top_mlp=(*top, 1),
+            )
             yield f"l={layers}, n_F=n_L={n}, k=24, FMB MLP {depth}x{width}, top {(*top, 1)}", cfg
 
 

@@ -28,9 +28,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PALLAS = (
-    "--kernels.embedding-bag", "pallas_tpu", "--kernels.embedding-update", "pallas_tpu",
-    "--kernels.dot-interaction", "pallas_tpu", "--kernels.fm-interaction", "pallas_tpu",
-)  # fmt: skip
+    "--kernels.embedding-bag",
+    "pallas_tpu",
+    "--kernels.embedding-update",
+    "pallas_tpu",
+    "--kernels.dot-interaction",
+    "pallas_tpu",
+    "--kernels.fm-interaction",
+    "pallas_tpu",
+)
 FSDP = ("--mesh.fsdp",)
 
 # (preset, slice, extra flags), most telling first. Kernels as ``auto`` picks them (the XLA
@@ -66,13 +72,24 @@ def run(out: Path, only: str, timeout_s: int) -> None:
     if not cases:
         raise SystemExit(f"no case matches --only {only!r}")
     for preset, hw, extra in track(cases, description="compiling"):
-        cmd = [sys.executable, "-m", "recscale.plan", preset, "--hardware", hw, "--compile",
-               "--json", str(out), *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "recscale.plan",
+            preset,
+            "--hardware",
+            hw,
+            "--compile",
+            "--json",
+            str(out),
+            *extra,
+        ]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s)  # fmt: skip
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+            )
             ok, tail = proc.returncode == 0, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired:
             ok, tail = False, f"timed out after {timeout_s} s"

@@ -48,8 +48,11 @@ def _family(module):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdirs", nargs="+", required=True)
-    ap.add_argument("--precisions", nargs="*",
-                    default=["float32", "bfloat16", "float16", "int8", "int4", "auto"])  # fmt: skip
+    ap.add_argument(
+        "--precisions",
+        nargs="*",
+        default=["float32", "bfloat16", "float16", "int8", "int4", "auto"],
+    )
     ap.add_argument("--auc-budget", type=float, default=0.0002)
     ap.add_argument("--out", default="runs/bench_precision")
     args = ap.parse_args(argv)
@@ -73,30 +76,55 @@ def main(argv: list[str] | None = None) -> dict:
                 fam.main(["--workdir", wd, "--out", str(art), "--precision", p, *extra])
             man = json.loads((art / "manifest.json").read_text())
             probs = Model.load(art).predict(dense, ids)
-            weight_bytes = sum(int(np.prod(w["shape"])) * np.dtype(
-                {"bfloat16": "float16"}.get(w["dtype"], w["dtype"])).itemsize
-                for w in man["weights"].values())  # fmt: skip
-            rows[p] = {"table_bytes": man["table_bytes"], "weight_bytes": weight_bytes,
-                       "auc": metrics.auc(probs, labels, weights),
-                       "logloss": metrics.logloss(logit(probs), labels, weights),
-                       "tables": {k: v["precision"] for k, v in man["tables"].items()}}  # fmt: skip
+            weight_bytes = sum(
+                int(np.prod(w["shape"]))
+                * np.dtype({"bfloat16": "float16"}.get(w["dtype"], w["dtype"])).itemsize
+                for w in man["weights"].values()
+            )
+            rows[p] = {
+                "table_bytes": man["table_bytes"],
+                "weight_bytes": weight_bytes,
+                "auc": metrics.auc(probs, labels, weights),
+                "logloss": metrics.logloss(logit(probs), labels, weights),
+                "tables": {k: v["precision"] for k, v in man["tables"].items()},
+            }
             console.print(f"{wd} {p}: AUC {rows[p]['auc']:.5f}")
         results[wd] = rows
         base = rows.get("float32")
         table = Table(title=f"{wd} ({package}), {int((weights > 0).sum())} validation examples")
-        for col in ("precision", "table MiB", "vs float32", "all weights MiB", "AUC", "ΔAUC",
-                    "logloss", "Δlogloss", "per table"):  # fmt: skip
+        for col in (
+            "precision",
+            "table MiB",
+            "vs float32",
+            "all weights MiB",
+            "AUC",
+            "ΔAUC",
+            "logloss",
+            "Δlogloss",
+            "per table",
+        ):
             table.add_column(col, justify="right")
         for p, r in rows.items():
             d_auc = r["auc"] - base["auc"] if base else float("nan")
             d_ll = r["logloss"] - base["logloss"] if base else float("nan")
             ratio = base["table_bytes"] / r["table_bytes"] if base else float("nan")
             kinds = sorted(set(r["tables"].values()))
-            per = ("all " + kinds[0]) if len(kinds) == 1 else " ".join(
-                f"{k}={v}" for k, v in r["tables"].items())  # fmt: skip
-            table.add_row(p, f"{r['table_bytes'] / 2**20:.3f}", f"{ratio:.2f}x",
-                          f"{r['weight_bytes'] / 2**20:.3f}", f"{r['auc']:.5f}", f"{d_auc:+.5f}",
-                          f"{r['logloss']:.5f}", f"{d_ll:+.5f}", per)  # fmt: skip
+            per = (
+                ("all " + kinds[0])
+                if len(kinds) == 1
+                else " ".join(f"{k}={v}" for k, v in r["tables"].items())
+            )
+            table.add_row(
+                p,
+                f"{r['table_bytes'] / 2**20:.3f}",
+                f"{ratio:.2f}x",
+                f"{r['weight_bytes'] / 2**20:.3f}",
+                f"{r['auc']:.5f}",
+                f"{d_auc:+.5f}",
+                f"{r['logloss']:.5f}",
+                f"{d_ll:+.5f}",
+                per,
+            )
         console.print(table)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return results

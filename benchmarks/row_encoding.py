@@ -63,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = get_preset("dlrm/tiny")
         tab = TabularConfig(spec=str(d / "spec.yaml"), prepared_dir=str(d / "prep"))
         cfg = dataclasses.replace(
-            cfg, data=dataclasses.replace(cfg.data, kind="tabular", tabular=tab),
-            train=dataclasses.replace(cfg.train, num_steps=20, progress=False))  # fmt: skip
+            cfg,
+            data=dataclasses.replace(cfg.data, kind="tabular", tabular=tab),
+            train=dataclasses.replace(cfg.train, num_steps=20, progress=False),
+        )
         train(cfg, build_model, Path(tmp) / "run")
-        export_workdir(DLRMConfig, build_model,
-                       ExportArgs(workdir=str(Path(tmp) / "run"), out=str(Path(tmp) / "m")),
-                       log=lambda _: None)  # fmt: skip
+        export_workdir(
+            DLRMConfig,
+            build_model,
+            ExportArgs(workdir=str(Path(tmp) / "run"), out=str(Path(tmp) / "m")),
+            log=lambda _: None,
+        )
         model = Model.load(Path(tmp) / "m")
         p = prepare(tab.spec, tab.prepared_dir, progress=False)
         fmt = model.manifest["vocab"]["format"]
@@ -76,8 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         header = (d / "new.csv").read_text().splitlines()[0]
         lines = (d / "new.csv").read_text().splitlines()[1:]
         table = Table(title="raw-row encoding, microseconds per row (best of repeats)")
-        for col in ("rows per request", "RowEncoder", "cold cache", "score (predict)",
-                    "encode / score", "prepare's encoder (file)", "RowEncoder / prepare"):  # fmt: skip
+        for col in (
+            "rows per request",
+            "RowEncoder",
+            "cold cache",
+            "score (predict)",
+            "encode / score",
+            "prepare's encoder (file)",
+            "RowEncoder / prepare",
+        ):
             table.add_column(col, justify="right")
         for n in args.sizes:
             batch = (rows * (n // len(rows) + 1))[:n]
@@ -85,12 +97,22 @@ def main(argv: list[str] | None = None) -> int:
             f = Path(tmp) / f"req{n}.csv"
             f.write_text("\n".join([header, *(lines * (n // len(lines) + 1))[:n]]) + "\n")
             enc = _best(lambda b=batch: model.encode(b), args.repeats) / n * 1e6
-            cold = _best(lambda b=batch: (model.rows._caches.clear(), model.encode(b)),
-                         args.repeats) / n * 1e6  # fmt: skip
+            cold = (
+                _best(lambda b=batch: (model.rows._caches.clear(), model.encode(b)), args.repeats)
+                / n
+                * 1e6
+            )
             score = _best(lambda d=dense, i=ids: model.predict(d, i), args.repeats) / n * 1e6
             ref = _best(lambda f=f: p.encode_file(str(f)), args.repeats) / n * 1e6
-            table.add_row(str(n), f"{enc:.1f}", f"{cold:.1f}", f"{score:.1f}", f"{enc / score:.2f}",
-                          f"{ref:.1f}", f"{enc / ref:.2f}")  # fmt: skip
+            table.add_row(
+                str(n),
+                f"{enc:.1f}",
+                f"{cold:.1f}",
+                f"{score:.1f}",
+                f"{enc / score:.2f}",
+                f"{ref:.1f}",
+                f"{enc / ref:.2f}",
+            )
         console.print(table)
     return 0
 

@@ -85,13 +85,26 @@ async def _drive(score, dense, ids, rate: float, duration: float, seed: int) -> 
         tasks.append(asyncio.create_task(one(i, at)))
     await asyncio.gather(*tasks)
     wall = loop.time() - t0
-    return {"latencies": lat, "shed": shed[0], "errors": errors[0], "sent": len(times),
-            "wall": wall}  # fmt: skip
+    return {
+        "latencies": lat,
+        "shed": shed[0],
+        "errors": errors[0],
+        "sent": len(times),
+        "wall": wall,
+    }
 
 
-async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int, rate: float,
-                         duration: float, seed: int, http: bool, raw: str = "",
-                         barrier=None) -> dict:  # fmt: skip
+async def _run_inprocess(
+    artifact: str,
+    policy: tuple[int, float],
+    workers: int,
+    rate: float,
+    duration: float,
+    seed: int,
+    http: bool,
+    raw: str = "",
+    barrier=None,
+) -> dict:
     from recscale.serving.batcher import DynamicBatcher
     from recscale.serving.runtime import Model, read_rows
 
@@ -102,8 +115,11 @@ async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int,
     if raw:  # requests are rows of a data file, encoded by the model as they arrive
         if model.rows is None:
             raise SystemExit(f"error: --raw: {artifact} has no encoding of raw rows")
-        rows = list(itertools.islice(read_rows(raw, model.manifest["vocab"]["format"],
-                                               model.rows.columns), 4096))  # fmt: skip
+        rows = list(
+            itertools.islice(
+                read_rows(raw, model.manifest["vocab"]["format"], model.rows.columns), 4096
+            )
+        )
     max_batch, max_wait = policy
     for b in sorted({1 << k for k in range(max_batch.bit_length())} | {max_batch}):  # compile
         model.predict_checked(dense[:b], ids[:b])
@@ -117,19 +133,28 @@ async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int,
 
         from recscale.serving.server import make_app
 
-        app = make_app(model, max_batch=max_batch, max_wait=max_wait, workers=workers,
-                       max_queue=max(4096, max_batch))  # fmt: skip
+        app = make_app(
+            model,
+            max_batch=max_batch,
+            max_wait=max_wait,
+            workers=workers,
+            max_queue=max(4096, max_batch),
+        )
         server = TestServer(app)
         await server.start_server()
-        bodies = [json.dumps({"examples": [rows[i % len(rows)]]}) if raw else
-                  json.dumps({"dense": dense[i : i + 1].tolist(), "ids": ids[i : i + 1].tolist()})
-                  for i in range(256)]  # fmt: skip
+        bodies = [
+            json.dumps({"examples": [rows[i % len(rows)]]})
+            if raw
+            else json.dumps({"dense": dense[i : i + 1].tolist(), "ids": ids[i : i + 1].tolist()})
+            for i in range(256)
+        ]
         async with ClientSession(connector=TCPConnector(limit=0)) as session:
             url = str(server.make_url("/predict"))
 
             async def score(i):
-                async with session.post(url, data=bodies[i % 256],
-                                        headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                async with session.post(
+                    url, data=bodies[i % 256], headers={"Content-Type": "application/json"}
+                ) as r:
                     if r.status != 200:
                         raise RuntimeError(f"{r.status}")
                     await r.read()
@@ -138,8 +163,13 @@ async def _run_inprocess(artifact: str, policy: tuple[int, float], workers: int,
             out = await _drive(score, dense, ids, rate, duration, seed)
         await server.close()
         return out
-    batcher = DynamicBatcher(model.predict_checked, max_batch=max_batch, max_wait=max_wait,
-                             workers=workers, max_queue=max(4096, max_batch))  # fmt: skip
+    batcher = DynamicBatcher(
+        model.predict_checked,
+        max_batch=max_batch,
+        max_wait=max_wait,
+        workers=workers,
+        max_queue=max(4096, max_batch),
+    )
     batcher.start()
 
     async def score(i):
@@ -165,8 +195,9 @@ def _worker(args_tuple, barrier, q):
     q.put(asyncio.run(_run_inprocess(*args_tuple, barrier=barrier)))
 
 
-def measure(artifact: str, policy, coloc: str, rate: float, duration: float, http: bool,
-            raw: str = "") -> dict:  # fmt: skip
+def measure(
+    artifact: str, policy, coloc: str, rate: float, duration: float, http: bool, raw: str = ""
+) -> dict:
     """One configuration at one rate: latencies pooled over the co-located instances."""
     kind, n = coloc[0], int(coloc[1:])
     if kind == "t":
@@ -174,8 +205,13 @@ def measure(artifact: str, policy, coloc: str, rate: float, duration: float, htt
     else:  # n processes, each with rate / n
         ctx = mp.get_context("spawn")
         q, barrier = ctx.Queue(), ctx.Barrier(n)
-        procs = [ctx.Process(target=_worker, args=((artifact, policy, 1, rate / n, duration, s,
-                                                     http, raw), barrier, q)) for s in range(n)]  # fmt: skip
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=((artifact, policy, 1, rate / n, duration, s, http, raw), barrier, q),
+            )
+            for s in range(n)
+        ]
         for p in procs:
             p.start()
         res = []
@@ -196,27 +232,44 @@ def measure(artifact: str, policy, coloc: str, rate: float, duration: float, htt
     shed = sum(r["shed"] for r in res)
     wall = max(r["wall"] for r in res)
     pct = np.percentile(lat, [50, 95, 99]) if lat.size else [np.inf] * 3
-    return {"rate": rate, "p50_ms": float(pct[0]), "p95_ms": float(pct[1]),
-            "p99_ms": float(pct[2]), "throughput": lat.size / wall, "sent": sent, "shed": shed,
-            "errors": sum(r["errors"] for r in res),
-            "mean_batch": float(np.mean([r.get("mean_batch", 0) for r in res]))}  # fmt: skip
+    return {
+        "rate": rate,
+        "p50_ms": float(pct[0]),
+        "p95_ms": float(pct[1]),
+        "p99_ms": float(pct[2]),
+        "throughput": lat.size / wall,
+        "sent": sent,
+        "shed": shed,
+        "errors": sum(r["errors"] for r in res),
+        "mean_batch": float(np.mean([r.get("mean_batch", 0) for r in res])),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True, help="a trained run to export")
     ap.add_argument("--precisions", nargs="*", default=["float32", "int8", "int4"])
-    ap.add_argument("--policies", nargs="*", default=["1:0", "64:1", "256:2"],
-                    help="MAX_BATCH:MAX_WAIT_MS")  # fmt: skip
-    ap.add_argument("--colocation", nargs="*", default=["t1", "t2", "p2"],
-                    help="tN: N instances as threads in one process; pN: N processes")  # fmt: skip
-    ap.add_argument("--rates", nargs="*", type=float,
-                    default=[250, 500, 1000, 2000, 4000, 8000, 16000])  # fmt: skip
+    ap.add_argument(
+        "--policies", nargs="*", default=["1:0", "64:1", "256:2"], help="MAX_BATCH:MAX_WAIT_MS"
+    )
+    ap.add_argument(
+        "--colocation",
+        nargs="*",
+        default=["t1", "t2", "p2"],
+        help="tN: N instances as threads in one process; pN: N processes",
+    )
+    ap.add_argument(
+        "--rates", nargs="*", type=float, default=[250, 500, 1000, 2000, 4000, 8000, 16000]
+    )
     ap.add_argument("--duration", type=float, default=4.0)
     ap.add_argument("--bound-ms", type=float, default=10.0)
     ap.add_argument("--http", action="store_true")
-    ap.add_argument("--raw", default="", help="a data file of the run: requests are its raw "
-                    "rows, encoded by the model (its encoding's cost included)")  # fmt: skip
+    ap.add_argument(
+        "--raw",
+        default="",
+        help="a data file of the run: requests are its raw "
+        "rows, encoded by the model (its encoding's cost included)",
+    )
     ap.add_argument("--out", default="runs/bench_serving")
     args = ap.parse_args(argv)
     from recscale.export import family_of
@@ -236,43 +289,83 @@ def main(argv: list[str] | None = None) -> dict:
             fam.main(["--workdir", args.workdir, "--out", str(art), "--precision", p])
         sizes[p] = json.loads(man.read_text())["table_bytes"]
     configs = [("float32", "1:0", "t1")]  # the baseline first
-    configs += [(p, pol, c) for p in args.precisions for pol in args.policies
-                for c in args.colocation if (p, pol, c) != configs[0]]  # fmt: skip
+    configs += [
+        (p, pol, c)
+        for p in args.precisions
+        for pol in args.policies
+        for c in args.colocation
+        if (p, pol, c) != configs[0]
+    ]
     results = []
     for p, pol, coloc in configs:
         mb, mw = pol.split(":")
         policy = (int(mb), float(mw) / 1e3)
         rows = []
         for rate in args.rates:
-            r = measure(str(out / f"model_{p}"), policy, coloc, rate, args.duration, args.http,
-                        args.raw)  # fmt: skip
+            r = measure(
+                str(out / f"model_{p}"), policy, coloc, rate, args.duration, args.http, args.raw
+            )
             rows.append(r)
-            console.print(f"{p:8s} {pol:>7s} {coloc:3s} rate {rate:7.0f}/s: p50 {r['p50_ms']:7.2f} "
-                          f"p99 {r['p99_ms']:8.2f} ms, {r['throughput']:7.0f}/s, shed {r['shed']}, "
-                          f"batch {r['mean_batch']:.1f}")  # fmt: skip
+            console.print(
+                f"{p:8s} {pol:>7s} {coloc:3s} rate {rate:7.0f}/s: p50 {r['p50_ms']:7.2f} "
+                f"p99 {r['p99_ms']:8.2f} ms, {r['throughput']:7.0f}/s, shed {r['shed']}, "
+                f"batch {r['mean_batch']:.1f}"
+            )
             if r["p99_ms"] > 20 * args.bound_ms or r["shed"]:
                 break  # far past saturation: higher rates only queue longer
-        ok = [r["rate"] for r in rows
-              if r["p99_ms"] <= args.bound_ms and not r["shed"] and not r["errors"]]  # fmt: skip
-        results.append({"precision": p, "policy": pol, "colocation": coloc, "rows": rows,
-                        "max_rate_within_bound": max(ok) if ok else 0.0})  # fmt: skip
+        ok = [
+            r["rate"]
+            for r in rows
+            if r["p99_ms"] <= args.bound_ms and not r["shed"] and not r["errors"]
+        ]
+        results.append(
+            {
+                "precision": p,
+                "policy": pol,
+                "colocation": coloc,
+                "rows": rows,
+                "max_rate_within_bound": max(ok) if ok else 0.0,
+            }
+        )
     base = results[0]["max_rate_within_bound"] or float("nan")
-    table = Table(title=f"highest Poisson rate with p99 <= {args.bound_ms:g} ms, nothing shed "
-                        f"({'HTTP' if args.http else 'in process'}"
-                        f"{', raw rows' if args.raw else ''})")  # fmt: skip
-    for col in ("precision", "table MiB", "policy", "co-location", "max req/s", "vs baseline",
-                "p50 / p99 ms there"):  # fmt: skip
+    table = Table(
+        title=f"highest Poisson rate with p99 <= {args.bound_ms:g} ms, nothing shed "
+        f"({'HTTP' if args.http else 'in process'}"
+        f"{', raw rows' if args.raw else ''})"
+    )
+    for col in (
+        "precision",
+        "table MiB",
+        "policy",
+        "co-location",
+        "max req/s",
+        "vs baseline",
+        "p50 / p99 ms there",
+    ):
         table.add_column(col, justify="right")
     for r in results:
         at = next((x for x in r["rows"] if x["rate"] == r["max_rate_within_bound"]), None)
         r["ratio"] = r["max_rate_within_bound"] / base
-        table.add_row(r["precision"], f"{sizes[r['precision']] / 2**20:.3f}", r["policy"],
-                      r["colocation"], f"{r['max_rate_within_bound']:.0f}", f"{r['ratio']:.2f}x",
-                      f"{at['p50_ms']:.2f} / {at['p99_ms']:.2f}" if at else "-")  # fmt: skip
+        table.add_row(
+            r["precision"],
+            f"{sizes[r['precision']] / 2**20:.3f}",
+            r["policy"],
+            r["colocation"],
+            f"{r['max_rate_within_bound']:.0f}",
+            f"{r['ratio']:.2f}x",
+            f"{at['p50_ms']:.2f} / {at['p99_ms']:.2f}" if at else "-",
+        )
     console.print(table)
     _plot(results, args, out / "latency_vs_load.png")
-    res = {"workdir": args.workdir, "bound_ms": args.bound_ms, "http": args.http, "raw": args.raw,
-           "duration": args.duration, "table_bytes": sizes, "results": results}  # fmt: skip
+    res = {
+        "workdir": args.workdir,
+        "bound_ms": args.bound_ms,
+        "http": args.http,
+        "raw": args.raw,
+        "duration": args.duration,
+        "table_bytes": sizes,
+        "results": results,
+    }
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     return res
 
@@ -294,13 +387,22 @@ def _plot(results: list[dict], args, path: Path) -> None:
                 continue
             x = [row["rate"] for row in r["rows"]]
             y = [row["p99_ms"] for row in r["rows"]]
-            ax.plot(x, y, marker="o", color=colors[r["policy"]],
-                    ls=styles.get(r["colocation"], ":"),
-                    label="max {}, wait {} ms, ".format(*r["policy"].split(":"))
-                    + r["colocation"])  # fmt: skip
+            ax.plot(
+                x,
+                y,
+                marker="o",
+                color=colors[r["policy"]],
+                ls=styles.get(r["colocation"], ":"),
+                label="max {}, wait {} ms, ".format(*r["policy"].split(":")) + r["colocation"],
+            )
         ax.axhline(args.bound_ms, color="gray", ls="--", lw=1)
-        ax.set(xscale="log", yscale="log", xlabel="offered load (requests/s)",
-               ylabel="p99 latency (ms)", title=p)  # fmt: skip
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="offered load (requests/s)",
+            ylabel="p99 latency (ms)",
+            title=p,
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -99,16 +99,24 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--reps", type=int, default=40)
     args = ap.parse_args()
-    spec = dataclasses.replace(study.SPEC, budgets=(1e12,), sizes_per_budget=0, min_steps=0,
-                               extend_below=0, seeds=(0,), batch_size=args.batch)  # fmt: skip
+    spec = dataclasses.replace(
+        study.SPEC,
+        budgets=(1e12,),
+        sizes_per_budget=0,
+        min_steps=0,
+        extend_below=0,
+        seeds=(0,),
+        batch_size=args.batch,
+    )
     trials = {t.rung: t for t in resolve(spec).trials}
     print(f"batch {args.batch}; ms per step (compile excluded), us per example, ratio to single")
     for rung in args.rungs:
         t = trials[rung]
         build_model = importlib.import_module(f"{t.package}.model").build_model
         importlib.import_module(f"{t.package}.presets")
-        base = config_lib.get_preset(next(f.preset for f in study.SPEC.families
-                                          if f.family == t.family))  # fmt: skip
+        base = config_lib.get_preset(
+            next(f.preset for f in study.SPEC.families if f.family == t.family)
+        )
         cfg = config_lib.from_dict(type(base), json.loads(json.dumps(t.config)))
         mesh = sharding.make_mesh(cfg.mesh)
         with sharding.activate(mesh, cfg.mesh):
@@ -121,8 +129,10 @@ def main() -> None:
             for x in dev:
                 a, _ = single(a, x, sargs)
             b, _ = multi(b, stacked, sargs)
-            same = all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
-                                                          strict=True))  # fmt: skip
+            same = all(
+                np.array_equal(x, y)
+                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+            )
             if not same:
                 sys.exit(f"{rung}: {args.k} scanned steps differ from {args.k} single steps")
             ms = {}
@@ -138,11 +148,15 @@ def main() -> None:
                 n_ops["flat"] = _count(
                     flat_single.lower(exp_flat.init_state(), dev[0], sargs).compile().as_text()
                 )
-        print(f"  {t.family} {rung} ({t.flops_per_example:.2e} FLOPs/example), "
-              f"{n_ops['single']} XLA instructions per step ({n_ops['flat']} flat):")  # fmt: skip
+        print(
+            f"  {t.family} {rung} ({t.flops_per_example:.2e} FLOPs/example), "
+            f"{n_ops['single']} XLA instructions per step ({n_ops['flat']} flat):"
+        )
         for name, sec in ms.items():
-            print(f"    {name:<7}{sec * 1e3:8.3f} ms/step {sec / args.batch * 1e6:7.2f} us/example"
-                  f" {ms['single'] / sec:6.2f}x")  # fmt: skip
+            print(
+                f"    {name:<7}{sec * 1e3:8.3f} ms/step {sec / args.batch * 1e6:7.2f} us/example"
+                f" {ms['single'] / sec:6.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -28,11 +28,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=256)
     args = ap.parse_args()
-    spec = dataclasses.replace(study.SPEC, budgets=(1e12,), sizes_per_budget=0, min_steps=0,
-                               extend_below=0, seeds=(0,), batch_size=args.batch)  # fmt: skip
+    spec = dataclasses.replace(
+        study.SPEC,
+        budgets=(1e12,),
+        sizes_per_budget=0,
+        min_steps=0,
+        extend_below=0,
+        seeds=(0,),
+        batch_size=args.batch,
+    )
     trials = {t.rung: t for t in resolve(spec).trials}
-    print(f"batch {args.batch}, {args.steps} steps; ms per step (compile excluded) and data "
-          "waits per step")  # fmt: skip
+    print(
+        f"batch {args.batch}, {args.steps} steps; ms per step (compile excluded) and data "
+        "waits per step"
+    )
     for rung in args.rungs:
         t = trials[rung]
         ms = {}
@@ -49,9 +58,11 @@ def main() -> None:
                 row = json.loads((Path(wd) / "timings.jsonl").read_text().splitlines()[-1])
             tr, data = row["phases"]["train"], row["phases"]["data"]
             ms[mode] = (tr["seconds"] - tr["compile_s"]) / args.steps * 1e3
-            print(f"  {t.family} {rung} ({t.flops_per_example:.3g} FLOPs/example), sharding="
-                  f"{mode}: {ms[mode]:.1f} ms/step, data waits "
-                  f"{data['seconds'] / args.steps * 1e3:.1f} ms/step")  # fmt: skip
+            print(
+                f"  {t.family} {rung} ({t.flops_per_example:.3g} FLOPs/example), sharding="
+                f"{mode}: {ms[mode]:.1f} ms/step, data waits "
+                f"{data['seconds'] / args.steps * 1e3:.1f} ms/step"
+            )
         print(f"  {rung}: the engine's step is {ms['off'] / ms['auto']:.2f}x faster")
 
 

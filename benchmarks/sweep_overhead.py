@@ -127,13 +127,19 @@ def trials_main(args) -> None:
     root = Path(tempfile.mkdtemp(prefix="sweep_overhead-"))
     results: dict[tuple[str, str], dict] = {}
     for size, trial in chosen.items():
-        print(f"{size}: {trial.family} {trial.rung} at {trial.budget:.3g} FLOPs, "
-              f"{trial.steps} steps of {trial.batch_size}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{size}: {trial.family} {trial.rung} at {trial.budget:.3g} FLOPs, "
+            f"{trial.steps} steps of {trial.batch_size}",
+            file=sys.stderr,
+        )
     for way in ("process", "server"):
         cache = root / f"jax_cache_{way}"
-        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
-               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            "JAX_COMPILATION_CACHE_DIR": str(cache),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
+            "PYTHONUNBUFFERED": "1",
+        }
         if way == "process":
             for size, trial in chosen.items():
                 results[(size, way)] = run_process(trial, root, env)
@@ -143,8 +149,9 @@ def trials_main(args) -> None:
             run_server(server, warmup, root, "warmup")
             for size, trial in chosen.items():
                 results[(size, way)] = run_server(server, trial, root, way)
-                results[(size, "cached")] = run_server(server, trial, root, way,
-                                                       seed=trial.seed + 1)  # fmt: skip
+                results[(size, "cached")] = run_server(
+                    server, trial, root, way, seed=trial.seed + 1
+                )
         finally:
             server.retire()
     ways = {"process": "process", "server": "server", "cached": "server, rung cached"}
@@ -165,9 +172,11 @@ def trials_main(args) -> None:
     for size, trial in chosen.items():
         p, s, c = (results[(size, w)]["total"] for w in ways)
         flops = trial.compute
-        print(f"{size}: process {p:.2f} s, server {s:.2f} s ({p / s:.2f}x), rung cached "
-              f"{c:.2f} s ({p / c:.2f}x); {flops / p / 1e9:.2f} -> {flops / s / 1e9:.2f} -> "
-              f"{flops / c / 1e9:.2f} GFLOP/s of training per second of trial wall time")  # fmt: skip
+        print(
+            f"{size}: process {p:.2f} s, server {s:.2f} s ({p / s:.2f}x), rung cached "
+            f"{c:.2f} s ({p / c:.2f}x); {flops / p / 1e9:.2f} -> {flops / s / 1e9:.2f} -> "
+            f"{flops / c / 1e9:.2f} GFLOP/s of training per second of trial wall time"
+        )
 
 
 def _load_rows(path: Path) -> list[dict]:
@@ -186,8 +195,10 @@ def sweep_main(args) -> None:
         rows = [r for r in _load_rows(path) if r["status"] == "SUCCESS"]
         flops = sum(float(r["compute"]) for r in rows)
         wall = sum(float(r["wall_time_s"]) for r in rows)
-        line = (f"{ref}: {len(rows)} trials, {flops:.3g} training FLOPs, summed trial wall "
-                f"{wall / 60:.1f} min: {flops / wall / 1e9:.2f} GFLOP/s")  # fmt: skip
+        line = (
+            f"{ref}: {len(rows)} trials, {flops:.3g} training FLOPs, summed trial wall "
+            f"{wall / 60:.1f} min: {flops / wall / 1e9:.2f} GFLOP/s"
+        )
         sweep_dir = path if path.is_dir() else path.parent
         starts, ends, shares = [], [], []
         estimated = False
@@ -209,19 +220,25 @@ def sweep_main(args) -> None:
                 )
                 shares.append(loop / float(r["wall_time_s"]))
             elif met.exists():  # trials from before timings.jsonl: as the issue measured it
-                eps = [m["examples_per_sec"] for m in map(json.loads, met.read_text().splitlines())
-                       if m.get("split") == "train"]  # fmt: skip
+                eps = [
+                    m["examples_per_sec"]
+                    for m in map(json.loads, met.read_text().splitlines())
+                    if m.get("split") == "train"
+                ]
                 if eps:
                     estimated = True
-                    shares.append(float(r["examples"]) / statistics.median(eps)
-                                  / float(r["wall_time_s"]))  # fmt: skip
+                    shares.append(
+                        float(r["examples"]) / statistics.median(eps) / float(r["wall_time_s"])
+                    )
         if starts:
             span = max(ends) - min(starts)
             line += f"; makespan {span / 60:.1f} min: {flops / span / 1e9:.2f} GFLOP/s"
         if shares:
-            line += (f"; the step loop is {statistics.median(shares):.0%} of the median "
-                     f"trial's wall time ({min(shares):.0%}-{max(shares):.0%}"
-                     f"{', estimated from logged examples/s' if estimated else ''})")  # fmt: skip
+            line += (
+                f"; the step loop is {statistics.median(shares):.0%} of the median "
+                f"trial's wall time ({min(shares):.0%}-{max(shares):.0%}"
+                f"{', estimated from logged examples/s' if estimated else ''})"
+            )
         print(line)
 
 

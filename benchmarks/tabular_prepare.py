@@ -119,26 +119,50 @@ def bench_prepare(sizes: list[float], directory: str, keep: bool, workers: int) 
             t = time.perf_counter()
             rows = _write_criteo(path, gb)
             size = path.stat().st_size
-            print(f"wrote {size / 1e9:.1f} GB, {rows:,} rows in {time.perf_counter() - t:.0f} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"wrote {size / 1e9:.1f} GB, {rows:,} rows in {time.perf_counter() - t:.0f} s",
+                flush=True,
+            )
             r_rows, r_s, r_rss = _child(_READ, str(path))
-            p_rows, p_s, p_rss = _child(_PREP, str(path), str(work / "prep"), str(REPO),
-                                        str(workers))  # fmt: skip
+            p_rows, p_s, p_rss = _child(
+                _PREP, str(path), str(work / "prep"), str(REPO), str(workers)
+            )
             assert r_rows == rows and p_rows == rows, (r_rows, p_rows, rows)
-            results.append({"gb": size / 1e9, "rows": rows, "read_rows_s": rows / r_s,
-                            "read_rss_gb": r_rss, "prepare_rows_s": rows / p_s,
-                            "prepare_rss_gb": p_rss, "ratio": r_s / p_s})  # fmt: skip
+            results.append(
+                {
+                    "gb": size / 1e9,
+                    "rows": rows,
+                    "read_rows_s": rows / r_s,
+                    "read_rss_gb": r_rss,
+                    "prepare_rows_s": rows / p_s,
+                    "prepare_rss_gb": p_rss,
+                    "ratio": r_s / p_s,
+                }
+            )
         finally:
             if not keep:
                 shutil.rmtree(work, ignore_errors=True)
     t = Table(title="tabular preparation vs a plain pyarrow.csv read (Criteo-format TSV)")
-    for h in ("file GB", "rows", "read rows/s", "prepare rows/s", "ratio", "read peak RSS",
-              "prepare peak RSS"):  # fmt: skip
+    for h in (
+        "file GB",
+        "rows",
+        "read rows/s",
+        "prepare rows/s",
+        "ratio",
+        "read peak RSS",
+        "prepare peak RSS",
+    ):
         t.add_column(h)
     for r in results:
-        t.add_row(f"{r['gb']:.1f}", f"{r['rows']:,}", f"{r['read_rows_s']:,.0f}",
-                  f"{r['prepare_rows_s']:,.0f}", f"{r['ratio']:.2f}x",
-                  f"{r['read_rss_gb']:.2f} GB", f"{r['prepare_rss_gb']:.2f} GB")  # fmt: skip
+        t.add_row(
+            f"{r['gb']:.1f}",
+            f"{r['rows']:,}",
+            f"{r['read_rows_s']:,.0f}",
+            f"{r['prepare_rows_s']:,.0f}",
+            f"{r['ratio']:.2f}x",
+            f"{r['read_rss_gb']:.2f} GB",
+            f"{r['prepare_rss_gb']:.2f} GB",
+        )
     Console().print(t)
     print(json.dumps(results))
     return results
@@ -161,8 +185,13 @@ def bench_input(frappe: str) -> dict:
         from recscale.train.loop import train
 
         cfg = get_preset("dlrm/frappe")
-        data = dataclasses.replace(cfg.data, kind="tabular", tabular=dataclasses.replace(
-            cfg.data.tabular, spec=spec, prepared_dir=os.path.join(tmp, "prep")))  # fmt: skip
+        data = dataclasses.replace(
+            cfg.data,
+            kind="tabular",
+            tabular=dataclasses.replace(
+                cfg.data.tabular, spec=spec, prepared_dir=os.path.join(tmp, "prep")
+            ),
+        )
         source = make_source(data)
         source.train_batch(0)
         steps = 50
@@ -170,18 +199,28 @@ def bench_input(frappe: str) -> dict:
         for s in range(1, steps + 1):
             source.train_batch(s)
         input_eps = steps * data.batch_size / (time.perf_counter() - t)
-        run = dataclasses.replace(cfg, data=data, train=dataclasses.replace(
-            cfg.train, num_steps=150, log_every=50, eval_every=0, progress=False))  # fmt: skip
+        run = dataclasses.replace(
+            cfg,
+            data=data,
+            train=dataclasses.replace(
+                cfg.train, num_steps=150, log_every=50, eval_every=0, progress=False
+            ),
+        )
         wd = os.path.join(tmp, "run")
         train(run, build_model, wd)
         rows = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
         rates = [r["examples_per_sec"] for r in rows if r["split"] == "train"][1:]  # no compile
         model_eps = float(np.median(rates))
-    out = {"input_examples_s": input_eps, "model_examples_s": model_eps,
-           "ratio": input_eps / model_eps}  # fmt: skip
-    print(f"prepared Frappe shards: {input_eps:,.0f} examples/s (one thread, batch "
-          f"{data.batch_size}); dlrm/frappe trains at {model_eps:,.0f} examples/s: "
-          f"input / model = {input_eps / model_eps:.1f}x")  # fmt: skip
+    out = {
+        "input_examples_s": input_eps,
+        "model_examples_s": model_eps,
+        "ratio": input_eps / model_eps,
+    }
+    print(
+        f"prepared Frappe shards: {input_eps:,.0f} examples/s (one thread, batch "
+        f"{data.batch_size}); dlrm/frappe trains at {model_eps:,.0f} examples/s: "
+        f"input / model = {input_eps / model_eps:.1f}x"
+    )
     print(json.dumps(out))
     return out
 

@@ -98,9 +98,11 @@ def child(args) -> None:
     rows = args.rows
     schema = Schema(
         dense_names=tuple(f"d{i}" for i in range(4)),
-        features=(FeatureInfo(name="big", vocab_size=rows),
-                  *(FeatureInfo(name=f"s{i}", vocab_size=1000) for i in range(3))),
-    )  # fmt: skip
+        features=(
+            FeatureInfo(name="big", vocab_size=rows),
+            *(FeatureInfo(name=f"s{i}", vocab_size=1000) for i in range(3)),
+        ),
+    )
     cfg = DLRMConfig(
         model=DLRMModelConfig(embed_dim=args.dim, bottom_mlp=(64, args.dim), top_mlp=(64, 1)),
         data=DataConfig(batch_size=args.batch, eval_batch_size=args.batch),
@@ -109,8 +111,11 @@ def child(args) -> None:
         mesh=MeshConfig(data_parallel=1, rules="replicated"),
         embeddings=EmbeddingShardingConfig(sharding="table_wise"),
     )
-    specs = (tiers_lib.parse_tiers((f"big={args.tier}:{args.cache_rows}",))
-             if args.tier != "none" else {})  # fmt: skip
+    specs = (
+        tiers_lib.parse_tiers((f"big={args.tier}:{args.cache_rows}",))
+        if args.tier != "none"
+        else {}
+    )
     mesh = sharding.make_mesh(cfg.mesh)
     rng = np.random.default_rng(0)
     out: dict = {"config": args.name, "rows": rows, "device": jax.devices()[0].device_kind}
@@ -118,15 +123,27 @@ def child(args) -> None:
         model = build_model(cfg, tiers_lib.model_schema(schema, specs), nnx.Rngs(params=0))
         graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         tx = make_optimizer(cfg, params)
-        state = TrainState(step=jax.numpy.zeros((), "int32"), params=params,
-                           opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
+        state = TrainState(
+            step=jax.numpy.zeros((), "int32"),
+            params=params,
+            opt_state=tx.init(params),
+            batch_stats=stats,
+            rng=initial_rng(0),
+        )
         step = jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
         tiers = None
         if specs:
             t0 = time.perf_counter()
-            tiers = tiers_lib.TieredTables(model, schema, specs, Path(args.dir),
-                                           optimizer="rowwise_adagrad", initial_accumulator=0.0,
-                                           seed=0, mesh=mesh)  # fmt: skip
+            tiers = tiers_lib.TieredTables(
+                model,
+                schema,
+                specs,
+                Path(args.dir),
+                optimizer="rowwise_adagrad",
+                initial_accumulator=0.0,
+                seed=0,
+                mesh=mesh,
+            )
             tiers.create()
             out["create_s"] = time.perf_counter() - t0
             out["file_bytes"] = tiers.stores["big"].path.stat().st_size
@@ -180,8 +197,9 @@ def child(args) -> None:
             out["checkpoint_s"] = time.perf_counter() - t0
             tiers.close()
     if args.cgroup:
-        out["cgroup_peak_bytes"] = int((Path(args.cgroup) / "memory.max_usage_in_bytes")
-                                       .read_text())  # fmt: skip
+        out["cgroup_peak_bytes"] = int(
+            (Path(args.cgroup) / "memory.max_usage_in_bytes").read_text()
+        )
         out["cgroup_limit_bytes"] = int((Path(args.cgroup) / "memory.limit_in_bytes").read_text())
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -207,8 +225,19 @@ def _cgroup(limit: int) -> Path | None:
 
 def _run(args, name: str, tier: str, rows: int, cgroup: Path | None) -> dict:
     out = Path(args.out)
-    cmd = [sys.executable, __file__, "--child", "--name", name, "--tier", tier,
-           "--rows", str(rows), "--dir", str(out / "stores" / name)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--name",
+        name,
+        "--tier",
+        tier,
+        "--rows",
+        str(rows),
+        "--dir",
+        str(out / "stores" / name),
+    ]
     for k in ("dim", "batch", "cache_rows", "steps", "warmup", "zipf"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if cgroup is not None:
@@ -237,8 +266,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mem-limit-gib", type=float, default=1.5)
     ap.add_argument("--out", default="runs/bench_tiers")
     ap.add_argument("--configs", nargs="+", default=["in_memory", "dram", "ssd"])
-    ap.add_argument("--platform", default="cpu", help="JAX_PLATFORMS of the runs ('' : JAX's "
-                    "default, e.g. the GPU)")  # fmt: skip
+    ap.add_argument(
+        "--platform",
+        default="cpu",
+        help="JAX_PLATFORMS of the runs ('' : JAX's default, e.g. the GPU)",
+    )
     # the child's
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -276,8 +308,10 @@ def main(argv: list[str] | None = None) -> None:
         for d in (out / "stores" / name).glob("*/rows.f32"):
             d.unlink()  # gigabytes: not kept
     base = next((r for r in results if r["config"] == "in_memory"), None)
-    t = Table(title=f"tiered tables: Zipf {args.zipf}, batch {args.batch}, dim {args.dim}, "
-                    f"cache {args.cache_rows:,} rows, {args.steps} steps after {args.warmup}")  # fmt: skip
+    t = Table(
+        title=f"tiered tables: Zipf {args.zipf}, batch {args.batch}, dim {args.dim}, "
+        f"cache {args.cache_rows:,} rows, {args.steps} steps after {args.warmup}"
+    )
     for c in (
         "config",
         "table rows",
@@ -296,18 +330,23 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         gib = lambda k, r=r: f"{r[k] / 2**30:.2f}" if k in r else "-"  # noqa: E731
         t.add_row(
-            r["config"], f"{r['rows']:,}", gib("file_bytes"), gib("cgroup_limit_bytes"),
-            gib("cgroup_peak_bytes"), f"{r['examples_per_s']:,.0f}",
+            r["config"],
+            f"{r['rows']:,}",
+            gib("file_bytes"),
+            gib("cgroup_limit_bytes"),
+            gib("cgroup_peak_bytes"),
+            f"{r['examples_per_s']:,.0f}",
             f"{r['examples_per_s'] / base['examples_per_s']:.2f}" if base else "-",
             f"{r['hit_rate']:.4f}" if "hit_rate" in r else "-",
             f"{r['predicted_hit_rate']:.4f}" if "predicted_hit_rate" in r else "-",
             f"{r['read_mib_per_step']:.2f}" if "hit_rate" in r else "-",
             f"{r['written_mib_per_step']:.2f}" if "hit_rate" in r else "-",
             f"{r['tiers_ms_per_step']:.1f}" if "hit_rate" in r else "-",
-        )  # fmt: skip
+        )
     Console(width=200).print(t)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results},
-                                                 indent=1))  # fmt: skip
+    (out / "results.json").write_text(
+        json.dumps({"args": vars(args), "results": results}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -66,15 +66,47 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHREC_PY = ROOT / ".venv-torchrec" / "bin" / "python"
 
 CONFIGS = {
-    "A128": dict(tables=26, rows=100_000, dim=16, hotness=1, dense=13, bottom=(512, 256, 64, 16),
-                 top=(512, 256, 1), batch=128),
-    "A2048": dict(tables=26, rows=100_000, dim=16, hotness=1, dense=13,
-                  bottom=(512, 256, 64, 16), top=(512, 256, 1), batch=2048),
-    "B": dict(tables=8, rows=1_000_000, dim=64, hotness=100, dense=512, bottom=(512, 64),
-              top=(1024, 1024, 1024, 1), batch=2048),
-    "C": dict(tables=26, rows=1_000_000, dim=64, hotness=20, dense=13, bottom=(256, 64),
-              top=(256, 1), batch=4096),
-}  # fmt: skip
+    "A128": dict(
+        tables=26,
+        rows=100_000,
+        dim=16,
+        hotness=1,
+        dense=13,
+        bottom=(512, 256, 64, 16),
+        top=(512, 256, 1),
+        batch=128,
+    ),
+    "A2048": dict(
+        tables=26,
+        rows=100_000,
+        dim=16,
+        hotness=1,
+        dense=13,
+        bottom=(512, 256, 64, 16),
+        top=(512, 256, 1),
+        batch=2048,
+    ),
+    "B": dict(
+        tables=8,
+        rows=1_000_000,
+        dim=64,
+        hotness=100,
+        dense=512,
+        bottom=(512, 64),
+        top=(1024, 1024, 1024, 1),
+        batch=2048,
+    ),
+    "C": dict(
+        tables=26,
+        rows=1_000_000,
+        dim=64,
+        hotness=20,
+        dense=13,
+        bottom=(256, 64),
+        top=(256, 1),
+        batch=4096,
+    ),
+}
 LR = 0.01
 
 
@@ -108,9 +140,11 @@ def recscale_run(
 ) -> dict:
     schema = Schema(
         dense_names=tuple(f"d{i}" for i in range(c["dense"])),
-        features=tuple(FeatureInfo(name=f"f{i}", vocab_size=c["rows"], max_hotness=c["hotness"])
-                       for i in range(c["tables"])),
-    )  # fmt: skip
+        features=tuple(
+            FeatureInfo(name=f"f{i}", vocab_size=c["rows"], max_hotness=c["hotness"])
+            for i in range(c["tables"])
+        ),
+    )
     cfg = DLRMConfig(
         model=DLRMModelConfig(embed_dim=c["dim"], bottom_mlp=c["bottom"], top_mlp=c["top"]),
         data=DataConfig(batch_size=c["batch"], eval_batch_size=c["batch"]),
@@ -120,7 +154,7 @@ def recscale_run(
         embeddings=EmbeddingShardingConfig(sharding=sharding_kind),
         kernels=KernelConfig(
             embedding_bag=kernels, embedding_update=kernels, dot_interaction=kernels
-        ),  # fmt: skip
+        ),
     )
     mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
     rng = np.random.default_rng(1)
@@ -138,8 +172,13 @@ def recscale_run(
         model = build_model(cfg, schema, nnx.Rngs(params=0))
         graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         tx = make_optimizer(cfg, params)
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
+        state = TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            batch_stats=stats,
+            rng=initial_rng(0),
+        )
         batches = [jax.device_put(b) for b in host]
         train = jax.jit(make_train_step(graphdef, tx), donate_argnums=(0,))
         infer = jax.jit(make_eval_step(graphdef))
@@ -186,13 +225,24 @@ def torchrec_run(
 
         py, script = Path(sys.executable), "_torch_dlrm.py"
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = {**c, "bottom": list(c["bottom"]), "top": list(c["top"]), "emb_lr": LR,
-            "dense_lr": LR, "num_batches": 8, "warmup": warmup, "steps": steps,
-            "threads": threads, "windows": windows, "device": device}  # fmt: skip
+    args = {
+        **c,
+        "bottom": list(c["bottom"]),
+        "top": list(c["top"]),
+        "emb_lr": LR,
+        "dense_lr": LR,
+        "num_batches": 8,
+        "warmup": warmup,
+        "steps": steps,
+        "threads": threads,
+        "windows": windows,
+        "device": device,
+    }
     out = subprocess.run(
         [str(py), str(ROOT / "benchmarks" / script), json.dumps(args)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise SystemExit(f"{script} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -217,16 +267,21 @@ def main() -> None:
         default="torchrec",
         help="TorchRec (its venv, CPU) or plain PyTorch on this machine's device",
     )
-    ap.add_argument("--kernels", default="auto",
-                    help="recscale's kernel implementation (auto, xla, pallas_gpu, ...)")  # fmt: skip
+    ap.add_argument(
+        "--kernels",
+        default="auto",
+        help="recscale's kernel implementation (auto, xla, pallas_gpu, ...)",
+    )
     args = ap.parse_args()
     roof = machine_roofline()
     print(
         f"device: {jax.devices()[0].device_kind}; baseline: {args.baseline}; "
         f"recscale kernels: {args.kernels}"
     )
-    print(f"machine: {roof['matmul_flops'] / 1e9:.0f} GFLOP/s float32 matmul, "
-          f"{roof['memory_bytes_per_s'] / 1e9:.1f} GB/s memory")  # fmt: skip
+    print(
+        f"machine: {roof['matmul_flops'] / 1e9:.0f} GFLOP/s float32 matmul, "
+        f"{roof['memory_bytes_per_s'] / 1e9:.1f} GB/s memory"
+    )
     rows = []
     for name in args.configs:
         c = CONFIGS[name]
@@ -238,19 +293,26 @@ def main() -> None:
         flops = r["train_flops_per_example"]
         emb_bytes = r["embedding_bytes_per_example"]
         row = {
-            "config": name, "batch": c["batch"],
-            "recscale_train": r["train_examples_per_s"], "torchrec_train": t["train_examples_per_s"],
+            "config": name,
+            "batch": c["batch"],
+            "recscale_train": r["train_examples_per_s"],
+            "torchrec_train": t["train_examples_per_s"],
             "train_ratio": r["train_examples_per_s"] / t["train_examples_per_s"],
-            "recscale_infer": r["infer_examples_per_s"], "torchrec_infer": t["infer_examples_per_s"],
+            "recscale_infer": r["infer_examples_per_s"],
+            "torchrec_infer": t["infer_examples_per_s"],
             "infer_ratio": r["infer_examples_per_s"] / t["infer_examples_per_s"],
             "recscale_matmul_roofline": r["train_examples_per_s"] * flops / roof["matmul_flops"],
             "torchrec_matmul_roofline": t["train_examples_per_s"] * flops / roof["matmul_flops"],
             # rows read by the lookup, then read and written by the update: 3x the lookup bytes
-            "recscale_memory_roofline": r["train_examples_per_s"] * 3 * emb_bytes
+            "recscale_memory_roofline": r["train_examples_per_s"]
+            * 3
+            * emb_bytes
             / roof["memory_bytes_per_s"],
-            "torchrec_memory_roofline": t["train_examples_per_s"] * 3 * emb_bytes
+            "torchrec_memory_roofline": t["train_examples_per_s"]
+            * 3
+            * emb_bytes
             / roof["memory_bytes_per_s"],
-        }  # fmt: skip
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     b = "TorchRec" if args.baseline == "torchrec" else "PyTorch"
@@ -261,13 +323,15 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['batch']} | {r['recscale_train']:,.0f} | "
-              f"{r['torchrec_train']:,.0f} | {r['train_ratio']:.2f} | {r['recscale_infer']:,.0f} | "
-              f"{r['torchrec_infer']:,.0f} | {r['infer_ratio']:.2f} | "
-              f"{100 * r['recscale_matmul_roofline']:.1f}% / "
-              f"{100 * r['torchrec_matmul_roofline']:.1f}% | "
-              f"{100 * r['recscale_memory_roofline']:.1f}% / "
-              f"{100 * r['torchrec_memory_roofline']:.1f}% |")  # fmt: skip
+        print(
+            f"| {r['config']} | {r['batch']} | {r['recscale_train']:,.0f} | "
+            f"{r['torchrec_train']:,.0f} | {r['train_ratio']:.2f} | {r['recscale_infer']:,.0f} | "
+            f"{r['torchrec_infer']:,.0f} | {r['infer_ratio']:.2f} | "
+            f"{100 * r['recscale_matmul_roofline']:.1f}% / "
+            f"{100 * r['torchrec_matmul_roofline']:.1f}% | "
+            f"{100 * r['recscale_memory_roofline']:.1f}% / "
+            f"{100 * r['torchrec_memory_roofline']:.1f}% |"
+        )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def build_library(
     hashing the source and ``key`` (compiler, flags, anything else the binary depends on), and
     is built in a temporary file renamed into place, so concurrent builders never load a
     partial one. ``fallback`` ends the warning: what runs instead.
-    """  # fmt: skip
+    """
     root = os.environ.get("RECSCALE_CACHE") or Path.home() / ".cache" / "recscale"
     tag = hashlib.sha256(source.read_bytes() + key).hexdigest()[:16]
     lib = Path(root) / subdir / f"{stem}_{tag}.so"
@@ -89,10 +89,14 @@ def load():
     if cc is None:
         return None
     lib = build_library(
-        SOURCE, cc, FLAGS, subdir="data", stem="recscale_synthetic",
+        SOURCE,
+        cc,
+        FLAGS,
+        subdir="data",
+        stem="recscale_synthetic",
         key=cc.encode() + " ".join(FLAGS).encode(),
         fallback="the synthetic generator uses its numpy path",
-    )  # fmt: skip
+    )
     if lib is None:
         return None
     fn = ctypes.CDLL(str(lib)).recscale_synth

@@ -155,6 +155,9 @@ class IdGuard:
                     _log.warning(
                         "%s: feature %r has ids outside [0, %d); mapping them with id_policy=%r "
                         "(counted in data stats under ids.mapped)",
-                        where, info.name, info.vocab_size, self.policy,
-                    )  # fmt: skip
+                        where,
+                        info.name,
+                        info.vocab_size,
+                        self.policy,
+                    )
                 mapped[info.name] += n

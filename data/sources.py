@@ -280,8 +280,13 @@ class SyntheticSource:
         return self.reads.add("train", self._guard(batch, where=f"synthetic train step {step}"))
 
     def eval_batches(self) -> Iterator[Batch]:
-        key = (self._cfg.synthetic, self._cfg.shuffle_seed, self._cfg.eval_batch_size,
-               self.process_index, self.process_count)  # fmt: skip
+        key = (
+            self._cfg.synthetic,
+            self._cfg.shuffle_seed,
+            self._cfg.eval_batch_size,
+            self.process_index,
+            self.process_count,
+        )
         with _EVAL_CACHE_LOCK:
             cached = _EVAL_CACHE.get(key)
         if cached is None:
@@ -504,8 +509,7 @@ class ArrayRecordFiles:
     in the thousands, past a common open-file limit of 1,024."""
 
     def __getstate__(self):  # readers are reopened where the sequence is unpickled
-        return {**self.__dict__, "_readers": [None] * len(self._files), "_open": [],
-                "_lock": None}  # fmt: skip
+        return {**self.__dict__, "_readers": [None] * len(self._files), "_open": [], "_lock": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -552,8 +556,11 @@ class _ArrayRecordSplit(ArrayRecordFiles):
 
     def __init__(self, builder, split: str):
         instructions = builder.info.splits[split].file_instructions
-        super().__init__([fi.filename for fi in instructions], [fi.take for fi in instructions],
-                         [fi.skip for fi in instructions])  # fmt: skip
+        super().__init__(
+            [fi.filename for fi in instructions],
+            [fi.take for fi in instructions],
+            [fi.skip for fi in instructions],
+        )
 
 
 def _ones_batch(dense_bn: np.ndarray, ids_bf: np.ndarray, labels_b: np.ndarray) -> Batch:

@@ -468,12 +468,23 @@ class SyntheticGenerator:
             return None
         lo, step = _normal_tables()
         keep = (  # contiguous arrays the kernel reads; kept alive with the pointers
-            self._dense_salts, lo, step, self._hot, self._bag_salts,
-            self._slot_f, self._slot_h, self._slot_salts, self._alias_slot_v,
-            self._alias_slot_off, self._alias_thr, self._alias_rows,
-            np.ascontiguousarray(self._cache_pr.T), self._cache_off,
-            np.ascontiguousarray(self._dense_proj_nd), np.ascontiguousarray(self._dense_w_n),
-        )  # fmt: skip
+            self._dense_salts,
+            lo,
+            step,
+            self._hot,
+            self._bag_salts,
+            self._slot_f,
+            self._slot_h,
+            self._slot_salts,
+            self._alias_slot_v,
+            self._alias_slot_off,
+            self._alias_thr,
+            self._alias_rows,
+            np.ascontiguousarray(self._cache_pr.T),
+            self._cache_off,
+            np.ascontiguousarray(self._dense_proj_nd),
+            np.ascontiguousarray(self._dense_w_n),
+        )
         assert all(a.flags.c_contiguous for a in keep)
         return fn, keep
 
@@ -484,8 +495,24 @@ class SyntheticGenerator:
             feats = self._features(idx_b)
             return (*feats, self._raw_terms(feats))
         fn, keep = self._native
-        (dense_salts, lo, step, hot, bag_salts, slot_f, slot_h, slot_salts, slot_v, slot_off,
-         alias_thr, alias_rows, cache_rp, cache_off, proj_nd, w_n) = keep  # fmt: skip
+        (
+            dense_salts,
+            lo,
+            step,
+            hot,
+            bag_salts,
+            slot_f,
+            slot_h,
+            slot_salts,
+            slot_v,
+            slot_off,
+            alias_thr,
+            alias_rows,
+            cache_rp,
+            cache_off,
+            proj_nd,
+            w_n,
+        ) = keep
         idx_b = np.ascontiguousarray(idx_b, np.int64)
         num_b, num_n = idx_b.shape[0], self.cfg.num_dense
         num_f, num_h = self.schema.num_sparse, self.schema.max_hotness
@@ -496,18 +523,44 @@ class SyntheticGenerator:
         keys_b = np.empty(num_b, np.uint64)
         p = lambda a: a.ctypes.data  # noqa: E731
         rc = fn(
-            num_b, p(idx_b), int(self._seed_key),
-            num_n, p(dense_salts), p(lo), p(step),
-            num_f, num_h, p(hot), p(bag_salts), int(self.cfg.pooling == "uniform"),
-            slot_f.shape[0], p(slot_f), p(slot_h), p(slot_salts), p(slot_v), p(slot_off),
-            p(alias_thr), p(alias_rows), int(self._alias_total),
-            self.cfg.teacher_dim, p(cache_rp), p(cache_off), p(proj_nd), p(w_n),
+            num_b,
+            p(idx_b),
+            int(self._seed_key),
+            num_n,
+            p(dense_salts),
+            p(lo),
+            p(step),
+            num_f,
+            num_h,
+            p(hot),
+            p(bag_salts),
+            int(self.cfg.pooling == "uniform"),
+            slot_f.shape[0],
+            p(slot_f),
+            p(slot_h),
+            p(slot_salts),
+            p(slot_v),
+            p(slot_off),
+            p(alias_thr),
+            p(alias_rows),
+            int(self._alias_total),
+            self.cfg.teacher_dim,
+            p(cache_rp),
+            p(cache_off),
+            p(proj_nd),
+            p(w_n),
             self.cfg.interaction_order,
-            p(dense_bn), p(ids_bfh), p(n_bf), p(terms), p(keys_b),
-        )  # fmt: skip
+            p(dense_bn),
+            p(ids_bfh),
+            p(n_bf),
+            p(terms),
+            p(keys_b),
+        )
         if rc != 0:
-            raise RuntimeError(f"the synthetic generator's C kernel failed ({rc}: -1 latent dim "
-                               "over 64, -2 out of memory)")  # fmt: skip
+            raise RuntimeError(
+                f"the synthetic generator's C kernel failed ({rc}: -1 latent dim "
+                "over 64, -2 out of memory)"
+            )
         return dense_bn, ids_bfh, n_bf, keys_b, terms
 
     def _row_params(self, f: int, rows: np.ndarray) -> np.ndarray:

@@ -101,5 +101,6 @@ class DLRM(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> DLRM:
     """Trainer hook: the DLRM of a DLRMConfig for a dataset schema."""
-    return DLRM(cfg.model, schema, kernels=cfg.kernels, engine=EngineSpec.from_config(cfg),
-                rngs=rngs)  # fmt: skip
+    return DLRM(
+        cfg.model, schema, kernels=cfg.kernels, engine=EngineSpec.from_config(cfg), rngs=rngs
+    )

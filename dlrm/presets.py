@@ -64,15 +64,23 @@ def frappe() -> DLRMConfig:
     """
     return DLRMConfig(
         model=DLRMModelConfig(
-            embed_dim=10, bottom_mlp=(), top_mlp=(400, 400, 400, 1), interaction="dot",
-            dot_concat="all", embedding_init="normal", embedding_init_scale=0.01,
-            dropout=0.2, batch_norm=True,
+            embed_dim=10,
+            bottom_mlp=(),
+            top_mlp=(400, 400, 400, 1),
+            interaction="dot",
+            dot_concat="all",
+            embedding_init="normal",
+            embedding_init_scale=0.01,
+            dropout=0.2,
+            batch_norm=True,
         ),
         data=data_presets.frappe(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.02),
+        embedding_optim=EmbeddingOptimConfig(
+            name="adam", learning_rate=1e-2, decay="cosine", l2=0.02
+        ),
         train=TrainConfig(num_steps=2000, log_every=50, eval_every=250, checkpoint_every=500),
-    )  # fmt: skip
+    )
 
 
 @register("dlrm/criteo-kaggle")

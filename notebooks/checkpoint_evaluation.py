@@ -98,8 +98,16 @@ if not (workdir / "config.json").is_file():
     )
     print(f"no run in {workdir}: training {FAMILY}/tiny for {cfg.train.num_steps} steps")
     # argv is what command.txt records: the equivalent command, not the kernel's argv.
-    cli = [f"{FAMILY}/tiny", "--workdir", str(workdir), "--train.num-steps", "150",
-           "--train.log-every", "10", "--train.no-progress"]  # fmt: skip
+    cli = [
+        f"{FAMILY}/tiny",
+        "--workdir",
+        str(workdir),
+        "--train.num-steps",
+        "150",
+        "--train.log-every",
+        "10",
+        "--train.no-progress",
+    ]
     train(cfg, build_model, workdir, argv=["-m", f"{FAMILY}.train", *cli])
 print("run:", workdir)
 print((workdir / "command.txt").read_text())

@@ -81,9 +81,11 @@ spec = load_spec("sweeps.specs.batch_tiny")
 trials = resolve(spec).trials
 for t in trials:
     emb = t.config["embedding_optim"]
-    print(f"{t.trial_id}  batch {t.batch_size:4d}  {t.steps:4d} steps  {t.lr_rule:8s}"
-          f"dense lr {t.config['dense_optim']['learning_rate']:.4f}  tables lr "
-          f"{emb['learning_rate']:.4f}  cowclip r {emb['cowclip_ratio']}")  # fmt: skip
+    print(
+        f"{t.trial_id}  batch {t.batch_size:4d}  {t.steps:4d} steps  {t.lr_rule:8s}"
+        f"dense lr {t.config['dense_optim']['learning_rate']:.4f}  tables lr "
+        f"{emb['learning_rate']:.4f}  cowclip r {emb['cowclip_ratio']}"
+    )
 
 # %% [markdown]
 # ## Launch
@@ -93,10 +95,20 @@ for t in trials:
 
 # %%
 out = subprocess.run(
-    [sys.executable, "-m", "sweeps.launch", "sweeps.specs.batch_tiny", "--sweep-dir",
-     str(SWEEP_DIR), "--max-parallel", "2"],
-    capture_output=True, text=True, cwd=ROOT,
-)  # fmt: skip
+    [
+        sys.executable,
+        "-m",
+        "sweeps.launch",
+        "sweeps.specs.batch_tiny",
+        "--sweep-dir",
+        str(SWEEP_DIR),
+        "--max-parallel",
+        "2",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+)
 print(out.stderr[-1000:])
 summary = json.loads(out.stdout.strip().splitlines()[-1])
 assert summary["statuses"] == {"SUCCESS": len(trials)}, summary
@@ -143,14 +155,18 @@ for r in result["recipes"]:
 
 # %%
 for n in result["noise_at_target"]:
-    print(f"{n['rung']}: B_simple at the target, all parameters {n['b_simple_total']:.3g} "
-          f"[{n['b_simple_total_lo']:.3g}, {n['b_simple_total_hi']:.3g}], dense "
-          f"{n['b_simple_dense']:.3g}, tables {n['b_simple_embedding']:.3g}, from "
-          f"{n['measurements']} measurements of {n['runs']} runs")  # fmt: skip
+    print(
+        f"{n['rung']}: B_simple at the target, all parameters {n['b_simple_total']:.3g} "
+        f"[{n['b_simple_total_lo']:.3g}, {n['b_simple_total_hi']:.3g}], dense "
+        f"{n['b_simple_dense']:.3g}, tables {n['b_simple_embedding']:.3g}, from "
+        f"{n['measurements']} measurements of {n['runs']} runs"
+    )
     assert n["measurements"] > 0
 for n in result["noise_scale"]:
-    print(f"batch {n['batch']:4d}: late-run B_simple dense {n['b_simple_dense']:.3g}, tables "
-          f"{n['b_simple_embedding']:.3g}")  # fmt: skip
+    print(
+        f"batch {n['batch']:4d}: late-run B_simple dense {n['b_simple_dense']:.3g}, tables "
+        f"{n['b_simple_embedding']:.3g}"
+    )
     assert math.isfinite(n["b_simple_dense"]) and n["b_simple_dense"] > 0
 
 # %% [markdown]

@@ -73,8 +73,10 @@ print("sweep directory:", SWEEP_DIR)
 spec = load_spec("sweeps.specs.tiny")
 res = resolve(spec)
 for t in res.trials:
-    print(f"{t.trial_id}  {t.family:7s} {t.rung}  budget {t.budget:.0e}  "
-          f"{t.flops_per_example:8.0f} FLOPs/ex  {t.steps:4d} steps")  # fmt: skip
+    print(
+        f"{t.trial_id}  {t.family:7s} {t.rung}  budget {t.budget:.0e}  "
+        f"{t.flops_per_example:8.0f} FLOPs/ex  {t.steps:4d} steps"
+    )
 
 # %% [markdown]
 # ## Launch
@@ -85,10 +87,20 @@ for t in res.trials:
 
 # %%
 out = subprocess.run(
-    [sys.executable, "-m", "sweeps.launch", "sweeps.specs.tiny", "--sweep-dir", str(SWEEP_DIR),
-     "--max-parallel", "2"],
-    capture_output=True, text=True, cwd=ROOT,
-)  # fmt: skip
+    [
+        sys.executable,
+        "-m",
+        "sweeps.launch",
+        "sweeps.specs.tiny",
+        "--sweep-dir",
+        str(SWEEP_DIR),
+        "--max-parallel",
+        "2",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+)
 print(out.stderr[-1500:])
 summary = json.loads(out.stdout.strip().splitlines()[-1])
 print(summary)
@@ -102,8 +114,19 @@ assert summary["statuses"] == {"SUCCESS": len(res.trials)}, summary
 
 # %%
 df = analyze.load_results(SWEEP_DIR)
-df[["family", "rung", "budget", "compute", "flops_per_example", "steps", "final_logloss",
-    "final_auc", "wall_time_s"]].sort_values(["family", "budget"])  # fmt: skip
+df[
+    [
+        "family",
+        "rung",
+        "budget",
+        "compute",
+        "flops_per_example",
+        "steps",
+        "final_logloss",
+        "final_auc",
+        "wall_time_s",
+    ]
+].sort_values(["family", "budget"])
 
 # %% [markdown]
 # ## Fit L(C) = a·C^(−b) + c per family
@@ -120,8 +143,12 @@ for family, d in result["families"].items():
     law = d["law"]
     print(family, d.get("law_str") or d.get("reason"))
     if law:
-        print("   b 95% CI", np.round(law["intervals"]["b"], 3),
-              " dL/decade", round(law["slope_per_decade"], 4))  # fmt: skip
+        print(
+            "   b 95% CI",
+            np.round(law["intervals"]["b"], 3),
+            " dL/decade",
+            round(law["slope_per_decade"], 4),
+        )
     print("   holdout:", d["holdout"].get("reason") or f"{d['holdout']['rel_error']:.2%}")
 
 # %% [markdown]

@@ -205,9 +205,13 @@ class EmbeddingShardingConfig:
 
     def __post_init__(self):
         types = (
-            "data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
+            "data_parallel",
+            "table_wise",
+            "row_wise",
+            "column_wise",
+            "table_row_wise",
             "table_column_wise",
-        )  # fmt: skip
+        )
         if self.sharding not in ("off", "auto", *types):
             raise ValueError(
                 f"embeddings.sharding={self.sharding!r}: expected off, auto or one of {types}"
@@ -224,19 +228,25 @@ class EmbeddingShardingConfig:
             raise ValueError(f"embeddings.host_size must be >= 0, got {self.host_size}")
         bounds = (self.comm_error_bound, self.comm_error_bound_grad)
         if self.comm_compression != "none" and self.comm_dtype != "float32":
-            raise ValueError(f"embeddings.comm_compression={self.comm_compression} compresses "
-                             f"float32 exchanges: set comm_dtype float32, not {self.comm_dtype}")  # fmt: skip
+            raise ValueError(
+                f"embeddings.comm_compression={self.comm_compression} compresses "
+                f"float32 exchanges: set comm_dtype float32, not {self.comm_dtype}"
+            )
         if self.comm_compression == "error_bounded" and not all(
             b == 0 or 2.0**-16 <= b < 0.5 for b in bounds
         ):
-            raise ValueError(f"embeddings.comm_error_bound{{,_grad}}={bounds}: each must be 0 "
-                             "(float32) or in [1.5e-05, 0.5) (relative to a block's range)")  # fmt: skip
+            raise ValueError(
+                f"embeddings.comm_error_bound{{,_grad}}={bounds}: each must be 0 "
+                "(float32) or in [1.5e-05, 0.5) (relative to a block's range)"
+            )
         for item in self.tiers:
             name, _, rest = item.partition("=")
             tier, _, rows = rest.partition(":")
             if not name or tier not in ("dram", "ssd") or not rows.isdigit() or int(rows) < 1:
-                raise ValueError(f"embeddings.tiers entry {item!r}: expected TABLE=TIER:CACHE_ROWS "
-                                 "with TIER dram or ssd (e.g. C1=ssd:65536)")  # fmt: skip
+                raise ValueError(
+                    f"embeddings.tiers entry {item!r}: expected TABLE=TIER:CACHE_ROWS "
+                    "with TIER dram or ssd (e.g. C1=ssd:65536)"
+                )
         if self.tiers and self.sharding == "off":
             raise ValueError(
                 "embeddings.tiers needs the engine (embeddings.sharding auto or a type)"
@@ -254,17 +264,23 @@ class EmbeddingShardingConfig:
             except (ValueError, IndexError):
                 ok = False
             if not ok:
-                raise ValueError(f"embeddings.comm_error_bound_schedule entry {item!r}: expected "
-                                 "STEP:EPS:EPS_GRAD, steps increasing, each bound 0 or in "
-                                 "[1.5e-05, 0.5)")  # fmt: skip
+                raise ValueError(
+                    f"embeddings.comm_error_bound_schedule entry {item!r}: expected "
+                    "STEP:EPS:EPS_GRAD, steps increasing, each bound 0 or in "
+                    "[1.5e-05, 0.5)"
+                )
             last = step
         if self.comm_error_bound_schedule and self.comm_compression != "error_bounded":
-            raise ValueError("embeddings.comm_error_bound_schedule needs comm_compression "
-                             f"error_bounded, not {self.comm_compression}")  # fmt: skip
+            raise ValueError(
+                "embeddings.comm_error_bound_schedule needs comm_compression "
+                f"error_bounded, not {self.comm_compression}"
+            )
         self._check_table_bounds()
         if self.comm_compression != "error_bounded" and any(bounds):
-            raise ValueError("embeddings.comm_error_bound{,_grad} need comm_compression "
-                             f"error_bounded, not {self.comm_compression}")  # fmt: skip
+            raise ValueError(
+                "embeddings.comm_error_bound{,_grad} need comm_compression "
+                f"error_bounded, not {self.comm_compression}"
+            )
 
     def _check_table_bounds(self) -> None:
         base = [(self.comm_error_bound, self.comm_error_bound_grad)]
@@ -278,25 +294,33 @@ class EmbeddingShardingConfig:
             except ValueError:
                 pair = (-1.0, -1.0)
             if not sep or not name or not all(0 <= x < float("inf") for x in pair) or name in seen:
-                raise ValueError(f"embeddings.comm_error_bound_tables entry {item!r}: expected "
-                                 "TABLE=SCALE[:SCALE_GRAD], scales >= 0, each table once (e.g. "
-                                 "C3=0.5 or C3=0.5:1)")  # fmt: skip
+                raise ValueError(
+                    f"embeddings.comm_error_bound_tables entry {item!r}: expected "
+                    "TABLE=SCALE[:SCALE_GRAD], scales >= 0, each table once (e.g. "
+                    "C3=0.5 or C3=0.5:1)"
+                )
             seen.add(name)
             if self.comm_compression == "none" or self.sharding == "off":
-                raise ValueError("embeddings.comm_error_bound_tables needs the engine and a "
-                                 f"comm_compression, not {self.comm_compression}")  # fmt: skip
+                raise ValueError(
+                    "embeddings.comm_error_bound_tables needs the engine and a "
+                    f"comm_compression, not {self.comm_compression}"
+                )
             if self.comm_compression != "error_bounded" and (
                 pair[0] != pair[1] or pair[0] not in (0.0, 1.0)
             ):
-                raise ValueError(f"embeddings.comm_error_bound_tables entry {item!r}: "
-                                 f"{self.comm_compression} has no bound to scale (0 sends the "
-                                 "table uncompressed both ways, 1 as the others)")  # fmt: skip
+                raise ValueError(
+                    f"embeddings.comm_error_bound_tables entry {item!r}: "
+                    f"{self.comm_compression} has no bound to scale (0 sends the "
+                    "table uncompressed both ways, 1 as the others)"
+                )
             for b, g in base if self.comm_compression == "error_bounded" else ():
                 for bound, scale in ((b, pair[0]), (g, pair[1])):
                     if bound and scale and not 2.0**-16 <= bound * scale < 0.5:
-                        raise ValueError(f"embeddings.comm_error_bound_tables entry {item!r}: "
-                                         f"bound {bound * scale:.3g} (a base bound times "
-                                         f"{scale:g}) is outside [1.5e-05, 0.5)")  # fmt: skip
+                        raise ValueError(
+                            f"embeddings.comm_error_bound_tables entry {item!r}: "
+                            f"bound {bound * scale:.3g} (a base bound times "
+                            f"{scale:g}) is outside [1.5e-05, 0.5)"
+                        )
 
 
 KernelImpl = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]
@@ -400,14 +424,19 @@ class TrainConfig:
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         for name in (
-            "eval_every", "eval_max_batches", "checkpoint_every", "nonfinite_rollback",
-            "nonfinite_max_consecutive", "noise_scale_every",
-        ):  # fmt: skip
+            "eval_every",
+            "eval_max_batches",
+            "checkpoint_every",
+            "nonfinite_rollback",
+            "nonfinite_max_consecutive",
+            "noise_scale_every",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.noise_scale_every and self.noise_scale_micro_batches < 2:
-            raise ValueError(f"noise_scale_micro_batches must be >= 2, got "
-                             f"{self.noise_scale_micro_batches}")  # fmt: skip
+            raise ValueError(
+                f"noise_scale_micro_batches must be >= 2, got {self.noise_scale_micro_batches}"
+            )
         if self.early_stopping_metric and not self.eval_every:
             raise ValueError(
                 f"early_stopping_metric={self.early_stopping_metric!r} needs eval_every > 0 "
@@ -435,14 +464,24 @@ class TrainConfig:
 # cadence): a run may resume with them changed, and they stay out of trial identities.
 NON_SEMANTIC_FIELDS = frozenset(
     {
-        "train.progress", "train.log_every", "train.eval_every", "train.eval_max_batches",
+        "train.progress",
+        "train.log_every",
+        "train.eval_every",
+        "train.eval_max_batches",
         "embeddings.tier_dir",
-        "train.checkpoint_every", "train.max_checkpoints", "train.async_checkpoint",
-        "train.checkpoint_fallback", "train.noise_scale_every", "train.noise_scale_micro_batches",
-        "data.eval_batch_size", "data.eval_path", "mesh.data_parallel",
-        "data.tabular.prepared_dir", "data.tabular.workers",
+        "train.checkpoint_every",
+        "train.max_checkpoints",
+        "train.async_checkpoint",
+        "train.checkpoint_fallback",
+        "train.noise_scale_every",
+        "train.noise_scale_micro_batches",
+        "data.eval_batch_size",
+        "data.eval_path",
+        "mesh.data_parallel",
+        "data.tabular.prepared_dir",
+        "data.tabular.workers",
     }
-)  # fmt: skip
+)
 
 
 # Fields that only lay the same computation out differently (the embedding plan, the dense
@@ -450,9 +489,16 @@ NON_SEMANTIC_FIELDS = frozenset(
 # checkpoint is re-laid out, ``recscale.embeddings.relayout``), but they stay in trial identities, as a
 # sweep may compare layouts.
 LAYOUT_FIELDS = frozenset(
-    {"embeddings.sharding", "embeddings.per_table", "embeddings.profile", "embeddings.host_size",
-     "mesh.model_parallel", "mesh.fsdp", "mesh.fsdp_min_bytes"}
-)  # fmt: skip
+    {
+        "embeddings.sharding",
+        "embeddings.per_table",
+        "embeddings.profile",
+        "embeddings.host_size",
+        "mesh.model_parallel",
+        "mesh.fsdp",
+        "mesh.fsdp_min_bytes",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -136,17 +136,23 @@ def free_port() -> int:
 
 
 def process_env(
-    base: dict[str, str], *, process_id: int, num_processes: int, port: int,
+    base: dict[str, str],
+    *,
+    process_id: int,
+    num_processes: int,
+    port: int,
     devices_per_process: int = 0,
-) -> dict[str, str]:  # fmt: skip
+) -> dict[str, str]:
     """The environment of process ``process_id`` of a local run."""
     env = dict(base)
-    env.update({
-        DISTRIBUTED_ENV: "1",
-        COORDINATOR_ENV: f"127.0.0.1:{port}",
-        NUM_PROCESSES_ENV: str(num_processes),
-        PROCESS_ID_ENV: str(process_id),
-    })  # fmt: skip
+    env.update(
+        {
+            DISTRIBUTED_ENV: "1",
+            COORDINATOR_ENV: f"127.0.0.1:{port}",
+            NUM_PROCESSES_ENV: str(num_processes),
+            PROCESS_ID_ENV: str(process_id),
+        }
+    )
     if devices_per_process:
         env[CPU_DEVICES_ENV] = str(devices_per_process)
     return env
@@ -185,8 +191,9 @@ TPU_ENV_PASSED = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 preset's flags, e.g. ``tpu_gpu_configs``' LIBTPU_INIT_ARGS)."""
 
 
-def tpu_vm_command(args: LaunchArgs, command: list[str], env: dict[str, str],
-                   cwd: str) -> list[str]:  # fmt: skip
+def tpu_vm_command(
+    args: LaunchArgs, command: list[str], env: dict[str, str], cwd: str
+) -> list[str]:
     """The ``gcloud`` command that runs ``command`` on every worker of ``args.tpu_vm`` (or
     ``env['RECSCALE_TPU_NAME']``): the same path as ``cwd`` on each (a shared or identically
     laid out checkout), ``RECSCALE_DISTRIBUTED=1`` and the variables of :data:`TPU_ENV_PASSED`."""
@@ -220,8 +227,10 @@ def launch(args: LaunchArgs, command: list[str]) -> int:
             print(shlex.join(cmd))
             return 0
         proc = subprocess.Popen(cmd)
-        old = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
-               for s in (signal.SIGTERM, signal.SIGINT)}  # fmt: skip
+        old = {
+            s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
+            for s in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             return proc.wait()
         finally:
@@ -235,8 +244,13 @@ def launch(args: LaunchArgs, command: list[str]) -> int:
     procs: list[subprocess.Popen] = []
     logs = []
     for i in range(args.processes):
-        env = process_env(dict(os.environ), process_id=i, num_processes=args.processes,
-                          port=port, devices_per_process=args.devices_per_process)  # fmt: skip
+        env = process_env(
+            dict(os.environ),
+            process_id=i,
+            num_processes=args.processes,
+            port=port,
+            devices_per_process=args.devices_per_process,
+        )
         out = None
         if i:
             out = open(log_dir / f"process_{i}.log", "wb")  # noqa: SIM115 (closed below)
@@ -261,8 +275,9 @@ def launch(args: LaunchArgs, command: list[str]) -> int:
     return code
 
 
-def _wait(procs: list[subprocess.Popen], grace_s: float, log_dir: Path,
-          stopping: list[float]) -> int:  # fmt: skip
+def _wait(
+    procs: list[subprocess.Popen], grace_s: float, log_dir: Path, stopping: list[float]
+) -> int:
     while True:
         if stopping and time.monotonic() > stopping[0] + grace_s:
             # A process blocked in a collective never reaches its signal handler's exit.
@@ -271,8 +286,11 @@ def _wait(procs: list[subprocess.Popen], grace_s: float, log_dir: Path,
                     p.kill()
             for p in procs:
                 p.wait()
-            print(f"recscale.launch: killed the processes still running {grace_s:g} s after "
-                  "the signal", file=sys.stderr)  # fmt: skip
+            print(
+                f"recscale.launch: killed the processes still running {grace_s:g} s after "
+                "the signal",
+                file=sys.stderr,
+            )
             return 128 + signal.SIGKILL
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
@@ -283,8 +301,10 @@ def _wait(procs: list[subprocess.Popen], grace_s: float, log_dir: Path,
             _stop(procs, grace_s)
             where = "" if i == 0 else f"; its log: {log_dir / f'process_{i}.log'}"
             also = "".join(f"; process {j} exited with {c}" for j, c in failed if j != i)
-            print(f"recscale.launch: process {i} exited with {code}{also}; stopped the "
-                  f"others{where}", file=sys.stderr)  # fmt: skip
+            print(
+                f"recscale.launch: process {i} exited with {code}{also}; stopped the others{where}",
+                file=sys.stderr,
+            )
             if i:
                 _print_tail(log_dir / f"process_{i}.log")
             return code

@@ -52,9 +52,24 @@ ENGINE_A2A = "all-to-all (engine)"
 all-to-alls of its own, e.g. to reshard the dense layers' activations."""
 _COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+}
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 # One HLO instruction per line: ``%name = RESULT-TYPE op(operands), ...``.
 _OP = re.compile(
@@ -209,8 +224,15 @@ def _layout_name(cfg: Any) -> str:
     return ", ".join(parts)
 
 
-def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, preset: str,
-              compile: bool = False, global_batch: int = 0) -> StepReport:  # fmt: skip
+def plan_step(
+    cfg: Any,
+    build_model: Any,
+    hw: tpu_gpu_configs.LaunchPreset,
+    *,
+    preset: str,
+    compile: bool = False,
+    global_batch: int = 0,
+) -> StepReport:
     """The planner's predictions for ``cfg``'s train step on ``hw`` and, with ``compile``, the
     compiler's numbers (see the module docstring)."""
     devices = topology_devices(hw)
@@ -232,10 +254,13 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
         planner_mem = sum(c.layout.plan_memory_bytes for c in colls.values())
         # the planner's float32/bf16 costing, or the compressed payloads when compressed
         a2a = sum(
-            c.layout.plan_all_to_all_bytes if c.layout.compression.kind == "none"
-            else sum(c.layout.exchange_bytes(cfg.data.batch_size)[k] for k in ("forward", "backward"))
+            c.layout.plan_all_to_all_bytes
+            if c.layout.compression.kind == "none"
+            else sum(
+                c.layout.exchange_bytes(cfg.data.batch_size)[k] for k in ("forward", "backward")
+            )
             for c in colls.values()
-        )  # fmt: skip
+        )
         dense, _ = _split_params(abstract.params)
         n_dense = sum(math.prod(x.shape) for x in jax.tree.leaves(dense))
         dense_bytes = _bytes_per_chip(
@@ -245,9 +270,15 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
         state_bytes = _bytes_per_chip(abstract, state_sharding)
         batch_bytes = sum(x.nbytes for x in batch) / sharding.axis_size("batch")
         report = StepReport(
-            preset=preset, hardware=hw.name, topology=hw.topology or hw.platform,
-            chips=len(devices), mesh=dict(mesh.shape), global_batch=cfg.data.batch_size,
-            layout=_layout_name(cfg), dense_params=int(n_dense), table_rows=int(rows),
+            preset=preset,
+            hardware=hw.name,
+            topology=hw.topology or hw.platform,
+            chips=len(devices),
+            mesh=dict(mesh.shape),
+            global_batch=cfg.data.batch_size,
+            layout=_layout_name(cfg),
+            dense_params=int(n_dense),
+            table_rows=int(rows),
             memory_bytes=get_profile(hw.profile).memory_bytes if hw.profile else 0.0,
             predicted={
                 "state_bytes_per_chip": state_bytes,
@@ -257,7 +288,7 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
                 # every model replica runs the data axis's exchange
                 "all_to_all_bytes_per_chip": float(a2a) / mesh.shape[sharding.DATA_AXIS],
             },
-        )  # fmt: skip
+        )
         if not compile:
             return report
         step = jax.jit(
@@ -298,10 +329,13 @@ def plan_step(cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, p
     arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
     report.compiled = {
-        "argument_bytes": float(arg), "output_bytes": float(out), "alias_bytes": float(alias),
-        "temp_bytes": float(temp), "code_bytes": float(mem.generated_code_size_in_bytes),
+        "argument_bytes": float(arg),
+        "output_bytes": float(out),
+        "alias_bytes": float(alias),
+        "temp_bytes": float(temp),
+        "code_bytes": float(mem.generated_code_size_in_bytes),
         "peak_bytes": float(arg + out - alias + temp),
-    }  # fmt: skip
+    }
     report.collectives = collective_bytes(compiled.as_text())
     return report
 
@@ -437,27 +471,37 @@ def plan_tiers(
     tables = []
     for t, (c, lookups) in access.items():
         d = tier_plan.expected_distinct(c, lookups * scale) if scale > 1 else 0.0
-        tables.append(tier_plan.TierTable(
-            name=t, num_rows=len(c), row_bytes=row_bytes, counts=c, lookups_per_step=lookups,
-            min_rows=math.ceil(1.1 * d + 4 * math.sqrt(d)),
-        ))  # fmt: skip
+        tables.append(
+            tier_plan.TierTable(
+                name=t,
+                num_rows=len(c),
+                row_bytes=row_bytes,
+                counts=c,
+                lookups_per_step=lookups,
+                min_rows=math.ceil(1.1 * d + 4 * math.sqrt(d)),
+            )
+        )
     devices = hw.num_hosts * hw.devices_per_host
     hbm = hbm_gib * 2**30 if hbm_gib else get_profile(hw.profile).memory_bytes * devices
-    plan = tier_plan.place(tables, hbm_bytes=int(hbm), dram_bytes=int(dram_gib * 2**30),
-                           policy=policy)  # fmt: skip
+    plan = tier_plan.place(
+        tables, hbm_bytes=int(hbm), dram_bytes=int(dram_gib * 2**30), policy=policy
+    )
     pins = plan.to_pins()
     return plan.render() + (
-        f"\n--embeddings.tiers {' '.join(pins)}" + (" --embeddings.tier-policy lfu"
-                                                    if policy == "lfu" else "")
-        if pins else "\nevery table fits in device memory: no tiers needed"
-    )  # fmt: skip
+        f"\n--embeddings.tiers {' '.join(pins)}"
+        + (" --embeddings.tier-policy lfu" if policy == "lfu" else "")
+        if pins
+        else "\nevery table fits in device memory: no tiers needed"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: python -m recscale.plan PRESET --hardware NAME [--compile] [--json FILE] "
-             "[--global-batch N] [--tiers [--hbm-gib G] [--dram-gib G] [--policy lru|lfu] "
-             "[--sample-batches N]] [--field.sub value ...]")  # fmt: skip
+    usage = (
+        "usage: python -m recscale.plan PRESET --hardware NAME [--compile] [--json FILE] "
+        "[--global-batch N] [--tiers [--hbm-gib G] [--dram-gib G] [--policy lru|lfu] "
+        "[--sample-batches N]] [--field.sub value ...]"
+    )
     if not argv or argv[0].startswith("-"):
         raise SystemExit(usage)
     preset, rest = argv[0], argv[1:]
@@ -470,9 +514,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(str(e.args[0])) from None
     package = family_package(preset)
     _, cfg = config_lib.parse_preset_cli(
-        preset.split("/")[0] + "/", [preset, "--workdir", "-", *overrides],
+        preset.split("/")[0] + "/",
+        [preset, "--workdir", "-", *overrides],
         prog="python -m recscale.plan",
-    )  # fmt: skip
+    )
     build_model = importlib.import_module(f"{package}.model").build_model
     try:
         batch = int(own.get("global-batch", 0))
@@ -482,15 +527,22 @@ def main(argv: list[str] | None = None) -> None:
         ) from None
     if "tiers" in own:
         try:
-            print(plan_tiers(cfg, hw, hbm_gib=float(own.get("hbm-gib", 0)),
-                             dram_gib=float(own.get("dram-gib", 64)),
-                             policy=own.get("policy", "lru"),
-                             sample_batches=int(own.get("sample-batches", 64))))  # fmt: skip
+            print(
+                plan_tiers(
+                    cfg,
+                    hw,
+                    hbm_gib=float(own.get("hbm-gib", 0)),
+                    dram_gib=float(own.get("dram-gib", 64)),
+                    policy=own.get("policy", "lru"),
+                    sample_batches=int(own.get("sample-batches", 64)),
+                )
+            )
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         return
-    report = plan_step(cfg, build_model, hw, preset=preset, compile="compile" in own,
-                       global_batch=batch)  # fmt: skip
+    report = plan_step(
+        cfg, build_model, hw, preset=preset, compile="compile" in own, global_batch=batch
+    )
     print(render(report))
     if "json" in own:
         with open(own["json"], "a") as f:
@@ -503,8 +555,15 @@ def _own_flags(args: list[str]) -> tuple[dict[str, str], list[str]]:
     for a in it:
         if a in ("--compile", "--tiers"):
             own[a[2:]] = "1"
-        elif a in ("--hardware", "--json", "--global-batch", "--hbm-gib", "--dram-gib",
-                   "--policy", "--sample-batches"):  # fmt: skip
+        elif a in (
+            "--hardware",
+            "--json",
+            "--global-batch",
+            "--hbm-gib",
+            "--dram-gib",
+            "--policy",
+            "--sample-batches",
+        ):
             own[a[2:]] = next(it, "")
         else:
             rest.append(a)

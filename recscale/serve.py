@@ -39,8 +39,13 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         model = Model.load(args.model)
-        app = make_app(model, max_batch=args.max_batch, max_wait=args.max_wait_ms / 1e3,
-                       max_queue=args.max_queue, workers=args.workers)  # fmt: skip
+        app = make_app(
+            model,
+            max_batch=args.max_batch,
+            max_wait=args.max_wait_ms / 1e3,
+            max_queue=args.max_queue,
+            workers=args.workers,
+        )
     except (ArtifactError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     t0 = time.perf_counter()

@@ -77,8 +77,10 @@ def load_results(sweep_dir: str | Path, *, all_rows: bool = False) -> pd.DataFra
         current = set(json.loads(sweep_json.read_text())["trial_ids"])
         stale = ~df["trial_id"].isin(current)
         if stale.any():
-            log.warning("%d result rows belong to other versions of the sweep; not analysed",
-                        int(stale.sum()))  # fmt: skip
+            log.warning(
+                "%d result rows belong to other versions of the sweep; not analysed",
+                int(stale.sum()),
+            )
             df = df[~stale]
     return df.reset_index(drop=True)
 
@@ -110,22 +112,45 @@ def analyze(
         reason = r["status"]
         if r["status"] == "DIVERGED" and r.get("diverged_at_step") == r.get("diverged_at_step"):
             reason += f" (non-finite loss at step {int(r['diverged_at_step'])})"
-        log.warning("excluded from fits: trial %s (%s %s, budget %.3g): %s", r["trial_id"],
-                    r["family"], r["rung"], r["budget"], reason)  # fmt: skip
+        log.warning(
+            "excluded from fits: trial %s (%s %s, budget %.3g): %s",
+            r["trial_id"],
+            r["family"],
+            r["rung"],
+            r["budget"],
+            reason,
+        )
     out["excluded"] = [
-        {"trial_id": r["trial_id"], "family": r["family"], "rung": r["rung"],
-         "budget": r["budget"], "status": r["status"]}
+        {
+            "trial_id": r["trial_id"],
+            "family": r["family"],
+            "rung": r["rung"],
+            "budget": r["budget"],
+            "status": r["status"],
+        }
         for _, r in bad.iterrows()
-    ]  # fmt: skip
+    ]
     ok = df[df["status"] == "SUCCESS"].copy()
     ok["y"] = _quality(ok, metric)
     missing = ok[~np.isfinite(ok["y"].astype(float))]
     for _, r in missing.iterrows():
-        log.warning("excluded from fits: trial %s (%s %s, budget %.3g): no finite final %s",
-                    r["trial_id"], r["family"], r["rung"], r["budget"], metric)  # fmt: skip
-        out["excluded"].append({"trial_id": r["trial_id"], "family": r["family"],
-                                "rung": r["rung"], "budget": r["budget"],
-                                "status": f"SUCCESS without a finite final {metric}"})  # fmt: skip
+        log.warning(
+            "excluded from fits: trial %s (%s %s, budget %.3g): no finite final %s",
+            r["trial_id"],
+            r["family"],
+            r["rung"],
+            r["budget"],
+            metric,
+        )
+        out["excluded"].append(
+            {
+                "trial_id": r["trial_id"],
+                "family": r["family"],
+                "rung": r["rung"],
+                "budget": r["budget"],
+                "status": f"SUCCESS without a finite final {metric}",
+            }
+        )
     ok = ok[np.isfinite(ok["y"].astype(float))]
     for family, g in ok.groupby("family", sort=True):
         if "@lr" in family:  # a learning-rate check's variant: tabulated by _lr_check, not fitted
@@ -148,9 +173,13 @@ def _cells(g: pd.DataFrame) -> pd.DataFrame:
     (compute differs between seeds by rounding only), the per-seed ``seeds``, and ``examples``
     D = C / N (N = ``fpe``, training FLOPs per example)."""
     cells = g.groupby(["budget", "rung"], as_index=False).agg(
-        y=("y", "mean"), compute=("compute", "mean"), fpe=("flops_per_example", "first"),
-        params_dense=("params_dense", "first"), n=("y", "size"), seeds=("y", list),
-    )  # fmt: skip
+        y=("y", "mean"),
+        compute=("compute", "mean"),
+        fpe=("flops_per_example", "first"),
+        params_dense=("params_dense", "first"),
+        n=("y", "size"),
+        seeds=("y", list),
+    )
     cells["examples"] = cells["compute"] / cells["fpe"]  # so that C = N·D holds exactly
     return cells
 
@@ -180,16 +209,28 @@ def surface_check(df: pd.DataFrame, ref: pd.DataFrame, metric: str, *, n_boot: i
             pred, (lo, hi) = p["predicted"], p["interval"]
             # As fit.holdout_frontier_seeds: the observation's own seed noise widens the band.
             pi = list(fit_lib.prediction_interval(pred, (lo, hi), c["seeds"], fit.ci)[1])
-            rows.append({
-                "budget": float(c["budget"]), "rung": c["rung"], "fpe": float(c["fpe"]),
-                "examples": float(c["examples"]), "observed": float(c["y"]),
-                "observed_sd": sd, "seeds": len(c["seeds"]), **p, "prediction_interval": pi,
-                "rel_error": abs(pred - c["y"]) / c["y"],
-                "inside_interval": bool(lo <= c["y"] <= hi),
-                "inside_prediction_interval": bool(pi[0] <= c["y"] <= pi[1]),
-                "reference_best_at_budget": None if same.empty else {
-                    "rung": same.loc[same["y"].idxmin(), "rung"], "y": float(same["y"].min())},
-            })  # fmt: skip
+            rows.append(
+                {
+                    "budget": float(c["budget"]),
+                    "rung": c["rung"],
+                    "fpe": float(c["fpe"]),
+                    "examples": float(c["examples"]),
+                    "observed": float(c["y"]),
+                    "observed_sd": sd,
+                    "seeds": len(c["seeds"]),
+                    **p,
+                    "prediction_interval": pi,
+                    "rel_error": abs(pred - c["y"]) / c["y"],
+                    "inside_interval": bool(lo <= c["y"] <= hi),
+                    "inside_prediction_interval": bool(pi[0] <= c["y"] <= pi[1]),
+                    "reference_best_at_budget": None
+                    if same.empty
+                    else {
+                        "rung": same.loc[same["y"].idxmin(), "rung"],
+                        "y": float(same["y"].min()),
+                    },
+                }
+            )
         out[family] = {"surface": fit.law_str(), "cells": rows}
     return out
 
@@ -248,11 +289,16 @@ def _fit_family(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[
         fam["optimal_size_law"] = _jsonable(osl)
     else:
         interior = [r for r in iso if r.get("interior")]
-        fam["optimal_size_law"] = _jsonable(
-            fit_lib.fit_optimal_size_law(
-                np.array([r["budget"] for r in interior]), np.array([r["size_opt"] for r in interior])
+        fam["optimal_size_law"] = (
+            _jsonable(
+                fit_lib.fit_optimal_size_law(
+                    np.array([r["budget"] for r in interior]),
+                    np.array([r["size_opt"] for r in interior]),
+                )
             )
-        ) if len(interior) >= 2 else {"reason": f"{len(interior)} budgets with an interior optimum (need 2)"}  # fmt: skip
+            if len(interior) >= 2
+            else {"reason": f"{len(interior)} budgets with an interior optimum (need 2)"}
+        )
     for suffix, fl in floors.items():
         got = _loss_surface(per, n_boot=n_boot, floor=fl)
         fam |= {k.replace("surface", f"surface{suffix}"): v for k, v in got.items()}
@@ -267,9 +313,13 @@ def _loss_surface(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dic
         return {"loss_surface": {"reason": "one budget: size and data are not separable"}}
     try:
         fit = surface_lib.fit_loss_surface(
-            per["budget"].to_numpy(), per["fpe"].to_numpy(), per["examples"].to_numpy(),
-            list(per["seeds"]), n_boot=n_boot, floor=floor,
-        )  # fmt: skip
+            per["budget"].to_numpy(),
+            per["fpe"].to_numpy(),
+            per["examples"].to_numpy(),
+            list(per["seeds"]),
+            n_boot=n_boot,
+            floor=floor,
+        )
     except ValueError as e:
         return {"loss_surface": {"reason": str(e)}}
     optima = surface_lib.surface_optima(fit, per["budget"].to_numpy(), per["fpe"].to_numpy())
@@ -287,18 +337,31 @@ def sparse_dense(df: pd.DataFrame, metric: str) -> dict[str, Any]:
         if parts.shape[1] != 2 or parts[1].isna().any():
             continue
         g = g.assign(embedding=parts[0], dense=parts[1])
-        cells = g.groupby(["embedding", "dense"], as_index=False).agg(
-            y=("y", "mean"), n=("y", "size"), params_sparse=("params_sparse", "first"),
-            params_dense=("params_dense", "first"), fpe=("flops_per_example", "first"),
-        ).sort_values(["params_sparse", "embedding", "fpe"])  # fmt: skip
+        cells = (
+            g.groupby(["embedding", "dense"], as_index=False)
+            .agg(
+                y=("y", "mean"),
+                n=("y", "size"),
+                params_sparse=("params_sparse", "first"),
+                params_dense=("params_dense", "first"),
+                fpe=("flops_per_example", "first"),
+            )
+            .sort_values(["params_sparse", "embedding", "fpe"])
+        )
         best = cells.loc[cells["y"].idxmin()]
-        out.setdefault(family, []).append({
-            "budget": float(budget),
-            "cells": _jsonable(cells.to_dict("records")),
-            "best": {"embedding": best["embedding"], "dense": best["dense"],
-                     "y": float(best["y"]), "params_sparse": int(best["params_sparse"]),
-                     "fpe": float(best["fpe"])},
-        })  # fmt: skip
+        out.setdefault(family, []).append(
+            {
+                "budget": float(budget),
+                "cells": _jsonable(cells.to_dict("records")),
+                "best": {
+                    "embedding": best["embedding"],
+                    "dense": best["dense"],
+                    "y": float(best["y"]),
+                    "params_sparse": int(best["params_sparse"]),
+                    "fpe": float(best["fpe"]),
+                },
+            }
+        )
     return out
 
 
@@ -323,13 +386,21 @@ def _plot_sparse_dense(grid: dict[str, Any], out_dir: Path, metric: str) -> Path
         for i in range(len(rows)):
             for j in range(len(cols)):
                 if np.isfinite(z[i, j]):
-                    ax.text(j, i, f"{z[i, j]:.4f}", ha="center", va="center", fontsize=7,
-                            color="w" if z[i, j] > np.nanmean(z) else "k")  # fmt: skip
+                    ax.text(
+                        j,
+                        i,
+                        f"{z[i, j]:.4f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="w" if z[i, j] > np.nanmean(z) else "k",
+                    )
         bi, bj = rows.index(b["best"]["dense"]), cols.index(b["best"]["embedding"])
         ax.add_patch(plt.Rectangle((bj - 0.5, bi - 0.5), 1, 1, fill=False, ec="r", lw=2.5))
         psp = cells.drop_duplicates("embedding").set_index("embedding")["params_sparse"]
-        ax.set_xticks(range(len(cols)), [f"{c}\n{psp[c] / 1e6:.2g}M" for c in cols],
-                      fontsize=7, rotation=0)  # fmt: skip
+        ax.set_xticks(
+            range(len(cols)), [f"{c}\n{psp[c] / 1e6:.2g}M" for c in cols], fontsize=7, rotation=0
+        )
         ax.set_yticks(range(len(rows)), rows)
         ax.set_xlabel("embedding: dim / rows per table (sparse parameters)")
         ax.set_ylabel("dense size (FLOPs per example grow upward)")
@@ -347,10 +418,12 @@ def quality_vs_size(df: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
         rows = []
         for rung, r in g.groupby("rung"):
             row: dict[str, Any] = {
-                "rung": rung, "flops_per_example": float(r["flops_per_example"].iloc[0]),
+                "rung": rung,
+                "flops_per_example": float(r["flops_per_example"].iloc[0]),
                 "params_dense": int(r["params_dense"].iloc[0]),
-                "params_sparse": int(r["params_sparse"].iloc[0]), "seeds": int(len(r)),
-            }  # fmt: skip
+                "params_sparse": int(r["params_sparse"].iloc[0]),
+                "seeds": int(len(r)),
+            }
             for col in ("final_logloss", "best_logloss", "final_auc", "best_auc"):
                 v = r[col].astype(float).to_numpy() if col in r else np.array([np.nan])
                 row[col] = float(np.mean(v))
@@ -370,10 +443,24 @@ def _plot_quality_vs_size(q: dict[str, list[dict[str, Any]]], out_dir: Path) -> 
     for i, (fam, rows) in enumerate(q.items()):
         r = pd.DataFrame(rows)
         for ax, m in zip(axes, ("logloss", "auc"), strict=True):
-            ax.errorbar(r["flops_per_example"], r[f"best_{m}"], yerr=r[f"best_{m}_sd"],
-                        color=f"C{i}", marker="o", ms=4, capsize=2, label=f"{fam} (best eval)")  # fmt: skip
-            ax.plot(r["flops_per_example"], r[f"final_{m}"], color=f"C{i}", ls="--", lw=1,
-                    label=f"{fam} (last eval)")  # fmt: skip
+            ax.errorbar(
+                r["flops_per_example"],
+                r[f"best_{m}"],
+                yerr=r[f"best_{m}_sd"],
+                color=f"C{i}",
+                marker="o",
+                ms=4,
+                capsize=2,
+                label=f"{fam} (best eval)",
+            )
+            ax.plot(
+                r["flops_per_example"],
+                r[f"final_{m}"],
+                color=f"C{i}",
+                ls="--",
+                lw=1,
+                label=f"{fam} (last eval)",
+            )
     for ax, m in zip(axes, ("eval logloss", "eval AUC"), strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("model size: training FLOPs per example")
@@ -396,12 +483,16 @@ def _lr_check(ok: pd.DataFrame) -> list[dict[str, Any]]:
     rows = []
     for (base, budget, rung), g in t.groupby(["base", "budget", "rung"], sort=True):
         losses = g.groupby("mult")["y"].mean().sort_index()
-        rows.append({
-            "family": base, "budget": float(budget), "rung": rung,
-            "flops_per_example": float(g["flops_per_example"].iloc[0]),
-            "loss_by_multiplier": {f"{m:.3g}": float(v) for m, v in losses.items()},
-            "best_multiplier": float(losses.idxmin()),
-        })  # fmt: skip
+        rows.append(
+            {
+                "family": base,
+                "budget": float(budget),
+                "rung": rung,
+                "flops_per_example": float(g["flops_per_example"].iloc[0]),
+                "loss_by_multiplier": {f"{m:.3g}": float(v) for m, v in losses.items()},
+                "best_multiplier": float(losses.idxmin()),
+            }
+        )
     return rows
 
 
@@ -440,23 +531,47 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
 
     console = Console(file=file or sys.stdout, width=150)
     t = Table(title=f"trials ({len(df)})")
-    for col in ("family", "rung", "budget", "compute", "FLOPs/ex", "steps", f"final {metric}",
-                f"best {metric}", "status", "wall s"):  # fmt: skip
+    for col in (
+        "family",
+        "rung",
+        "budget",
+        "compute",
+        "FLOPs/ex",
+        "steps",
+        f"final {metric}",
+        f"best {metric}",
+        "status",
+        "wall s",
+    ):
         t.add_column(col, justify="left" if col in ("family", "rung", "status") else "right")
     for _, r in df.sort_values(["family", "budget", "rung_index"]).iterrows():
         fin, best = r.get(f"final_{metric}"), r.get(f"best_{metric}")
         t.add_row(
-            r["family"], r["rung"], f"{r['budget']:.3g}", f"{r['compute']:.3g}",
-            f"{r['flops_per_example']:.3g}", str(r["steps"]), _fmt(fin), _fmt(best), r["status"],
+            r["family"],
+            r["rung"],
+            f"{r['budget']:.3g}",
+            f"{r['compute']:.3g}",
+            f"{r['flops_per_example']:.3g}",
+            str(r["steps"]),
+            _fmt(fin),
+            _fmt(best),
+            r["status"],
             f"{r['wall_time_s']:.0f}",
-        )  # fmt: skip
+        )
     console.print(t)
     if df["budget"].nunique() == 1:  # fixed data (e.g. study_frappe): nothing scales with C
         console.print("one compute budget: no scaling laws, IsoFLOP optima or loss surface to fit")
         return
     laws = Table(title=f"scaling laws: {_ylabel(metric)} = c + a'·(C/C0)^-b on the frontier")
-    for col in ("family", "floor", "law", "b [95% CI]", "c [95% CI]", "dL per decade",
-                "largest budget held out: error, predicted for observed [band]"):  # fmt: skip
+    for col in (
+        "family",
+        "floor",
+        "law",
+        "b [95% CI]",
+        "c [95% CI]",
+        "dL per decade",
+        "largest budget held out: error, predicted for observed [band]",
+    ):
         laws.add_column(col)
     for fam, d in analysis["families"].items():
         for suffix, label in (("", "free"), ("_bayes_floor", "Bayes")):
@@ -476,10 +591,14 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
             )
             c_iv = "fixed" if law.get("floor_fixed") else f"[{iv['c'][0]:.4f}, {iv['c'][1]:.4f}]"
             laws.add_row(
-                fam, label, d[f"law{suffix}_str"],
+                fam,
+                label,
+                d[f"law{suffix}_str"],
                 f"{law['b']:.3f} [{iv['b'][0]:.3f}, {iv['b'][1]:.3f}]",
-                f"{law['c']:.4f} {c_iv}", f"{law['slope_per_decade']:+.4f}", hold,
-            )  # fmt: skip
+                f"{law['c']:.4f} {c_iv}",
+                f"{law['slope_per_decade']:+.4f}",
+                hold,
+            )
     console.print(laws)
     for fam, d in analysis["families"].items():
         parts = []
@@ -495,21 +614,29 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
         ls = d.get("loss_surface") or {}
         if "a" in ls:
             top = ls["optima"][-1]
-            where = ("inside" if top["inside_sampled"] else
-                     "below" if top["size_opt"] < top["sampled_sizes"][0] else
-                     "above" if top["size_opt"] > top["sampled_sizes"][1] else "undefined for")  # fmt: skip
+            where = (
+                "inside"
+                if top["inside_sampled"]
+                else "below"
+                if top["size_opt"] < top["sampled_sizes"][0]
+                else "above"
+                if top["size_opt"] > top["sampled_sizes"][1]
+                else "undefined for"
+            )
             iv = ls["intervals"]["a"]
             console.print(
                 f"  loss surface {ls['law']} (rms log residual {ls['rms_log_residual']:.4f}): "
                 f"optimal size ~ C^{ls['a']:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]; at C={top['budget']:.2g} "
                 f"{top['size_opt']:.3g} FLOPs/example, {where} the sizes sampled there"
-            )  # fmt: skip
+            )
         elif ls:
             console.print(f"  loss surface: {ls['reason']}")
     for r in analysis.get("lr_check", []):
         losses = ", ".join(f"x{m}: {v:.4f}" for m, v in r["loss_by_multiplier"].items())
-        console.print(f"LR check {r['family']} {r['rung']} C={r['budget']:.2g}: {losses} "
-                      f"(best x{r['best_multiplier']:.3g})")  # fmt: skip
+        console.print(
+            f"LR check {r['family']} {r['rung']} C={r['budget']:.2g}: {losses} "
+            f"(best x{r['best_multiplier']:.3g})"
+        )
 
 
 def _fmt(v) -> str:
@@ -537,17 +664,25 @@ def plot(
         cs = np.geomspace(fr["compute"].min(), fr["compute"].max() * 3, 200)
         if law is not None:
             lo, hi = law.band(cs, 0.95)
-            ax.plot(cs, law.predict(cs), color=col, lw=1.5,
-                    label=f"{fam}: b={law.b:.2f}, c={law.c:.3f}")  # fmt: skip
+            ax.plot(
+                cs, law.predict(cs), color=col, lw=1.5, label=f"{fam}: b={law.b:.2f}, c={law.c:.3f}"
+            )
             ax.fill_between(cs, lo, hi, color=col, alpha=0.15, lw=0)
         law_b = d.get("_fit_bayes_floor")
         if law_b is not None:
-            ax.plot(cs, law_b.predict(cs), color=col, lw=1, ls="--",
-                    label=f"{fam}, c = Bayes: b={law_b.b:.3f}")  # fmt: skip
+            ax.plot(
+                cs,
+                law_b.predict(cs),
+                color=col,
+                lw=1,
+                ls="--",
+                label=f"{fam}, c = Bayes: b={law_b.b:.3f}",
+            )
         h = d.get("holdout") or {}
         if h.get("predicted") is not None:
-            ax.scatter([h["holdout_compute"]], [h["predicted"]], marker="x", s=60, color=col,
-                       zorder=4)  # fmt: skip
+            ax.scatter(
+                [h["holdout_compute"]], [h["predicted"]], marker="x", s=60, color=col, zorder=4
+            )
     if reference is not None:
         ax.axhline(reference, color="k", ls=":", lw=1, label="Bayes-optimal (planted teacher)")
     # Bands of a 5-point fit can be wide where it extrapolates: frame the data, not the band.
@@ -580,8 +715,14 @@ def plot(
                 xs = np.geomspace(g["fpe"].min(), g["fpe"].max(), 50)
                 ax.plot(xs, np.polyval(coef, np.log10(xs)), "-", color=col, lw=1)
             if iso.get("size_opt") is not None:
-                ax.plot([iso["size_opt"]], [iso["loss_opt"]], "*", ms=12, color=col,
-                        mec="k" if iso.get("interior") else col)  # fmt: skip
+                ax.plot(
+                    [iso["size_opt"]],
+                    [iso["loss_opt"]],
+                    "*",
+                    ms=12,
+                    color=col,
+                    mec="k" if iso.get("interior") else col,
+                )
         ax.set_xscale("log")
         ax.set_title(f"{fam}: IsoFLOP curves")
         ax.set_xlabel("model size: training FLOPs per example")
@@ -621,8 +762,13 @@ def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
             iv = osl.get("alpha_interval")
             ivs = f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else ""
             xs = np.geomspace(b.min(), b.max(), 50)
-            ax.plot(xs, osl["coefficient"] * xs ** osl["alpha"], color=col, lw=1.2,
-                    label=f"{fam}: size ~ C^{osl['alpha']:.2f}{ivs}")  # fmt: skip
+            ax.plot(
+                xs,
+                osl["coefficient"] * xs ** osl["alpha"],
+                color=col,
+                lw=1.2,
+                label=f"{fam}: size ~ C^{osl['alpha']:.2f}{ivs}",
+            )
         else:
             ax.plot([], [], color=col, label=f"{fam}: no IsoFLOP law")
         sf = d.get("_surface")
@@ -632,15 +778,28 @@ def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
                 tail = (1 - sf.ci) / 2
                 lo, hi = np.nanquantile(sf.optimal_size(xs, samples=True), [tail, 1 - tail], axis=0)
             iv = sf.intervals["a"]
-            ax.plot(xs, sf.optimal_size(xs), color=col, lw=1.2, ls="--",
-                    label=f"{fam}: L(N, D) surface, size ~ C^{sf.a:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]")  # fmt: skip
+            ax.plot(
+                xs,
+                sf.optimal_size(xs),
+                color=col,
+                lw=1.2,
+                ls="--",
+                label=f"{fam}: L(N, D) surface, size ~ C^{sf.a:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]",
+            )
             ax.fill_between(xs, lo, hi, color=col, alpha=0.12, lw=0)
         # The sizes each budget sampled: an optimum outside them is an extrapolation.
         pts = d["_points"]
         for j, (bud, g) in enumerate(pts.groupby("budget")):
             x = bud * 10 ** (0.04 * (list(fams).index(fam) - (len(fams) - 1) / 2))
-            ax.plot([x, x], [g["fpe"].min(), g["fpe"].max()], color=col, lw=3, alpha=0.3,
-                    solid_capstyle="butt", label="sizes sampled" if j == 0 and fam == next(iter(fams)) else None)  # fmt: skip
+            ax.plot(
+                [x, x],
+                [g["fpe"].min(), g["fpe"].max()],
+                color=col,
+                lw=3,
+                alpha=0.3,
+                solid_capstyle="butt",
+                label="sizes sampled" if j == 0 and fam == next(iter(fams)) else None,
+            )
     # Frame the sizes run (a surface optimum far below them is off the chart, and says so in
     # analysis.json), not the surface's extrapolation.
     sizes = np.concatenate([d["_points"]["fpe"].to_numpy() for d in fams.values()])
@@ -649,8 +808,10 @@ def _plot_optimal_size(plt, fams: dict, colors: dict, out_dir: Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("optimal size: training FLOPs per example")
-    ax.set_title("compute-optimal size (dots: IsoFLOP minimum, filled if interior;\n"
-                 "dashed: from the L(N, D) surface, 95% band; bars: sizes sampled)")  # fmt: skip
+    ax.set_title(
+        "compute-optimal size (dots: IsoFLOP minimum, filled if interior;\n"
+        "dashed: from the L(N, D) surface, 95% band; bars: sizes sampled)"
+    )
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     return _save(plt, fig, out_dir / "optimal_size.png")
@@ -671,8 +832,14 @@ def _plot_residuals(plt, fams: dict, colors: dict, out_dir: Path, metric: str) -
             ax.plot(fr["compute"], 100 * rel, "o-", color=colors[fam], lw=1, label=fam)
             h = d.get(f"holdout{suffix}") or {}
             if h.get("predicted") is not None:
-                ax.scatter([h["holdout_compute"]], [100 * (h["observed"] / h["predicted"] - 1)],
-                           marker="x", s=60, color=colors[fam], zorder=4)  # fmt: skip
+                ax.scatter(
+                    [h["holdout_compute"]],
+                    [100 * (h["observed"] / h["predicted"] - 1)],
+                    marker="x",
+                    s=60,
+                    color=colors[fam],
+                    zorder=4,
+                )
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("training compute C (FLOPs)")
@@ -696,10 +863,15 @@ def bayes_reference_of(df: pd.DataFrame, metric: str) -> float | None:
         return None
     # What the generator is (kind, generator settings, seed); not how it is batched or capped.
     datas = {
-        json.dumps({k: (json.loads(c).get("data") or {}).get(k)
-                    for k in ("kind", "synthetic", "shuffle_seed")}, sort_keys=True)
+        json.dumps(
+            {
+                k: (json.loads(c).get("data") or {}).get(k)
+                for k in ("kind", "synthetic", "shuffle_seed")
+            },
+            sort_keys=True,
+        )
         for c in df["config"]
-    }  # fmt: skip
+    }
     if len(datas) != 1:
         return None
     data = json.loads(datas.pop())
@@ -751,8 +923,12 @@ def main(argv: list[str] | None = None) -> dict:
     if "quality_vs_size" in analyses:
         analysis["quality_vs_size"] = q = quality_vs_size(df)
         for fam, rows in q.items():
-            print(f"{fam}: best eval logloss by size " + ", ".join(
-                f"{r['rung']} {r['best_logloss']:.4f}±{r['best_logloss_sd']:.4f}" for r in rows))  # fmt: skip
+            print(
+                f"{fam}: best eval logloss by size "
+                + ", ".join(
+                    f"{r['rung']} {r['best_logloss']:.4f}±{r['best_logloss_sd']:.4f}" for r in rows
+                )
+            )
         if args.plots and q:
             print(f"wrote {_plot_quality_vs_size(q, out_dir)}")
     if "sparse_dense" in analyses:
@@ -760,9 +936,11 @@ def main(argv: list[str] | None = None) -> dict:
         for fam, budgets in grid.items():
             for b in budgets:
                 best = b["best"]
-                print(f"sparse/dense grid {fam} C={b['budget']:.2g}: best {best['embedding']} "
-                      f"x {best['dense']} ({best['y']:.4f}, {best['params_sparse']:,} sparse "
-                      f"parameters, {best['fpe']:.3g} FLOPs/example)")  # fmt: skip
+                print(
+                    f"sparse/dense grid {fam} C={b['budget']:.2g}: best {best['embedding']} "
+                    f"x {best['dense']} ({best['y']:.4f}, {best['params_sparse']:,} sparse "
+                    f"parameters, {best['fpe']:.3g} FLOPs/example)"
+                )
         if args.plots and grid:
             print(f"wrote {_plot_sparse_dense(grid, out_dir, metric)}")
     if args.surface_from:
@@ -774,11 +952,16 @@ def main(argv: list[str] | None = None) -> dict:
             for c in d.get("cells", []):
                 best = c["reference_best_at_budget"]
                 pi = c["prediction_interval"]
-                print(f"surface check {fam} {c['rung']} C={c['budget']:.2g}: observed "
-                      f"{c['observed']:.4f}, predicted {c['predicted']:.4f} [{pi[0]:.4f}, "
-                      f"{pi[1]:.4f}] ({c['rel_error']:.2%})"
-                      + (f"; {args.surface_from}'s best there: {best['rung']} {best['y']:.4f}"
-                         if best else ""))  # fmt: skip
+                print(
+                    f"surface check {fam} {c['rung']} C={c['budget']:.2g}: observed "
+                    f"{c['observed']:.4f}, predicted {c['predicted']:.4f} [{pi[0]:.4f}, "
+                    f"{pi[1]:.4f}] ({c['rel_error']:.2%})"
+                    + (
+                        f"; {args.surface_from}'s best there: {best['rung']} {best['y']:.4f}"
+                        if best
+                        else ""
+                    )
+                )
     public = _public(analysis)
     (out_dir / "analysis.json").write_text(json.dumps(public, indent=2, default=str) + "\n")
     return public

@@ -92,8 +92,11 @@ def _rows(path: Path, split: str) -> list[dict]:
 
 
 def _noise_parts(row: dict, suffix: str = "") -> dict[str, float]:
-    return {k.removeprefix("noise_scale/").removesuffix(suffix): v for k, v in row.items()
-            if k.startswith("noise_scale/") and k.endswith(suffix)}  # fmt: skip
+    return {
+        k.removeprefix("noise_scale/").removesuffix(suffix): v
+        for k, v in row.items()
+        if k.startswith("noise_scale/") and k.endswith(suffix)
+    }
 
 
 def _pooled_b_simple(rows: list[dict], *, resamples: int = 1000) -> dict[str, float]:
@@ -106,14 +109,22 @@ def _pooled_b_simple(rows: list[dict], *, resamples: int = 1000) -> dict[str, fl
     parts = sorted({p for r in rows for p in _noise_parts(r, "/g2_now")})
     data = {}  # part -> (n, 2) array of (g2, trace), rows where both are finite
     for part in parts:
-        vals = [(r[f"noise_scale/{part}/g2_now"], r.get(f"noise_scale/{part}/trace_now"))
-                for r in rows if f"noise_scale/{part}/g2_now" in r]  # fmt: skip
+        vals = [
+            (r[f"noise_scale/{part}/g2_now"], r.get(f"noise_scale/{part}/trace_now"))
+            for r in rows
+            if f"noise_scale/{part}/g2_now" in r
+        ]
         data[part] = np.array([v for v in vals if v[1] is not None and all(map(math.isfinite, v))])
     whole = [r for r in rows if all(f"noise_scale/{p}/g2_now" in r for p in parts)]
-    data["total"] = np.array([
-        (sum(r[f"noise_scale/{p}/g2_now"] for p in parts),
-         sum(r[f"noise_scale/{p}/trace_now"] for p in parts)) for r in whole
-    ]).reshape(-1, 2)  # fmt: skip
+    data["total"] = np.array(
+        [
+            (
+                sum(r[f"noise_scale/{p}/g2_now"] for p in parts),
+                sum(r[f"noise_scale/{p}/trace_now"] for p in parts),
+            )
+            for r in whole
+        ]
+    ).reshape(-1, 2)
     out = {}
     rng = np.random.default_rng(0)
     for part, arr in data.items():
@@ -180,8 +191,10 @@ def analyze(
             continue
         steps = first_reaching(evals, metric, targets[key])
         # every recipe this run serves (coinciding recipes share one trial, ``Trial.also``)
-        recipes = [(trial.get("lr_rule") or "batch_rule", trial.get("lr_multiplier", 1.0)),
-                   *(tuple(a) for a in trial.get("also", ()))]  # fmt: skip
+        recipes = [
+            (trial.get("lr_rule") or "batch_rule", trial.get("lr_multiplier", 1.0)),
+            *(tuple(a) for a in trial.get("also", ())),
+        ]
         for rule, mult in recipes:
             cells[(*key, rule)][trial["batch_size"]].append((mult, steps, trial["seed"]))
         if steps is not None:
@@ -223,15 +236,30 @@ def analyze(
             else:
                 points.append({"batch": b, "steps": None, "examples": None, "lr_multiplier": None})
         ok = [p for p in points if p["steps"] is not None]
-        fit = fit_critical_batch(np.array([p["batch"] for p in ok]),
-                                 np.array([p["steps"] for p in ok]))  # fmt: skip
-        out["recipes"].append({"family": fam, "rung": rung, "recipe": recipe,
-                               "target": targets[(fam, rung)], "points": points, **fit})  # fmt: skip
+        fit = fit_critical_batch(
+            np.array([p["batch"] for p in ok]), np.array([p["steps"] for p in ok])
+        )
+        out["recipes"].append(
+            {
+                "family": fam,
+                "rung": rung,
+                "recipe": recipe,
+                "target": targets[(fam, rung)],
+                "points": points,
+                **fit,
+            }
+        )
     for (fam, rung), rows in sorted(at_target.items()):
-        out["noise_at_target"].append({
-            "family": fam, "rung": rung, "target": targets[(fam, rung)],
-            "measurements": len(rows), "runs": reached_runs[(fam, rung)], **_pooled_b_simple(rows),
-        })  # fmt: skip
+        out["noise_at_target"].append(
+            {
+                "family": fam,
+                "rung": rung,
+                "target": targets[(fam, rung)],
+                "measurements": len(rows),
+                "runs": reached_runs[(fam, rung)],
+                **_pooled_b_simple(rows),
+            }
+        )
     for (fam, rung), per_batch in sorted(noise.items()):
         for b, vals in sorted(per_batch.items()):
             row = {"family": fam, "rung": rung, "batch": b}
@@ -266,8 +294,12 @@ def plot(analysis: dict, path: str | Path) -> Path:
                 if math.isfinite(n.get("b_simple_total", math.nan)):
                     ax_s.axvline(n["b_simple_total"], ls="--", color=color, alpha=0.6)
     for ax, what in ((ax_s, "steps"), (ax_e, "examples")):
-        ax.set(xscale="log", yscale="log", xlabel="global batch",
-               ylabel=f"{what} to target {analysis['metric']}")  # fmt: skip
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="global batch",
+            ylabel=f"{what} to target {analysis['metric']}",
+        )
         ax.grid(True, which="both", alpha=0.3)
     ax_s.legend(fontsize=7)
     ax_s.set_title("dotted: fitted critical batch; dashed: B_simple at the target", fontsize=9)
@@ -289,25 +321,33 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("sweep_dir")
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--target", type=float, help="one target for every model size")
-    which.add_argument("--target-gap", type=float,
-                       help="per size: the best value its runs reached, worsened by this much")  # fmt: skip
+    which.add_argument(
+        "--target-gap",
+        type=float,
+        help="per size: the best value its runs reached, worsened by this much",
+    )
     ap.add_argument("--metric", choices=["logloss", "auc"], default="logloss")
     ap.add_argument("--plots", action="store_true", help="write batch_curves.png")
     args = ap.parse_args(argv)
     if not (Path(args.sweep_dir) / "results.jsonl").is_file():
         raise SystemExit(f"error: {args.sweep_dir}/results.jsonl not found: not a sweep directory")
     if args.target_gap is not None and args.target_gap <= 0:
-        raise SystemExit(f"error: --target-gap {args.target_gap}: must be > 0 (a target no "
-                         "better than the best run reached)")  # fmt: skip
-    out = analyze(args.sweep_dir, target=args.target, target_gap=args.target_gap,
-                  metric=args.metric)  # fmt: skip
+        raise SystemExit(
+            f"error: --target-gap {args.target_gap}: must be > 0 (a target no "
+            "better than the best run reached)"
+        )
+    out = analyze(
+        args.sweep_dir, target=args.target, target_gap=args.target_gap, metric=args.metric
+    )
     (Path(args.sweep_dir) / "batch_analysis.json").write_text(json.dumps(out, indent=1) + "\n")
     if args.plots:
         plot(out, Path(args.sweep_dir) / "batch_curves.png")
     simple = {(n["family"], n["rung"]): n for n in out["noise_at_target"]}
     for r in out["recipes"]:
-        pts = ", ".join(f"{p['batch']}: {p['steps']:.0f}" if p["steps"] is not None
-                        else f"{p['batch']}: -" for p in r["points"])  # fmt: skip
+        pts = ", ".join(
+            f"{p['batch']}: {p['steps']:.0f}" if p["steps"] is not None else f"{p['batch']}: -"
+            for p in r["points"]
+        )
         n = simple.get((r["family"], r["rung"]), {})
         total = n.get("b_simple_total", math.nan)
         print(

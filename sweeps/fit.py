@@ -311,15 +311,22 @@ def _check_floor(floor, losses) -> float | None:
         return None
     floor = float(floor)
     if not (np.isfinite(floor) and 0 <= floor < losses.min()):
-        raise ValueError(f"floor {floor:g} must be finite, >= 0 and below every loss "
-                         f"(min {losses.min():g})")  # fmt: skip
+        raise ValueError(
+            f"floor {floor:g} must be finite, >= 0 and below every loss (min {losses.min():g})"
+        )
     return floor
 
 
 def fit_power_law_many(
-    compute, losses, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95, huber_delta=None,
+    compute,
+    losses,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    ci: float = 0.95,
+    huber_delta=None,
     floor: float | None = None,
-) -> list[PowerLawFit]:  # fmt: skip
+) -> list[PowerLawFit]:
     """``fit_power_law`` for D datasets sharing one compute grid [N] (losses [D, N]).
 
     Every dataset's fit and bootstrap replicates go through one batched solve, so a coverage
@@ -336,19 +343,31 @@ def fit_power_law_many(
     lx_n, y_dn = np.log(compute / c0), np.log(losses)
     lx_dn = np.broadcast_to(lx_n, (d, n))
     floor_d = np.full(d, np.nan if floor is None else floor)
-    delta_d = (_huber_scale(lx_dn, y_dn, floor_r=floor_d) if huber_delta is None
-               else np.full(d, float(huber_delta)))  # fmt: skip
+    delta_d = (
+        _huber_scale(lx_dn, y_dn, floor_r=floor_d)
+        if huber_delta is None
+        else np.full(d, float(huber_delta))
+    )
     est_dp = _solve(lx_dn, y_dn, delta_d, floor_d)
     idx = _pair_indices(np.random.default_rng(seed), compute, (d, n_boot), need)  # [D, R, N]
     y_boot = np.take_along_axis(y_dn[:, None, :], idx, -1).reshape(-1, n)
-    boot_rp = _solve(lx_n[idx].reshape(-1, n), y_boot, np.repeat(delta_d, n_boot),
-                     np.repeat(floor_d, n_boot))  # fmt: skip
+    boot_rp = _solve(
+        lx_n[idx].reshape(-1, n), y_boot, np.repeat(delta_d, n_boot), np.repeat(floor_d, n_boot)
+    )
     return [
-        _make_fit(est_dp[k], boot_rp.reshape(d, n_boot, 3)[k], c0=c0,
-                  compute_max=float(compute.max()), huber_delta=float(delta_d[k]), n_points=n,
-                  ci=ci, floor_fixed=floor is not None, resampling="pairs")
+        _make_fit(
+            est_dp[k],
+            boot_rp.reshape(d, n_boot, 3)[k],
+            c0=c0,
+            compute_max=float(compute.max()),
+            huber_delta=float(delta_d[k]),
+            n_points=n,
+            ci=ci,
+            floor_fixed=floor is not None,
+            resampling="pairs",
+        )
         for k in range(d)
-    ]  # fmt: skip
+    ]
 
 
 def _make_fit(est_p, boot_rp, *, c0, compute_max, ci, n_points, floor_fixed, **kw) -> PowerLawFit:
@@ -359,16 +378,27 @@ def _make_fit(est_p, boot_rp, *, c0, compute_max, ci, n_points, floor_fixed, **k
     lo, hi = _interval(_quantities(boot_rp, c0, lx_max), ci, df)
     return PowerLawFit(
         **dict(zip(_NAMES, q_est.tolist(), strict=True)),
-        c0=c0, compute_max=compute_max, n_points=n_points, ci=ci, samples=boot_rp,
+        c0=c0,
+        compute_max=compute_max,
+        n_points=n_points,
+        ci=ci,
+        samples=boot_rp,
         floor_fixed=floor_fixed,
-        intervals={nm: (float(lo[i]), float(hi[i])) for i, nm in enumerate(_NAMES)}, **kw,
-    )  # fmt: skip
+        intervals={nm: (float(lo[i]), float(hi[i])) for i, nm in enumerate(_NAMES)},
+        **kw,
+    )
 
 
 def fit_power_law(
-    compute, loss, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95, huber_delta=None,
+    compute,
+    loss,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    ci: float = 0.95,
+    huber_delta=None,
     floor: float | None = None,
-) -> PowerLawFit:  # fmt: skip
+) -> PowerLawFit:
     """Robust fit of L(C) = a·C^(−b) + c with bootstrap intervals (see the module docstring).
 
     Args:
@@ -386,9 +416,14 @@ def fit_power_law(
     """
     compute, loss = _check_values(compute, loss)  # errors name loss[i], not loss[0, i]
     return fit_power_law_many(
-        compute, loss[None], n_boot=n_boot, seed=seed, ci=ci,
-        huber_delta=huber_delta, floor=floor,
-    )[0]  # fmt: skip
+        compute,
+        loss[None],
+        n_boot=n_boot,
+        seed=seed,
+        ci=ci,
+        huber_delta=huber_delta,
+        floor=floor,
+    )[0]
 
 
 # --- frontiers with seeds ------------------------------------------------------------------------
@@ -482,15 +517,23 @@ def optimal_size_seeds(
     if valid.size >= max(20, n_boot // 2):
         out["alpha_interval"] = [float(v[0]) for v in _interval(valid[:, None], ci, None)]
     else:
-        out["reason"] = (f"{valid.size} of {n_boot} replicates have 2 budgets with an interior "
-                         "optimum")  # fmt: skip
+        out["reason"] = (
+            f"{valid.size} of {n_boot} replicates have 2 budgets with an interior optimum"
+        )
     return out
 
 
 def fit_frontier_seeds(
-    budget, compute, seed_losses, *, n_boot: int = 1000, seed: int = 0, ci: float = 0.95,
-    huber_delta=None, floor: float | None = None,
-) -> PowerLawFit:  # fmt: skip
+    budget,
+    compute,
+    seed_losses,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    ci: float = 0.95,
+    huber_delta=None,
+    floor: float | None = None,
+) -> PowerLawFit:
     """L(C) fitted on an IsoFLOP grid's frontier (best seed-mean cell per budget), with
     intervals from bootstrap replicates over seeds (``seed_bootstrap_frontier``): each replicate
     frontier is refitted (same Huber δ, same floor), percentile intervals."""
@@ -505,13 +548,24 @@ def fit_frontier_seeds(
     c0 = float(c_b.min())
     lx_b, y_log = np.log(c_b / c0), np.log(y_b)
     fl = np.array([np.nan if floor is None else floor])
-    delta = (_huber_scale(lx_b[None], y_log[None], floor_r=fl) if huber_delta is None
-             else np.array([float(huber_delta)]))  # fmt: skip
+    delta = (
+        _huber_scale(lx_b[None], y_log[None], floor_r=fl)
+        if huber_delta is None
+        else np.array([float(huber_delta)])
+    )
     est = _solve(lx_b[None], y_log[None], delta, fl)[0]
     boot = _solve(np.log(c_rb / c0), np.log(y_rb), np.repeat(delta, n_boot), np.repeat(fl, n_boot))
-    return _make_fit(est, boot, c0=c0, compute_max=float(c_b.max()), ci=ci, n_points=c_b.size,
-                     floor_fixed=floor is not None, huber_delta=float(delta[0]),
-                     resampling="seeds")  # fmt: skip
+    return _make_fit(
+        est,
+        boot,
+        c0=c0,
+        compute_max=float(c_b.max()),
+        ci=ci,
+        n_points=c_b.size,
+        floor_fixed=floor is not None,
+        huber_delta=float(delta[0]),
+        resampling="seeds",
+    )
 
 
 def holdout_frontier_seeds(budget, compute, seed_losses, **fit_kwargs) -> dict[str, Any]:
@@ -524,14 +578,18 @@ def holdout_frontier_seeds(budget, compute, seed_losses, **fit_kwargs) -> dict[s
     held = budget == top
     means = np.array([np.mean(v) for v in seed_losses])
     best = int(np.flatnonzero(held)[means[held].argmin()])
-    out: dict[str, Any] = {"holdout_budget": top, "holdout_compute": float(compute[best]),
-                           "observed": float(means[best])}  # fmt: skip
+    out: dict[str, Any] = {
+        "holdout_budget": top,
+        "holdout_compute": float(compute[best]),
+        "observed": float(means[best]),
+    }
     out |= dict.fromkeys(("predicted", "abs_error", "rel_error", "interval", "inside_interval"))
     out["fit"] = None
     keep = np.flatnonzero(~held)
     try:
-        fit = fit_frontier_seeds(budget[keep], compute[keep], [seed_losses[i] for i in keep],
-                                 **fit_kwargs)  # fmt: skip
+        fit = fit_frontier_seeds(
+            budget[keep], compute[keep], [seed_losses[i] for i in keep], **fit_kwargs
+        )
     except ValueError as e:
         return out | {"reason": str(e)}
     pred = float(fit.predict(compute[best])[0])

@@ -109,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     trials = [t.to_dict() for t in res.trials]
     n = max(args.max_parallel, 1)
-    print(f"sweep {spec.name}: {len(trials)} trials in {sweep_dir} ({args.backend}, {n} at once)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"sweep {spec.name}: {len(trials)} trials in {sweep_dir} ({args.backend}, {n} at once)",
+        file=sys.stderr,
+    )
     with SweepProgress(store, trials, poll_s=args.progress_every):
         if args.backend == "local":
             counts = _run_local(str(sweep_dir), trials, opts, n)
@@ -155,16 +157,35 @@ def print_plan(spec: SweepSpec, res: Resolution, store: SweepStore) -> None:
     rows = {r["trial_id"]: r for r in store.results()}
     table = Table(title=f"sweep {spec.name} ({len(res.trials)} trials, code {res.code_version})")
     batch_sweep = bool(spec.batch_sizes or spec.lr_rules)
-    cols = ["trial", "family", "rung", "budget", "FLOPs/ex", "steps", "examples", "lr",
-            "dense params", "status"]  # fmt: skip
+    cols = [
+        "trial",
+        "family",
+        "rung",
+        "budget",
+        "FLOPs/ex",
+        "steps",
+        "examples",
+        "lr",
+        "dense params",
+        "status",
+    ]
     if batch_sweep:
         cols[5:5] = ["batch", "recipe"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("trial", "family", "rung") else "right")
     for t in res.trials:
-        cells = [t.trial_id, t.family, t.rung, f"{t.budget:.3g}", f"{t.flops_per_example:.3g}",
-                 str(t.steps), f"{t.examples:,}", f"{t.config['dense_optim']['learning_rate']:.3g}",
-                 f"{t.params_dense:,}", store.status(t.trial_id, rows)]  # fmt: skip
+        cells = [
+            t.trial_id,
+            t.family,
+            t.rung,
+            f"{t.budget:.3g}",
+            f"{t.flops_per_example:.3g}",
+            str(t.steps),
+            f"{t.examples:,}",
+            f"{t.config['dense_optim']['learning_rate']:.3g}",
+            f"{t.params_dense:,}",
+            store.status(t.trial_id, rows),
+        ]
         if batch_sweep:
             cells[5:5] = [f"{t.batch_size:,}", f"{t.lr_rule} x{t.lr_multiplier:g}"]
         table.add_row(*cells)
@@ -177,8 +198,9 @@ def print_plan(spec: SweepSpec, res: Resolution, store: SweepStore) -> None:
 def _run_local(sweep_dir: str, trials: list[dict], opts: WorkerOptions, n: int) -> list[dict]:
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=n) as pool:
-        futs = [pool.submit(run_worker, sweep_dir, trials, opts, new_owner(), stop)
-                for _ in range(n)]  # fmt: skip
+        futs = [
+            pool.submit(run_worker, sweep_dir, trials, opts, new_owner(), stop) for _ in range(n)
+        ]
         try:
             return [f.result() for f in futs]
         except KeyboardInterrupt:
@@ -237,8 +259,11 @@ def _run_submitit(sweep_dir, trials, opts, n, args, hw) -> list[dict]:
             params["slurm_partition"] = args.slurm_partition
         executor.update_parameters(name=f"sweep-{Path(sweep_dir).name}", **params)
     else:  # local/debug executors take only the generic parameters
-        generic = {k: v for k, v in params.items() if k in ("timeout_min", "nodes",
-                   "tasks_per_node", "cpus_per_task", "gpus_per_node")}  # fmt: skip
+        generic = {
+            k: v
+            for k, v in params.items()
+            if k in ("timeout_min", "nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node")
+        }
         executor.update_parameters(**generic)
     jobs = [executor.submit(_submitit_worker, sweep_dir, trials, opts, i) for i in range(n)]
     print(f"submitted {[j.job_id for j in jobs]}", file=sys.stderr)

@@ -31,8 +31,12 @@ def summarise(store: SweepStore, trials: list[dict]) -> dict[str, Any]:
     unfinished: list[float] = []  # compute of running and remaining trials
     for t in trials:
         status = store.status(t["trial_id"], rows)
-        state = {"SUCCESS": "done", "DIVERGED": "done", "FAILED": "failed",
-                 "RUNNING": "running"}.get(status, "remaining")  # fmt: skip
+        state = {
+            "SUCCESS": "done",
+            "DIVERGED": "done",
+            "FAILED": "failed",
+            "RUNNING": "running",
+        }.get(status, "remaining")
         counts[state] += 1
         compute = t["flops_per_example"] * t["examples"]
         if state in ("done", "failed"):
@@ -41,15 +45,26 @@ def summarise(store: SweepStore, trials: list[dict]) -> dict[str, Any]:
                 walls.append((compute, float(rows[t["trial_id"]].get("wall_time_s") or 0.0)))
         else:
             unfinished.append(compute)
-    return {"counts": counts, "finished_compute": finished_compute, "walls": walls,
-            "unfinished": unfinished}  # fmt: skip
+    return {
+        "counts": counts,
+        "finished_compute": finished_compute,
+        "walls": walls,
+        "unfinished": unfinished,
+    }
 
 
 class SweepProgress:
     """A background thread that shows the sweep's state until :meth:`stop`."""
 
-    def __init__(self, store: SweepStore, trials: list[dict], *, poll_s: float = 2.0,
-                 line_every_s: float = 30.0, stream=None):  # fmt: skip
+    def __init__(
+        self,
+        store: SweepStore,
+        trials: list[dict],
+        *,
+        poll_s: float = 2.0,
+        line_every_s: float = 30.0,
+        stream=None,
+    ):
         self.store, self.trials = store, trials
         self.poll_s, self.line_every_s = poll_s, line_every_s
         self.stream = stream or sys.stderr
@@ -70,8 +85,10 @@ class SweepProgress:
     def line(self, s: dict[str, Any]) -> str:
         """``done / running / failed / remaining`` and the ETA from this launch's rate."""
         c = s["counts"]
-        text = (f"{c['done']} done, {c['running']} running, {c['failed']} failed, "
-                f"{c['remaining']} remaining of {len(self.trials)}")  # fmt: skip
+        text = (
+            f"{c['done']} done, {c['running']} running, {c['failed']} failed, "
+            f"{c['remaining']} remaining of {len(self.trials)}"
+        )
         eta = self.eta(s)
         if eta is None and s["unfinished"]:
             return text + ", ETA once a trial near the largest size has finished"
@@ -110,16 +127,26 @@ class SweepProgress:
             while not self._stop.wait(self.poll_s):
                 if time.time() - last >= self.line_every_s:
                     last = time.time()
-                    print(f"sweep: {self.line(summarise(self.store, self.trials))}",
-                          file=self.stream, flush=True)  # fmt: skip
-            print(f"sweep: {self.line(summarise(self.store, self.trials))}", file=self.stream,
-                  flush=True)  # fmt: skip
+                    print(
+                        f"sweep: {self.line(summarise(self.store, self.trials))}",
+                        file=self.stream,
+                        flush=True,
+                    )
+            print(
+                f"sweep: {self.line(summarise(self.store, self.trials))}",
+                file=self.stream,
+                flush=True,
+            )
 
     def _run_bar(self, console) -> None:
         from rich.progress import BarColumn, Progress, TextColumn  # noqa: PLC0415
 
-        with Progress(TextColumn("[bold]sweep"), BarColumn(), TextColumn("{task.fields[info]}"),
-                      console=console) as prog:  # fmt: skip
+        with Progress(
+            TextColumn("[bold]sweep"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+        ) as prog:
             task = prog.add_task("sweep", total=self.total or 1.0, info="")
             while True:
                 s = summarise(self.store, self.trials)

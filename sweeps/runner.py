@@ -93,14 +93,27 @@ class TrialServer:
         """Sends a trial; returns the process running it (what a kill must take down)."""
         if self.proc is None or self.proc.poll() is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "data._child", str(os.getpid()), sys.executable,
-                   "-m", "sweeps.trial_server", str(self.log_path)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "data._child",
+                str(os.getpid()),
+                sys.executable,
+                "-m",
+                "sweeps.trial_server",
+                str(self.log_path),
+            ]
             env = {**os.environ, **self.opts.env, "PYTHONUNBUFFERED": "1"}
             with open(self.log_path, "ab") as err:
                 self.proc = subprocess.Popen(
-                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
-                    start_new_session=True, text=True,
-                )  # fmt: skip
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    env=env,
+                    start_new_session=True,
+                    text=True,
+                )
             self.trials = 0
         self.trials += 1
         self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
@@ -209,9 +222,16 @@ def _work(store, todo, opts, owner, stop, done, server) -> None:
             if not kind:
                 continue
             if kind == "takeover":
-                store.record_attempt(t.trial_id, {"owner": owner, "exit_code": TAKEOVER,
-                                                  "duration_s": 0.0, "start": time.time(),
-                                                  "error_tail": "its worker died"})  # fmt: skip
+                store.record_attempt(
+                    t.trial_id,
+                    {
+                        "owner": owner,
+                        "exit_code": TAKEOVER,
+                        "duration_s": 0.0,
+                        "start": time.time(),
+                        "error_tail": "its worker died",
+                    },
+                )
             attempts = store.attempts(t.trial_id)
             status = _settled_status(attempts, opts.max_retries, opts.max_takeovers)
             if status is not None:
@@ -279,8 +299,15 @@ def run_trial(
         else:
             # The trampoline goes first, so a prefix (srun) is what dies with this worker.
             prefix = [sys.executable if a == "{python}" else a for a in opts.command_prefix]
-            cmd = [sys.executable, "-m", "data._child", str(os.getpid()), *prefix,
-                   sys.executable, *argv]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "data._child",
+                str(os.getpid()),
+                *prefix,
+                sys.executable,
+                *argv,
+            ]
             env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
             log.write(f"\n=== {owner} {time.ctime()}: {' '.join(cmd)}\n".encode())
             log.flush()
@@ -331,8 +358,13 @@ def run_trial(
     if timed_out.is_set():
         tail += f"\nkilled by the sweep: attempt exceeded timeout_s={opts.timeout_s:g}"
         rc = TIMEOUT_EXIT_CODE
-    attempt = {"owner": owner, "exit_code": rc, "duration_s": round(duration, 2),
-               "start": t0, "error_tail": tail if rc else ""}  # fmt: skip
+    attempt = {
+        "owner": owner,
+        "exit_code": rc,
+        "duration_s": round(duration, 2),
+        "start": t0,
+        "error_tail": tail if rc else "",
+    }
     preempted = rc == 0 and _was_preempted(tail)
     if preempted:
         attempt["preempted"] = True
@@ -341,8 +373,9 @@ def run_trial(
     if preempted:
         # SIGTERM reached the trainer: it checkpointed and exited 0 without finishing. Run it
         # again (it resumes); not a failure, so no retry is used up.
-        store.log_event({"event": "preempted", "trial_id": trial.trial_id,
-                         "attempt": len(attempts)})  # fmt: skip
+        store.log_event(
+            {"event": "preempted", "trial_id": trial.trial_id, "attempt": len(attempts)}
+        )
         store.release(trial.trial_id, owner)
         return "preempted"
     if rc == 0:
@@ -352,8 +385,14 @@ def run_trial(
         row = result_row(store, trial, "DIVERGED", attempts, opts, error=tail)
         outcome = "diverged"
     elif _settled_status(attempts, opts.max_retries, opts.max_takeovers) is None:
-        store.log_event({"event": "retry", "trial_id": trial.trial_id, "exit_code": rc,
-                         "attempt": len(attempts)})  # fmt: skip
+        store.log_event(
+            {
+                "event": "retry",
+                "trial_id": trial.trial_id,
+                "exit_code": rc,
+                "attempt": len(attempts),
+            }
+        )
         store.release(trial.trial_id, owner)
         return "retry"
     else:
@@ -422,8 +461,11 @@ def result_row(
     higher_better = opts.metric == "auc"
     scored = [r for r in evals if r.get(opts.metric) is not None]
     best = (max if higher_better else min)(scored, key=lambda r: r[opts.metric]) if scored else None
-    info = json.loads((workdir / "run_info.json").read_text()) if (
-        workdir / "run_info.json").exists() else {"starts": []}  # fmt: skip
+    info = (
+        json.loads((workdir / "run_info.json").read_text())
+        if (workdir / "run_info.json").exists()
+        else {"starts": []}
+    )
     starts = info["starts"]
     last = starts[-1] if starts else {}
     diverged_at = None

@@ -86,9 +86,18 @@ def wukong_rung(name, d, layers, n, k, depth, width, dense, top) -> Rung:
     n_F = n_L, k, FMB MLP depth, FMB MLP width, dense MLP, top MLP)``."""
     return Rung(
         name,
-        dict(embed_dim=d, num_layers=layers, n_fmb=n, n_lcb=n, fmb_rank=k, fmb_mlp_depth=depth,
-             fmb_mlp_width=width, dense_mlp=dense, top_mlp=top),
-    )  # fmt: skip
+        dict(
+            embed_dim=d,
+            num_layers=layers,
+            n_fmb=n,
+            n_lcb=n,
+            fmb_rank=k,
+            fmb_mlp_depth=depth,
+            fmb_mlp_width=width,
+            dense_mlp=dense,
+            top_mlp=top,
+        ),
+    )
 
 
 def dlrm_ladder(rows: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], prefix="d"):
@@ -358,8 +367,12 @@ def resolve(spec: SweepSpec) -> Resolution:
         if hw.profile and base.embeddings.sharding != "off" and not base.embeddings.profile:
             # The engine plans for the machine the trial runs on (its memory, bandwidths and
             # devices per host), not for the backend's default profile.
-            base = dataclasses.replace(base, embeddings=dataclasses.replace(
-                base.embeddings, profile=hw.profile, host_size=hw.devices_per_host))  # fmt: skip
+            base = dataclasses.replace(
+                base,
+                embeddings=dataclasses.replace(
+                    base.embeddings, profile=hw.profile, host_size=hw.devices_per_host
+                ),
+            )
         batches = spec.batch_sizes or (batch,)
         recipes = [(r, m) for r in spec.lr_rules for m in spec.lr_multipliers] or [("", 1.0)]
         data = dataclasses.replace(data, batch_size=batch)
@@ -408,8 +421,9 @@ def resolve(spec: SweepSpec) -> Resolution:
                         continue
                     b_data = dataclasses.replace(rung_data, batch_size=b)
                     for seed in spec.seeds:
-                        cfg = _trial_config(spec, base, model, b_data, steps, seed, base_batch,
-                                            rule, mult)  # fmt: skip
+                        cfg = _trial_config(
+                            spec, base, model, b_data, steps, seed, base_batch, rule, mult
+                        )
                         cfg = _override(cfg, rung.overrides, fam.family)
                         cdict = config_lib.to_dict(cfg)
                         tid = trial_id(fam.family, cdict, code_version, data_fp)
@@ -420,17 +434,29 @@ def resolve(spec: SweepSpec) -> Resolution:
                             )
                             continue
                         if tid in seen:  # two budgets rounding to the same run: one trial
-                            skipped.append(f"{where} seed {seed}: same run as {seen[tid].rung} "
-                                           f"at budget {seen[tid].budget:.3g}")  # fmt: skip
+                            skipped.append(
+                                f"{where} seed {seed}: same run as {seen[tid].rung} "
+                                f"at budget {seen[tid].budget:.3g}"
+                            )
                             continue
                         t = Trial(
-                            trial_id=tid, family=fam.family, package=fam.package,
-                            rung=rung.name, rung_index=ri, budget=float(budget), seed=seed,
-                            config=cdict, flops_per_example=fpe, examples=steps * b,
-                            steps=steps, batch_size=b, params_dense=int(cost.dense_params),
-                            params_sparse=int(cost.sparse_params), lr_rule=rule,
+                            trial_id=tid,
+                            family=fam.family,
+                            package=fam.package,
+                            rung=rung.name,
+                            rung_index=ri,
+                            budget=float(budget),
+                            seed=seed,
+                            config=cdict,
+                            flops_per_example=fpe,
+                            examples=steps * b,
+                            steps=steps,
+                            batch_size=b,
+                            params_dense=int(cost.dense_params),
+                            params_sparse=int(cost.sparse_params),
+                            lr_rule=rule,
                             lr_multiplier=mult,
-                        )  # fmt: skip
+                        )
                         seen[tid] = t
                         trials.append(t)
     return Resolution(tuple(trials), tuple(skipped), code_version, fingerprints)
@@ -468,17 +494,28 @@ def _override(cfg: Any, overrides: dict[str, Any], family: str) -> Any:
 def _trial_config(spec, base, model, data, steps, seed, base_batch, lr_rule="", lr_mult=1.0):
     rule = spec.batch_rule
     ratio = data.batch_size / base_batch
-    dpow = rule.dense_power if rule.dense_power is not None else rule.default_power(
-        base.dense_optim.name)  # fmt: skip
-    epow = rule.embedding_power if rule.embedding_power is not None else rule.default_power(
-        base.embedding_optim.name)  # fmt: skip
+    dpow = (
+        rule.dense_power
+        if rule.dense_power is not None
+        else rule.default_power(base.dense_optim.name)
+    )
+    epow = (
+        rule.embedding_power
+        if rule.embedding_power is not None
+        else rule.default_power(base.embedding_optim.name)
+    )
     emb = base.embedding_optim
     if lr_rule:  # a batch-size sweep's recipe (LR_RULES)
-        dpow, epow = {"none": (0.0, 0.0), "sqrt": (0.5, 0.5), "linear": (1.0, 1.0),
-                      "cowclip": (0.5, 0.0)}[lr_rule]  # fmt: skip
+        dpow, epow = {
+            "none": (0.0, 0.0),
+            "sqrt": (0.5, 0.5),
+            "linear": (1.0, 1.0),
+            "cowclip": (0.5, 0.0),
+        }[lr_rule]
         if lr_rule == "cowclip":
-            emb = dataclasses.replace(emb, cowclip_ratio=spec.cowclip_ratio,
-                                      row_l2=spec.cowclip_row_l2 * ratio)  # fmt: skip
+            emb = dataclasses.replace(
+                emb, cowclip_ratio=spec.cowclip_ratio, row_l2=spec.cowclip_row_l2 * ratio
+            )
     warmup = round(rule.warmup_fraction * steps)
     evals = max(spec.evals_per_trial, 1)
     ckpts = max(spec.checkpoints_per_trial, 1)

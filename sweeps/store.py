@@ -112,15 +112,24 @@ class SweepStore:
                     return None
                 kind = "takeover"
                 self.log_event(
-                    {"event": "takeover", "trial_id": trial_id, "owner": owner,
-                     "previous": prev.get("owner"), "heartbeat_age_s": round(age, 1)}
-                )  # fmt: skip
+                    {
+                        "event": "takeover",
+                        "trial_id": trial_id,
+                        "owner": owner,
+                        "previous": prev.get("owner"),
+                        "heartbeat_age_s": round(age, 1),
+                    }
+                )
             path.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(
                 path,
-                {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(),
-                 "claimed_at": time.time()},
-            )  # fmt: skip
+                {
+                    "owner": owner,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "claimed_at": time.time(),
+                },
+            )
             self.log_event({"event": "claim", "trial_id": trial_id, "owner": owner, "kind": kind})
             return kind
 

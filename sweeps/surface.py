@@ -103,8 +103,10 @@ class LossSurfaceFit:
         replicates; a new trial's own seed noise comes on top)."""
         est, reps = self.predict(size, examples), self.predict(size, examples, samples=True)
         lo, hi = fit_lib._interval(reps, self.ci, self.df)
-        return [{"predicted": float(e), "interval": [float(a), float(b)]}
-                for e, a, b in zip(est, lo, hi, strict=True)]  # fmt: skip
+        return [
+            {"predicted": float(e), "interval": [float(a), float(b)]}
+            for e, a, b in zip(est, lo, hi, strict=True)
+        ]
 
     def optimal_size(self, compute, samples: bool = False) -> np.ndarray:
         """N_opt(C) [K], or [R, K] of the bootstrap replicates with ``samples``."""
@@ -124,8 +126,10 @@ class LossSurfaceFit:
         return self.E + self.A * n**-self.alpha + self.B * d**-self.beta
 
     def law_str(self) -> str:
-        return (f"L = {self.E:.4f} + {self.A:.3g}·(N/{self.n0:.3g})^-{self.alpha:.3f} + "
-                f"{self.B:.3g}·(D/{self.d0:.3g})^-{self.beta:.3f}")  # fmt: skip
+        return (
+            f"L = {self.E:.4f} + {self.A:.3g}·(N/{self.n0:.3g})^-{self.alpha:.3f} + "
+            f"{self.B:.3g}·(D/{self.d0:.3g})^-{self.beta:.3f}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -158,8 +162,9 @@ def _fit_one(n, d, y_log, delta, floor, min_loss, theta0=None) -> tuple[np.ndarr
 
     def solve(t0):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            s = optimize.least_squares(resid, t0, jac=jac, loss="huber", f_scale=delta,
-                                       x_scale="jac", max_nfev=max_nfev)  # fmt: skip
+            s = optimize.least_squares(
+                resid, t0, jac=jac, loss="huber", f_scale=delta, x_scale="jac", max_nfev=max_nfev
+            )
         return (s.x, float(s.cost)) if np.isfinite(s.cost) and s.status > 0 else (t0, np.inf)
 
     if theta0 is not None:
@@ -185,9 +190,16 @@ def _fit_one(n, d, y_log, delta, floor, min_loss, theta0=None) -> tuple[np.ndarr
 
 
 def fit_loss_surface(
-    budget, size, examples, seed_losses, *, n_boot: int = 1000, seed: int = 0,
-    ci: float = 0.95, floor: float | None = None,
-) -> LossSurfaceFit:  # fmt: skip
+    budget,
+    size,
+    examples,
+    seed_losses,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    ci: float = 0.95,
+    floor: float | None = None,
+) -> LossSurfaceFit:
     """Fit L(N, D) to an IsoFLOP grid's cells.
 
     Args:
@@ -208,13 +220,16 @@ def fit_loss_surface(
     # Two cells per parameter at least, over 3 budgets: fewer leave the five parameters (and the
     # bootstrap's refits) all but undetermined.
     if size.size < _MIN_CELLS or np.unique(budget).size < 3 or np.unique(size).size < 2:
-        raise ValueError(f"a surface of 5 parameters needs >= {_MIN_CELLS} cells over >= 3 "
-                         f"budgets and >= 2 sizes; got {size.size} cells, "
-                         f"{np.unique(budget).size} budgets")  # fmt: skip
+        raise ValueError(
+            f"a surface of 5 parameters needs >= {_MIN_CELLS} cells over >= 3 "
+            f"budgets and >= 2 sizes; got {size.size} cells, "
+            f"{np.unique(budget).size} budgets"
+        )
     mean_k, boot_rk = fit_lib._seed_replicates(budget, seed_losses, n_boot, seed)
     if (bad := np.flatnonzero(mean_k <= 0)).size:
-        raise ValueError(f"cell {bad[0]} (budget {budget[bad[0]]:.3g}): mean loss "
-                         f"{mean_k[bad[0]]:g} must be > 0")  # fmt: skip
+        raise ValueError(
+            f"cell {bad[0]} (budget {budget[bad[0]]:.3g}): mean loss {mean_k[bad[0]]:g} must be > 0"
+        )
     # Seeds are resampled only when every cell has several (a one-seed cell would not vary).
     seeded = min(len(v) for v in seed_losses) > 1
     if seeded:
@@ -252,13 +267,24 @@ def fit_loss_surface(
     lo, hi = fit_lib._interval(q, ci, df)
     resid = np.log(mean_k) - np.log(_predict(est, n, d))
     return LossSurfaceFit(
-        E=float(est[0]), A=float(est[1]), alpha=float(est[2]), B=float(est[3]),
-        beta=float(est[4]), n0=n0, d0=d0, floor_fixed=floor is not None,
+        E=float(est[0]),
+        A=float(est[1]),
+        alpha=float(est[2]),
+        B=float(est[3]),
+        beta=float(est[4]),
+        n0=n0,
+        d0=d0,
+        floor_fixed=floor is not None,
         intervals={k: (float(a), float(b)) for k, a, b in zip(_NAMES, lo, hi, strict=True)},
-        rms_log_residual=float(np.sqrt(np.mean(resid**2))), huber_delta=float(delta),
-        n_cells=int(size.size), ci=ci, samples=boot, resampling="seeds" if seeded else "cells",
-        df=df, replicates_dropped=n_boot - len(boot),
-    )  # fmt: skip
+        rms_log_residual=float(np.sqrt(np.mean(resid**2))),
+        huber_delta=float(delta),
+        n_cells=int(size.size),
+        ci=ci,
+        samples=boot,
+        resampling="seeds" if seeded else "cells",
+        df=df,
+        replicates_dropped=n_boot - len(boot),
+    )
 
 
 def surface_optima(surface: LossSurfaceFit, budget, size) -> list[dict[str, Any]]:
@@ -276,11 +302,15 @@ def surface_optima(surface: LossSurfaceFit, budget, size) -> list[dict[str, Any]
             if reps.size
             else ([np.nan], [np.nan])
         )
-        out.append({
-            "budget": float(b), "size_opt": opt, "size_opt_interval": [float(lo[0]), float(hi[0])],
-            "loss_opt": float(surface.optimal_loss(b)[0]),
-            "sampled_sizes": [float(s.min()), float(s.max())],
-            "inside_sampled": bool(s.min() <= opt <= s.max()),
-            "interval_inside_sampled": bool(s.min() <= lo[0] and hi[0] <= s.max()),
-        })  # fmt: skip
+        out.append(
+            {
+                "budget": float(b),
+                "size_opt": opt,
+                "size_opt_interval": [float(lo[0]), float(hi[0])],
+                "loss_opt": float(surface.optimal_loss(b)[0]),
+                "sampled_sizes": [float(s.min()), float(s.max())],
+                "inside_sampled": bool(s.min() <= opt <= s.max()),
+                "interval_inside_sampled": bool(s.min() <= lo[0] and hi[0] <= s.max()),
+            }
+        )
     return out

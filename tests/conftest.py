@@ -69,7 +69,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for mark in ("gpu", "tpu"):
             if mark in item.keywords and backend != mark:
-                item.add_marker(pytest.mark.skip(reason=(
-                    f"needs a real {mark.upper()} (backend: {backend}); on one: "
-                    f"JAX_PLATFORMS={'cuda' if mark == 'gpu' else 'tpu'} pytest -m {mark}"
-                )))  # fmt: skip
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=(
+                            f"needs a real {mark.upper()} (backend: {backend}); on one: "
+                            f"JAX_PLATFORMS={'cuda' if mark == 'gpu' else 'tpu'} pytest -m {mark}"
+                        )
+                    )
+                )

@@ -102,12 +102,17 @@ def _tpu_slice(generation: str, size: int, topology: str, *, per_device_batch: i
         )
         prefix = ("{python}", "-m", "recscale.launch", "--tpu-vm", "env", "--")
     return LaunchPreset(
-        name=f"tpu-{generation}-{size}", profile=f"tpu-{generation}",
+        name=f"tpu-{generation}-{size}",
+        profile=f"tpu-{generation}",
         description=f"TPU {generation}-{size} slice ({topology}): {where}",
-        platform="tpu", num_hosts=hosts, devices_per_host=min(chips, per_host),
-        topology=f"{generation}:{topology}", per_device_batch=per_device_batch, env=_TPU_ENV,
+        platform="tpu",
+        num_hosts=hosts,
+        devices_per_host=min(chips, per_host),
+        topology=f"{generation}:{topology}",
+        per_device_batch=per_device_batch,
+        env=_TPU_ENV,
         command_prefix=prefix,
-    )  # fmt: skip
+    )
 
 
 PRESETS: dict[str, LaunchPreset] = {
@@ -139,7 +144,7 @@ PRESETS: dict[str, LaunchPreset] = {
                 "4",
                 "--",
             ),
-        ),  # fmt: skip
+        ),
         LaunchPreset(
             name="gpu-h100x1",
             profile="gpu-h100",
@@ -155,7 +160,7 @@ PRESETS: dict[str, LaunchPreset] = {
                 "cpus_per_task": 16,
                 "timeout_min": 240,
             },
-        ),  # fmt: skip
+        ),
         LaunchPreset(
             name="gpu-h100x8",
             profile="gpu-h100",
@@ -171,7 +176,7 @@ PRESETS: dict[str, LaunchPreset] = {
                 "cpus_per_task": 96,
                 "timeout_min": 720,
             },
-        ),  # fmt: skip
+        ),
         LaunchPreset(
             name="gpu-h100x8-4nodes",
             profile="gpu-h100",
@@ -191,7 +196,7 @@ PRESETS: dict[str, LaunchPreset] = {
             },
             # --overlap: the trial's step shares the worker job's allocation (Slurm >= 20.11).
             command_prefix=("srun", "--overlap", "--ntasks-per-node=1", "--kill-on-bad-exit=1"),
-        ),  # fmt: skip
+        ),
         _tpu_slice("v5p", 8, "2x2x1", per_device_batch=16384),
         _tpu_slice("v5p", 16, "2x2x2", per_device_batch=16384),
         _tpu_slice("v5p", 32, "2x2x4", per_device_batch=16384),

@@ -217,5 +217,6 @@ class Wukong(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> Wukong:
     """Trainer hook: the Wukong of a WukongConfig for a dataset schema."""
-    return Wukong(cfg.model, schema, kernels=cfg.kernels, engine=EngineSpec.from_config(cfg),
-                  rngs=rngs)  # fmt: skip
+    return Wukong(
+        cfg.model, schema, kernels=cfg.kernels, engine=EngineSpec.from_config(cfg), rngs=rngs
+    )

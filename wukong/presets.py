@@ -25,14 +25,21 @@ def tiny() -> WukongConfig:
     """
     return WukongConfig(
         model=WukongModelConfig(
-            embed_dim=8, dense_mlp=(16,), num_layers=2, n_fmb=4, n_lcb=4, fmb_rank=4,
-            fmb_mlp_width=16, fmb_mlp_depth=1, top_mlp=(16, 1),
+            embed_dim=8,
+            dense_mlp=(16,),
+            num_layers=2,
+            n_fmb=4,
+            n_lcb=4,
+            fmb_rank=4,
+            fmb_mlp_width=16,
+            fmb_mlp_depth=1,
+            top_mlp=(16, 1),
         ),
         data=data_presets.tiny_synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
         train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
-    )  # fmt: skip
+    )
 
 
 @register("wukong/synthetic")
@@ -45,14 +52,27 @@ def synthetic() -> WukongConfig:
     """
     return WukongConfig(
         model=WukongModelConfig(
-            embed_dim=16, dense_mlp=(64,), num_layers=2, n_fmb=8, n_lcb=8, fmb_rank=8,
-            fmb_mlp_width=128, fmb_mlp_depth=2, top_mlp=(128, 64, 1),
+            embed_dim=16,
+            dense_mlp=(64,),
+            num_layers=2,
+            n_fmb=8,
+            n_lcb=8,
+            fmb_rank=8,
+            fmb_mlp_width=128,
+            fmb_mlp_depth=2,
+            top_mlp=(128, 64, 1),
         ),
         data=data_presets.synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(num_steps=3000, log_every=100, eval_every=1000, eval_max_batches=4, checkpoint_every=1000),
-    )  # fmt: skip
+        train=TrainConfig(
+            num_steps=3000,
+            log_every=100,
+            eval_every=1000,
+            eval_max_batches=4,
+            checkpoint_every=1000,
+        ),
+    )
 
 
 @register("wukong/frappe")
@@ -73,15 +93,27 @@ def frappe() -> WukongConfig:
     """
     return WukongConfig(
         model=WukongModelConfig(
-            embed_dim=64, num_layers=2, n_fmb=8, n_lcb=8, fmb_rank=8, fmb_mlp_width=128,
-            fmb_mlp_depth=2, top_mlp=(256, 256, 1), embedding_init="normal",
-            embedding_init_scale=0.01, dropout=0.3, fmb_dropout=0.3, batch_norm=True,
+            embed_dim=64,
+            num_layers=2,
+            n_fmb=8,
+            n_lcb=8,
+            fmb_rank=8,
+            fmb_mlp_width=128,
+            fmb_mlp_depth=2,
+            top_mlp=(256, 256, 1),
+            embedding_init="normal",
+            embedding_init_scale=0.01,
+            dropout=0.3,
+            fmb_dropout=0.3,
+            batch_norm=True,
         ),
         data=data_presets.frappe(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.01),
+        embedding_optim=EmbeddingOptimConfig(
+            name="adam", learning_rate=1e-2, decay="cosine", l2=0.01
+        ),
         train=TrainConfig(num_steps=1000, log_every=50, eval_every=250, checkpoint_every=500),
-    )  # fmt: skip
+    )
 
 
 # Criteo Terabyte: days 0-22 hold about 4.2B training examples; one epoch at batch 131,072 is
@@ -104,19 +136,28 @@ def criteo_terabyte() -> WukongConfig:
     """
     return WukongConfig(
         model=WukongModelConfig(
-            embed_dim=128, dense_mlp=(512, 256), num_layers=2, n_fmb=8, n_lcb=8, fmb_rank=24,
-            fmb_mlp_width=2048, fmb_mlp_depth=3, top_mlp=(1024, 512, 256, 1),
+            embed_dim=128,
+            dense_mlp=(512, 256),
+            num_layers=2,
+            n_fmb=8,
+            n_lcb=8,
+            fmb_rank=24,
+            fmb_mlp_width=2048,
+            fmb_mlp_depth=3,
+            top_mlp=(1024, 512, 256, 1),
         ),
         data=dataclasses.replace(
             data_presets.criteo(CRITEO_TERABYTE_VOCAB_SIZES, batch_size=_TB_BATCH),
             eval_batch_size=_TB_BATCH,
         ),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=_TB_STEPS // 10),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.1, warmup_steps=_TB_STEPS // 10),
+        embedding_optim=EmbeddingOptimConfig(
+            name="rowwise_adagrad", learning_rate=0.1, warmup_steps=_TB_STEPS // 10
+        ),
         train=TrainConfig(num_steps=_TB_STEPS, log_every=500, eval_every=0, checkpoint_every=4000),
         # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
         embeddings=EmbeddingShardingConfig(sharding="auto"),
-    )  # fmt: skip
+    )
 
 
 # The seven Wukong configurations of the paper's scaling study (its Table 5, arXiv 2403.02545v4),

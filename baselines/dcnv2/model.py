@@ -63,9 +63,13 @@ class CrossLayer(nnx.Module):
 
 class DCNv2(nnx.Module):
     def __init__(
-        self, cfg: DCNv2ModelConfig, schema: Schema, *, engine: EngineSpec | None = None,
+        self,
+        cfg: DCNv2ModelConfig,
+        schema: Schema,
+        *,
+        engine: EngineSpec | None = None,
         rngs: nnx.Rngs,
-    ):  # fmt: skip
+    ):
         self.cfg = nnx.static(cfg)
         self.embeddings = EmbeddingCollection.one_table_per_feature(
             schema,

@@ -26,13 +26,17 @@ def tiny() -> DCNv2Config:
     """
     return DCNv2Config(
         model=DCNv2ModelConfig(
-            embed_dim=8, num_cross_layers=2, cross_rank=4, structure="parallel", deep_mlp=(16, 16),
+            embed_dim=8,
+            num_cross_layers=2,
+            cross_rank=4,
+            structure="parallel",
+            deep_mlp=(16, 16),
         ),
         data=data_presets.tiny_synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
         train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
-    )  # fmt: skip
+    )
 
 
 @register("dcnv2/synthetic")
@@ -46,14 +50,23 @@ def synthetic() -> DCNv2Config:
     """
     return DCNv2Config(
         model=DCNv2ModelConfig(
-            embed_dim=16, num_cross_layers=3, cross_rank=16, structure="parallel",
+            embed_dim=16,
+            num_cross_layers=3,
+            cross_rank=16,
+            structure="parallel",
             deep_mlp=(256, 128),
         ),
         data=data_presets.synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(num_steps=3000, log_every=100, eval_every=1000, eval_max_batches=4, checkpoint_every=1000),
-    )  # fmt: skip
+        train=TrainConfig(
+            num_steps=3000,
+            log_every=100,
+            eval_every=1000,
+            eval_max_batches=4,
+            checkpoint_every=1000,
+        ),
+    )
 
 
 @register("dcnv2/frappe")
@@ -71,15 +84,23 @@ def frappe() -> DCNv2Config:
     """
     return DCNv2Config(
         model=DCNv2ModelConfig(
-            embed_dim=10, num_cross_layers=3, cross_rank=0, structure="parallel",
-            deep_mlp=(400, 400, 400), dropout=0.2, batch_norm=True, embedding_init="normal",
+            embed_dim=10,
+            num_cross_layers=3,
+            cross_rank=0,
+            structure="parallel",
+            deep_mlp=(400, 400, 400),
+            dropout=0.2,
+            batch_norm=True,
+            embedding_init="normal",
             embedding_init_scale=0.01,
         ),
         data=data_presets.frappe(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.02),
+        embedding_optim=EmbeddingOptimConfig(
+            name="adam", learning_rate=1e-2, decay="cosine", l2=0.02
+        ),
         train=TrainConfig(num_steps=2000, log_every=50, eval_every=250, checkpoint_every=500),
-    )  # fmt: skip
+    )
 
 
 @register("dcnv2/criteo-terabyte")
@@ -97,15 +118,22 @@ def criteo_terabyte() -> DCNv2Config:
     batch, steps = 131_072, 32_000  # one epoch of Criteo TB days 0-22 (as wukong/criteo-terabyte)
     return DCNv2Config(
         model=DCNv2ModelConfig(
-            embed_dim=128, dense_mlp=(512, 256, 128), num_cross_layers=2, cross_rank=0,
-            structure="stacked", deep_mlp=(2048, 2048, 2048, 2048),
+            embed_dim=128,
+            dense_mlp=(512, 256, 128),
+            num_cross_layers=2,
+            cross_rank=0,
+            structure="stacked",
+            deep_mlp=(2048, 2048, 2048, 2048),
         ),
         data=dataclasses.replace(
-            data_presets.criteo(CRITEO_TERABYTE_VOCAB_SIZES, batch_size=batch), eval_batch_size=batch
+            data_presets.criteo(CRITEO_TERABYTE_VOCAB_SIZES, batch_size=batch),
+            eval_batch_size=batch,
         ),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=steps // 10),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.1, warmup_steps=steps // 10),
+        embedding_optim=EmbeddingOptimConfig(
+            name="rowwise_adagrad", learning_rate=0.1, warmup_steps=steps // 10
+        ),
         train=TrainConfig(num_steps=steps, log_every=500, eval_every=0, checkpoint_every=4000),
         # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
         embeddings=EmbeddingShardingConfig(sharding="auto"),
-    )  # fmt: skip
+    )

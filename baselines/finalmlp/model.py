@@ -168,9 +168,13 @@ class InteractionAggregation(nnx.Module):
 
 class FinalMLP(nnx.Module):
     def __init__(
-        self, cfg: FinalMLPModelConfig, schema: Schema, *, engine: EngineSpec | None = None,
+        self,
+        cfg: FinalMLPModelConfig,
+        schema: Schema,
+        *,
+        engine: EngineSpec | None = None,
         rngs: nnx.Rngs,
-    ):  # fmt: skip
+    ):
         self.cfg = nnx.static(cfg)
         self.embeddings = EmbeddingCollection.one_table_per_feature(
             schema,
@@ -183,10 +187,12 @@ class FinalMLP(nnx.Module):
         )
         self.in_dim = schema.num_dense + schema.num_sparse * cfg.embed_dim
         if cfg.use_fs:
-            self.fs1 = FeatureGate(self.in_dim, schema, cfg.fs1_context, cfg, engine=engine,
-                                   rngs=rngs)  # fmt: skip
-            self.fs2 = FeatureGate(self.in_dim, schema, cfg.fs2_context, cfg, engine=engine,
-                                   rngs=rngs)  # fmt: skip
+            self.fs1 = FeatureGate(
+                self.in_dim, schema, cfg.fs1_context, cfg, engine=engine, rngs=rngs
+            )
+            self.fs2 = FeatureGate(
+                self.in_dim, schema, cfg.fs2_context, cfg, engine=engine, rngs=rngs
+            )
         else:
             self.fs1 = self.fs2 = None
         self.mlp1 = Stream(

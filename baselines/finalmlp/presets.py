@@ -19,14 +19,21 @@ def tiny() -> FinalMLPConfig:
     """
     return FinalMLPConfig(
         model=FinalMLPModelConfig(
-            embed_dim=8, mlp1=(16, 16), mlp1_dropout=0.1, mlp2=(16, 8), mlp2_batch_norm=True,
-            fs_hidden_units=(16,), fs1_context=("f0",), fs2_context=(), num_heads=2,
+            embed_dim=8,
+            mlp1=(16, 16),
+            mlp1_dropout=0.1,
+            mlp2=(16, 8),
+            mlp2_batch_norm=True,
+            fs_hidden_units=(16,),
+            fs1_context=("f0",),
+            fs2_context=(),
+            num_heads=2,
         ),
         data=data_presets.tiny_synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
         train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
-    )  # fmt: skip
+    )
 
 
 @register("finalmlp/frappe")
@@ -46,13 +53,25 @@ def frappe() -> FinalMLPConfig:
     """
     return FinalMLPConfig(
         model=FinalMLPModelConfig(
-            embed_dim=10, mlp1=(400,), mlp1_dropout=0.4, mlp1_batch_norm=True,
-            mlp2=(100,), mlp2_dropout=0.4, mlp2_batch_norm=True, use_fs=True,
-            fs_hidden_units=(400,), fs1_context=("user",), fs2_context=("item",), num_heads=5,
-            embedding_init="normal", embedding_init_scale=0.01,
+            embed_dim=10,
+            mlp1=(400,),
+            mlp1_dropout=0.4,
+            mlp1_batch_norm=True,
+            mlp2=(100,),
+            mlp2_dropout=0.4,
+            mlp2_batch_norm=True,
+            use_fs=True,
+            fs_hidden_units=(400,),
+            fs1_context=("user",),
+            fs2_context=("item",),
+            num_heads=5,
+            embedding_init="normal",
+            embedding_init_scale=0.01,
         ),
         data=data_presets.frappe(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.02),
+        embedding_optim=EmbeddingOptimConfig(
+            name="adam", learning_rate=1e-2, decay="cosine", l2=0.02
+        ),
         train=TrainConfig(num_steps=1500, log_every=50, eval_every=250, checkpoint_every=500),
-    )  # fmt: skip
+    )

@@ -123,9 +123,13 @@ def num_fields(schema: Schema) -> int:
 
 class MaskNet(nnx.Module):
     def __init__(
-        self, cfg: MaskNetModelConfig, schema: Schema, *, engine: EngineSpec | None = None,
+        self,
+        cfg: MaskNetModelConfig,
+        schema: Schema,
+        *,
+        engine: EngineSpec | None = None,
         rngs: nnx.Rngs,
-    ):  # fmt: skip
+    ):
         self.cfg = nnx.static(cfg)
         d = cfg.embed_dim
         self.embeddings = EmbeddingCollection.one_table_per_feature(

@@ -18,14 +18,19 @@ def tiny() -> MaskNetConfig:
     """
     return MaskNetConfig(
         model=MaskNetModelConfig(
-            embed_dim=8, model_type="parallel", parallel_num_blocks=2, parallel_block_dim=8,
-            dnn_hidden_units=(16,), reduction_ratio=2.0, net_dropout=0.1,
+            embed_dim=8,
+            model_type="parallel",
+            parallel_num_blocks=2,
+            parallel_block_dim=8,
+            dnn_hidden_units=(16,),
+            reduction_ratio=2.0,
+            net_dropout=0.1,
         ),
         data=data_presets.tiny_synthetic(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
         train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
-    )  # fmt: skip
+    )
 
 
 @register("masknet/frappe")
@@ -44,13 +49,22 @@ def frappe() -> MaskNetConfig:
     """
     return MaskNetConfig(
         model=MaskNetModelConfig(
-            embed_dim=10, model_type="parallel", parallel_num_blocks=3, parallel_block_dim=50,
-            dnn_hidden_units=(400, 400, 400), reduction_ratio=2.0, emb_layernorm=False,
-            net_layernorm=True, net_dropout=0.1, embedding_init="normal",
+            embed_dim=10,
+            model_type="parallel",
+            parallel_num_blocks=3,
+            parallel_block_dim=50,
+            dnn_hidden_units=(400, 400, 400),
+            reduction_ratio=2.0,
+            emb_layernorm=False,
+            net_layernorm=True,
+            net_dropout=0.1,
+            embedding_init="normal",
             embedding_init_scale=0.01,
         ),
         data=data_presets.frappe(),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-2, decay="cosine", l2=0.02),
+        embedding_optim=EmbeddingOptimConfig(
+            name="adam", learning_rate=1e-2, decay="cosine", l2=0.02
+        ),
         train=TrainConfig(num_steps=1500, log_every=50, eval_every=250, checkpoint_every=500),
-    )  # fmt: skip
+    )

@@ -237,8 +237,9 @@ def hash_categorical(hex_values, feature_index: int, vocab_size: int, seed: int)
     if arr.dtype.kind in "iu":
         if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
             raise ValueError("integer categorical values must be in uint32 range")
-        return _hash_u32(arr.astype(np.uint32), np.zeros(arr.shape, bool), feature_index,
-                         vocab_size, seed)  # fmt: skip
+        return _hash_u32(
+            arr.astype(np.uint32), np.zeros(arr.shape, bool), feature_index, vocab_size, seed
+        )
     flat, missing = _parse_hex_strings(arr.reshape(-1).tolist())
     ids = _hash_u32(flat, missing, feature_index, vocab_size, seed)
     return ids.reshape(arr.shape)
@@ -511,10 +512,14 @@ def iter_criteo_chunks(
                     stats.rows_read += 1
                     if rej is None:
                         raise CriteoFormatError(
-                            path, block.line, "(file)", "truncated gzip", block.fragment,
+                            path,
+                            block.line,
+                            "(file)",
+                            "truncated gzip",
+                            block.fragment,
                             f"the gzip stream ends early or is corrupt after line "
                             f"{block.line - 1}, the last good line: {block.error}",
-                        )  # fmt: skip
+                        )
                     _write_reject(rej, path, block.line, _TRUNC, "(file)", block.fragment)
                     stats._reject(_REASONS[_TRUNC - 1])
                     break
@@ -522,9 +527,13 @@ def iter_criteo_chunks(
                 if p.errors and rej is None:
                     i, c, r, value = p.errors[0]
                     raise CriteoFormatError(
-                        path, block.first_line + i, _column_name(c), _REASONS[r - 1], value,
+                        path,
+                        block.first_line + i,
+                        _column_name(c),
+                        _REASONS[r - 1],
+                        value,
                         _DETAIL[r],
-                    )  # fmt: skip
+                    )
                 stats.rows_read += len(block.lines)
                 for i, c, r, _ in p.errors:
                     _write_reject(

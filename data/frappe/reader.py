@@ -25,9 +25,17 @@ import numpy as np
 from data.batch import Batch, FeatureInfo, Schema
 
 FRAPPE_FIELDS = (
-    "user", "item", "daytime", "weekday", "isweekend", "homework", "cost", "weather", "country",
+    "user",
+    "item",
+    "daytime",
+    "weekday",
+    "isweekend",
+    "homework",
+    "cost",
+    "weather",
+    "country",
     "city",
-)  # fmt: skip
+)
 """The 10 categorical fields, in the order of axis F of ``ids_bfh``."""
 FRAPPE_COLUMNS = ("label", *FRAPPE_FIELDS)
 """All CSV columns, in file order."""

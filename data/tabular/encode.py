@@ -115,8 +115,11 @@ def parse_numbers(
     """Numbers of a column: (float64 values, missing mask, bad mask). Strings must be decimal
     numbers (``integer``: base-10 integers of at most 18 digits); non-finite values are bad."""
     missing = arr.is_null().to_numpy(zero_copy_only=False)
-    fast = _cast_or_none(arr, pa.int64()) if integer and _plain_ints(arr) else (
-        None if integer else _cast_or_none(arr, pa.float64()))  # fmt: skip
+    fast = (
+        _cast_or_none(arr, pa.int64())
+        if integer and _plain_ints(arr)
+        else (None if integer else _cast_or_none(arr, pa.float64()))
+    )
     if fast is not None and (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         # Clean data: pyarrow's own strict cast (no whitespace, no junk) does all the work.
         values = fast.to_numpy(zero_copy_only=False).astype(np.float64)
@@ -221,8 +224,14 @@ def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
         idx = enc.indices.fill_null(0).to_numpy(zero_copy_only=False)
         valid = enc.indices.is_valid().to_numpy(zero_copy_only=False)
         if len(nums):  # an empty string (e.g. in Parquet) is a missing value, not a bad one
-            empty = np.diff(np.frombuffer(enc.dictionary.buffers()[1], np.int32)[
-                enc.dictionary.offset : enc.dictionary.offset + len(nums) + 1]) == 0  # fmt: skip
+            empty = (
+                np.diff(
+                    np.frombuffer(enc.dictionary.buffers()[1], np.int32)[
+                        enc.dictionary.offset : enc.dictionary.offset + len(nums) + 1
+                    ]
+                )
+                == 0
+            )
             bad_words &= ~empty
             valid &= ~empty[idx]
         bad = valid & bad_words[idx] if len(nums) else np.zeros(n, bool)
@@ -254,8 +263,15 @@ def _plain(arr: pa.Array) -> pa.Array:
     return pc.replace_substring_regex(pc.utf8_trim_whitespace(arr), r"^\+", "")
 
 
-def _split_codes(spec: TabularSpec, table: pa.Table, chunk: Chunk, file_split: int | None,
-                 file_index: int, piece_index: int, bad: _Bad) -> np.ndarray:  # fmt: skip
+def _split_codes(
+    spec: TabularSpec,
+    table: pa.Table,
+    chunk: Chunk,
+    file_split: int | None,
+    file_index: int,
+    piece_index: int,
+    bad: _Bad,
+) -> np.ndarray:
     n = table.num_rows
     if file_split is not None:
         return np.full(n, file_split, np.int8)
@@ -269,8 +285,11 @@ def _split_codes(spec: TabularSpec, table: pa.Table, chunk: Chunk, file_split: i
             + rows
         )
         u = (fmix64(key + _seed_offset(s.seed)) >> np.uint64(11)).astype(np.float64) / 2.0**53
-        return np.where(u < s.valid_fraction, VALID,
-                        np.where(u < s.valid_fraction + s.test_fraction, TEST, TRAIN)).astype(np.int8)  # fmt: skip
+        return np.where(
+            u < s.valid_fraction,
+            VALID,
+            np.where(u < s.valid_fraction + s.test_fraction, TEST, TRAIN),
+        ).astype(np.int8)
     arr = _column(table, s.column)
     t, missing, badt = parse_numbers(arr)
     bad.add(badt, s.column, "not a number", arr)
@@ -374,7 +393,7 @@ def parse_chunk(
                     reason,
                     column,
                     "\t".join("" if v is None else str(v) for v in row.values()),
-                )  # fmt: skip
+                )
             )
         keep = ~bad.mask
         kept = pa.array(keep)
@@ -404,9 +423,12 @@ def select(parsed: Parsed, code: int) -> Parsed:
         return parsed
     kept = pa.array(keep)
     return Parsed(
-        int(keep.sum()), parsed.split[keep], parsed.label[keep], parsed.weight[keep],
+        int(keep.sum()),
+        parsed.split[keep],
+        parsed.label[keep],
+        parsed.weight[keep],
         {k: _filter_value(v, keep, kept) for k, v in parsed.values.items()},
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------- counting pass
@@ -442,8 +464,10 @@ class Counts:
                 if pa.types.is_string(flat.type):
                     flat = flat.filter(pc.not_equal(flat, ""))
                 counts = pc.value_counts(flat)
-                self._merge(f.table_name, pa.table({"values": counts.field("values"),
-                                                    "counts": counts.field("counts")}))  # fmt: skip
+                self._merge(
+                    f.table_name,
+                    pa.table({"values": counts.field("values"), "counts": counts.field("counts")}),
+                )
 
     def _moments(self, name: str, x: np.ndarray) -> None:
         if not x.size:
@@ -457,8 +481,12 @@ class Counts:
     def _merge(self, table: str, counts: pa.Table) -> None:
         old = self.tables.get(table)
         if old is not None:
-            counts = pa.concat_tables([old, counts]).group_by("values").aggregate(
-                [("counts", "sum")]).rename_columns(["values", "counts"])  # fmt: skip
+            counts = (
+                pa.concat_tables([old, counts])
+                .group_by("values")
+                .aggregate([("counts", "sum")])
+                .rename_columns(["values", "counts"])
+            )
         self.tables[table] = counts
 
     def merge(self, other: Counts) -> None:
@@ -526,7 +554,7 @@ class Vocabulary:
                     vocab_size=self.vocab_size(f),
                     max_hotness=f.max_hotness,
                     table=f.table,
-                )  # fmt: skip
+                )
                 for f in spec.sparse_features
             ),
         )
@@ -543,8 +571,15 @@ class Vocabulary:
                     pa.table({"values": v}), os.path.join(folder, f"vocab.{t}.arrow")
                 )
         with open(os.path.join(folder, "scales.json"), "w") as fh:
-            json.dump({"tables": sorted(self.values), "hashed": sorted(t for t, v in self.values.items() if v is None),
-                       "scales": self.scales}, fh, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "tables": sorted(self.values),
+                    "hashed": sorted(t for t, v in self.values.items() if v is None),
+                    "scales": self.scales,
+                },
+                fh,
+                indent=1,
+            )
 
     @classmethod
     def load(cls, folder: str) -> Vocabulary:
@@ -575,8 +610,12 @@ def _hash_u64(values: pa.Array, parse: str) -> tuple[np.ndarray, np.ndarray]:
         enc = values.dictionary_encode()
         words = enc.dictionary.to_pylist()
         keys = np.array(
-            [int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little")
-             for w in words], np.uint64)  # fmt: skip
+            [
+                int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little")
+                for w in words
+            ],
+            np.uint64,
+        )
         idx = enc.indices.fill_null(0).to_numpy(zero_copy_only=False)
         out = keys[idx] if keys.size else np.zeros(len(values), np.uint64)
         missing |= pc.equal(values, "").fill_null(False).to_numpy(zero_copy_only=False)
@@ -670,5 +709,8 @@ class Encoder:
 
     def stats(self) -> dict[str, Any]:
         per_split = lambda d: {k: dict(zip(SPLITS, v, strict=True)) for k, v in d.items() if any(v)}  # noqa: E731
-        return {"oov": per_split(self.oov), "missing": per_split(self.missing),
-                "truncated_tokens": {k: v for k, v in self.truncated.items() if v}}  # fmt: skip
+        return {
+            "oov": per_split(self.oov),
+            "missing": per_split(self.missing),
+            "truncated_tokens": {k: v for k, v in self.truncated.items() if v},
+        }

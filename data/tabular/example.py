@@ -26,8 +26,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-GENRES = ("action", "comedy", "drama", "horror", "scifi", "romance", "kids", "docs", "music",
-          "sport", "travel", "food")  # fmt: skip
+GENRES = (
+    "action",
+    "comedy",
+    "drama",
+    "horror",
+    "scifi",
+    "romance",
+    "kids",
+    "docs",
+    "music",
+    "sport",
+    "travel",
+    "food",
+)
 OCCUPATIONS = ("student", "engineer", "artist", "doctor", "retired", "sales", "teacher", "other")
 
 
@@ -77,29 +89,49 @@ def make(directory: str, *, seed: int = 0, rows: int = 200_000) -> None:
         item_rank = np.minimum(rng.zipf(1.3, n) - 1, n_items - 1)
         items = item_rank
         u = rng.choice(users, n)
-        score = (np.einsum("nd,nd->n", taste[u], item_vec[items]) + popularity[items]
-                 - 0.4 * np.log(price[items]) * (age[u] < 30) + rng.normal(0, 0.8, n))  # fmt: skip
+        score = (
+            np.einsum("nd,nd->n", taste[u], item_vec[items])
+            + popularity[items]
+            - 0.4 * np.log(price[items]) * (age[u] < 30)
+            + rng.normal(0, 0.8, n)
+        )
         rating = np.clip(np.digitize(score, np.quantile(score, [0.15, 0.35, 0.6, 0.8])) + 1, 1, 5)
         ts = t0 + np.sort(rng.integers(0, 86_400 * 60, n))
-        return {"user_id": [f"u{x}" for x in u], "item_id": items, "timestamp": ts,
-                "rating": rating}  # fmt: skip
+        return {
+            "user_id": [f"u{x}" for x in u],
+            "item_id": items,
+            "timestamp": ts,
+            "rating": rating,
+        }
 
     known = np.arange(n_users - 150)
     _write(os.path.join(directory, "interactions.csv"), interactions(rows, known, 1_700_000_000))
     later = np.arange(n_users)  # the last 150 users (5%) appear only here
     new = interactions(10_000, later, 1_700_000_000 + 86_400 * 60)
     _write(os.path.join(directory, "new.csv"), new)
-    _write(os.path.join(directory, "users.csv"), {
-        "user_id": [f"u{x}" for x in range(n_users)], "age": age, "gender": gender,
-        "occupation": occupation})  # fmt: skip
-    _write(os.path.join(directory, "items.csv"), {
-        "item_id": np.arange(n_items),
-        "genres": ["|".join(GENRES[g] for g in gs) for gs in genre_sets], "price": price})  # fmt: skip
+    _write(
+        os.path.join(directory, "users.csv"),
+        {
+            "user_id": [f"u{x}" for x in range(n_users)],
+            "age": age,
+            "gender": gender,
+            "occupation": occupation,
+        },
+    )
+    _write(
+        os.path.join(directory, "items.csv"),
+        {
+            "item_id": np.arange(n_items),
+            "genres": ["|".join(GENRES[g] for g in gs) for gs in genre_sets],
+            "price": price,
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data.tabular.example",
-                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m data.tabular.example", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rows", type=int, default=200_000)

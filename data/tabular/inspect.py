@@ -70,9 +70,12 @@ def read_sample(path: str, rows: int) -> tuple[pa.Table, dict[str, Any]]:
     # Only an empty field is missing, as in a spec's default null_values (pyarrow's own list
     # would also take "NA" or "null", which the preparation would then reject as bad values).
     convert = pacsv.ConvertOptions(null_values=[""], strings_can_be_null=True)
-    reader = pacsv.open_csv(path, read_options=read, convert_options=convert,
-                            parse_options=pacsv.ParseOptions(delimiter=delimiter,
-                                                             invalid_row_handler=lambda r: "skip"))  # fmt: skip
+    reader = pacsv.open_csv(
+        path,
+        read_options=read,
+        convert_options=convert,
+        parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=lambda r: "skip"),
+    )
     batches, n, whole = [], 0, True
     for b in reader:
         batches.append(b)
@@ -102,16 +105,32 @@ def describe(table: pa.Table) -> list[dict[str, Any]]:
         ):  # dates, times, ...: described as their text
             col = pc.cast(col, pa.string())
             t = col.type
-        kind = ("int" if pa.types.is_integer(t) else "float" if pa.types.is_floating(t)
-                else "bool" if pa.types.is_boolean(t) else "string")  # fmt: skip
+        kind = (
+            "int"
+            if pa.types.is_integer(t)
+            else "float"
+            if pa.types.is_floating(t)
+            else "bool"
+            if pa.types.is_boolean(t)
+            else "string"
+        )
         present = col.drop_null()
         if kind == "string":
             present = present.filter(pc.not_equal(present, ""))
         counts = pc.value_counts(present)
-        top = sorted(zip(counts.field("counts").to_pylist(), counts.field("values").to_pylist(),
-                         strict=True), reverse=True)[:3]  # fmt: skip
-        d: dict[str, Any] = {"name": name, "type": kind, "missing": 1 - len(present) / n,
-                             "distinct": len(counts), "top": [v for _, v in top]}  # fmt: skip
+        top = sorted(
+            zip(
+                counts.field("counts").to_pylist(), counts.field("values").to_pylist(), strict=True
+            ),
+            reverse=True,
+        )[:3]
+        d: dict[str, Any] = {
+            "name": name,
+            "type": kind,
+            "missing": 1 - len(present) / n,
+            "distinct": len(counts),
+            "top": [v for _, v in top],
+        }
         if kind in ("int", "float") and len(present):
             x = present.to_numpy(zero_copy_only=False).astype(np.float64)
             d.update(min=float(x.min()), max=float(x.max()), median=float(np.median(x)))
@@ -132,8 +151,14 @@ def _label(cols: list[dict]) -> tuple[dict, dict] | None:
     for name in _LABEL_NAMES:
         if name in by:
             return by[name], {"column": by[name]["name"]}
-    binary = [c for c in cols if c["type"] in ("int", "float", "bool") and c["distinct"] == 2
-              and c.get("min") == 0 and c.get("max") == 1]  # fmt: skip
+    binary = [
+        c
+        for c in cols
+        if c["type"] in ("int", "float", "bool")
+        and c["distinct"] == 2
+        and c.get("min") == 0
+        and c.get("max") == 1
+    ]
     if len(binary) == 1:
         return binary[0], {"column": binary[0]["name"]}
     if "rating" in by and by["rating"]["type"] in ("int", "float"):
@@ -144,8 +169,12 @@ def _label(cols: list[dict]) -> tuple[dict, dict] | None:
 def _feature(c: dict, hash_above: int) -> dict[str, Any]:
     name = c["name"]
     if c.get("separator"):
-        return {"name": name, "kind": "multi_categorical", "separator": c["separator"],
-                "max_hotness": max(1, c["max_hotness"])}  # fmt: skip
+        return {
+            "name": name,
+            "kind": "multi_categorical",
+            "separator": c["separator"],
+            "max_hotness": max(1, c["max_hotness"]),
+        }
     categorical = c["type"] == "string" or (
         c["type"] in ("int", "bool") and (_ID_NAMES.search(name) or c["distinct"] <= 50)
     )
@@ -175,14 +204,19 @@ def propose(
         hows.append(how)
         descs.append(describe(t))
     main = descs[0]
-    spec: dict[str, Any] = {"name": re.sub(r"\W+", "_", os.path.basename(paths[0]).split(".")[0]),
-                            "train": [os.path.abspath(paths[0])]}  # fmt: skip
+    spec: dict[str, Any] = {
+        "name": re.sub(r"\W+", "_", os.path.basename(paths[0]).split(".")[0]),
+        "train": [os.path.abspath(paths[0])],
+    }
     if "delimiter" in hows[0] and (hows[0]["delimiter"] != "," or not hows[0]["header"]):
         spec["format"] = _format(hows[0])
     joins, side_cols = [], []
     for p, t, how, desc in zip(paths[1:], tables[1:], hows[1:], descs[1:], strict=True):
-        shared = [c["name"] for c in desc if c["name"] in tables[0].column_names
-                  and c["distinct"] == t.num_rows]  # fmt: skip
+        shared = [
+            c["name"]
+            for c in desc
+            if c["name"] in tables[0].column_names and c["distinct"] == t.num_rows
+        ]
         if not shared:
             raise ValueError(f"{p}: no column shared with {paths[0]} has unique values here")
         j: dict[str, Any] = {"path": [os.path.abspath(p)], "key": shared[0]}
@@ -195,7 +229,9 @@ def propose(
     label = _label(main)
     if label is None:
         raise ValueError(f"{paths[0]}: no label column found (name one label/click/y, or edit)")
-    time_col = next((c for c in main if _TIME_NAMES.search(c["name"]) and c["type"] in ("int", "float")), None)  # fmt: skip
+    time_col = next(
+        (c for c in main if _TIME_NAMES.search(c["name"]) and c["type"] in ("int", "float")), None
+    )
     notes = []
     if time_col is not None and not hows[0]["whole"]:
         notes.append(
@@ -206,14 +242,20 @@ def propose(
         time_col = None
     if time_col is not None:
         x = tables[0].column(time_col["name"]).drop_null().to_numpy().astype(np.float64)
-        spec["split"] = {"kind": "time", "column": time_col["name"],
-                         "valid_from": float(np.percentile(x, 90))}  # fmt: skip
+        spec["split"] = {
+            "kind": "time",
+            "column": time_col["name"],
+            "valid_from": float(np.percentile(x, 90)),
+        }
     else:
         spec["split"] = {"kind": "random", "valid_fraction": 0.1, "seed": 0}
     spec["label"] = label[1]
     skip = {label[0]["name"], *(c["name"] for c in [time_col] if c)}
-    features = [_feature(c, hash_above) for c in main + side_cols if c["name"] not in skip
-                and c["distinct"] > 1]  # fmt: skip
+    features = [
+        _feature(c, hash_above)
+        for c in main + side_cols
+        if c["name"] not in skip and c["distinct"] > 1
+    ]
     spec["features"] = features
     return spec, descs, notes
 
@@ -226,8 +268,9 @@ def _format(how: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data.tabular.inspect",
-                                 description=__doc__.split("\n")[2])  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m data.tabular.inspect", description=__doc__.split("\n")[2]
+    )
     ap.add_argument("files", nargs="+", help="interactions file, then side tables")
     ap.add_argument("--rows", type=int, default=100_000, help="sample rows per file")
     ap.add_argument(
@@ -253,10 +296,21 @@ def main(argv: list[str] | None = None) -> int:
         for h in ("column", "type", "missing", "distinct", "range / list", "top values"):
             t.add_column(h)
         for c in desc:
-            rng = (f"{c['min']:g} .. {c['max']:g}" if "min" in c else
-                   f"list '{c['separator']}' p99 {c['max_hotness']}" if "separator" in c else "")  # fmt: skip
-            t.add_row(c["name"], c["type"], f"{c['missing']:.1%}", f"{c['distinct']:,}", rng,
-                      ", ".join(str(v)[:16] for v in c["top"]))  # fmt: skip
+            rng = (
+                f"{c['min']:g} .. {c['max']:g}"
+                if "min" in c
+                else f"list '{c['separator']}' p99 {c['max_hotness']}"
+                if "separator" in c
+                else ""
+            )
+            t.add_row(
+                c["name"],
+                c["type"],
+                f"{c['missing']:.1%}",
+                f"{c['distinct']:,}",
+                rng,
+                ", ".join(str(v)[:16] for v in c["top"]),
+            )
         console.print(t)
     for note in notes:
         console.print(f"note: {note}")
@@ -264,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text)
-        console.print(f"wrote {args.out}: edit it, then train with --data.kind tabular "
-                      f"--data.tabular.spec {args.out}")  # fmt: skip
+        console.print(
+            f"wrote {args.out}: edit it, then train with --data.kind tabular "
+            f"--data.tabular.spec {args.out}"
+        )
     else:
         print(text)
     return 0

@@ -58,8 +58,14 @@ reads with ``ArrayRecordReader``); uncompressed, as a random read would inflate 
 def record_dtype(schema: Schema) -> np.dtype:
     """One example's fixed-width record (little-endian)."""
     h = schema.max_hotness if schema.features else 1
-    return np.dtype([("label", "<f4"), ("weight", "<f4"), ("dense", "<f4", (schema.num_dense,)),
-                     ("ids", "<i4", (schema.num_sparse, h))])  # fmt: skip
+    return np.dtype(
+        [
+            ("label", "<f4"),
+            ("weight", "<f4"),
+            ("dense", "<f4", (schema.num_dense,)),
+            ("ids", "<i4", (schema.num_sparse, h)),
+        ]
+    )
 
 
 def decode_records(records, dtype: np.dtype) -> Batch:
@@ -107,8 +113,11 @@ def resolve_inputs(spec: TabularSpec) -> Inputs:
     rule = spec.split.kind != "files"
     files: list[tuple[str, int | None]] = []
     seen: dict[tuple[str, str], str] = {}
-    for what, patterns, code in (("train", spec.train, None if rule else enc.TRAIN),
-                                 ("valid", spec.valid, enc.VALID), ("test", spec.test, enc.TEST)):  # fmt: skip
+    for what, patterns, code in (
+        ("train", spec.train, None if rule else enc.TRAIN),
+        ("valid", spec.valid, enc.VALID),
+        ("test", spec.test, enc.TEST),
+    ):
         for p in _expand(spec, patterns, f"{what} file"):
             key = (os.path.realpath(p), what)
             if key in seen:  # overlapping globs of one split would read a file twice
@@ -173,8 +182,9 @@ def _parts(chunks: Iterator[Chunk], rows: int) -> Iterator[tuple[int, Chunk, boo
         while n:
             part = start // rows
             take = min(n, (part + 1) * rows - start)
-            piece = Chunk(chunk.table.slice(start - chunk.first_row, take), chunk.file, start,
-                          chunk.locate)  # fmt: skip
+            piece = Chunk(
+                chunk.table.slice(start - chunk.first_row, take), chunk.file, start, chunk.locate
+            )
             if pending is not None:
                 yield pending[0], pending[1], pending[0] != part, False
             pending = (part, piece)
@@ -228,14 +238,22 @@ def _count_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
     sides = load_sides(spec, inputs)
     cols = interaction_columns(spec, sides)
     counts, rows = enc.Counts(), 0
-    chunks = iter_chunks(path, spec.format, cols, strict=spec.strict, on_reject=lambda r: None,
-                         piece=(start, end))  # fmt: skip
+    chunks = iter_chunks(
+        path, spec.format, cols, strict=spec.strict, on_reject=lambda r: None, piece=(start, end)
+    )
     for part, piece, last, _ in _parts(chunks, spec.rows_per_shard):
         marker = os.path.join(folder, "count", _part_name(file_index, piece_index, part) + ".pkl")
         if not os.path.exists(marker):
-            parsed = enc.parse_chunk(spec, piece, sides, file_split=file_split,
-                                     file_index=file_index, piece_index=piece_index,
-                                     strict=spec.strict, rejects=[])  # fmt: skip
+            parsed = enc.parse_chunk(
+                spec,
+                piece,
+                sides,
+                file_split=file_split,
+                file_index=file_index,
+                piece_index=piece_index,
+                strict=spec.strict,
+                rejects=[],
+            )
             counts.add(spec, parsed)
             if last:
                 _atomic_write(marker, pickle.dumps(counts, protocol=5))
@@ -264,8 +282,9 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
         with lock:
             read_rejects.append(r)
 
-    chunks = iter_chunks(path, spec.format, cols, strict=spec.strict, on_reject=on_reject,
-                         piece=(start, end))  # fmt: skip
+    chunks = iter_chunks(
+        path, spec.format, cols, strict=spec.strict, on_reject=on_reject, piece=(start, end)
+    )
     writers: dict[int, Any] = {}
     rows_in: dict[int, int] = {}
     rejects: list[Reject] = []
@@ -277,7 +296,9 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
         them); the final part takes the rest."""
         with lock:
             mine = [r for r in read_rejects if final or r.row < (part + 1) * per_part]
-            read_rejects[:] = [r for r in read_rejects if not (final or r.row < (part + 1) * per_part)]  # fmt: skip
+            read_rejects[:] = [
+                r for r in read_rejects if not (final or r.row < (part + 1) * per_part)
+            ]
         return mine
 
     def write_rejects(name: str, rejects: list[Reject]) -> None:
@@ -285,8 +306,9 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
             text = "".join(
                 f"{r.file}\t{r.where()}\t{r.reason}\t{r.column}\t{r.text}\n" for r in rejects
             )
-            _atomic_write(os.path.join(folder, "rejects", name + ".tsv"),
-                          (REJECTS_HEADER + text).encode())  # fmt: skip
+            _atomic_write(
+                os.path.join(folder, "rejects", name + ".tsv"), (REJECTS_HEADER + text).encode()
+            )
 
     for part, piece, last, final in _parts(chunks, per_part):
         name = _part_name(file_index, piece_index, part)
@@ -295,9 +317,16 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
             if last:  # done before a kill: its malformed lines are in its rejects file
                 malformed_of(part, final)
         else:
-            parsed = enc.parse_chunk(spec, piece, sides, file_split=file_split,
-                                     file_index=file_index, piece_index=piece_index,
-                                     strict=spec.strict, rejects=rejects)  # fmt: skip
+            parsed = enc.parse_chunk(
+                spec,
+                piece,
+                sides,
+                file_split=file_split,
+                file_index=file_index,
+                piece_index=piece_index,
+                strict=spec.strict,
+                rejects=rejects,
+            )
             dense, ids, labels, weights = encoder.encode(parsed)
             rec = np.empty(parsed.n, dtype)
             rec["label"], rec["weight"], rec["dense"], rec["ids"] = labels, weights, dense, ids
@@ -321,8 +350,11 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
                     shard_rows[enc.SPLITS[code]] = rows_in[code]
                 rejects = malformed_of(part, final) + rejects
                 write_rejects(name, rejects)
-                info = {"rows": shard_rows, "rejected": dict(Counter(r.reason for r in rejects)),
-                        "stats": encoder.stats()}  # fmt: skip
+                info = {
+                    "rows": shard_rows,
+                    "rejected": dict(Counter(r.reason for r in rejects)),
+                    "stats": encoder.stats(),
+                }
                 _atomic_write(marker, json.dumps(info).encode())
                 writers, rows_in, rejects = {}, {}, []
                 encoder = enc.Encoder(spec, vocab)
@@ -334,8 +366,11 @@ def _encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> i
     rest = malformed_of(0, True)
     if rest and not os.path.exists(marker):
         write_rejects(name, rest)
-        info = {"rows": {}, "rejected": dict(Counter(r.reason for r in rest)),
-                "stats": enc.Encoder(spec, vocab).stats()}  # fmt: skip
+        info = {
+            "rows": {},
+            "rejected": dict(Counter(r.reason for r in rest)),
+            "stats": enc.Encoder(spec, vocab).stats(),
+        }
         _atomic_write(marker, json.dumps(info).encode())
     return total
 
@@ -384,19 +419,29 @@ class Prepared:
         rejects: list[Reject] = []
         parts = []
         for chunk in iter_chunks(path, spec.format, cols, strict=strict, on_reject=rejects.append):
-            parsed = enc.parse_chunk(spec, chunk, sides, file_split=enc.VALID, file_index=0,
-                                     strict=strict, rejects=rejects)  # fmt: skip
+            parsed = enc.parse_chunk(
+                spec,
+                chunk,
+                sides,
+                file_split=enc.VALID,
+                file_index=0,
+                strict=strict,
+                rejects=rejects,
+            )
             parts.append(encoder.encode(parsed))
         if not parts or not sum(len(p[2]) for p in parts):
             reasons = dict(Counter(r.reason for r in rejects))
             raise TabularFormatError(f"{path}: no rows to evaluate (rejected: {reasons or 'none'})")
         dense, ids, labels, weights = (np.concatenate(a) for a in zip(*parts, strict=True))
         counts = encoder.stats()  # per split; every row of the file counts as "valid"
-        stats = {"file": path, "rows": int(labels.size),
-                 "rejected": dict(Counter(r.reason for r in rejects)),
-                 "oov": {k: v["valid"] for k, v in counts["oov"].items() if v["valid"]},
-                 "missing": {k: v["valid"] for k, v in counts["missing"].items() if v["valid"]},
-                 "truncated_tokens": counts["truncated_tokens"]}  # fmt: skip
+        stats = {
+            "file": path,
+            "rows": int(labels.size),
+            "rejected": dict(Counter(r.reason for r in rejects)),
+            "oov": {k: v["valid"] for k, v in counts["oov"].items() if v["valid"]},
+            "missing": {k: v["valid"] for k, v in counts["missing"].items() if v["valid"]},
+            "truncated_tokens": counts["truncated_tokens"],
+        }
         return Batch(dense, ids, labels, weights), stats
 
     def serving_encoding(self) -> tuple[dict, dict[str, np.ndarray]]:
@@ -409,8 +454,9 @@ class Prepared:
         spec = self.spec
         sides = tuple(tuple(_expand(spec, j.path, f"side table of {j.key!r}")) for j in spec.joins)
         try:
-            columns = tuple(file_columns(_expand(spec, spec.train[:1], "train file")[0],
-                                         spec.format))  # fmt: skip
+            columns = tuple(
+                file_columns(_expand(spec, spec.train[:1], "train file")[0], spec.format)
+            )
         except (OSError, TabularFormatError):
             columns = ()
         return serving_encoding(spec, self.vocab, load_sides(spec, Inputs((), sides)), columns)
@@ -419,8 +465,10 @@ class Prepared:
     def load(cls, folder: str, spec: TabularSpec) -> Prepared:
         with open(os.path.join(folder, "manifest.json")) as fh:
             m = json.load(fh)
-        schema = Schema(dense_names=tuple(m["schema"]["dense"]),
-                        features=tuple(FeatureInfo(**f) for f in m["schema"]["features"]))  # fmt: skip
+        schema = Schema(
+            dense_names=tuple(m["schema"]["dense"]),
+            features=tuple(FeatureInfo(**f) for f in m["schema"]["features"]),
+        )
         shards = {s: [(os.path.join(folder, p), n) for p, n in v] for s, v in m["shards"].items()}
         vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
         return cls(folder, spec, schema, vocab, shards, m["stats"])
@@ -485,8 +533,9 @@ def _exclusive(folder: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _prepare_locked(spec: TabularSpec, inputs: Inputs, folder: str, workers: int,
-                    progress: bool) -> None:  # fmt: skip
+def _prepare_locked(
+    spec: TabularSpec, inputs: Inputs, folder: str, workers: int, progress: bool
+) -> None:
     for stale in glob.glob(os.path.join(folder, "shards", "*", "*.tmp*")):
         os.remove(stale)  # a killed run's unfinished shard (its part has no marker)
     for sub in ("count", "vocab", "parts", "rejects", *(f"shards/{s}" for s in enc.SPLITS)):
@@ -536,9 +585,13 @@ def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
 
     global _PROGRESS
     fn = globals()[_PASSES[label]]
-    columns = (SpinnerColumn(), TextColumn("{task.description}"),
-               TextColumn("{task.completed:,.0f} rows"),
-               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())  # fmt: skip
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.completed:,.0f} rows"),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, disable=not progress, transient=False) as bar:
         task = bar.add_task(f"{label} {len(indices)} file piece(s)", total=None, rate="")
         start = time.perf_counter()
@@ -579,14 +632,29 @@ def _run(label: str, spec, inputs, folder, indices, workers, progress) -> None:
                 while todo and len(running) < workers:
                     # Through data._child: a worker dies with this process, so a relaunch never
                     # races an orphan writing the same parts.
-                    cmd = [sys.executable, "-m", "data._child", str(os.getpid()), sys.executable,
-                           "-m", "data.tabular.prepare", "--worker", label,
-                           "--folder", folder, "--units", ",".join(map(str, todo.pop(0)))]  # fmt: skip
-                    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            text=True, env=env)  # fmt: skip
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "data._child",
+                        str(os.getpid()),
+                        sys.executable,
+                        "-m",
+                        "data.tabular.prepare",
+                        "--worker",
+                        label,
+                        "--folder",
+                        folder,
+                        "--units",
+                        ",".join(map(str, todo.pop(0))),
+                    ]
+                    proc = subprocess.Popen(
+                        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+                    )
                     err: list[str] = []
-                    threads = [threading.Thread(target=watch, args=(proc,), daemon=True),
-                               threading.Thread(target=drain, args=(proc, err), daemon=True)]  # fmt: skip
+                    threads = [
+                        threading.Thread(target=watch, args=(proc,), daemon=True),
+                        threading.Thread(target=drain, args=(proc, err), daemon=True),
+                    ]
                     for t in threads:
                         t.start()
                     running.append((proc, threads, cmd, err))
@@ -656,7 +724,7 @@ def _write_manifest(spec: TabularSpec, inputs: Inputs, folder: str, timing: dict
         "schema": {
             "dense": list(schema.dense_names),
             "features": [dataclasses.asdict(f) for f in schema.features],
-        },  # fmt: skip
+        },
         "shards": shards,
         "stats": {
             "rows": rows,
@@ -666,7 +734,7 @@ def _write_manifest(spec: TabularSpec, inputs: Inputs, folder: str, timing: dict
             "missing": {k: dict(v) for k, v in missing.items()},
             "truncated_tokens": dict(truncated),
             "timing_s": timing,
-        },  # fmt: skip
+        },
     }
     _atomic_write(os.path.join(folder, "manifest.json"), json.dumps(manifest, indent=1).encode())
 

@@ -21,9 +21,17 @@ from data.config import CRITEO_KAGGLE_VOCAB_SIZES
 from data.tabular.spec import Feature, FileFormat, Label, Split, TabularSpec
 
 FRAPPE_FIELDS = (
-    "user", "item", "daytime", "weekday", "isweekend", "homework", "cost", "weather", "country",
+    "user",
+    "item",
+    "daytime",
+    "weekday",
+    "isweekend",
+    "homework",
+    "cost",
+    "weather",
+    "country",
     "city",
-)  # fmt: skip
+)
 
 
 def frappe_spec(directory: str, *, test: bool = False) -> TabularSpec:
@@ -118,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         from data.config import CRITEO_TERABYTE_VOCAB_SIZES
 
         sizes = CRITEO_TERABYTE_VOCAB_SIZES if args.terabyte else CRITEO_KAGGLE_VOCAB_SIZES
-        spec = criteo_spec(tuple(os.path.abspath(p) for p in args.train),
-                           valid=tuple(os.path.abspath(p) for p in args.valid),
-                           vocab_sizes=sizes)  # fmt: skip
+        spec = criteo_spec(
+            tuple(os.path.abspath(p) for p in args.train),
+            valid=tuple(os.path.abspath(p) for p in args.valid),
+            vocab_sizes=sizes,
+        )
     write_spec(dataclasses.replace(spec), args.out)
     print(f"wrote {args.out}")
     return 0

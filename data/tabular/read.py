@@ -266,8 +266,16 @@ def iter_chunks(
             return "error"
         kept_before = n - first_rel - len(skipped)
         skipped.append(n)
-        on_reject(Reject(path, lambda: f"line {base() + n}", "wrong column count", "",
-                         row.text, row=kept_before))  # fmt: skip
+        on_reject(
+            Reject(
+                path,
+                lambda: f"line {base() + n}",
+                "wrong column count",
+                "",
+                row.text,
+                row=kept_before,
+            )
+        )
         return "skip"
 
     whole = start == 0 and end >= os.path.getsize(path)  # a whole file may be compressed

@@ -112,7 +112,7 @@ def serving_encoding(
             "separator": f.separator,
             "max_hotness": f.max_hotness,
             "boundaries": list(f.boundaries),
-        }  # fmt: skip
+        }
         for f in spec.sparse_features
     ]
     # columns of a training row the model does not read: accepted in a request, and ignored

@@ -60,8 +60,15 @@ def _block_stats(x: jax.Array, g: jax.Array, blocks: int) -> jax.Array:
     return jnp.stack([jnp.sum(rx * rx * g2) / 3, jnp.sum(rg * rg) * xb.shape[1] / 3, jnp.sum(g2)])
 
 
-def measure(graphdef: nnx.GraphDef, params: Any, batch_stats: Any, batches: Sequence[Any], *,
-            blocks: int, loss_fn) -> dict[str, dict[str, float]]:  # fmt: skip
+def measure(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch_stats: Any,
+    batches: Sequence[Any],
+    *,
+    blocks: int,
+    loss_fn,
+) -> dict[str, dict[str, float]]:
     """Per table: ``forward`` (``s``, the loss's first-order standard deviation per unit ε,
     summed over ``batches``), ``grad_rel_error`` (``ρ``), ``values`` (pooled values per batch,
     ``n_t``) and ``features``. ``loss_fn(logits, batch)``: the batch's mean loss."""
@@ -102,8 +109,9 @@ def measure(graphdef: nnx.GraphDef, params: Any, batch_stats: Any, batches: Sequ
             total[k] = total.get(k, 0.0) + np.asarray(v, np.float64)
     out: dict[str, dict[str, Any]] = {}
     for feat, (s2, rho_num, g2) in total.items():
-        t = out.setdefault(tables[feat], {"s2": 0.0, "rho_num": 0.0, "g2": 0.0, "values": 0,
-                                          "features": []})  # fmt: skip
+        t = out.setdefault(
+            tables[feat], {"s2": 0.0, "rho_num": 0.0, "g2": 0.0, "values": 0, "features": []}
+        )
         t["s2"] += s2
         t["rho_num"] += rho_num
         t["g2"] += g2
@@ -133,9 +141,14 @@ def bound_for_bits(bits: int) -> float:
     return float(f"{eps:.3g}")
 
 
-def propose(sens: dict[str, dict[str, Any]], eps: float, *,
-            budget: Literal["bytes", "error"] = "bytes", max_shift: int = 3,
-            grad: Literal["base", "same"] = "same") -> dict[str, Any]:  # fmt: skip
+def propose(
+    sens: dict[str, dict[str, Any]],
+    eps: float,
+    *,
+    budget: Literal["bytes", "error"] = "bytes",
+    max_shift: int = 3,
+    grad: Literal["base", "same"] = "same",
+) -> dict[str, Any]:
     """Per-table code widths (within ``max_shift`` bits of the base bound's) chosen greedily:
     starting from the narrowest, a bit at a time to the table whose forward variance
     ``s_t² ε_t²`` drops most per value it costs (optimal for this separable problem, as each

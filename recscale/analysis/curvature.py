@@ -40,8 +40,9 @@ def hvp(loss: Callable[[Any], jax.Array], params: Any, v: Any) -> Any:
     return jax.grad(lambda p: optax.tree.vdot(jax.grad(loss)(p), v))(params)
 
 
-def lanczos(matvec: Callable[[jax.Array], jax.Array], v0: jax.Array, iters: int
-            ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def lanczos(
+    matvec: Callable[[jax.Array], jax.Array], v0: jax.Array, iters: int
+) -> tuple[np.ndarray, np.ndarray]:
     """``iters`` steps of Lanczos on the symmetric operator ``matvec`` from ``v0``, with full
     reorthogonalisation. The products run on the device; the Krylov basis, the
     reorthogonalisation and the small tridiagonal stay on the host in float64 (one shape
@@ -70,8 +71,14 @@ def lanczos(matvec: Callable[[jax.Array], jax.Array], v0: jax.Array, iters: int
     return np.linalg.eigvalsh(t), np.array([alphas, betas[:k] + [0.0] * (k - len(betas[:k]))])
 
 
-def hessian_extremes(loss: Callable[..., jax.Array], params: Any, *args: Any, top_k: int = 5,
-                     iters: int = 40, seed: int = 0) -> dict:  # fmt: skip
+def hessian_extremes(
+    loss: Callable[..., jax.Array],
+    params: Any,
+    *args: Any,
+    top_k: int = 5,
+    iters: int = 40,
+    seed: int = 0,
+) -> dict:
     """``{"top": the top_k Ritz values, descending, "min": the smallest, "iters", "dim"}`` of
     the Hessian of ``loss(params, *args)`` with respect to ``params``."""
     flat, unravel = ravel_pytree(params)
@@ -84,12 +91,22 @@ def hessian_extremes(loss: Callable[..., jax.Array], params: Any, *args: Any, to
 
     v0 = jax.random.normal(jax.random.key(seed), flat.shape, jnp.float32)
     ritz, _ = lanczos(lambda x: matvec(x, params, args), v0, iters)
-    return {"top": [float(x) for x in ritz[::-1][:top_k]], "min": float(ritz[0]),
-            "iters": int(min(iters, flat.shape[0])), "dim": int(flat.shape[0])}  # fmt: skip
+    return {
+        "top": [float(x) for x in ritz[::-1][:top_k]],
+        "min": float(ritz[0]),
+        "iters": int(min(iters, flat.shape[0])),
+        "dim": int(flat.shape[0]),
+    }
 
 
-def epsilon_sharpness(loss: Callable[..., jax.Array], params: Any, *args: Any, epsilon: float,
-                      steps: int = 20, step_frac: float = 0.25) -> dict:  # fmt: skip
+def epsilon_sharpness(
+    loss: Callable[..., jax.Array],
+    params: Any,
+    *args: Any,
+    epsilon: float,
+    steps: int = 20,
+    step_frac: float = 0.25,
+) -> dict:
     """Keskar's ε-sharpness of ``loss(params, *args)`` at ``params`` over the box
     ``|y| <= ε (|x| + 1)``: ``{"epsilon", "loss", "max_loss", "sharpness"}``."""
 
@@ -113,5 +130,9 @@ def epsilon_sharpness(loss: Callable[..., jax.Array], params: Any, *args: Any, e
         best = max(best, float(f))
         y = ascend(y, g, params)
     best = max(best, float(value_and_grad(y, params, args)[0]))
-    return {"epsilon": epsilon, "loss": f0, "max_loss": best,
-            "sharpness": 100.0 * (best - f0) / (1.0 + f0)}  # fmt: skip
+    return {
+        "epsilon": epsilon,
+        "loss": f0,
+        "max_loss": best,
+        "sharpness": 100.0 * (best - f0) / (1.0 + f0),
+    }

@@ -243,14 +243,17 @@ class EmbeddingCollection(nnx.Module):
             raise ValueError("this embedding collection is already quantized")
         names = [t.name for t in self.table_specs]
         if set(tables) != set(names) or set(precisions) != set(names):
-            raise ValueError(f"to_serving needs every table of {names}: got tables "
-                             f"{sorted(tables)}, precisions {sorted(precisions)}")  # fmt: skip
+            raise ValueError(
+                f"to_serving needs every table of {names}: got tables "
+                f"{sorted(tables)}, precisions {sorted(precisions)}"
+            )
         by_name = {t.name: t for t in self.table_specs}
         entries = {}
         for name in names:
             table = np.asarray(tables[name])[: by_name[name].num_rows]
-            entries[name] = nnx.Dict({k: QuantizedTable(v) for k, v in
-                                      prec.quantize(table, precisions[name]).items()})  # fmt: skip
+            entries[name] = nnx.Dict(
+                {k: QuantizedTable(v) for k, v in prec.quantize(table, precisions[name]).items()}
+            )
         if self.layout is not None:
             del self.buffers
         self.layout = nnx.static(None)
@@ -281,12 +284,19 @@ class EmbeddingCollection(nnx.Module):
 
             precisions = dict(self.serving)
             dims = {t.name: t.dim for t in self.table_specs}
-            return _probed(self, [
-                prec.pool({k: v[...] for k, v in self.tables[feat.table].items()},
-                          precisions[feat.table], ids_bfh[:, f, : feat.max_hotness],
-                          dim=dims[feat.table], pooling=feat.pooling)
-                for f, feat in enumerate(self.feature_specs)
-            ])  # fmt: skip
+            return _probed(
+                self,
+                [
+                    prec.pool(
+                        {k: v[...] for k, v in self.tables[feat.table].items()},
+                        precisions[feat.table],
+                        ids_bfh[:, f, : feat.max_hotness],
+                        dim=dims[feat.table],
+                        pooling=feat.pooling,
+                    )
+                    for f, feat in enumerate(self.feature_specs)
+                ],
+            )
         if self.layout is not None:
             if self.int8:  # (q, scale_bias) per buffer: the engine pools with the int8 kernel
                 buffers = {k: (v["q"][...], v["scale_bias"][...]) for k, v in self.buffers.items()}
@@ -294,32 +304,38 @@ class EmbeddingCollection(nnx.Module):
                 buffers = {k: v[...] for k, v in self.buffers.items()}
             flat_bd = lookup_lib.lookup(self, self.layout, buffers, ids_bfh)
             offsets = np.cumsum((0,) + self.layout.feature_dims)
-            return _probed(self, [
-                flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)
-            ])  # fmt: skip
+            return _probed(
+                self, [flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+            )
         # One array per table, laid out by the sharding rules: XLA partitions the reference's
         # gathers (a Pallas or FFI kernel is a custom call it cannot split, so the kernels run
         # in the engine, where every device holds its own blocks).
         if self.int8:
-            return _probed(self, [
-                q_api.pool(
-                    self.tables[feat.table]["q"][...],
-                    self.tables[feat.table]["scale_bias"][...],
+            return _probed(
+                self,
+                [
+                    q_api.pool(
+                        self.tables[feat.table]["q"][...],
+                        self.tables[feat.table]["scale_bias"][...],
+                        ids_bfh[:, f, : feat.max_hotness],
+                        pooling=feat.pooling,
+                        impl="xla",
+                    )
+                    for f, feat in enumerate(self.feature_specs)
+                ],
+            )
+        return _probed(
+            self,
+            [
+                bag_api.pool(
+                    self.tables[feat.table][...],
                     ids_bfh[:, f, : feat.max_hotness],
                     pooling=feat.pooling,
                     impl="xla",
                 )
                 for f, feat in enumerate(self.feature_specs)
-            ])  # fmt: skip
-        return _probed(self, [
-            bag_api.pool(
-                self.tables[feat.table][...],
-                ids_bfh[:, f, : feat.max_hotness],
-                pooling=feat.pooling,
-                impl="xla",
-            )
-            for f, feat in enumerate(self.feature_specs)
-        ])  # fmt: skip
+            ],
+        )
 
     def __call__(self, ids_bfh: jax.Array) -> jax.Array:
         """Pooled embeddings stacked as ``[B, F, D]`` (all tables must share D)."""

@@ -57,8 +57,10 @@ def _top(eps: float) -> int:
 def code_bits(eps: float) -> int:
     """Bits per code for a relative bound ``eps`` (0.002: 8; 0.0081: 6; 0.036: 4)."""
     if not MIN_EPS <= eps < 0.5:
-        raise ValueError(f"error bound {eps}: must be in [{MIN_EPS:.3g}, 0.5) (relative to a "
-                         "block's range; below it the codes cost about as much as float32)")  # fmt: skip
+        raise ValueError(
+            f"error bound {eps}: must be in [{MIN_EPS:.3g}, 0.5) (relative to a "
+            "block's range; below it the codes cost about as much as float32)"
+        )
     return math.ceil(math.log2(_top(eps) + 1))
 
 
@@ -167,8 +169,9 @@ class Compression:
 
     @property
     def lossless(self) -> bool:
-        return self.kind == "none" or (self.kind == "error_bounded" and self.eps == 0
-                                       and self.eps_grad == 0)  # fmt: skip
+        return self.kind == "none" or (
+            self.kind == "error_bounded" and self.eps == 0 and self.eps_grad == 0
+        )
 
     def payload_bytes(self, m: int, grad: bool = False) -> float:
         """Bytes one block of ``m`` float32 values costs on the wire."""

@@ -73,13 +73,24 @@ class EngineSpec:
                 f"embedding_optim.l2={cfg.embedding_optim.l2}: coupled L2 touches every row each "
                 "step, which the sparse engine does not do; set embeddings.sharding=off or l2=0"
             )
-        comp = Compression(kind=e.comm_compression, eps=e.comm_error_bound,
-                           eps_grad=e.comm_error_bound_grad)  # fmt: skip
-        return cls(e.sharding, tuple(e.per_table), e.profile, e.host_size, e.storage_dtype,
-                   e.comm_dtype, cfg.embedding_optim.name, cfg.data.batch_size,
-                   cfg.kernels.embedding_bag, cfg.kernels.embedding_update, comp,
-                   tuple(t.split("=", 1)[0] for t in e.tiers),
-                   tuple(e.comm_error_bound_tables))  # fmt: skip
+        comp = Compression(
+            kind=e.comm_compression, eps=e.comm_error_bound, eps_grad=e.comm_error_bound_grad
+        )
+        return cls(
+            e.sharding,
+            tuple(e.per_table),
+            e.profile,
+            e.host_size,
+            e.storage_dtype,
+            e.comm_dtype,
+            cfg.embedding_optim.name,
+            cfg.data.batch_size,
+            cfg.kernels.embedding_bag,
+            cfg.kernels.embedding_update,
+            comp,
+            tuple(t.split("=", 1)[0] for t in e.tiers),
+            tuple(e.comm_error_bound_tables),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +195,11 @@ def default_profile() -> str:
 
 
 def build_layout(
-    tables: tuple[TableSpec, ...], features: tuple[FeatureSpec, ...], num_devices: int,
+    tables: tuple[TableSpec, ...],
+    features: tuple[FeatureSpec, ...],
+    num_devices: int,
     spec: EngineSpec,
-) -> Layout:  # fmt: skip
+) -> Layout:
     """Plans ``tables`` on ``num_devices`` devices and lays the shards out in buffers."""
     by_table: dict[str, list[int]] = {t.name: [] for t in tables}
     for i, f in enumerate(features):
@@ -230,12 +243,16 @@ def build_layout(
 
     ptables = [
         planner_lib.PlannerTable(
-            name=t.name, num_rows=t.num_rows, dim=t.dim, bytes_per_element=itemsize,
-            pooling_factor=float(hot[t.name]), optimizer=spec.optimizer,
+            name=t.name,
+            num_rows=t.num_rows,
+            dim=t.dim,
+            bytes_per_element=itemsize,
+            pooling_factor=float(hot[t.name]),
+            optimizer=spec.optimizer,
             allowed=allowed(t.name),
         )
         for t in tables
-    ]  # fmt: skip
+    ]
     comm_bytes = jnp.dtype(DTYPES[spec.comm_dtype]).itemsize
     cost = planner_lib.CostModel.for_profile(profile, comm_bytes)
     plan = planner_lib.plan(
@@ -258,8 +275,7 @@ def build_layout(
             if r1 <= r0 or c1 <= c0:
                 continue
             scale = (1.0, 1.0) if replicated else scales.get(t.name, (1.0, 1.0))
-            devs = groups.setdefault((c1 - c0, replicated, scale),
-                                     [[] for _ in range(num_devices)])  # fmt: skip
+            devs = groups.setdefault((c1 - c0, replicated, scale), [[] for _ in range(num_devices)])
             cw = cw_index.get(t.name, len(cw_tables))
             devs[0 if replicated else sh.device].append((f, r0, r1 - r0, c0, t.dim, cw))
     buffers = []
@@ -268,9 +284,17 @@ def build_layout(
             devs = devs[:1]
         num_slots = max(len(d) for d in devs)
         fields: dict[str, list[list[int]]] = {
-            k: [] for k in ("feature", "row_start", "row_count", "offset", "col_start",
-                            "table_dim", "cw_group")
-        }  # fmt: skip
+            k: []
+            for k in (
+                "feature",
+                "row_start",
+                "row_count",
+                "offset",
+                "col_start",
+                "table_dim",
+                "cw_group",
+            )
+        }
         rows = 1
         for slots in devs:
             off, per = 0, {k: [] for k in fields}
@@ -296,12 +320,16 @@ def build_layout(
         tag += "" if scale[1] == scale[0] else "_g" + fmt(scale[1])
         buffers.append(
             BufferLayout(
-                key=f"{kind}_w{width}_{spec.storage_dtype}{tag}", width=width,
-                dtype=spec.storage_dtype, replicated=replicated, rows=rows,
-                **{k: tuple(v) for k, v in fields.items()}, bound_scale=scale[0],
+                key=f"{kind}_w{width}_{spec.storage_dtype}{tag}",
+                width=width,
+                dtype=spec.storage_dtype,
+                replicated=replicated,
+                rows=rows,
+                **{k: tuple(v) for k, v in fields.items()},
+                bound_scale=scale[0],
                 bound_scale_grad=scale[1],
             )
-        )  # fmt: skip
+        )
     return Layout(
         num_devices=num_devices,
         buffers=tuple(buffers),
@@ -343,8 +371,9 @@ def init_buffers(layout: Layout, make_table, table_of_feature: list[int], num_ta
     return out
 
 
-def export_tables(layout: Layout, buffers: dict, tables: tuple[TableSpec, ...],
-                  features: tuple[FeatureSpec, ...]) -> dict[str, np.ndarray]:  # fmt: skip
+def export_tables(
+    layout: Layout, buffers: dict, tables: tuple[TableSpec, ...], features: tuple[FeatureSpec, ...]
+) -> dict[str, np.ndarray]:
     """The tables ``{name: [V, D]}`` reassembled from the buffers (host numpy)."""
     out = {t.name: np.zeros((t.num_rows, t.dim), np.float32) for t in tables}
     for bl in layout.buffers:

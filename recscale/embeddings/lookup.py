@@ -120,8 +120,9 @@ def _assemble_bwd(layout, metas, shapes, g):
         if g_ext is None:  # a zero column for the rows that contribute nothing
             g_ext = jnp.concatenate([g, jnp.zeros((b, 1), g.dtype)], axis=1)
         zero = g.shape[1]
-        idx = np.array([[by_row[r] + j if r in by_row else zero for j in range(w)]
-                        for r in range(k)], np.int32).reshape(-1)  # fmt: skip
+        idx = np.array(
+            [[by_row[r] + j if r in by_row else zero for j in range(w)] for r in range(k)], np.int32
+        ).reshape(-1)
         grads.append(jnp.transpose(g_ext[:, idx].reshape(b, k, w), (1, 0, 2)))
     return (tuple(grads),)
 
@@ -182,8 +183,9 @@ def engine_collections(model: nnx.Module) -> dict[str, Any]:
     }
 
 
-def with_error_bounds(graphdef: nnx.GraphDef, params: Any, batch_stats: Any, eps: float,
-                      eps_grad: float) -> nnx.GraphDef:  # fmt: skip
+def with_error_bounds(
+    graphdef: nnx.GraphDef, params: Any, batch_stats: Any, eps: float, eps_grad: float
+) -> nnx.GraphDef:
     """``graphdef`` with its engine collections' exchanges bounded by ``eps`` / ``eps_grad``
     (``error_bounded`` compression; the same state fits it: the bounds change only code
     widths on the wire). ``params`` / ``batch_stats`` may be abstract."""
@@ -229,8 +231,9 @@ def lookup(module: Any, layout: Layout, buffers: dict, ids_bfh: jax.Array) -> ja
     out = _assemble(layout, tuple(x for x, _, _ in parts), tuple((bl, r) for _, bl, r in parts))
     if "mean" in layout.feature_pooling:
         counts = jnp.maximum((ids_bfh >= 0).sum(axis=2), 1).astype(out.dtype)  # [B, F]
-        scale = jnp.repeat(counts, np.asarray(layout.feature_dims), axis=1,
-                           total_repeat_length=out.shape[1])  # fmt: skip
+        scale = jnp.repeat(
+            counts, np.asarray(layout.feature_dims), axis=1, total_repeat_length=out.shape[1]
+        )
         is_mean = np.repeat(
             np.array([p == "mean" for p in layout.feature_pooling]), layout.feature_dims
         )
@@ -250,9 +253,12 @@ def _lookup_replicated(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, me
         spec = P(None, AXIS, None)
         keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, spec))
         pooled = jax.shard_map(
-            functools.partial(_pool, impl=layout.bag_kernel), mesh=mesh, in_specs=(jax.tree.map(lambda _: P(), buf), spec), out_specs=spec,
+            functools.partial(_pool, impl=layout.bag_kernel),
+            mesh=mesh,
+            in_specs=(jax.tree.map(lambda _: P(), buf), spec),
+            out_specs=spec,
             check_vma=False,
-        )(buf, keys)  # fmt: skip
+        )(buf, keys)
     return (pooled if delta is None else pooled + delta), keys
 
 
@@ -279,8 +285,9 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         comp = layout.compression_of(bl)
         if not comp.lossless:
             return compress.exchange(pooled, AXIS, comp), keys
-        recv = jax.lax.all_to_all(pooled.astype(comm), AXIS, split_axis=1, concat_axis=0,
-                                  tiled=True)  # fmt: skip
+        recv = jax.lax.all_to_all(
+            pooled.astype(comm), AXIS, split_axis=1, concat_axis=0, tiled=True
+        )
         return recv.astype(jnp.float32), keys
 
     slot_arrays = [jnp.asarray(bl.arr(k)) for k in ("feature", "row_start", "row_count", "offset")]
@@ -292,8 +299,7 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         P(AXIS),
         P(AXIS),
         P(AXIS),
-    ) + (  # fmt: skip
-        (P(AXIS),) if delta is not None else ()
-    )
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS)),
-                         check_vma=False)(*args)  # fmt: skip
+    ) + ((P(AXIS),) if delta is not None else ())
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, AXIS), P(AXIS)), check_vma=False
+    )(*args)

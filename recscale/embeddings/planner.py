@@ -111,9 +111,11 @@ class CostModel:
         """The cost model calibrated for ``profile``'s platform (see the fields)."""
         if not profile.name.startswith("tpu-"):
             return cls(comm_bytes_per_element=comm_bytes_per_element)
-        return cls(comm_bytes_per_element=comm_bytes_per_element,
-                   forward_comm_bytes_per_element=min(2, comm_bytes_per_element),
-                   forward_min_width=32)  # fmt: skip
+        return cls(
+            comm_bytes_per_element=comm_bytes_per_element,
+            forward_comm_bytes_per_element=min(2, comm_bytes_per_element),
+            forward_min_width=32,
+        )
 
     def exchange_bytes_at(self, width: int) -> int:
         """:attr:`exchange_bytes` for slots ``width`` columns wide."""
@@ -175,16 +177,23 @@ class Plan:
         from rich.console import Console  # noqa: PLC0415
         from rich.table import Table  # noqa: PLC0415
 
-        t = Table(title=f"embedding plan: {len(self.tables)} tables on {self.device_time_s.size} "
-                        f"devices, slowest device {self.max_time_s * 1e3:.3f} ms/step")  # fmt: skip
+        t = Table(
+            title=f"embedding plan: {len(self.tables)} tables on {self.device_time_s.size} "
+            f"devices, slowest device {self.max_time_s * 1e3:.3f} ms/step"
+        )
         for col in ("table", "sharding", "shards", "devices", "memory/shard", "time/shard"):
             t.add_column(col)
         for tp in self.tables[:max_rows]:
             devs = sorted({s.device for s in tp.shards})
             dev_s = ",".join(map(str, devs)) if len(devs) <= 8 else f"{len(devs)} devices"
-            t.add_row(tp.table, tp.sharding, str(len(tp.shards)), dev_s,
-                      _bytes(max(s.memory_bytes for s in tp.shards)),
-                      f"{max(s.time_s for s in tp.shards) * 1e6:.1f} us")  # fmt: skip
+            t.add_row(
+                tp.table,
+                tp.sharding,
+                str(len(tp.shards)),
+                dev_s,
+                _bytes(max(s.memory_bytes for s in tp.shards)),
+                f"{max(s.time_s for s in tp.shards) * 1e6:.1f} us",
+            )
         buf = io.StringIO()
         console = Console(file=buf, width=120)
         console.print(t)
@@ -232,8 +241,9 @@ def _hot_fraction(num_rows: int, s: float) -> float:
     return 1.0 / h
 
 
-def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, batch: int,
-                max_col_splits: int) -> list[_Candidate]:  # fmt: skip
+def _candidates(
+    t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, batch: int, max_col_splits: int
+) -> list[_Candidate]:
     b, c = t.bytes_per_element, cm.comm_bytes_per_element
     row_b, elem_b = OPTIMIZER_STATE_BYTES[t.optimizer]
     lookups = batch * t.pooling_factor
@@ -252,14 +262,30 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
     if "data_parallel" in allowed:
         comm = lookups * t.dim * c * (n - 1) / n
         # every device pools its own examples: 1/n of the batch's lookups
-        out.append(_Candidate("data_parallel", n, "all", memory(t.num_rows, t.dim),
-                              time(1 / n, t.dim, comm, hw.interconnect_bandwidth),
-                              t.num_rows, t.dim))  # fmt: skip
+        out.append(
+            _Candidate(
+                "data_parallel",
+                n,
+                "all",
+                memory(t.num_rows, t.dim),
+                time(1 / n, t.dim, comm, hw.interconnect_bandwidth),
+                t.num_rows,
+                t.dim,
+            )
+        )
     if "table_wise" in allowed:
         comm = 4 * lookups + batch * t.dim * cm.exchange_bytes_at(t.dim)
-        out.append(_Candidate("table_wise", 1, "any", memory(t.num_rows, t.dim),
-                              time(1, t.dim, comm, hw.interconnect_bandwidth),
-                              t.num_rows, t.dim))  # fmt: skip
+        out.append(
+            _Candidate(
+                "table_wise",
+                1,
+                "any",
+                memory(t.num_rows, t.dim),
+                time(1, t.dim, comm, hw.interconnect_bandwidth),
+                t.num_rows,
+                t.dim,
+            )
+        )
     for kind in ("column_wise", "table_column_wise"):
         if kind not in allowed:
             continue
@@ -267,23 +293,40 @@ def _candidates(t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, bat
         while k <= min(max_col_splits, n) and t.dim % k == 0 and t.dim // k >= 4:
             cols = t.dim // k
             comm = 4 * lookups + batch * cols * cm.exchange_bytes_at(cols)
-            out.append(_Candidate(kind, k, "any", memory(t.num_rows, cols),
-                                  time(1, cols, comm, hw.interconnect_bandwidth),
-                                  t.num_rows, cols))  # fmt: skip
+            out.append(
+                _Candidate(
+                    kind,
+                    k,
+                    "any",
+                    memory(t.num_rows, cols),
+                    time(1, cols, comm, hw.interconnect_bandwidth),
+                    t.num_rows,
+                    cols,
+                )
+            )
             k *= 2
     for kind, m, group, link in (
-        ("row_wise", n, "all", hw.interconnect_bandwidth if n <= hw.devices_per_host
-         else min(hw.interconnect_bandwidth, hw.cross_host_bandwidth)),
+        (
+            "row_wise",
+            n,
+            "all",
+            hw.interconnect_bandwidth
+            if n <= hw.devices_per_host
+            else min(hw.interconnect_bandwidth, hw.cross_host_bandwidth),
+        ),
         ("table_row_wise", min(hw.devices_per_host, n), "host", hw.interconnect_bandwidth),
-    ):  # fmt: skip
+    ):
         if kind not in allowed or m < 2:
             continue
         rows = math.ceil(t.num_rows / m)
         frac = min(1.0, hot + (1 - hot) / m)  # the busiest shard
         # the partial sums are added before any multiply: comm_dtype both ways
         comm = batch * t.dim * 2 * c * (m - 1) / m + 4 * lookups * frac
-        out.append(_Candidate(kind, m, group, memory(rows, t.dim),
-                              time(frac, t.dim, comm, link), rows, t.dim))  # fmt: skip
+        out.append(
+            _Candidate(
+                kind, m, group, memory(rows, t.dim), time(frac, t.dim, comm, link), rows, t.dim
+            )
+        )
     return out
 
 
@@ -360,20 +403,38 @@ class _NoPlacement(ValueError):
     pass
 
 
-def round_robin(tables, profile: HardwareProfile, num_devices: int, *, batch_size: int,
-                cost_model: CostModel = CostModel(), memory_fraction: float = 0.8) -> Plan:  # fmt: skip
+def round_robin(
+    tables,
+    profile: HardwareProfile,
+    num_devices: int,
+    *,
+    batch_size: int,
+    cost_model: CostModel = CostModel(),
+    memory_fraction: float = 0.8,
+) -> Plan:
     """The baseline: table ``i`` table-wise on device ``i mod N`` (memory is not checked)."""
     load = np.zeros(num_devices)
     mem = np.zeros(num_devices)
     out = []
     for i, t in enumerate(tables):
-        (cand,) = _candidates(dataclasses.replace(t, allowed=("table_wise",)), num_devices,
-                              profile, cost_model, batch_size, 1)  # fmt: skip
+        (cand,) = _candidates(
+            dataclasses.replace(t, allowed=("table_wise",)),
+            num_devices,
+            profile,
+            cost_model,
+            batch_size,
+            1,
+        )
         d = i % num_devices
         load[d] += cand.shard_time
         mem[d] += cand.shard_memory
-        out.append(TablePlan(t.name, "table_wise", (Shard(d, (0, t.num_rows), (0, t.dim),
-                                                          cand.shard_memory, cand.shard_time),)))  # fmt: skip
+        out.append(
+            TablePlan(
+                t.name,
+                "table_wise",
+                (Shard(d, (0, t.num_rows), (0, t.dim), cand.shard_memory, cand.shard_time),),
+            )
+        )
     return Plan(tuple(out), load, mem, profile.memory_bytes * memory_fraction)
 
 

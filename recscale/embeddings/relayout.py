@@ -56,8 +56,17 @@ AXIS = sharding.DATA_AXIS
 CHUNK_ROWS = 1 << 16
 """Most table rows moved through the host at once."""
 _MIN_CHUNK = 1 << 10  # smaller tables share one compiled gather / scatter per array
-_PLAN_FIELDS = ("sharding", "per_table", "profile", "host_size", "storage_dtype", "optimizer",
-                "batch_size", "comm_dtype", "bound_scales")  # fmt: skip
+_PLAN_FIELDS = (
+    "sharding",
+    "per_table",
+    "profile",
+    "host_size",
+    "storage_dtype",
+    "optimizer",
+    "batch_size",
+    "comm_dtype",
+    "bound_scales",
+)
 """The engine spec's fields the plan depends on (kernels do not move rows; ``comm_dtype`` is
 in the planner's costs)."""
 _PLAN_DEFAULTS = {"comm_dtype": "float32", "bound_scales": []}
@@ -142,8 +151,10 @@ def check_relayout(saved: dict, cfg: Any) -> None:
         )
     if old_e is None:
         return
-    for key, field in (("storage_dtype", "embeddings.storage_dtype"),
-                       ("optimizer", "embedding_optim.name")):  # fmt: skip
+    for key, field in (
+        ("storage_dtype", "embeddings.storage_dtype"),
+        ("optimizer", "embedding_optim.name"),
+    ):
         if old_e[key] != new_e[key]:
             why = (
                 "re-laying out moves bits; converting the stored tables is not exact"
@@ -162,15 +173,21 @@ def _saved_config(saved: dict, cfg: Any) -> Any:
     the saved spec)."""
     e = {**_PLAN_DEFAULTS, **saved["engine"]}
     emb = dataclasses.replace(
-        cfg.embeddings, sharding=e["sharding"], per_table=tuple(e["per_table"]),
-        profile=e["profile"], host_size=e["host_size"], storage_dtype=e["storage_dtype"],
-        comm_dtype=e["comm_dtype"], comm_error_bound_tables=tuple(e["bound_scales"]),
-    )  # fmt: skip
+        cfg.embeddings,
+        sharding=e["sharding"],
+        per_table=tuple(e["per_table"]),
+        profile=e["profile"],
+        host_size=e["host_size"],
+        storage_dtype=e["storage_dtype"],
+        comm_dtype=e["comm_dtype"],
+        comm_error_bound_tables=tuple(e["bound_scales"]),
+    )
     return dataclasses.replace(
-        cfg, embeddings=emb,
+        cfg,
+        embeddings=emb,
         embedding_optim=dataclasses.replace(cfg.embedding_optim, name=e["optimizer"]),
         data=dataclasses.replace(cfg.data, batch_size=e["batch_size"]),
-    )  # fmt: skip
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,8 +244,9 @@ def restore_relaid(
     old_colls = _collections(old_model)
     new_colls = _collections(nnx.merge(exp.graphdef, abstract.params, abstract.batch_stats))
     if set(old_colls) != set(new_colls):
-        raise ValueError(f"embedding collections differ: saved {sorted(old_colls)}, "
-                         f"now {sorted(new_colls)}")  # fmt: skip
+        raise ValueError(
+            f"embedding collections differ: saved {sorted(old_colls)}, now {sorted(new_colls)}"
+        )
     old_buffers = {
         path + ("buffers", bl.key): bl for path, c in old_colls.items() for bl in c.layout.buffers
     }
@@ -241,8 +259,10 @@ def restore_relaid(
         elif path in target and target[path].shape == v.shape:
             value = target[path]
         else:
-            raise ValueError(f"parameter {_name(path)} of the saved model has no counterpart of "
-                             f"shape {v.shape} in this model")  # fmt: skip
+            raise ValueError(
+                f"parameter {_name(path)} of the saved model has no counterpart of "
+                f"shape {v.shape} in this model"
+            )
         leaves.append((path, var.replace(value)))
     likes["params"] = nnx.from_flat_state(leaves)
     if with_opt_state:
@@ -425,10 +445,11 @@ def _scatter_fn(s: NamedSharding):
         return block.at[local].set(rows.astype(block.dtype), mode="drop")
 
     return jax.jit(
-        jax.shard_map(body, mesh=s.mesh, in_specs=(s.spec, P(), P()), out_specs=s.spec,
-                      check_vma=False),
+        jax.shard_map(
+            body, mesh=s.mesh, in_specs=(s.spec, P(), P()), out_specs=s.spec, check_vma=False
+        ),
         donate_argnums=0,
-    )  # fmt: skip
+    )
 
 
 def _gather(arr: jax.Array, idx: np.ndarray) -> np.ndarray:

@@ -204,8 +204,11 @@ class RowStore:
         for a in range(0, len(first), _CHUNK):  # records of bounded size
             r = first[a : a + _CHUNK]
             old = np.asarray(self._mm[r], np.float32)
-            record = (_HEADER.pack(_MAGIC, len(r)) + r.astype("<i8").tobytes()
-                      + old.astype("<f4").tobytes())  # fmt: skip
+            record = (
+                _HEADER.pack(_MAGIC, len(r))
+                + r.astype("<i8").tobytes()
+                + old.astype("<f4").tobytes()
+            )
             view = memoryview(record)
             while view:  # os.write may write less than asked (2 GiB cap, signals, full disk)
                 view = view[os.write(self._log_fd, view) :]
@@ -438,9 +441,12 @@ class RowCache:
         return s, self.row_of[s]
 
     def state(self) -> dict[str, np.ndarray]:
-        out = {"row_of": self.row_of, "stamp": self.stamp, "dirty": self.dirty,
-               "scalars": np.array([self.used, self.clock, self.requests, self.hits,
-                                    self.evictions])}  # fmt: skip
+        out = {
+            "row_of": self.row_of,
+            "stamp": self.stamp,
+            "dirty": self.dirty,
+            "scalars": np.array([self.used, self.clock, self.requests, self.hits, self.evictions]),
+        }
         if self.policy == "lfu":
             out["freq"] = self.freq
         else:
@@ -498,9 +504,20 @@ class TieredTables:
     ``checkpoint(state, step)`` before the trainer's checkpoint of ``step``;
     ``restore(step)`` after restoring it; ``create()`` for a fresh run."""
 
-    def __init__(self, model: Any, schema: Schema, specs: dict[str, TierSpec], directory: Path,
-                 *, optimizer: str, initial_accumulator: float, seed: int, mesh,
-                 policy: Policy = "lru", state_sharding: Any = None):  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        schema: Schema,
+        specs: dict[str, TierSpec],
+        directory: Path,
+        *,
+        optimizer: str,
+        initial_accumulator: float,
+        seed: int,
+        mesh,
+        policy: Policy = "lru",
+        state_sharding: Any = None,
+    ):
         from recscale.embeddings import engine  # noqa: PLC0415  (engine imports this module)
 
         self.dir, self.optimizer, self.seed, self.mesh = Path(directory), optimizer, seed, mesh
@@ -530,10 +547,14 @@ class TieredTables:
             for p in self.placed
         }
         self.stores = {
-            p.spec.table: RowStore(self.dir / p.spec.table, p.num_rows,
-                                   p.dim + _state_width(optimizer, p.dim), p.spec.tier)
+            p.spec.table: RowStore(
+                self.dir / p.spec.table,
+                p.num_rows,
+                p.dim + _state_width(optimizer, p.dim),
+                p.spec.tier,
+            )
             for p in self.placed
-        }  # fmt: skip
+        }
         self.pending: list[tuple[str, np.ndarray, Any, int]] = []  # write-backs in flight
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tier-prefetch")
         self._prefetching: concurrent.futures.Future | None = None
@@ -566,11 +587,18 @@ class TieredTables:
         blocks = 1 if bl.replicated else lay.num_devices
         names = {"sgd": (), "rowwise_adagrad": ("acc",), "adam": ("m", "v")}[self.optimizer]
         path = "/".join(p for p in (ck, "buffers", bl.key) if p)
-        return _Placed(spec=dataclasses.replace(spec, cache_rows=t.num_rows),
-                       feature=feature_index[fs.name], hotness=fs.max_hotness, num_rows=num_rows,
-                       dim=t.dim, opt_path=path,
-                       opt_names=names, pos=pos, buffer_rows=blocks * bl.rows,
-                       block_rows=0 if bl.replicated else bl.rows)  # fmt: skip
+        return _Placed(
+            spec=dataclasses.replace(spec, cache_rows=t.num_rows),
+            feature=feature_index[fs.name],
+            hotness=fs.max_hotness,
+            num_rows=num_rows,
+            dim=t.dim,
+            opt_path=path,
+            opt_names=names,
+            pos=pos,
+            buffer_rows=blocks * bl.rows,
+            block_rows=0 if bl.replicated else bl.rows,
+        )
 
     # -- the device side ----------------------------------------------------------------------
 
@@ -578,8 +606,7 @@ class TieredTables:
         """The buffer and optimizer-state arrays holding table ``p``'s cache."""
         flat = dict(nnx.to_flat_state(state.params))
         var = next(v for k, v in flat.items() if "/".join(map(str, k)) == p.opt_path)
-        return [var[...]] + [state.opt_state["embedding"][p.opt_path][k][...]
-                             for k in p.opt_names]  # fmt: skip
+        return [var[...]] + [state.opt_state["embedding"][p.opt_path][k][...] for k in p.opt_names]
 
     def _gather_fn(self, state, gather: dict) -> dict:
         """Per table: the rows at buffer rows ``gather`` with their optimizer state,
@@ -773,8 +800,10 @@ class TieredTables:
             t = p.spec.table
             path = self.dir / t / f"cache.{step}.npz"
             if not path.is_file():
-                raise FileNotFoundError(f"tiered table {t!r}: {path} is missing (the cache "
-                                        f"directory of checkpoint step {step})")  # fmt: skip
+                raise FileNotFoundError(
+                    f"tiered table {t!r}: {path} is missing (the cache "
+                    f"directory of checkpoint step {step})"
+                )
             self.stores[t].restore(step)
             with np.load(path) as z:
                 self.caches[t].load(dict(z))
@@ -840,14 +869,17 @@ def _gather_rows(p: _Placed, mesh, arrays: list, rows) -> list:
         # Summed as bit patterns: every row is in one block (the others add zero bits), so the
         # values come back exact, -0.0 included (a float sum would give +0.0).
         bits = [jax.lax.bitcast_convert_type(g, _UINT[g.dtype.itemsize]) for g in got]
-        return [jax.lax.bitcast_convert_type(jax.lax.psum(b, _AXIS), g.dtype)
-                for b, g in zip(bits, got, strict=True)]  # fmt: skip
+        return [
+            jax.lax.bitcast_convert_type(jax.lax.psum(b, _AXIS), g.dtype)
+            for b, g in zip(bits, got, strict=True)
+        ]
 
     if not p.block_rows:
         return body(rows, *arrays)
     spec = [P(_AXIS, *([None] * (a.ndim - 1))) for a in arrays]
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(), *spec), out_specs=[P()] * len(arrays),
-                         check_vma=False)(rows, *arrays)  # fmt: skip
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), *spec), out_specs=[P()] * len(arrays), check_vma=False
+    )(rows, *arrays)
 
 
 def _scatter_rows(p: _Placed, mesh, arrays: list, rows, values: list) -> list:
@@ -857,11 +889,17 @@ def _scatter_rows(p: _Placed, mesh, arrays: list, rows, values: list) -> list:
     def body(rows, *arrs_vals):
         arrs, vals = arrs_vals[: len(arrays)], arrs_vals[len(arrays) :]
         local = _local(p, rows)
-        return [a.at[local].set(v.astype(a.dtype), mode="drop")
-                for a, v in zip(arrs, vals, strict=True)]  # fmt: skip
+        return [
+            a.at[local].set(v.astype(a.dtype), mode="drop") for a, v in zip(arrs, vals, strict=True)
+        ]
 
     if not p.block_rows:
         return body(rows, *arrays, *values)
     spec = [P(_AXIS, *([None] * (a.ndim - 1))) for a in arrays]
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(), *spec, *([P()] * len(values))),
-                         out_specs=spec, check_vma=False)(rows, *arrays, *values)  # fmt: skip
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), *spec, *([P()] * len(values))),
+        out_specs=spec,
+        check_vma=False,
+    )(rows, *arrays, *values)

@@ -61,9 +61,16 @@ class UpdateRule:
 
 
 def apply_update(
-    layout: Layout, bl: BufferLayout, buf, state: dict, keys, grad_pooled, lr, step,
+    layout: Layout,
+    bl: BufferLayout,
+    buf,
+    state: dict,
+    keys,
+    grad_pooled,
+    lr,
+    step,
     rule: UpdateRule,
-):  # fmt: skip
+):
     """Updates the rows read at ``keys [S, B, H]`` given the gradients of the slots' pooled
     outputs ``[S, B, w]``; returns ``(buf, state, [sum of squared updates, sum of squared row
     gradients])``."""
@@ -83,9 +90,15 @@ def apply_update(
         if kernel:
             s, b, h = keys_sbh.shape
             new_buf, acc, sq = update_api.update(
-                buf_rw, st.get("acc"), keys_sbh.reshape(s * b, h), g_sbw.reshape(s * b, -1), lr,
-                optimizer=rule.optimizer, eps=rule.eps, impl=impl,
-            )  # fmt: skip
+                buf_rw,
+                st.get("acc"),
+                keys_sbh.reshape(s * b, h),
+                g_sbw.reshape(s * b, -1),
+                lr,
+                optimizer=rule.optimizer,
+                eps=rule.eps,
+                impl=impl,
+            )
             new_st = {"acc": acc} if "acc" in st else {}
         else:
             count = None
@@ -105,8 +118,16 @@ def apply_update(
             sq = jax.lax.psum(sq, AXIS)
         return new_buf, tuple(new_st[k] for k in names), sq
 
-    args = (buf, keys, grad_pooled, slot["cw_group"], slot["table_dim"], lr, step,
-            *(values[k] for k in names))  # fmt: skip
+    args = (
+        buf,
+        keys,
+        grad_pooled,
+        slot["cw_group"],
+        slot["table_dim"],
+        lr,
+        step,
+        *(values[k] for k in names),
+    )
     if bl.replicated:
         new_buf, new_vals, sq = body(*args)
     else:
@@ -114,11 +135,19 @@ def apply_update(
         new_buf, new_vals, sq = jax.shard_map(
             body,
             mesh=sharding.active_mesh(),
-            in_specs=(P(AXIS, None), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
-                      *(specs[k] for k in names)),
+            in_specs=(
+                P(AXIS, None),
+                P(AXIS),
+                P(AXIS),
+                P(AXIS),
+                P(AXIS),
+                P(),
+                P(),
+                *(specs[k] for k in names),
+            ),
             out_specs=(P(AXIS, None), tuple(specs[k] for k in names), P()),
             check_vma=False,
-        )(*args)  # fmt: skip
+        )(*args)
     new_state = {k: state[k].replace(v) for k, v in zip(names, new_vals, strict=True)}
     return new_buf, new_state, sq
 
@@ -135,8 +164,13 @@ def row_gradient_sq(bl: BufferLayout, keys, grad_pooled) -> jax.Array:
 
     if bl.replicated:
         return body(keys, grad_pooled)
-    return jax.shard_map(body, mesh=sharding.active_mesh(), in_specs=(P(AXIS), P(AXIS)),
-                         out_specs=P(), check_vma=False)(keys, grad_pooled)  # fmt: skip
+    return jax.shard_map(
+        body,
+        mesh=sharding.active_mesh(),
+        in_specs=(P(AXIS), P(AXIS)),
+        out_specs=P(),
+        check_vma=False,
+    )(keys, grad_pooled)
 
 
 def _full_rows(x_su: jax.Array, cw_s: jax.Array, groups: int) -> jax.Array:
@@ -164,8 +198,9 @@ def _clip_rows(buf, uids_su, g, count_su, cw_s, groups: int, clip: CowClip):
     return g
 
 
-def _update_rows(buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRule, groups: int,
-                 count_su=None):  # fmt: skip
+def _update_rows(
+    buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRule, groups: int, count_su=None
+):
     s, u, w = g_suw.shape
     flat_u = uids_su.reshape(-1)
     g = g_suw.astype(jnp.float32)

@@ -38,7 +38,7 @@ HARDWARE_VERIFIED: frozenset[tuple[str, str]] = frozenset(
         "quantized_embedding_bag",
         "dot_interaction",
         "fm_interaction",
-    )  # fmt: skip
+    )
 )
 """``(op, impl)`` pairs whose Pallas kernel passed its device tests compiled on that hardware
 (``tests/recscale/kernels/test_on_device.py``: ``pytest -m gpu`` on a GPU, ``-m tpu`` on a TPU).
@@ -152,11 +152,18 @@ def resolve(
     if impl == "auto" and requested in PALLAS_BACKEND and (op, requested) not in HARDWARE_VERIFIED:
         if (op, requested) not in _UNVERIFIED_LOGGED:
             _UNVERIFIED_LOGGED.add((op, requested))
-            _log.info("%s: auto keeps the XLA reference: %s is not verified on hardware yet "
-                      "(name it to run it)", op, requested)  # fmt: skip
+            _log.info(
+                "%s: auto keeps the XLA reference: %s is not verified on hardware yet "
+                "(name it to run it)",
+                op,
+                requested,
+            )
         return "xla"
-    if (impl == "auto" and dtype is not None
-            and jnp.dtype(dtype).name in AUTO_KEEPS_XLA.get((op, requested), ())):  # fmt: skip
+    if (
+        impl == "auto"
+        and dtype is not None
+        and jnp.dtype(dtype).name in AUTO_KEEPS_XLA.get((op, requested), ())
+    ):
         return "xla"
     if requested not in unsupported:
         if impl == "auto":  # e.g. cpu_ffi-only ops on GPU

@@ -54,8 +54,9 @@ def from_config(cfg) -> CowClip | None:
     return CowClip(ratio=cfg.cowclip_ratio, min_norm=cfg.cowclip_min_norm, row_l2=cfg.row_l2)
 
 
-def clip_scale(g_sq: jax.Array, w_sq: jax.Array, count: jax.Array, ratio: float,
-               min_norm: float) -> jax.Array:  # fmt: skip
+def clip_scale(
+    g_sq: jax.Array, w_sq: jax.Array, count: jax.Array, ratio: float, min_norm: float
+) -> jax.Array:
     """Per-row factor ``min(1, cnt · max(r·||w||, ζ) / ||g||)`` (1 where ``g`` is zero) from
     each row's squared gradient norm ``g_sq``, squared weight norm ``w_sq`` and count in the
     batch (float32, any equal shapes)."""
@@ -88,8 +89,9 @@ def table_counts(ids_nh: jax.Array, num_rows: int, padded_rows: int | None = Non
     return jnp.zeros((out,), jnp.float32).at[jnp.where(valid, ids, out)].add(1.0, mode="drop")
 
 
-def scale_hparams(base_batch: int, batch: int, *, dense_lr: float, embedding_lr: float,
-                  l2: float) -> dict[str, float]:  # fmt: skip
+def scale_hparams(
+    base_batch: int, batch: int, *, dense_lr: float, embedding_lr: float, l2: float
+) -> dict[str, float]:
     """CowClip's scaling rule from ``base_batch`` to ``batch`` (``s = batch / base_batch``):
     dense learning rate times ``sqrt(s)``, embedding learning rate unchanged, L2 times ``s``
     (the paper's Criteo and Avazu tables: 1K to 128K)."""

@@ -124,9 +124,11 @@ def dense_optimizer(
         )
     elif cfg.name == "hessian_free":  # (its config refuses schedules and clipping)
         tx = hessian_free(
-            cfg.learning_rate if peak is None else peak, cg_iters=cfg.hf_cg_iters,
-            damping=cfg.hf_damping, initial_radius=cfg.hf_radius,
-        )  # fmt: skip
+            cfg.learning_rate if peak is None else peak,
+            cg_iters=cfg.hf_cg_iters,
+            damping=cfg.hf_damping,
+            initial_radius=cfg.hf_radius,
+        )
     else:
         raise ValueError(f"unknown dense optimizer {cfg.name!r}")
     if cfg.grad_clip_norm > 0:

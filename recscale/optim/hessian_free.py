@@ -43,8 +43,9 @@ class HessianFreeState(NamedTuple):
     negative_curvature: jax.Array  # whether the last step's CG met non-positive curvature
 
 
-def steihaug_cg(hvp, g: jax.Array, radius: jax.Array, *, max_iters: int, tol: float
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+def steihaug_cg(
+    hvp, g: jax.Array, radius: jax.Array, *, max_iters: int, tol: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Approximate minimiser of ``g·d + ½ d·B d`` over ``||d|| <= radius`` (``hvp(v) = B v``,
     flat vectors): ``(d, iterations, met non-positive curvature)``. On a positive definite
     ``B`` of dimension n with a large radius it is plain CG, exact after n iterations."""
@@ -100,10 +101,13 @@ def hessian_free(
         del params
         z = jnp.zeros((), jnp.float32)
         return HessianFreeState(
-            count=jnp.zeros((), jnp.int32), radius=jnp.asarray(initial_radius, jnp.float32),
-            accepted=z, ratio=z, cg_iters=jnp.zeros((), jnp.int32),
+            count=jnp.zeros((), jnp.int32),
+            radius=jnp.asarray(initial_radius, jnp.float32),
+            accepted=z,
+            ratio=z,
+            cg_iters=jnp.zeros((), jnp.int32),
             negative_curvature=jnp.zeros((), bool),
-        )  # fmt: skip
+        )
 
     def update(grads, state: HessianFreeState, params=None, *, value_fn=None, **extra):
         del extra
@@ -130,16 +134,20 @@ def hessian_free(
         radius = jnp.where(
             ratio < 0.25,
             0.25 * state.radius,
-            jnp.where((ratio > 0.75) & at_edge, jnp.minimum(2 * state.radius, max_radius),
-                      state.radius),
-        )  # fmt: skip
+            jnp.where(
+                (ratio > 0.75) & at_edge, jnp.minimum(2 * state.radius, max_radius), state.radius
+            ),
+        )
         ok = (actual > 0) & jnp.isfinite(f1)
         step = jnp.where(ok, learning_rate * d, 0.0)
         new = HessianFreeState(
-            count=state.count + 1, radius=radius.astype(jnp.float32),
-            accepted=ok.astype(jnp.float32), ratio=ratio.astype(jnp.float32),
-            cg_iters=iters, negative_curvature=neg,
-        )  # fmt: skip
+            count=state.count + 1,
+            radius=radius.astype(jnp.float32),
+            accepted=ok.astype(jnp.float32),
+            ratio=ratio.astype(jnp.float32),
+            cg_iters=iters,
+            negative_curvature=neg,
+        )
         return unravel(step.astype(x.dtype)), new
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -50,9 +50,16 @@ class BatchStats:
 
     def as_dict(self) -> dict[str, Any]:
         sizes = self.batch_sizes or [0]
-        return {"requests": self.requests, "examples": self.examples, "batches": self.batches,
-                "shed": self.shed, "errors": self.errors, "queued_examples": self.queued_examples,
-                "mean_batch": float(np.mean(sizes)), "max_batch": int(np.max(sizes))}  # fmt: skip
+        return {
+            "requests": self.requests,
+            "examples": self.examples,
+            "batches": self.batches,
+            "shed": self.shed,
+            "errors": self.errors,
+            "queued_examples": self.queued_examples,
+            "mean_batch": float(np.mean(sizes)),
+            "max_batch": int(np.max(sizes)),
+        }
 
 
 class DynamicBatcher:
@@ -64,12 +71,20 @@ class DynamicBatcher:
     runs in one of ``workers`` threads. Start with :meth:`start` (inside the running loop); stop
     with :meth:`close`, which fails every request not yet answered."""
 
-    def __init__(self, predict: Callable[[np.ndarray, np.ndarray], np.ndarray], *,
-                 max_batch: int = 256, max_wait: float = 0.002, max_queue: int = 4096,
-                 workers: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        predict: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        *,
+        max_batch: int = 256,
+        max_wait: float = 0.002,
+        max_queue: int = 4096,
+        workers: int = 1,
+    ):
         if max_batch < 1 or max_queue < max_batch or workers < 1 or max_wait < 0:
-            raise ValueError(f"batcher: max_batch={max_batch} >= 1, max_queue={max_queue} >= "
-                             f"max_batch, workers={workers} >= 1, max_wait={max_wait} >= 0")  # fmt: skip
+            raise ValueError(
+                f"batcher: max_batch={max_batch} >= 1, max_queue={max_queue} >= "
+                f"max_batch, workers={workers} >= 1, max_wait={max_wait} >= 0"
+            )
         self.predict = predict
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.workers = workers
@@ -111,8 +126,10 @@ class DynamicBatcher:
             raise ValueError(f"a request of {n} examples exceeds max_batch={self.max_batch}")
         if self.stats.queued_examples + n > self.max_queue:
             self.stats.shed += 1
-            raise Overloaded(f"overloaded: {self.stats.queued_examples} examples queued "
-                             f"(max {self.max_queue}); retry later")  # fmt: skip
+            raise Overloaded(
+                f"overloaded: {self.stats.queued_examples} examples queued "
+                f"(max {self.max_queue}); retry later"
+            )
         fut = asyncio.get_running_loop().create_future()
         self.stats.queued_examples += n
         self.stats.requests += 1

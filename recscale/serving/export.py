@@ -50,8 +50,9 @@ from recscale.train.evaluation import restored
 from recscale.train.loop import BuildModel
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-XLA_KERNELS = KernelConfig(embedding_bag="xla", embedding_update="xla", dot_interaction="xla",
-                           fm_interaction="xla")  # fmt: skip
+XLA_KERNELS = KernelConfig(
+    embedding_bag="xla", embedding_update="xla", dot_interaction="xla", fm_interaction="xla"
+)
 """The artifact's forward is plain StableHLO: every hot op in its jnp reference (a Pallas or
 FFI kernel is a custom call of one backend; XLA compiles the references for each)."""
 
@@ -89,8 +90,10 @@ def table_precisions(tables: list[str], default: str, overrides: tuple[str, ...]
     for item in overrides:
         name, sep, p = item.partition("=")
         if not sep or name not in out:
-            raise ValueError(f"table precision {item!r}: expected TABLE=PRECISION with TABLE one "
-                             f"of {', '.join(tables)}")  # fmt: skip
+            raise ValueError(
+                f"table precision {item!r}: expected TABLE=PRECISION with TABLE one "
+                f"of {', '.join(tables)}"
+            )
         out[name] = prec.check(p)
     return out
 
@@ -112,8 +115,10 @@ def float_tables(coll: EmbeddingCollection) -> dict[str, np.ndarray]:
     if coll.layout is not None:
         bufs = {k: v[...] for k, v in coll.buffers.items()}
         return engine.export_tables(coll.layout, bufs, coll.table_specs, coll.feature_specs)
-    return {t.name: np.asarray(jax.device_get(coll.tables[t.name][...]), np.float32)[: t.num_rows]
-            for t in coll.table_specs}  # fmt: skip
+    return {
+        t.name: np.asarray(jax.device_get(coll.tables[t.name][...]), np.float32)[: t.num_rows]
+        for t in coll.table_specs
+    }
 
 
 def serving_model(graphdef, params, batch_stats, precisions: dict[str, str] | str):
@@ -151,8 +156,9 @@ def forward_fn(graphdef: nnx.GraphDef, paths: list) -> Any:
     return forward
 
 
-def export_model(model: nnx.Module, num_dense: int, num_features: int, hotness: int,
-                 platforms: tuple[str, ...]) -> tuple[bytes, dict[str, np.ndarray]]:  # fmt: skip
+def export_model(
+    model: nnx.Module, num_dense: int, num_features: int, hotness: int, platforms: tuple[str, ...]
+) -> tuple[bytes, dict[str, np.ndarray]]:
     """``(serialised exported forward, weights)`` of a serving model, for a symbolic batch."""
     unknown = set(platforms) - set(PLATFORMS)
     if unknown or not platforms:
@@ -165,8 +171,9 @@ def export_model(model: nnx.Module, num_dense: int, num_features: int, hotness: 
         jax.ShapeDtypeStruct((b, num_dense), jnp.float32),
         jax.ShapeDtypeStruct((b, num_features, hotness), jnp.int32),
     )
-    exported = jax.export.export(jax.jit(forward_fn(graphdef, paths)),
-                                 platforms=tuple(platforms))(*specs)  # fmt: skip
+    exported = jax.export.export(jax.jit(forward_fn(graphdef, paths)), platforms=tuple(platforms))(
+        *specs
+    )
     return bytes(exported.serialize()), weights
 
 
@@ -181,8 +188,11 @@ def _auc(exp: Any, graphdef, params, batch_stats, precisions: dict[str, str]) ->
     """``(validation AUC, table bytes)`` of the serving model with its tables in
     ``precisions`` (compiled for it)."""
     model, _ = serving_model(graphdef, params, batch_stats, precisions)
-    size = sum(prec.nbytes({k: v[...] for k, v in coll.tables[t.name].items()})
-               for coll in _collections(model) for t in coll.table_specs)  # fmt: skip
+    size = sum(
+        prec.nbytes({k: v[...] for k, v in coll.tables[t.name].items()})
+        for coll in _collections(model)
+        for t in coll.table_specs
+    )
     g, p, st = nnx.split(model, nnx.Param, nnx.BatchStat)
     return float(exp.evaluate(p, st, graphdef=g)["auc"]), size
 
@@ -209,13 +219,16 @@ class _ProbeEvaluator:
         self.exp = exp
         self.params, self.batch_stats = params, batch_stats
         # (collection, table) -> [V, D] float32
-        self.tables = {(c, t): v for c, coll in enumerate(colls)
-                       for t, v in float_tables(coll).items()}  # fmt: skip
+        self.tables = {
+            (c, t): v for c, coll in enumerate(colls) for t, v in float_tables(coll).items()
+        }
         self.dims = {t.name: t.dim for coll in colls for t in coll.table_specs}
         names = [f.name for f in exp.source.schema.features]
         # (probe key, collection, column of ids_bfh, table, bag size, pooling) per lookup
-        self.features = [(key, c, names.index(f.name), f.table, f.max_hotness, f.pooling)
-                         for key, (c, f) in self._lookups(graphdef).items()]  # fmt: skip
+        self.features = [
+            (key, c, names.index(f.name), f.table, f.max_hotness, f.pooling)
+            for key, (c, f) in self._lookups(graphdef).items()
+        ]
         self._quantized: dict[tuple[int, str, str], dict] = {}
         self._delta_fns: dict[tuple[str, str], Any] = {}
         self._sizes: dict[tuple[str, str], int] = {}
@@ -252,15 +265,18 @@ class _ProbeEvaluator:
         if key not in self._delta_fns:
             for c in colls:
                 self._quantized[(c, *key)] = prec.quantize(self.tables[c, table], precision)
-                self._quantized[c, table, "float32"] = prec.quantize(self.tables[c, table],
-                                                                     "float32")  # fmt: skip
+                self._quantized[c, table, "float32"] = prec.quantize(
+                    self.tables[c, table], "float32"
+                )
             dim = self.dims[table]
 
             @jax.jit
             def delta(q, f32, ids_bfh):
-                return {name: prec.pool(q[c], precision, ids_bfh[:, i, :h], dim=dim, pooling=pool)
-                        - prec.pool(f32[c], "float32", ids_bfh[:, i, :h], dim=dim, pooling=pool)
-                        for name, c, i, _, h, pool in feats}  # fmt: skip
+                return {
+                    name: prec.pool(q[c], precision, ids_bfh[:, i, :h], dim=dim, pooling=pool)
+                    - prec.pool(f32[c], "float32", ids_bfh[:, i, :h], dim=dim, pooling=pool)
+                    for name, c, i, _, h, pool in feats
+                }
 
             self._delta_fns[key] = delta
         fn = self._delta_fns[key]
@@ -275,8 +291,10 @@ class _ProbeEvaluator:
         low = [self._delta(t, p) for t, p in precisions.items() if p != "float32"]
         for host in self.exp.source.eval_batches():
             b = self.exp.device_batch(host)
-            deltas = {name: jnp.zeros((b.ids_bfh.shape[0], self.dims[t]), jnp.float32)
-                      for name, _, _, t, _, _ in self.features}  # fmt: skip
+            deltas = {
+                name: jnp.zeros((b.ids_bfh.shape[0], self.dims[t]), jnp.float32)
+                for name, _, _, t, _, _ in self.features
+            }
             for fn in low:
                 deltas.update(fn(b.ids_bfh))
             out = self._logits(self.params, self.batch_stats, b, deltas)
@@ -286,14 +304,26 @@ class _ProbeEvaluator:
     def bytes(self, precisions: dict[str, str]) -> int:
         for t, p in precisions.items():  # each table quantised once per precision
             if (t, p) not in self._sizes:
-                self._sizes[t, p] = sum(prec.nbytes(prec.quantize(v, p))
-                                        for (_, name), v in self.tables.items() if name == t)  # fmt: skip
+                self._sizes[t, p] = sum(
+                    prec.nbytes(prec.quantize(v, p))
+                    for (_, name), v in self.tables.items()
+                    if name == t
+                )
         return sum(self._sizes[t, p] for t, p in precisions.items())
 
 
-def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str], *,
-                      budget: float, candidates: tuple[str, ...],
-                      pinned: dict[str, str] | None = None, log=print) -> dict[str, Any]:  # fmt: skip
+def choose_precisions(
+    exp: Any,
+    graphdef,
+    params,
+    batch_stats,
+    tables: list[str],
+    *,
+    budget: float,
+    candidates: tuple[str, ...],
+    pinned: dict[str, str] | None = None,
+    log=print,
+) -> dict[str, Any]:
     """The smallest precision per table that keeps the validation AUC within ``budget`` of the
     float32 model's, and what each choice measured.
 
@@ -317,22 +347,31 @@ def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str]
     free = [t for t in tables if t not in pinned]
     auc0, bytes0 = ev.auc(float32), ev.bytes(float32)
     # candidates by the bytes they take (smallest first), whatever order they were given in
-    candidates = tuple(sorted(candidates, key=lambda c: prec.nbytes(prec.quantize(
-        np.zeros((1, 8), np.float32), c))))  # fmt: skip
+    candidates = tuple(
+        sorted(
+            candidates, key=lambda c: prec.nbytes(prec.quantize(np.zeros((1, 8), np.float32), c))
+        )
+    )
     log(f"float32: AUC {auc0:.6f}, tables {bytes0 / 2**20:.3f} MiB")
     auc_b, bytes_b = (auc0, bytes0) if not pinned else (ev.auc(base), ev.bytes(base))
     solo: dict[str, dict[str, dict[str, float]]] = {t: {} for t in free}
     for t in free:  # each against the pinned base
         for c in candidates:
             trial = {**base, t: c}
-            solo[t][c] = {"auc_cost": auc_b - ev.auc(trial),
-                          "bytes_saved": bytes_b - ev.bytes(trial)}  # fmt: skip
-            log(f"  {t} in {c}: AUC cost {solo[t][c]['auc_cost']:+.6f}, saves "
-                f"{solo[t][c]['bytes_saved'] / 2**20:.4f} MiB")  # fmt: skip
+            solo[t][c] = {
+                "auc_cost": auc_b - ev.auc(trial),
+                "bytes_saved": bytes_b - ev.bytes(trial),
+            }
+            log(
+                f"  {t} in {c}: AUC cost {solo[t][c]['auc_cost']:+.6f}, saves "
+                f"{solo[t][c]['bytes_saved'] / 2**20:.4f} MiB"
+            )
     moves = sorted(
         ((t, c) for t in free for c in candidates if solo[t][c]["bytes_saved"] > 0),
-        key=lambda tc: -solo[tc[0]][tc[1]]["bytes_saved"] / max(solo[tc[0]][tc[1]]["auc_cost"], 1e-9),
-    )  # fmt: skip
+        key=lambda tc: (
+            -solo[tc[0]][tc[1]]["bytes_saved"] / max(solo[tc[0]][tc[1]]["auc_cost"], 1e-9)
+        ),
+    )
     chosen, tried = dict(base), []
     order = {c: i for i, c in enumerate(candidates)}  # smallest first
     for t, c in moves:
@@ -347,11 +386,21 @@ def choose_precisions(exp: Any, graphdef, params, batch_stats, tables: list[str]
             chosen = trial
     final_auc, final_bytes = _auc(exp, graphdef, params, batch_stats, chosen)
     ref_auc, _ = _auc(exp, graphdef, params, batch_stats, float32)
-    log(f"chosen: AUC {final_auc:.6f} against float32's {ref_auc:.6f} (serving models), "
-        f"tables {final_bytes / 2**20:.3f} MiB")  # fmt: skip
-    return {"precisions": chosen, "auc_float32": ref_auc, "auc": final_auc,
-            "auc_cost": ref_auc - final_auc, "budget": budget, "bytes_float32": bytes0,
-            "bytes": final_bytes, "solo": solo, "tried": tried}  # fmt: skip
+    log(
+        f"chosen: AUC {final_auc:.6f} against float32's {ref_auc:.6f} (serving models), "
+        f"tables {final_bytes / 2**20:.3f} MiB"
+    )
+    return {
+        "precisions": chosen,
+        "auc_float32": ref_auc,
+        "auc": final_auc,
+        "auc_cost": ref_auc - final_auc,
+        "budget": budget,
+        "bytes_float32": bytes0,
+        "bytes": final_bytes,
+        "solo": solo,
+        "tried": tried,
+    }
 
 
 def _check_out(out: Path, workdir: Path) -> None:
@@ -369,34 +418,54 @@ def _check_out(out: Path, workdir: Path) -> None:
         except (json.JSONDecodeError, OSError):
             fmt = None
         if fmt != runtime.FORMAT:
-            raise ValueError(f"--out {out}: its manifest.json is not a {runtime.FORMAT} "
-                             "artifact's; not replacing it")  # fmt: skip
+            raise ValueError(
+                f"--out {out}: its manifest.json is not a {runtime.FORMAT} "
+                "artifact's; not replacing it"
+            )
 
 
-def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
-                   family: str = "", log=None) -> dict:  # fmt: skip
+def export_workdir(
+    config_cls: type, build_model: BuildModel, args: ExportArgs, family: str = "", log=None
+) -> dict:
     """Writes the artifact of ``args`` and returns its manifest (``log``: progress lines, to
     stderr by default)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     _check_out(Path(args.out), Path(args.workdir))
     t0 = time.perf_counter()
-    with restored(config_cls, build_model, args.workdir, step=args.step, best=args.best,
-                  num_devices=1, what="export", kernels=XLA_KERNELS) as r:  # fmt: skip
+    with restored(
+        config_cls,
+        build_model,
+        args.workdir,
+        step=args.step,
+        best=args.best,
+        num_devices=1,
+        what="export",
+        kernels=XLA_KERNELS,
+    ) as r:
         schema = r.exp.source.schema
         names = sorted({f.table_name for f in schema.features})
         auto = None
         if args.precision == "auto":
             pinned = dict(item.split("=", 1) for item in args.table_precision)
             table_precisions(names, "float32", args.table_precision)  # checked before the search
-            auto = choose_precisions(r.exp, r.exp.graphdef, r.params, r.batch_stats, names,
-                                     budget=args.auc_budget, candidates=args.auto_candidates,
-                                     pinned=pinned, log=log)  # fmt: skip
+            auto = choose_precisions(
+                r.exp,
+                r.exp.graphdef,
+                r.params,
+                r.batch_stats,
+                names,
+                budget=args.auc_budget,
+                candidates=args.auto_candidates,
+                pinned=pinned,
+                log=log,
+            )
             precisions = auto["precisions"]
         else:
             precisions = table_precisions(names, args.precision, args.table_precision)
         model, precisions = serving_model(r.exp.graphdef, r.params, r.batch_stats, precisions)
-        blob, weights = export_model(model, schema.num_dense, schema.num_sparse,
-                                     schema.max_hotness, tuple(args.platforms))  # fmt: skip
+        blob, weights = export_model(
+            model, schema.num_dense, schema.num_sparse, schema.max_hotness, tuple(args.platforms)
+        )
         table_bytes = dict.fromkeys(names, 0)  # summed over the collections holding a table
         dims = {}
         for coll in _collections(model):
@@ -424,7 +493,7 @@ def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
             "step": step,
             "data": cfg.data.kind,
             "eval_path": cfg.data.eval_path,
-        },  # fmt: skip
+        },
         "platforms": list(args.platforms),
         "inputs": {
             "dense": list(schema.dense_names),
@@ -436,14 +505,14 @@ def export_workdir(config_cls: type, build_model: BuildModel, args: ExportArgs,
                     "max_hotness": f.max_hotness,
                 }
                 for f in schema.features
-            ],  # fmt: skip
+            ],
             "max_hotness": schema.max_hotness,
             "pad_id": -1,
         },
         "output": "probability of a positive label, float32 [B]",
         "tables": {
             n: {"precision": precisions[n], "dim": dims[n], "bytes": table_bytes[n]} for n in names
-        },  # fmt: skip
+        },
         "table_bytes": sum(table_bytes.values()),
         "weights": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in weights.items()},
         "vocab": vocab,

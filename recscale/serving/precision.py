@@ -74,8 +74,14 @@ def dequantize(entry: dict[str, jax.Array], precision: str, dim: int) -> jax.Arr
     return rows(entry, precision, jnp.arange(v), dim)
 
 
-def pool(entry: dict[str, jax.Array], precision: str, ids_nh: jax.Array, *, dim: int,
-         pooling: str = "sum") -> jax.Array:  # fmt: skip
+def pool(
+    entry: dict[str, jax.Array],
+    precision: str,
+    ids_nh: jax.Array,
+    *,
+    dim: int,
+    pooling: str = "sum",
+) -> jax.Array:
     """``[N, dim]`` float32: the bags' rows, dequantised, summed (or averaged) over valid ids."""
     num_rows = (entry["w"] if precision in FLOATS else entry["q"]).shape[0]
     ids_nh = jnp.asarray(ids_nh)

@@ -60,8 +60,14 @@ def _row_error(r: int, detail: str) -> ArtifactError:
 class Model:
     """An exported model, its weights on one device."""
 
-    def __init__(self, manifest: dict, weights: dict[str, np.ndarray], exported: Any,
-                 device: Any = None, vocab_arrays: dict[str, np.ndarray] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        manifest: dict,
+        weights: dict[str, np.ndarray],
+        exported: Any,
+        device: Any = None,
+        vocab_arrays: dict[str, np.ndarray] | None = None,
+    ):
         self.manifest = manifest
         inputs = manifest["inputs"]
         self.dense_names = list(inputs["dense"])
@@ -106,18 +112,23 @@ class Model:
                 a = z[name]
                 weights[name] = a.view(jnp.bfloat16) if meta["dtype"] == "bfloat16" else a
                 if list(weights[name].shape) != meta["shape"]:
-                    raise ArtifactError(f"{path / WEIGHTS}: weight {name!r} has shape "
-                                        f"{list(a.shape)}, the manifest says {meta['shape']}")  # fmt: skip
+                    raise ArtifactError(
+                        f"{path / WEIGHTS}: weight {name!r} has shape "
+                        f"{list(a.shape)}, the manifest says {meta['shape']}"
+                    )
         try:
             exported = jax.export.deserialize(bytearray((path / FORWARD).read_bytes()))
         except Exception as e:  # noqa: BLE001 - flatbuffers and jax raise many kinds
-            raise ArtifactError(f"{path / FORWARD}: not a serialised jax.export module "
-                                f"({type(e).__name__}: {e})") from None  # fmt: skip
+            raise ArtifactError(
+                f"{path / FORWARD}: not a serialised jax.export module ({type(e).__name__}: {e})"
+            ) from None
         arrays, vocab = None, manifest.get("vocab")
         if vocab is not None and (not isinstance(vocab, dict) or vocab.get("kind") != TABULAR):
             kind = vocab.get("kind") if isinstance(vocab, dict) else vocab
-            raise ArtifactError(f"{man_path}: vocabulary kind {kind!r} is not supported by this "
-                                f"loader ({TABULAR}): export the model again")  # fmt: skip
+            raise ArtifactError(
+                f"{man_path}: vocabulary kind {kind!r} is not supported by this "
+                f"loader ({TABULAR}): export the model again"
+            )
         if vocab:
             try:
                 with np.load(path / VOCAB, allow_pickle=False) as z:
@@ -152,8 +163,9 @@ class Model:
                 raise ArtifactError(f"{where}: expected an object with dense and features")
             unknown = set(row) - {"dense", "features"}
             if unknown:
-                raise ArtifactError(f"{where}: unknown field {sorted(unknown)[0]!r} (expected "
-                                    "dense, features)")  # fmt: skip
+                raise ArtifactError(
+                    f"{where}: unknown field {sorted(unknown)[0]!r} (expected dense, features)"
+                )
             dv = row.get("dense", {} if n == 0 else None)
             if isinstance(dv, dict):
                 extra = set(dv) - set(self.dense_names)
@@ -164,17 +176,22 @@ class Model:
                     raise ArtifactError(f"{where}: dense feature {missing[0]!r} is missing")
                 dv = [dv[d] for d in self.dense_names]
             if not isinstance(dv, list) or len(dv) != n:
-                raise ArtifactError(f"{where}: dense must be {n} numbers or an object of "
-                                    f"{', '.join(self.dense_names) or 'nothing'}")  # fmt: skip
+                raise ArtifactError(
+                    f"{where}: dense must be {n} numbers or an object of "
+                    f"{', '.join(self.dense_names) or 'nothing'}"
+                )
             for j, x in enumerate(dv):
                 if isinstance(x, bool) or not isinstance(x, int | float):
-                    raise ArtifactError(f"{where}: dense feature {self.dense_names[j]!r} must be "
-                                        f"a number, got {type(x).__name__}")  # fmt: skip
+                    raise ArtifactError(
+                        f"{where}: dense feature {self.dense_names[j]!r} must be "
+                        f"a number, got {type(x).__name__}"
+                    )
                 try:
                     dense[r, j] = x
                 except OverflowError:
-                    raise ArtifactError(f"{where}: dense feature {self.dense_names[j]!r}: {x!r} "
-                                        "is out of range") from None  # fmt: skip
+                    raise ArtifactError(
+                        f"{where}: dense feature {self.dense_names[j]!r}: {x!r} is out of range"
+                    ) from None
             feats = row.get("features", {})
             if not isinstance(feats, dict):
                 raise ArtifactError(f"{where}: features must be an object of feature: values")
@@ -186,8 +203,10 @@ class Model:
                 i = index[name]
                 values = value if isinstance(value, list) else [value]
                 if len(values) > self.features[i]["max_hotness"]:
-                    raise ArtifactError(f"{where}: feature {name!r} has {len(values)} values, at "
-                                        f"most {self.features[i]['max_hotness']}")  # fmt: skip
+                    raise ArtifactError(
+                        f"{where}: feature {name!r} has {len(values)} values, at "
+                        f"most {self.features[i]['max_hotness']}"
+                    )
                 for k, v in enumerate(values):
                     ids[r, i, k] = self._id(name, v, where)
         return dense, ids, counts
@@ -195,8 +214,9 @@ class Model:
     @staticmethod
     def _id(name: str, v: Any, where: str) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ArtifactError(f"{where}: feature {name!r}: ids are integers, got "
-                                f"{type(v).__name__} {v!r}")  # fmt: skip
+            raise ArtifactError(
+                f"{where}: feature {name!r}: ids are integers, got {type(v).__name__} {v!r}"
+            )
         return v if -(2**62) < v < 2**62 else -2  # an id that large: out of vocabulary
 
     def check(self, dense_bn: Any, ids_bfh: Any) -> tuple[np.ndarray, np.ndarray, int]:
@@ -213,18 +233,22 @@ class Model:
             raise ArtifactError(f"ids: not an array of integers ({e})") from None
         n, f = len(self.dense_names), len(self.features)
         if dense.ndim != 2 or dense.shape[1] != n:
-            raise ArtifactError(f"dense: expected [B, {n}] ({', '.join(self.dense_names) or 'none'}),"
-                                f" got shape {list(dense.shape)}")  # fmt: skip
+            raise ArtifactError(
+                f"dense: expected [B, {n}] ({', '.join(self.dense_names) or 'none'}),"
+                f" got shape {list(dense.shape)}"
+            )
         if dense.dtype == bool or not np.issubdtype(dense.dtype, np.number):
             raise ArtifactError(f"dense: expected numbers, got {dense.dtype}")
         dense = dense.astype(np.float32)
         if not np.isfinite(dense).all():
             r, c = np.argwhere(~np.isfinite(dense))[0]
-            raise ArtifactError(f"dense: example {r}, {self.dense_names[c]!r} is not finite "
-                                f"({dense[r, c]})")  # fmt: skip
+            raise ArtifactError(
+                f"dense: example {r}, {self.dense_names[c]!r} is not finite ({dense[r, c]})"
+            )
         if ids.ndim != 3 or ids.shape[1] != f or ids.shape[2] > self.max_hotness:
-            raise ArtifactError(f"ids: expected [B, {f}, H <= {self.max_hotness}], got shape "
-                                f"{list(ids.shape)}")  # fmt: skip
+            raise ArtifactError(
+                f"ids: expected [B, {f}, H <= {self.max_hotness}], got shape {list(ids.shape)}"
+            )
         if ids.shape[0] != dense.shape[0]:
             raise ArtifactError(f"dense has {dense.shape[0]} rows, ids {ids.shape[0]}")
         if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
@@ -234,8 +258,10 @@ class Model:
         too_long = (ids >= 0) & (slot >= self.hotness[None, :, None])
         if too_long.any():
             r, j, _ = np.argwhere(too_long)[0]
-            raise ArtifactError(f"ids: example {r}, feature {self.features[j]['name']!r} has more "
-                                f"than its {self.hotness[j]} ids")  # fmt: skip
+            raise ArtifactError(
+                f"ids: example {r}, feature {self.features[j]['name']!r} has more "
+                f"than its {self.hotness[j]} ids"
+            )
         bad = (ids < -1) | (ids >= self.vocab_sizes[None, :, None])
         ids = np.where(bad, -1, ids).astype(np.int32)
         if ids.shape[2] < self.max_hotness:
@@ -269,8 +295,11 @@ class Model:
         sizes = [1 << k for k in range(max(0, (max_batch - 1).bit_length()) + 1)]
         n, f = len(self.dense_names), len(self.features)
         for b in sizes:
-            self._call(self.weights, np.zeros((b, n), np.float32),
-                       np.full((b, f, self.max_hotness), -1, np.int32))  # fmt: skip
+            self._call(
+                self.weights,
+                np.zeros((b, n), np.float32),
+                np.full((b, f, self.max_hotness), -1, np.int32),
+            )
         return sizes
 
 
@@ -329,8 +358,9 @@ class RowEncoder:
     hashed or searched in one numpy call (``benchmarks/row_encoding.py``).
     """
 
-    def __init__(self, spec: dict, arrays: dict[str, np.ndarray], max_hotness: int,
-                 cache_size: int = 1 << 20):  # fmt: skip
+    def __init__(
+        self, spec: dict, arrays: dict[str, np.ndarray], max_hotness: int, cache_size: int = 1 << 20
+    ):
         self.dense, self.sparse = spec["dense"], spec["sparse"]
         self.nulls = set(spec["null_values"])
         self.max_hotness = max_hotness
@@ -449,8 +479,10 @@ class RowEncoder:
             return np.zeros(0, np.int64)
         if f["hash_buckets"]:
             if f["parse"] == "string":
-                u = [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little")
-                     for k in keys]  # fmt: skip
+                u = [
+                    int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little")
+                    for k in keys
+                ]
             else:
                 u = [k % 2**64 for k in keys]  # an int64 as its two's-complement bits
             z = _fmix64(np.array(u, np.uint64) + np.uint64(int(f["hash_key"])))
@@ -497,8 +529,7 @@ class RowEncoder:
         except _Bad as e:
             i = e.args[1]
             r = vals.index(todo[i]) if i < len(new) else others[i - len(new)]
-            raise _row_error(r, f"column {f['column']!r}: {e.args[0]}: "
-                                f"{vals[r]!r}") from None  # fmt: skip
+            raise _row_error(r, f"column {f['column']!r}: {e.args[0]}: {vals[r]!r}") from None
         if finish is not None:
             parsed = finish(parsed)
         cache.update(zip(new, parsed[: len(new)], strict=True))
@@ -534,14 +565,15 @@ class RowEncoder:
             for c in row:
                 if c in self.side:
                     file = self.joins[self.side[c]][0]["file"]
-                    raise _row_error(r, f"column {c!r} comes from side table "
-                                        f"{file} (send its key)")  # fmt: skip
+                    raise _row_error(r, f"column {c!r} comes from side table {file} (send its key)")
                 if c not in self.allowed:
-                    raise _row_error(r, f"unknown column {c!r} (the model reads "
-                                        f"{', '.join(self.columns)})")  # fmt: skip
+                    raise _row_error(
+                        r, f"unknown column {c!r} (the model reads {', '.join(self.columns)})"
+                    )
 
-    def _values(self, rows: list[dict], column: str, side: dict[int, list[int]],
-                numeric: bool = False) -> list:  # fmt: skip
+    def _values(
+        self, rows: list[dict], column: str, side: dict[int, list[int]], numeric: bool = False
+    ) -> list:
         """A column's values, from the rows or their side tables' rows (``numeric``: a
         floating side column's numbers rather than its text)."""
         j = self.side.get(column)
@@ -560,15 +592,16 @@ class RowEncoder:
             side[j] = []
             for r, k in enumerate(self._values(rows, col, side)):
                 if _absent(k, nulls):
-                    raise _row_error(r, f"column {col!r}: missing key of side "
-                                        f"table {join['file']}")  # fmt: skip
+                    raise _row_error(r, f"column {col!r}: missing key of side table {join['file']}")
                 if isinstance(k, bool) or not isinstance(k, int | str):
-                    raise _row_error(r, f"column {col!r}: a key is a string or "
-                                        f"integer, got {type(k).__name__}")  # fmt: skip
+                    raise _row_error(
+                        r, f"column {col!r}: a key is a string or integer, got {type(k).__name__}"
+                    )
                 i = keys.get(str(k))
                 if i is None:
-                    raise _row_error(r, f"column {col!r}: key not in side "
-                                        f"table {join['file']}: {str(k)!r}")  # fmt: skip
+                    raise _row_error(
+                        r, f"column {col!r}: key not in side table {join['file']}: {str(k)!r}"
+                    )
                 side[j].append(i)
         counts = {"unseen_values": 0, "missing_features": 0, "truncated_tokens": 0}
         dense = np.zeros((n, len(self.dense)), np.float32)
@@ -597,8 +630,12 @@ class RowEncoder:
             else:
                 parse = lambda v, f=f, nulls=nulls: self._tokens(v, f, nulls)  # noqa: E731
                 keys = list
-            entries = self._column(self._values(rows, f["column"], side), f, parse,
-                                   lambda ks, f=f, keys=keys: self._bags(f, [keys(k) for k in ks]))  # fmt: skip
+            entries = self._column(
+                self._values(rows, f["column"], side),
+                f,
+                parse,
+                lambda ks, f=f, keys=keys: self._bags(f, [keys(k) for k in ks]),
+            )
             flat = itertools.chain.from_iterable(e[0] for e in entries)
             ids[:, j, :] = np.fromiter(flat, np.int64, n * h).reshape(n, h)
             counts["unseen_values"] += sum(e[1] for e in entries)
@@ -606,11 +643,15 @@ class RowEncoder:
             counts["truncated_tokens"] += sum(max(e[2] - f["max_hotness"], 0) for e in entries)
         return dense, ids, counts
 
-    def _numbers(self, rows: list[dict], f: dict, side: dict, counts: dict
-                 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    def _numbers(
+        self, rows: list[dict], f: dict, side: dict, counts: dict
+    ) -> tuple[np.ndarray, np.ndarray]:
         nulls = self._nulls(f["column"])
-        vals = self._column(self._values(rows, f["column"], side, numeric=True), f,
-                            lambda v: self._number(v, f["dtype"], nulls))  # fmt: skip
+        vals = self._column(
+            self._values(rows, f["column"], side, numeric=True),
+            f,
+            lambda v: self._number(v, f["dtype"], nulls),
+        )
         missing = np.array([v is None for v in vals], bool)
         x = np.array([0.0 if v is None else v for v in vals], np.float64)
         counts["missing_features"] += int(missing.sum())
@@ -637,8 +678,10 @@ def read_rows(
             return
         absent = [c for c in columns if c not in first[1]]
         if absent:
-            raise ArtifactError(f"{path}: column {absent[0]!r} named by the spec is not in the "
-                                f"file (its columns: {', '.join(first[1])})")  # fmt: skip
+            raise ArtifactError(
+                f"{path}: column {absent[0]!r} named by the spec is not in the "
+                f"file (its columns: {', '.join(first[1])})"
+            )
         pairs = ((n, {c: row[c] for c in columns}) for n, row in itertools.chain([first], pairs))
     yield from pairs if lines else (row for _, row in pairs)
 
@@ -653,8 +696,9 @@ def _numbered_rows(path: Path, fmt: dict) -> Iterator[tuple[int, dict[str, Any]]
         yield from enumerate(pq.read_table(path).to_pylist(), start=1)
         return
     if name.endswith(".zst"):
-        raise ArtifactError(f"{path}: decompress .zst files first (this loader reads plain, .gz "
-                            "and .bz2 files)")  # fmt: skip
+        raise ArtifactError(
+            f"{path}: decompress .zst files first (this loader reads plain, .gz and .bz2 files)"
+        )
     import bz2  # here: a Python built without them still loads models
     import gzip
 
@@ -663,8 +707,12 @@ def _numbered_rows(path: Path, fmt: dict) -> Iterator[tuple[int, dict[str, Any]]
     quote = fmt["quote_char"]
     # undecodable bytes are kept as surrogates, to be named with their line below
     with opener(path, "rt", newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
-        reader = csv.reader(fh, delimiter=delimiter, quotechar=quote or None,
-                            quoting=csv.QUOTE_MINIMAL if quote else csv.QUOTE_NONE)  # fmt: skip
+        reader = csv.reader(
+            fh,
+            delimiter=delimiter,
+            quotechar=quote or None,
+            quoting=csv.QUOTE_MINIMAL if quote else csv.QUOTE_NONE,
+        )
         names = list(fmt["column_names"]) if not fmt["header"] else None
         while True:
             try:
@@ -676,14 +724,17 @@ def _numbered_rows(path: Path, fmt: dict) -> Iterator[tuple[int, dict[str, Any]]
             try:
                 "".join(row).encode()
             except UnicodeEncodeError as e:
-                raise ArtifactError(f"{path}: line {reader.line_num}: not UTF-8 text "
-                                    f"({e.object[e.start:e.end].encode(errors='surrogateescape')!r})") from None  # fmt: skip
+                raise ArtifactError(
+                    f"{path}: line {reader.line_num}: not UTF-8 text "
+                    f"({e.object[e.start : e.end].encode(errors='surrogateescape')!r})"
+                ) from None
             if names is None:
                 names = row
                 continue
             if len(row) != len(names):
-                raise ArtifactError(f"{path}: line {reader.line_num}: {len(row)} fields, "
-                                    f"expected {len(names)}")  # fmt: skip
+                raise ArtifactError(
+                    f"{path}: line {reader.line_num}: {len(row)} fields, expected {len(names)}"
+                )
             yield reader.line_num, dict(zip(names, row, strict=True))
         if names is None:
             raise ArtifactError(f"{path}: empty file")
@@ -709,10 +760,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = Model.load(args.model)
         if model.rows is None:
-            raise ArtifactError(f"{args.model}: has no encoding of raw rows (synthetic data: "
-                                "score it with Model.predict on encoded inputs)")  # fmt: skip
-        pairs = read_rows(args.file, model.manifest["vocab"]["format"], model.rows.columns,
-                          lines=True)  # fmt: skip
+            raise ArtifactError(
+                f"{args.model}: has no encoding of raw rows (synthetic data: "
+                "score it with Model.predict on encoded inputs)"
+            )
+        pairs = read_rows(
+            args.file, model.manifest["vocab"]["format"], model.rows.columns, lines=True
+        )
         with open(tmp, "w") if tmp else contextlib.nullcontext(sys.stdout) as out:
             while batch := list(itertools.islice(pairs, max(args.batch_size, 1))):
                 try:
@@ -720,8 +774,9 @@ def main(argv: list[str] | None = None) -> int:
                 except ArtifactError as e:
                     if e.example is None:
                         raise
-                    raise ArtifactError(f"{args.file}: line {batch[e.example][0]}: "
-                                        f"{e.detail}") from None  # fmt: skip
+                    raise ArtifactError(
+                        f"{args.file}: line {batch[e.example][0]}: {e.detail}"
+                    ) from None
                 out.writelines(f"{p:.9g}\n" for p in model.predict(dense, ids))
                 for k, v in counts.items():
                     totals[k] = totals.get(k, 0) + v

@@ -56,8 +56,9 @@ async def predict(request: web.Request) -> web.Response:
         elif set(body) == {"dense", "ids"}:
             dense, ids = body["dense"], body["ids"]  # checked (and named in errors) below
         else:
-            raise ArtifactError(f"unknown fields {sorted(body)}: expected examples, or dense "
-                                "and ids")  # fmt: skip
+            raise ArtifactError(
+                f"unknown fields {sorted(body)}: expected examples, or dense and ids"
+            )
         dense, ids, oov = model.check(dense, ids)
     except (ArtifactError, ValueError) as e:
         counts["malformed"] += 1
@@ -85,15 +86,26 @@ async def metrics(request: web.Request) -> web.Response:
     return web.json_response({**app[BATCHER].stats.as_dict(), **app[COUNTS]})
 
 
-def make_app(model: Model, *, max_batch: int = 256, max_wait: float = 0.002,
-             max_queue: int = 4096, workers: int = 1, max_body: int = 8 << 20) -> web.Application:  # fmt: skip
+def make_app(
+    model: Model,
+    *,
+    max_batch: int = 256,
+    max_wait: float = 0.002,
+    max_queue: int = 4096,
+    workers: int = 1,
+    max_body: int = 8 << 20,
+) -> web.Application:
     """The server's application (``web.run_app`` it, or ``aiohttp.test_utils`` in tests)."""
-    batcher = DynamicBatcher(model.predict_checked, max_batch=max_batch, max_wait=max_wait,
-                             max_queue=max_queue, workers=workers)  # fmt: skip
+    batcher = DynamicBatcher(
+        model.predict_checked,
+        max_batch=max_batch,
+        max_wait=max_wait,
+        max_queue=max_queue,
+        workers=workers,
+    )
     app = web.Application(client_max_size=max_body)
     app[MODEL], app[BATCHER] = model, batcher
-    app[COUNTS] = {"malformed": 0, "unseen_values": 0, "missing_features": 0,
-                   "out_of_vocab_ids": 0}  # fmt: skip
+    app[COUNTS] = {"malformed": 0, "unseen_values": 0, "missing_features": 0, "out_of_vocab_ids": 0}
     app.router.add_post("/predict", predict)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)

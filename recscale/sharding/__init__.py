@@ -43,15 +43,27 @@ MODEL_AXIS = "model"
 RULE_SETS: dict[str, dict[str, str | None]] = {
     # Pure data parallelism: every parameter replicated, batches split over `data`.
     "replicated": {
-        "batch": DATA_AXIS, "feature": None, "embed": None, "vocab": None,
-        "mlp": None, "table": None, "layers": None, "shard": DATA_AXIS,
+        "batch": DATA_AXIS,
+        "feature": None,
+        "embed": None,
+        "vocab": None,
+        "mlp": None,
+        "table": None,
+        "layers": None,
+        "shard": DATA_AXIS,
     },
     # Data-parallel dense part, embedding-table rows sharded over the same devices.
     "row_sharded": {
-        "batch": DATA_AXIS, "feature": None, "embed": None, "vocab": DATA_AXIS,
-        "mlp": None, "table": None, "layers": None, "shard": DATA_AXIS,
+        "batch": DATA_AXIS,
+        "feature": None,
+        "embed": None,
+        "vocab": DATA_AXIS,
+        "mlp": None,
+        "table": None,
+        "layers": None,
+        "shard": DATA_AXIS,
     },
-}  # fmt: skip
+}
 
 # Table rows are padded to a multiple of this (and of the mesh axis size) so that the same
 # parameter shapes arise on 1 or on up to 64 devices: a checkpoint restores onto another mesh.

@@ -103,9 +103,13 @@ def export_main(
             manifest = export_workdir(config_cls, build_model, args, family=package or family)
         except (*_input_errors(), ValueError, FileNotFoundError) as e:
             raise SystemExit(f"error: {e}") from None
-        summary = {k: manifest[k] for k in ("format", "family", "platforms", "table_bytes",
-                                            "seconds")}  # fmt: skip
-        summary.update(out=args.out, step=manifest["source"]["step"],
-                       precisions={k: v["precision"] for k, v in manifest["tables"].items()})  # fmt: skip
+        summary = {
+            k: manifest[k] for k in ("format", "family", "platforms", "table_bytes", "seconds")
+        }
+        summary.update(
+            out=args.out,
+            step=manifest["source"]["step"],
+            precisions={k: v["precision"] for k, v in manifest["tables"].items()},
+        )
         _print_result(summary)
     return manifest

@@ -111,10 +111,19 @@ class Restored:
 
 
 @contextlib.contextmanager
-def restored(config_cls: type, build_model: BuildModel, workdir: str | Path, *,
-             step: int | None = None, best: bool = False, num_devices: int = 0,
-             data_path: str | None = None, train_batches: bool = False,
-             what: str = "checkpoint evaluation", kernels: Any = None) -> Iterator[Restored]:  # fmt: skip
+def restored(
+    config_cls: type,
+    build_model: BuildModel,
+    workdir: str | Path,
+    *,
+    step: int | None = None,
+    best: bool = False,
+    num_devices: int = 0,
+    data_path: str | None = None,
+    train_batches: bool = False,
+    what: str = "checkpoint evaluation",
+    kernels: Any = None,
+) -> Iterator[Restored]:
     """The run in ``workdir`` rebuilt on this machine's devices, its checkpoint (``step``, the
     latest by default; ``best``: the early-stopping best) restored, inside its mesh.
 
@@ -153,8 +162,14 @@ def restored(config_cls: type, build_model: BuildModel, workdir: str | Path, *,
         mesh_cfg = dataclasses.replace(cfg.mesh, data_parallel=n, model_parallel=1)
         mesh = sharding.make_mesh(mesh_cfg)
         with sharding.activate(mesh, mesh_cfg):
-            exp = Experiment.build(cfg, build_model, eval_path=data_path, with_optimizer=False,
-                                   eval_only=not train_batches, workdir=str(workdir))  # fmt: skip
+            exp = Experiment.build(
+                cfg,
+                build_model,
+                eval_path=data_path,
+                with_optimizer=False,
+                eval_only=not train_batches,
+                workdir=str(workdir),
+            )
             abstract = exp.abstract_state
             # The layout the checkpoint was saved under: recorded in its meta, or (checkpoints
             # written before that) the run's config on the training mesh's device count.
@@ -174,22 +189,31 @@ def restored(config_cls: type, build_model: BuildModel, workdir: str | Path, *,
                 trees, _ = ckpt.restore(
                     step, {"params": abstract.params, "batch_stats": abstract.batch_stats}
                 )
-            yield Restored(cfg, exp, trees["params"], trees["batch_stats"],
-                           int(meta.get("step", step)))  # fmt: skip
+            yield Restored(
+                cfg, exp, trees["params"], trees["batch_stats"], int(meta.get("step", step))
+            )
     finally:
         ckpt.close()
 
 
 def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) -> dict:
     workdir = Path(args.workdir)
-    with restored(config_cls, build_model, workdir, step=args.step, best=args.best,
-                  num_devices=args.num_devices, data_path=args.data_path,
-                  train_batches=args.curvature or args.comm_sensitivity) as r:  # fmt: skip
+    with restored(
+        config_cls,
+        build_model,
+        workdir,
+        step=args.step,
+        best=args.best,
+        num_devices=args.num_devices,
+        data_path=args.data_path,
+        train_batches=args.curvature or args.comm_sensitivity,
+    ) as r:
         exp, params, batch_stats = r.exp, r.params, r.batch_stats
         graphdef = None
         if args.embeddings_int8:
-            graphdef, params, batch_stats = quantize_embeddings_int8(exp.graphdef, params,
-                                                                     batch_stats)  # fmt: skip
+            graphdef, params, batch_stats = quantize_embeddings_int8(
+                exp.graphdef, params, batch_stats
+            )
         metrics = exp.evaluate(params, batch_stats, graphdef=graphdef)
         curv = _curvature(exp, params, batch_stats, args) if args.curvature else None
         sens = None
@@ -200,8 +224,9 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     if curv is not None:
         result["curvature"] = curv
         if jax.process_index() == 0:
-            (workdir / "curvature.json").write_text(json_line({**curv, "step": result["step"]})
-                                                    + "\n")  # fmt: skip
+            (workdir / "curvature.json").write_text(
+                json_line({**curv, "step": result["step"]}) + "\n"
+            )
     if sens is not None:
         result["comm_sensitivity"] = sens
         if jax.process_index() == 0:
@@ -236,12 +261,13 @@ def _curvature(exp: Experiment, params, batch_stats, args: EvalArgs) -> dict:
             total = total + weighted_bce(logits, b.labels_b, b.weights_b)
         return total / len(batches)
 
-    out = curvature.hessian_extremes(loss, dense, batches, top_k=args.curvature_top_k,
-                                     iters=args.curvature_iters)  # fmt: skip
+    out = curvature.hessian_extremes(
+        loss, dense, batches, top_k=args.curvature_top_k, iters=args.curvature_iters
+    )
     out["sharpness"] = [
         curvature.epsilon_sharpness(
             loss, dense, batches, epsilon=e, steps=args.curvature_ascent_steps
-        )  # fmt: skip
+        )
         for e in args.curvature_epsilon
     ]
     out["batches"] = args.curvature_batches
@@ -249,8 +275,7 @@ def _curvature(exp: Experiment, params, batch_stats, args: EvalArgs) -> dict:
     return out
 
 
-def _comm_sensitivity(exp: Experiment, params, batch_stats, args: EvalArgs,
-                      workdir: Path) -> dict:  # fmt: skip
+def _comm_sensitivity(exp: Experiment, params, batch_stats, args: EvalArgs, workdir: Path) -> dict:
     """Each table's measured sensitivity to its compressed exchange and the per-table bounds
     proposed from it (``recscale.analysis.comm_sensitivity``), on the exchange's blocks of the
     training mesh."""
@@ -261,18 +286,21 @@ def _comm_sensitivity(exp: Experiment, params, batch_stats, args: EvalArgs,
     cfg = exp.cfg
     n_train = cfg.mesh.data_parallel
     n_train = _trained_device_count(workdir) if n_train == -1 else n_train
-    batches = [exp.device_batch(exp.source.train_batch(i))
-               for i in range(args.comm_sensitivity_batches)]  # fmt: skip
+    batches = [
+        exp.device_batch(exp.source.train_batch(i)) for i in range(args.comm_sensitivity_batches)
+    ]
 
     def loss(logits, b):
         return weighted_bce(logits, b.labels_b, b.weights_b)
 
     eps = args.comm_error_bound or cfg.embeddings.comm_error_bound or 0.002
     try:  # bad arguments (a bound out of range, a batch the devices do not divide): one line
-        sens = comm_sensitivity.measure(exp.graphdef, params, batch_stats, batches,
-                                        blocks=n_train, loss_fn=loss)  # fmt: skip
-        plan = comm_sensitivity.propose(sens, eps, budget=args.comm_budget,
-                                        max_shift=args.comm_max_shift, grad=args.comm_grad)  # fmt: skip
+        sens = comm_sensitivity.measure(
+            exp.graphdef, params, batch_stats, batches, blocks=n_train, loss_fn=loss
+        )
+        plan = comm_sensitivity.propose(
+            sens, eps, budget=args.comm_budget, max_shift=args.comm_max_shift, grad=args.comm_grad
+        )
     except ValueError as e:
         raise config_lib.ConfigError(f"--comm-sensitivity: {e}") from None
     return {"tables": sens, **plan, "batches": len(batches), "blocks": n_train}

@@ -81,12 +81,22 @@ _PROGRAMS_MAX = 24  # jitted functions (3 per model: init, train step, eval step
 # init seed) or not at all (cadences of logging, evaluation and checkpoints): runs that differ
 # in nothing else run the same programs.
 _PROGRAM_FREE_FIELDS = (
-    "train.num_steps", "train.seed", "dense_optim.learning_rate", "dense_optim.warmup_steps",
-    "embedding_optim.learning_rate", "embedding_optim.warmup_steps", "train.log_every",
-    "train.eval_every", "train.eval_max_batches", "train.checkpoint_every",
-    "train.max_checkpoints", "train.progress", "train.async_checkpoint",
-    "train.noise_scale_every", "train.noise_scale_micro_batches",
-)  # fmt: skip
+    "train.num_steps",
+    "train.seed",
+    "dense_optim.learning_rate",
+    "dense_optim.warmup_steps",
+    "embedding_optim.learning_rate",
+    "embedding_optim.warmup_steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_max_batches",
+    "train.checkpoint_every",
+    "train.max_checkpoints",
+    "train.progress",
+    "train.async_checkpoint",
+    "train.noise_scale_every",
+    "train.noise_scale_micro_batches",
+)
 
 
 def _program_key(cfg: Any, build_model: BuildModel, schema: Schema, what: str) -> str:
@@ -100,11 +110,19 @@ def _program_key(cfg: Any, build_model: BuildModel, schema: Schema, what: str) -
             node = node.get(p, {})
         node.pop(leaf, None)
     blob = json.dumps(
-        [what, f"{build_model.__module__}.{build_model.__qualname__}", d, repr(schema),
-         repr(sharding.active_mesh()), repr(sharding.active_rules()),
-         repr(engine.EngineSpec.from_config(cfg)), jax.process_count()],
-        sort_keys=True, default=repr,
-    )  # fmt: skip
+        [
+            what,
+            f"{build_model.__module__}.{build_model.__qualname__}",
+            d,
+            repr(schema),
+            repr(sharding.active_mesh()),
+            repr(sharding.active_rules()),
+            repr(engine.EngineSpec.from_config(cfg)),
+            jax.process_count(),
+        ],
+        sort_keys=True,
+        default=repr,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -312,8 +330,10 @@ class Experiment:
             for bl in c.layout.buffers:  # per-table bounds: each scaled buffer's own codes
                 if bl.scaled and not bl.replicated:
                     comp = c.layout.compression_of(bl)
-                    out[k] += (f"\n  buffer {bl.key} (bounds x{bl.bound_scale:g} forward, "
-                               f"x{bl.bound_scale_grad:g} back): {comp.describe()}")  # fmt: skip
+                    out[k] += (
+                        f"\n  buffer {bl.key} (bounds x{bl.bound_scale:g} forward, "
+                        f"x{bl.bound_scale_grad:g} back): {comp.describe()}"
+                    )
         return out
 
     def init_state(self) -> TrainState:
@@ -728,8 +748,13 @@ class _EarlyStopping:
         return False
 
     def state(self) -> dict:
-        return {"best_value": self.best_value, "best_step": self.best_step, "bad": self.bad,
-                "stopped": self.stopped, "observed": self.observed}  # fmt: skip
+        return {
+            "best_value": self.best_value,
+            "best_step": self.best_step,
+            "bad": self.bad,
+            "stopped": self.stopped,
+            "observed": self.observed,
+        }
 
     def load(self, state: dict | None) -> None:
         if state:
@@ -747,8 +772,9 @@ class _TrainRun:
     repeats :meth:`_steps` (train, read flags, log, evaluate, checkpoint, stop on preemption)
     and :meth:`_rollback` until the last step, and ends with :meth:`_finish`."""
 
-    def __init__(self, cfg: Any, build_model: BuildModel, exp: Experiment, workdir: Path,
-                 timer: PhaseTimer):  # fmt: skip
+    def __init__(
+        self, cfg: Any, build_model: BuildModel, exp: Experiment, workdir: Path, timer: PhaseTimer
+    ):
         self.cfg, self.tcfg, self.build_model, self.exp = cfg, cfg.train, build_model, exp
         self.timer, self.workdir = timer, workdir
         self.ckpt = Checkpointer(
@@ -788,8 +814,9 @@ class _TrainRun:
             # The optimizer is rebuilt at trace time around the traced schedule numbers: the
             # same structure and state as ``exp.tx``, without run-specific constants.
             tx = make_optimizer(cfg, params, args)
-            return make_train_step(graphdef, tx, nonfinite=nonfinite,
-                                   embedding_clip=clip)(state, batch)  # fmt: skip
+            return make_train_step(graphdef, tx, nonfinite=nonfinite, embedding_clip=clip)(
+                state, batch
+            )
 
         self._train_step = _cached_program(
             _program_key(cfg, build_model, exp.source.schema, "train"),
@@ -808,8 +835,9 @@ class _TrainRun:
         for _, eps, eps_grad in self.bound_phases:
             if (eps, eps_grad) in self._phase_steps or (eps, eps_grad) == self._base_bounds:
                 continue
-            g = engine.with_error_bounds(graphdef, params, exp.abstract_state.batch_stats, eps,
-                                         eps_grad)  # fmt: skip
+            g = engine.with_error_bounds(
+                graphdef, params, exp.abstract_state.batch_stats, eps, eps_grad
+            )
 
             def phase_step(state, batch, args, g=g):
                 tx = make_optimizer(cfg, params, args)
@@ -825,16 +853,18 @@ class _TrainRun:
                     out_shardings=(exp.state_sharding, None),
                     donate_argnums=(0,),
                 ),
-            )  # fmt: skip
+            )
         self.schedule_args = jax.device_put(schedule_args(cfg), sharding.replicated())
         self.noise = None
         if self.tcfg.noise_scale_every:
             k, batch = self.tcfg.noise_scale_micro_batches, cfg.data.batch_size
             if k < 2 or batch % k:
-                raise config_lib.ConfigError(f"train.noise_scale_micro_batches={k}: must divide "
-                                             f"data.batch_size={batch}")  # fmt: skip
-            sq = make_gradient_sq_norms(graphdef, sparse=engine.EngineSpec.from_config(cfg)
-                                        is not None)  # fmt: skip
+                raise config_lib.ConfigError(
+                    f"train.noise_scale_micro_batches={k}: must divide data.batch_size={batch}"
+                )
+            sq = make_gradient_sq_norms(
+                graphdef, sparse=engine.EngineSpec.from_config(cfg) is not None
+            )
             self.noise = noise_scale.NoiseScale()
             self._measure = jax.jit(
                 lambda s, b: noise_scale.micro_batch_sq_norms(lambda x: sq(s, x), b, k)
@@ -846,22 +876,32 @@ class _TrainRun:
         if not e.tiers:
             return None
         for bad, why in (
-            (self.early.enabled, "train.early_stopping_metric (a best checkpoint would need its "
-                                 "own copy of the tiered tables)"),
+            (
+                self.early.enabled,
+                "train.early_stopping_metric (a best checkpoint would need its "
+                "own copy of the tiered tables)",
+            ),
             (jax.process_count() > 1, f"{jax.process_count()} processes (one store per table)"),
-            (bool(self.tcfg.init_from), "train.init_from (the tables live in the other run's "
-                                        "stores)"),
-        ):  # fmt: skip
+            (
+                bool(self.tcfg.init_from),
+                "train.init_from (the tables live in the other run's stores)",
+            ),
+        ):
             if bad:
                 raise config_lib.ConfigError(f"embeddings.tiers does not work with {why}")
         model = nnx.merge(exp.graphdef, exp.abstract_state.params, exp.abstract_state.batch_stats)
         return tiers_lib.TieredTables(
-            model, exp.source.schema, tiers_lib.parse_tiers(e.tiers),
+            model,
+            exp.source.schema,
+            tiers_lib.parse_tiers(e.tiers),
             Path(e.tier_dir) if e.tier_dir else workdir / "tiers",
             optimizer=cfg.embedding_optim.name,
-            initial_accumulator=cfg.embedding_optim.initial_accumulator, seed=self.tcfg.seed,
-            mesh=sharding.active_mesh(), policy=e.tier_policy, state_sharding=exp.state_sharding,
-        )  # fmt: skip
+            initial_accumulator=cfg.embedding_optim.initial_accumulator,
+            seed=self.tcfg.seed,
+            mesh=sharding.active_mesh(),
+            policy=e.tier_policy,
+            state_sharding=exp.state_sharding,
+        )
 
     def _bounds(self, step: int) -> tuple[float, float]:
         """The compressed exchange's ``(eps, eps_grad)`` at ``step``
@@ -877,8 +917,9 @@ class _TrainRun:
                 self.state, batch = self.tiers.prepare(self.state, batch, train=False)
                 return self.state.params, batch
 
-        return self.exp.evaluate(self.state.params, self.state.batch_stats,
-                                 max_batches=max_batches, prepare=prepare)  # fmt: skip
+        return self.exp.evaluate(
+            self.state.params, self.state.batch_stats, max_batches=max_batches, prepare=prepare
+        )
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -894,8 +935,9 @@ class _TrainRun:
         if not relayout.needs_relayout(saved, cfg):
             return c.restore(step, items)
         extra = {"rng": items["rng"]} if with_opt_state else None
-        trees = relayout.restore_relaid(c, step, exp, cfg, self.build_model, saved,
-                                        with_opt_state=with_opt_state, extra=extra)  # fmt: skip
+        trees = relayout.restore_relaid(
+            c, step, exp, cfg, self.build_model, saved, with_opt_state=with_opt_state, extra=extra
+        )
         print(
             f"re-laid out checkpoint step {step} from {saved['device_count']} devices "
             f"(embeddings {saved['embeddings']}) for this run's {relayout.layout_meta(cfg)}",
@@ -1008,8 +1050,7 @@ class _TrainRun:
         batches = _prefetch(self.exp.source, start, self.tcfg.num_steps, self.data_offset)
         with contextlib.closing(batches):  # stops the prefetch thread on every way out
             if self.tiers is not None:  # the next batch's missed rows read ahead
-                return self._steps_from(self.tiers.lookahead(batches), start, sigterm, prog,
-                                        task)  # fmt: skip
+                return self._steps_from(self.tiers.lookahead(batches), start, sigterm, prog, task)
             return self._steps_from(batches, start, sigterm, prog, task)
 
     def _steps_from(self, batches, start: int, sigterm, prog, task) -> list[int] | None:
@@ -1079,9 +1120,11 @@ class _TrainRun:
                 return None
             if self.early.stopped:
                 e = self.early
-                print(f"early stopping at step {done}: {e.metric} did not improve on "
-                      f"{e.best_value:.6g} (step {e.best_step}) in {e.patience} evaluations",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"early stopping at step {done}: {e.metric} did not improve on "
+                    f"{e.best_value:.6g} (step {e.best_step}) in {e.patience} evaluations",
+                    file=sys.stderr,
+                )
                 return None
         return None
 
@@ -1090,8 +1133,13 @@ class _TrainRun:
         small, big = jax.device_get(self._measure(self.state, batch))
         k, b = self.tcfg.noise_scale_micro_batches, self.cfg.data.batch_size
         out = self.noise.update(small, big, b / k, b)
-        self.writer.write({"step": step, "split": "noise_scale",
-                           **{f"noise_scale/{p}": v for p, v in out.items()}})  # fmt: skip
+        self.writer.write(
+            {
+                "step": step,
+                "split": "noise_scale",
+                **{f"noise_scale/{p}": v for p, v in out.items()},
+            }
+        )
 
     def _early_stopping(self, done: int, ev: dict) -> None:
         """Records an evaluation; a new best is saved to ``checkpoints_best/`` at once."""
@@ -1100,8 +1148,9 @@ class _TrainRun:
         if self.early.observe(done, ev) and done not in self.best_ckpt.all_steps():
             with self.timer.phase("checkpoint"):
                 trees = {"params": self.state.params, "batch_stats": self.state.batch_stats}
-                self.best_ckpt.save(done, trees, {"step": done, "layout": self.layout,
-                                                  "metric": ev})  # fmt: skip
+                self.best_ckpt.save(
+                    done, trees, {"step": done, "layout": self.layout, "metric": ev}
+                )
 
     def _read_flags(self) -> list[int] | None:
         """Reads back the pending steps' metrics in step order through the non-finite guard;

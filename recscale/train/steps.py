@@ -146,8 +146,7 @@ def _gradients(graphdef, emb, dense, batch_stats_in, batch: Batch, dropout_key):
             return 0.0
 
         jax.eval_shape(discover, dense)
-        deltas = {ck: {bk: _zeros(sds) for bk, sds in per.items()}
-                  for ck, per in shapes.items()}  # fmt: skip
+        deltas = {ck: {bk: _zeros(sds) for bk, sds in per.items()} for ck, per in shapes.items()}
 
     def loss_fn(dense_params, deltas):
         logits_b, model, ctx = forward(dense_params, deltas)
@@ -161,9 +160,12 @@ def _gradients(graphdef, emb, dense, batch_stats_in, batch: Batch, dropout_key):
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, tx: optax.GradientTransformation | SparseOptimizer, *,
-    nonfinite: str = "skip", embedding_clip: cowclip.CowClip | None = None,
-):  # fmt: skip
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation | SparseOptimizer,
+    *,
+    nonfinite: str = "skip",
+    embedding_clip: cowclip.CowClip | None = None,
+):
     """The pure train step of a model ``graphdef`` with optimizer ``tx``, whatever stores its
     tables.
 
@@ -204,8 +206,9 @@ def make_train_step(
         )
         g_dense = sharding.constrain_state(g_dense)  # FSDP / TP: into the parameters' shards
         if embedding_clip is not None and not sparse:
-            g_dense = _clip_tables(graphdef, dense, state.batch_stats, g_dense,
-                                   batch.ids_bfh, embedding_clip)  # fmt: skip
+            g_dense = _clip_tables(
+                graphdef, dense, state.batch_stats, g_dense, batch.ids_bfh, embedding_clip
+            )
         ok = jnp.isfinite(loss) & _all_finite(g_dense, g_delta)
         skip = nonfinite != "ignore"
         if sparse and tx.dense_needs_loss:
@@ -228,10 +231,16 @@ def make_train_step(
                     hf_negative_curvature=s.negative_curvature.astype(jnp.float32),
                 )
         if not sparse:
-            metrics.update(grad_norm=_norm(g_dense), update_norm=_norm(updates),
-                           param_norm=_norm(new_dense))  # fmt: skip
-            new = TrainState(step=state.step + 1, params=new_dense, opt_state=new_opt,
-                             batch_stats=batch_stats, rng=rng)  # fmt: skip
+            metrics.update(
+                grad_norm=_norm(g_dense), update_norm=_norm(updates), param_norm=_norm(new_dense)
+            )
+            new = TrainState(
+                step=state.step + 1,
+                params=new_dense,
+                opt_state=new_opt,
+                batch_stats=batch_stats,
+                rng=rng,
+            )
             return new, metrics
 
         lr = tx.embedding_lr(state.step)
@@ -248,9 +257,16 @@ def make_train_step(
                     k = jnp.where(ok, k, bl.rows)
                     g = jnp.where(ok, g, 0.0)
                 buf, st, sq = engine.apply_update(
-                    coll.layout, bl, var[...], state.opt_state["embedding"][path], k, g, lr,
-                    state.step, tx.rule,
-                )  # fmt: skip
+                    coll.layout,
+                    bl,
+                    var[...],
+                    state.opt_state["embedding"][path],
+                    k,
+                    g,
+                    lr,
+                    state.step,
+                    tx.rule,
+                )
                 var.value = buf
                 emb_state[path] = st
                 emb_sq.append(sq)

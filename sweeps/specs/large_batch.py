@@ -25,10 +25,12 @@ import dataclasses
 from sweeps.spec import SweepSpec
 from sweeps.specs import study
 
-WUKONG = dataclasses.replace(study.WUKONG, ladder=(study.WUKONG.ladder[1], study.WUKONG.ladder[4],
-                                                   study.WUKONG.ladder[7]))  # fmt: skip
-DLRM = dataclasses.replace(study.DLRM, ladder=(study.DLRM.ladder[1], study.DLRM.ladder[4],
-                                               study.DLRM.ladder[7]))  # fmt: skip
+WUKONG = dataclasses.replace(
+    study.WUKONG, ladder=(study.WUKONG.ladder[1], study.WUKONG.ladder[4], study.WUKONG.ladder[7])
+)
+DLRM = dataclasses.replace(
+    study.DLRM, ladder=(study.DLRM.ladder[1], study.DLRM.ladder[4], study.DLRM.ladder[7])
+)
 
 SPEC = SweepSpec(
     name="large_batch",

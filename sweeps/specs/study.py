@@ -39,8 +39,34 @@ from __future__ import annotations
 from data.config import DataConfig, SyntheticConfig
 from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder, wukong_rung
 
-VOCAB = (100000, 50000, 20000, 10000, 5000, 5000, 2000, 2000, 1000, 1000, 1000, 1000, 500,
-         500, 500, 500, 200, 200, 200, 200, 100, 100, 100, 50, 20, 10)  # fmt: skip
+VOCAB = (
+    100000,
+    50000,
+    20000,
+    10000,
+    5000,
+    5000,
+    2000,
+    2000,
+    1000,
+    1000,
+    1000,
+    1000,
+    500,
+    500,
+    500,
+    500,
+    200,
+    200,
+    200,
+    200,
+    100,
+    100,
+    100,
+    50,
+    20,
+    10,
+)
 HOTNESS = (1, 1, 3, 1, 5, 1, 1, 2, 1, 1, 3, 1, 1, 1, 4, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1)
 
 DATA = DataConfig(

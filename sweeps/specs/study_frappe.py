@@ -54,7 +54,7 @@ WUKONG = FamilySpec(
                 (64, 2, 4, 4, 1, 64, (128, 1)),
             )
         )
-    ),  # fmt: skip
+    ),
 )
 DLRM = FamilySpec(
     family="dlrm",

@@ -33,8 +33,17 @@ ROW_CAPS = (1000, 10000, 0)
 
 def _rung(d: int, cap: int, size: str) -> Rung:
     layers, n, k, depth, width, dense, top = DENSE[size]
-    model = dict(embed_dim=d, num_layers=layers, n_fmb=n, n_lcb=n, fmb_rank=k,
-                 fmb_mlp_depth=depth, fmb_mlp_width=width, dense_mlp=dense, top_mlp=top)  # fmt: skip
+    model = dict(
+        embed_dim=d,
+        num_layers=layers,
+        n_fmb=n,
+        n_lcb=n,
+        fmb_rank=k,
+        fmb_mlp_depth=depth,
+        fmb_mlp_width=width,
+        dense_mlp=dense,
+        top_mlp=top,
+    )
     overrides = {"data.max_table_rows": cap, "data.id_policy": "hash"} if cap else {}
     return Rung(f"d{d}/rows{cap or 'all'}/{size}", model, overrides)
 

@@ -257,5 +257,8 @@ def test_criteo_terabyte_preset_matches_the_wukong_papers_table3_dcnv2():
     # The same data, optimizers and schedule as the paper's Wukong Criteo TB setup.
     wk = get_preset("wukong/criteo-terabyte")
     assert (cfg.data, cfg.dense_optim, cfg.embedding_optim, cfg.train) == (
-        wk.data, wk.dense_optim, wk.embedding_optim, wk.train,
-    )  # fmt: skip
+        wk.data,
+        wk.dense_optim,
+        wk.embedding_optim,
+        wk.train,
+    )

@@ -33,9 +33,14 @@ SCHEMA = Schema(
     ),
 )
 CFG = FinalMLPModelConfig(
-    embed_dim=4, mlp1=(12, 8), mlp2=(10, 6), fs_hidden_units=(7,), fs1_context=("f1",),
-    fs2_context=(), num_heads=2,
-)  # fmt: skip
+    embed_dim=4,
+    mlp1=(12, 8),
+    mlp2=(10, 6),
+    fs_hidden_units=(7,),
+    fs1_context=("f1",),
+    fs2_context=(),
+    num_heads=2,
+)
 IN_DIM = 3 + 4 * 4  # raw dense features + F * D
 
 
@@ -363,9 +368,13 @@ def _case(name):
         return dataclasses.replace(get_preset("finalmlp/frappe").model, use_fs=False), FRAPPE
     if name == "small-multi-hot":
         cfg = dataclasses.replace(
-            CFG, fs1_context=("f1", "f3"), fs2_context=("f0",), mlp1_layer_norm=True,
-            mlp2_batch_norm=True, fs_hidden_units=(5, 6),
-        )  # fmt: skip
+            CFG,
+            fs1_context=("f1", "f3"),
+            fs2_context=("f0",),
+            mlp1_layer_norm=True,
+            mlp2_batch_norm=True,
+            fs_hidden_units=(5, 6),
+        )
         return cfg, SCHEMA
     raise KeyError(name)
 
@@ -397,9 +406,17 @@ def test_frappe_preset_has_the_parameter_count_bars_logs():
     Frappe_x1 vocabulary of FuxiCTR (padding and OOV ids included): the same tables (the gates'
     context tables included), layers, BatchNorm scales and biases, and fusion parameters."""
     vocab = dict(
-        user=956, item=4084, daytime=9, weekday=9, isweekend=4, homework=5, cost=4, weather=11,
-        country=82, city=235,
-    )  # fmt: skip
+        user=956,
+        item=4084,
+        daytime=9,
+        weekday=9,
+        isweekend=4,
+        homework=5,
+        cost=4,
+        weather=11,
+        country=82,
+        city=235,
+    )
     schema = Schema(
         dense_names=(),
         features=tuple(FeatureInfo(name=n, vocab_size=vocab[n]) for n in FRAPPE_FIELDS),
@@ -417,9 +434,12 @@ def test_frappe_preset_has_the_parameter_count_bars_logs():
 # work a third of the total). Bounds: 1.05, 1.10, 1.35 (as for the tiny models of
 # tests/recscale/test_flops.py) and 1.60.
 XLA_TOLERANCE = {
-    "frappe-like": 1.05, "learned-contexts": 1.10, "no-fs": 1.10, "tiny": 1.35,
+    "frappe-like": 1.05,
+    "learned-contexts": 1.10,
+    "no-fs": 1.10,
+    "tiny": 1.35,
     "small-multi-hot": 1.60,
-}  # fmt: skip
+}
 
 
 def _learned_gate_flops_per_batch(cfg, schema) -> float:

@@ -30,9 +30,13 @@ F = 3 + 4  # a field per dense feature + the sparse features
 IN_DIM = F * D
 SERIAL = MaskNetModelConfig(embed_dim=D, model_type="serial", dnn_hidden_units=(8, 6))
 PARALLEL = MaskNetModelConfig(
-    embed_dim=D, model_type="parallel", parallel_num_blocks=3, parallel_block_dim=5,
-    dnn_hidden_units=(12, 7), reduction_ratio=2.0,
-)  # fmt: skip
+    embed_dim=D,
+    model_type="parallel",
+    parallel_num_blocks=3,
+    parallel_block_dim=5,
+    dnn_hidden_units=(12, 7),
+    reduction_ratio=2.0,
+)
 
 
 def _x(b=3, i=IN_DIM, seed=0):
@@ -87,9 +91,14 @@ def _mask_block_reference(block, v_emb, v_hid):
 def test_mask_block_matches_the_equations(layer_norm, masked, out, ratio):
     # masked = IN_DIM: a MaskBlock on the feature embedding; otherwise one on a MaskBlock.
     block = MaskBlock(
-        IN_DIM, masked, out, reduction_ratio=ratio, layer_norm=layer_norm, dropout=0.0,
+        IN_DIM,
+        masked,
+        out,
+        reduction_ratio=ratio,
+        layer_norm=layer_norm,
+        dropout=0.0,
         rngs=nnx.Rngs(0),
-    )  # fmt: skip
+    )
     _randomize(block)
     v_emb, v_hid = _x(seed=0), _x(i=masked, seed=1)
     got = np.asarray(block(jnp.asarray(v_emb), jnp.asarray(v_hid)))
@@ -281,9 +290,13 @@ def _case(name):
         return get_preset("masknet/frappe").model, FRAPPE
     if name == "masknet/frappe-serial":
         cfg = dataclasses.replace(
-            get_preset("masknet/frappe").model, model_type="serial", emb_layernorm=True,
-            net_layernorm=False, dnn_hidden_units=(400, 400, 400), reduction_ratio=1.0,
-        )  # fmt: skip
+            get_preset("masknet/frappe").model,
+            model_type="serial",
+            emb_layernorm=True,
+            net_layernorm=False,
+            dnn_hidden_units=(400, 400, 400),
+            reduction_ratio=1.0,
+        )
         return cfg, FRAPPE
     if name == "masknet/parallel-no-mlp":
         return dataclasses.replace(PARALLEL, dnn_hidden_units=()), SCHEMA
@@ -291,9 +304,12 @@ def _case(name):
 
 
 CASES = [
-    "masknet/tiny", "masknet/tiny-serial", "masknet/frappe-like", "masknet/frappe-serial",
+    "masknet/tiny",
+    "masknet/tiny-serial",
+    "masknet/frappe-like",
+    "masknet/frappe-serial",
     "masknet/parallel-no-mlp",
-]  # fmt: skip
+]
 
 
 def _size(tree):

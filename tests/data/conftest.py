@@ -18,9 +18,17 @@ import pytest
 FRAPPE_HEADER = "label,user,item,daytime,weekday,isweekend,homework,cost,weather,country,city"
 # [lo, hi) global-id range of each field in the BARS Frappe_x1 files (5382 ids in all).
 FRAPPE_RANGES = (
-    (0, 957), (957, 5039), (5039, 5046), (5046, 5053), (5053, 5055), (5055, 5058),
-    (5058, 5060), (5060, 5069), (5069, 5149), (5149, 5382),
-)  # fmt: skip
+    (0, 957),
+    (957, 5039),
+    (5039, 5046),
+    (5046, 5053),
+    (5053, 5055),
+    (5055, 5058),
+    (5058, 5060),
+    (5060, 5069),
+    (5069, 5149),
+    (5149, 5382),
+)
 # Values of each field a generated training file draws from (Zipf-weighted), as in the real
 # file a few users and items make most rows.
 _FRAPPE_POOL = (90, 300, 7, 7, 2, 3, 2, 9, 30, 60)
@@ -29,13 +37,61 @@ _FRAPPE_POOL = (90, 300, 7, 7, 2, 3, 2, 9, 30, 60)
 # distinct C1..C26 values.
 _I_MISSING = (0.44, 0, 0.22, 0.21, 0.05, 0.25, 0.05, 0, 0.05, 0.44, 0.05, 0.78, 0.21)
 _C_MISSING = (
-    0, 0, .03, .03, 0, .13, 0, 0, 0, 0, 0, .03, 0, 0, 0, .03, 0, 0, .48, .48, .03, .82, 0, .03,
-    .48, .48,
-)  # fmt: skip
+    0,
+    0,
+    0.03,
+    0.03,
+    0,
+    0.13,
+    0,
+    0,
+    0,
+    0,
+    0,
+    0.03,
+    0,
+    0,
+    0,
+    0.03,
+    0,
+    0,
+    0.48,
+    0.48,
+    0.03,
+    0.82,
+    0,
+    0.03,
+    0.48,
+    0.48,
+)
 _C_DISTINCT = (
-    79, 252, 1293, 1043, 30, 7, 1164, 39, 2, 908, 926, 1239, 824, 20, 819, 1159, 9, 534, 201, 4,
-    1204, 7, 12, 729, 33, 554,
-)  # fmt: skip
+    79,
+    252,
+    1293,
+    1043,
+    30,
+    7,
+    1164,
+    39,
+    2,
+    908,
+    926,
+    1239,
+    824,
+    20,
+    819,
+    1159,
+    9,
+    534,
+    201,
+    4,
+    1204,
+    7,
+    12,
+    729,
+    33,
+    554,
+)
 
 
 def _zipf_choice(rng: np.random.Generator, values: np.ndarray, n: int) -> np.ndarray:

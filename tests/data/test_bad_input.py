@@ -73,9 +73,15 @@ def _records(bad: int, at: int = 4) -> list[list[int]]:
 
 def _source(records, policy: str, batch_size: int = 8) -> RandomAccessSource:
     return RandomAccessSource(
-        SCHEMA, records, records, to_batch=_to_batch, batch_size=batch_size,
-        eval_batch_size=4, seed=0, id_policy=policy,
-    )  # fmt: skip
+        SCHEMA,
+        records,
+        records,
+        to_batch=_to_batch,
+        batch_size=batch_size,
+        eval_batch_size=4,
+        seed=0,
+        id_policy=policy,
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_IDS))
@@ -145,8 +151,12 @@ def test_mapping_is_identical_across_pythonhashseed():
         env = {**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"}
         proc = subprocess.run(
             [sys.executable, "-c", _HASH_SCRIPT, json.dumps(recs)],
-            cwd=REPO, env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         outs.append(json.loads(proc.stdout))
     here = {p: IdGuard(SCHEMA, p)(_to_batch(recs)).ids_bfh.tolist() for p in ("hash", "modulo")}
     assert outs[0] == outs[1] == here
@@ -211,8 +221,10 @@ def test_first_mapping_per_feature_is_logged(caplog):
         for step in range(3):
             guard(_to_batch(_records(9)), where=f"step {step}")
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs == ["step 0: feature 'a' has ids outside [0, 5); mapping them with "
-                    "id_policy='modulo' (counted in data stats under ids.mapped)"]  # fmt: skip
+    assert msgs == [
+        "step 0: feature 'a' has ids outside [0, 5); mapping them with "
+        "id_policy='modulo' (counted in data stats under ids.mapped)"
+    ]
     assert guard.stats["mapped"] == {"a": 3, "b": 0}
 
 
@@ -277,22 +289,113 @@ def _bad_crc(lines: list[bytes]) -> bytes:
 # BOM where it does not belong (mid-file, as after concatenating two files).
 CriteoCase = Callable[[list[bytes]], tuple[str, bytes, int, str, str, int]]
 CRITEO_CASES: dict[str, CriteoCase] = {
-    "wrong_column_count": lambda g: (".tsv", _tsv(g, g[0] + b"\t"), BAD_LINE, "(row)", "wrong column count", 20),
+    "wrong_column_count": lambda g: (
+        ".tsv",
+        _tsv(g, g[0] + b"\t"),
+        BAD_LINE,
+        "(row)",
+        "wrong column count",
+        20,
+    ),
     "empty_line": lambda g: (".tsv", _tsv(g, b""), BAD_LINE, "(row)", "wrong column count", 20),
-    "trailing_empty_line": lambda g: (".tsv", b"".join(r + b"\n" for r in g) + b"\n", 21, "(row)", "wrong column count", 21),
-    "crlf_bad_hex": lambda g: (".tsv", _tsv(g, _field(g[0], "C26", b"abcd123"), eol=b"\r\n"), BAD_LINE, "C26", "bad hex", 20),
-    "crlf_stray_cr": lambda g: (".tsv", _tsv(g, _field(g[0], "C26", b"abcd1234") + b"\r", eol=b"\r\n"), BAD_LINE, "C26", "bad hex", 20),
-    "bom_then_bad_row": lambda g: (".tsv.gz", gzip.compress(_tsv(g, _field(g[0], "I1", b"x"), prefix=b"\xef\xbb\xbf")), BAD_LINE, "I1", "non-integer", 20),
-    "bom_mid_file": lambda g: (".tsv", _tsv(g, b"\xef\xbb\xbf" + g[0]), BAD_LINE, "label", "bad label", 20),
-    "bad_hex": lambda g: (".tsv", _tsv(g, _field(g[0], "C3", b"0x12ab34")), BAD_LINE, "C3", "bad hex", 20),
-    "non_utf8_hex": lambda g: (".tsv", _tsv(g, _field(g[0], "C9", b"\xff\xfe345678")), BAD_LINE, "C9", "bad hex", 20),
-    "non_integer": lambda g: (".tsv", _tsv(g, _field(g[0], "I5", b"1e3")), BAD_LINE, "I5", "non-integer", 20),
-    "out_of_range_integer": lambda g: (".tsv", _tsv(g, _field(g[0], "I13", b"-2147483649")), BAD_LINE, "I13", "out-of-range integer", 20),
-    "bad_label": lambda g: (".tsv", _tsv(g, _field(g[0], "label", b"0.5")), BAD_LINE, "label", "bad label", 20),
-    "truncated_gzip": lambda g: (".tsv.gz", _truncated(g)[0], _truncated(g)[1] + 1, "(file)", "truncated gzip", _truncated(g)[1] + 1),
+    "trailing_empty_line": lambda g: (
+        ".tsv",
+        b"".join(r + b"\n" for r in g) + b"\n",
+        21,
+        "(row)",
+        "wrong column count",
+        21,
+    ),
+    "crlf_bad_hex": lambda g: (
+        ".tsv",
+        _tsv(g, _field(g[0], "C26", b"abcd123"), eol=b"\r\n"),
+        BAD_LINE,
+        "C26",
+        "bad hex",
+        20,
+    ),
+    "crlf_stray_cr": lambda g: (
+        ".tsv",
+        _tsv(g, _field(g[0], "C26", b"abcd1234") + b"\r", eol=b"\r\n"),
+        BAD_LINE,
+        "C26",
+        "bad hex",
+        20,
+    ),
+    "bom_then_bad_row": lambda g: (
+        ".tsv.gz",
+        gzip.compress(_tsv(g, _field(g[0], "I1", b"x"), prefix=b"\xef\xbb\xbf")),
+        BAD_LINE,
+        "I1",
+        "non-integer",
+        20,
+    ),
+    "bom_mid_file": lambda g: (
+        ".tsv",
+        _tsv(g, b"\xef\xbb\xbf" + g[0]),
+        BAD_LINE,
+        "label",
+        "bad label",
+        20,
+    ),
+    "bad_hex": lambda g: (
+        ".tsv",
+        _tsv(g, _field(g[0], "C3", b"0x12ab34")),
+        BAD_LINE,
+        "C3",
+        "bad hex",
+        20,
+    ),
+    "non_utf8_hex": lambda g: (
+        ".tsv",
+        _tsv(g, _field(g[0], "C9", b"\xff\xfe345678")),
+        BAD_LINE,
+        "C9",
+        "bad hex",
+        20,
+    ),
+    "non_integer": lambda g: (
+        ".tsv",
+        _tsv(g, _field(g[0], "I5", b"1e3")),
+        BAD_LINE,
+        "I5",
+        "non-integer",
+        20,
+    ),
+    "out_of_range_integer": lambda g: (
+        ".tsv",
+        _tsv(g, _field(g[0], "I13", b"-2147483649")),
+        BAD_LINE,
+        "I13",
+        "out-of-range integer",
+        20,
+    ),
+    "bad_label": lambda g: (
+        ".tsv",
+        _tsv(g, _field(g[0], "label", b"0.5")),
+        BAD_LINE,
+        "label",
+        "bad label",
+        20,
+    ),
+    "truncated_gzip": lambda g: (
+        ".tsv.gz",
+        _truncated(g)[0],
+        _truncated(g)[1] + 1,
+        "(file)",
+        "truncated gzip",
+        _truncated(g)[1] + 1,
+    ),
     "corrupt_gzip_trailer": lambda g: (".tsv.gz", _bad_crc(g), 21, "(file)", "truncated gzip", 21),
-    "not_gzip": lambda g: (".tsv.gz", b"".join(r + b"\n" for r in g), 1, "(file)", "truncated gzip", 1),
-}  # fmt: skip
+    "not_gzip": lambda g: (
+        ".tsv.gz",
+        b"".join(r + b"\n" for r in g),
+        1,
+        "(file)",
+        "truncated gzip",
+        1,
+    ),
+}
 
 
 @pytest.fixture(scope="module")

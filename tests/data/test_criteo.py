@@ -160,8 +160,12 @@ def test_hash_is_independent_of_pythonhashseed(criteo_sample, sample):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(REPO))
         out = subprocess.run(
             [sys.executable, "-c", code, str(criteo_sample)],
-            cwd=REPO, env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         digests.append(out.stdout.strip())
     here = hashlib.sha256(sample[0].ids_bfh.tobytes()).hexdigest()
     assert digests == [here, here]
@@ -210,10 +214,14 @@ def test_hash_categorical_properties():
     assert hash_categorical(values, 0, 1, 0).tolist() == [0] * 5  # vocab 1: all in bucket 0
     many = hash_categorical(np.arange(20000, dtype=np.uint32), 2, 50, 0)
     assert many.min() == 1 and many.max() == 49  # [1, vocab) all reached, never 0
-    assert (hash_categorical(np.arange(1000, dtype=np.uint32), 0, 10**6, 1) != hash_categorical(
-        np.arange(1000, dtype=np.uint32), 0, 10**6, 2)).mean() > 0.99  # fmt: skip
-    assert (hash_categorical(np.arange(1000, dtype=np.uint32), 0, 10**6, 0) != hash_categorical(
-        np.arange(1000, dtype=np.uint32), 1, 10**6, 0)).mean() > 0.99  # fmt: skip
+    assert (
+        hash_categorical(np.arange(1000, dtype=np.uint32), 0, 10**6, 1)
+        != hash_categorical(np.arange(1000, dtype=np.uint32), 0, 10**6, 2)
+    ).mean() > 0.99
+    assert (
+        hash_categorical(np.arange(1000, dtype=np.uint32), 0, 10**6, 0)
+        != hash_categorical(np.arange(1000, dtype=np.uint32), 1, 10**6, 0)
+    ).mean() > 0.99
     with pytest.raises(ValueError, match="bad hex 'xyz'"):
         hash_categorical(["12345678", "xyz"], 0, 10, 0)
 
@@ -231,18 +239,33 @@ def test_transform_dense_signed_log1p():
 
 BAD_CASES = {
     # name: (make the bad line from a good one, reason, column, value shown in the error)
-    "wrong_column_count": (lambda x: x.rsplit(b"\t", 1)[0], "wrong column count", "(row)", "39 columns"),
+    "wrong_column_count": (
+        lambda x: x.rsplit(b"\t", 1)[0],
+        "wrong column count",
+        "(row)",
+        "39 columns",
+    ),
     "too_many_columns": (lambda x: x + b"\t", "wrong column count", "(row)", "41 columns"),
     "empty_line": (lambda x: b"", "wrong column count", "(row)", "1 columns"),
     "bad_hex": (lambda x: _with_field(x, "C3", b"zz12ab34"), "bad hex", "C3", "'zz12ab34'"),
     "short_hex": (lambda x: _with_field(x, "C26", b"abc"), "bad hex", "C26", "'abc'"),
     "non_integer": (lambda x: _with_field(x, "I5", b"1.5"), "non-integer", "I5", "'1.5'"),
     "lone_minus": (lambda x: _with_field(x, "I1", b"-"), "non-integer", "I1", "'-'"),
-    "out_of_range": (lambda x: _with_field(x, "I13", b"2147483648"), "out-of-range integer", "I13", "'2147483648'"),
-    "huge_integer": (lambda x: _with_field(x, "I2", b"-99999999999999999999999"), "out-of-range integer", "I2", "'-99999999999999999999999'"),
+    "out_of_range": (
+        lambda x: _with_field(x, "I13", b"2147483648"),
+        "out-of-range integer",
+        "I13",
+        "'2147483648'",
+    ),
+    "huge_integer": (
+        lambda x: _with_field(x, "I2", b"-99999999999999999999999"),
+        "out-of-range integer",
+        "I2",
+        "'-99999999999999999999999'",
+    ),
     "bad_label": (lambda x: _with_field(x, "label", b"2"), "bad label", "label", "'2'"),
     "empty_label": (lambda x: _with_field(x, "label", b""), "bad label", "label", "''"),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -381,8 +404,12 @@ def test_truncated_gzip_lenient_counts_one_reject_and_stops(truncated_gz, tmp_pa
     assert stats.rejects_by_reason == {"truncated gzip": 1}
     record = rejects.read_bytes().split(b"\n")[1]
     assert record.split(b"\t", 4) == [
-        str(path).encode(), str(complete + 1).encode(), b"truncated gzip", b"(file)", fragment,
-    ]  # fmt: skip
+        str(path).encode(),
+        str(complete + 1).encode(),
+        b"truncated gzip",
+        b"(file)",
+        fragment,
+    ]
     whole = read_criteo(_write(tmp_path / "head.tsv", lines[:complete]), CFG)[0]
     _assert_batches_equal(batch, whole)
 

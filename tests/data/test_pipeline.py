@@ -143,7 +143,7 @@ def test_in_memory_source(hosts):
             seed=2,
             process_index=h,
             process_count=hosts,
-        )  # fmt: skip
+        )
         for h in range(hosts)
     ]
     assert isinstance(srcs[0], DataSource)
@@ -215,9 +215,11 @@ def test_make_source_synthetic():
     import data.synthetic  # noqa: F401  (a required module: fail, never skip)
 
     cfg = DataConfig(
-        kind="synthetic", batch_size=32, eval_batch_size=64,
+        kind="synthetic",
+        batch_size=32,
+        eval_batch_size=64,
         synthetic=SyntheticConfig(num_eval_examples=150),
-    )  # fmt: skip
+    )
     _check_sources([make_source(cfg)], batch=32, eval_batch=64, num_eval=150)
     hosts = [make_source(cfg, process_index=h, process_count=2) for h in range(2)]
     _check_sources(hosts, batch=32, eval_batch=64, num_eval=150)
@@ -252,9 +254,12 @@ def test_make_source_frappe(frappe_files):
     real = frappe_files.kind == "real"
     batch, eval_batch = (4096, 8192) if real else (64, 32)  # generated: 150 eval rows, 5 batches
     cfg = DataConfig(
-        kind="frappe", train_path=str(folder / "train.csv"), eval_path=str(folder / "valid.csv"),
-        batch_size=batch, eval_batch_size=eval_batch,
-    )  # fmt: skip
+        kind="frappe",
+        train_path=str(folder / "train.csv"),
+        eval_path=str(folder / "valid.csv"),
+        batch_size=batch,
+        eval_batch_size=eval_batch,
+    )
     vocab_sizes, num_train, oov, valid = _frappe_truth(folder)
     src = make_source(cfg)
     got = _check_sources([src], batch=batch, eval_batch=eval_batch, num_eval=valid.batch_size)
@@ -279,9 +284,13 @@ def test_make_source_criteo(criteo_files, tmp_path):
     vocab = (1000,) * 26
     path = str(criteo_files.path)
     cfg = DataConfig(
-        kind="criteo", train_path=path, eval_path=path,
-        batch_size=128, eval_batch_size=256, criteo=CriteoConfig(vocab_sizes=vocab),
-    )  # fmt: skip
+        kind="criteo",
+        train_path=path,
+        eval_path=path,
+        batch_size=128,
+        eval_batch_size=256,
+        criteo=CriteoConfig(vocab_sizes=vocab),
+    )
     hosts = [make_source(cfg, process_index=h, process_count=2) for h in range(2)]
     got = _check_sources(hosts, batch=128, eval_batch=256, num_eval=1999)
     _assert_same(got, read_criteo(path, cfg.criteo)[0])  # every eval example once, in order
@@ -313,9 +322,12 @@ def test_make_source_frappe_eval_only_reads_no_training_rows(frappe_files, monke
 
     folder = frappe_files.path
     cfg = DataConfig(
-        kind="frappe", train_path=str(folder / "train.csv"), eval_path=str(folder / "valid.csv"),
-        batch_size=64, eval_batch_size=64,
-    )  # fmt: skip
+        kind="frappe",
+        train_path=str(folder / "train.csv"),
+        eval_path=str(folder / "valid.csv"),
+        batch_size=64,
+        eval_batch_size=64,
+    )
     read, real_read = [], reader.read_frappe
     monkeypatch.setattr(reader, "read_frappe", lambda p, v: read.append(str(p)) or real_read(p, v))
     for h, hosts in ((0, 1), (1, 2)):
@@ -336,9 +348,13 @@ def test_make_source_frappe_eval_only_reads_no_training_rows(frappe_files, monke
 def test_make_source_criteo_eval_only_reads_no_training_rows(criteo_files, tmp_path):
     path = str(criteo_files.path)
     cfg = DataConfig(
-        kind="criteo", train_path=path, eval_path=path, batch_size=128, eval_batch_size=256,
+        kind="criteo",
+        train_path=path,
+        eval_path=path,
+        batch_size=128,
+        eval_batch_size=256,
         criteo=CriteoConfig(vocab_sizes=(1000,) * 26),
-    )  # fmt: skip
+    )
     # The training file is never opened: a missing one is fine.
     no_train = dataclasses.replace(cfg, train_path=str(tmp_path / "missing.tsv"))
     for h, hosts in ((0, 1), (1, 2)):

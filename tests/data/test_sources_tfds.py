@@ -56,9 +56,13 @@ def frappe_cfg(frappe_files, tmp_path_factory):
     _head(src / "train.csv", manual / "train.csv", slice(0, 401))  # header + 400 rows
     _head(src / "valid.csv", manual / "valid.csv", slice(0, 151))
     return DataConfig(
-        kind="frappe", train_path=str(manual / "train.csv"), eval_path=str(manual / "valid.csv"),
-        batch_size=160, eval_batch_size=64, shuffle_seed=3,
-    ), root  # fmt: skip
+        kind="frappe",
+        train_path=str(manual / "train.csv"),
+        eval_path=str(manual / "valid.csv"),
+        batch_size=160,
+        eval_batch_size=64,
+        shuffle_seed=3,
+    ), root
 
 
 def test_frappe_tfds_equals_in_memory(frappe_cfg):
@@ -138,10 +142,14 @@ def criteo_cfg(criteo_files, tmp_path_factory):
     _head(criteo_files.path, manual / "train.tsv", slice(0, 1200))
     _head(criteo_files.path, manual / "valid.tsv", slice(1200, None))
     return DataConfig(
-        kind="criteo", train_path=str(manual / "train.tsv"), eval_path=str(manual / "valid.tsv"),
-        batch_size=128, eval_batch_size=256, shuffle_seed=1,
+        kind="criteo",
+        train_path=str(manual / "train.tsv"),
+        eval_path=str(manual / "valid.tsv"),
+        batch_size=128,
+        eval_batch_size=256,
+        shuffle_seed=1,
         criteo=CriteoConfig(vocab_sizes=VOCAB, hash_seed=5),
-    ), root  # fmt: skip
+    ), root
 
 
 def test_criteo_tfds_equals_in_memory(criteo_cfg):

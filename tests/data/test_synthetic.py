@@ -320,8 +320,9 @@ def test_capped_tables_fold_ids_and_count_them():
     from data.config import DataConfig  # noqa: PLC0415
     from data.schemas import schema_of  # noqa: PLC0415
 
-    cfg = DataConfig(kind="synthetic", batch_size=512, synthetic=SMALL, max_table_rows=20,
-                     id_policy="hash")  # fmt: skip
+    cfg = DataConfig(
+        kind="synthetic", batch_size=512, synthetic=SMALL, max_table_rows=20, id_policy="hash"
+    )
     src = sources.SyntheticSource(cfg)
     assert [f.vocab_size for f in src.schema.features] == [1, 7, 20, 20]
     assert schema_of(cfg) == src.schema
@@ -395,7 +396,7 @@ BITWISE_CONFIGS = [
     SyntheticConfig(num_dense=0, vocab_sizes=(5, 7000), max_hotness=(3, 1)),
     SyntheticConfig(
         num_dense=13, vocab_sizes=(100000, 20, 500, 10), max_hotness=(1, 5, 2, 1), teacher_dim=5
-    ),  # fmt: skip
+    ),
     SyntheticConfig(num_dense=3, vocab_sizes=(2**20 + 5, 7), max_hotness=(2, 1)),  # uncached
 ]
 # Index sets: one example, an odd batch, a permutation, held-out examples.

@@ -130,14 +130,20 @@ FEATURES = [
     {"name": "age", "kind": "categorical", "parse": "int"},
     {"name": "item", "kind": "categorical", "hash_buckets": 11, "hash_seed": 3},
     {"name": "tags", "kind": "multi_categorical", "separator": "|", "max_hotness": 2},
-    {"name": "price", "kind": "numeric", "clip": [0, 50], "log": True, "standardize": True,
-     "fill": -1.0},
+    {
+        "name": "price",
+        "kind": "numeric",
+        "clip": [0, 50],
+        "log": True,
+        "standardize": True,
+        "fill": -1.0,
+    },
     {"name": "age_b", "column": "age", "kind": "numeric", "boundaries": [10, 50]},
     {"name": "src", "kind": "categorical", "table": "place"},
     {"name": "dst", "kind": "categorical", "table": "place"},
     {"name": "hx", "kind": "categorical", "parse": "hex", "hash_buckets": 1000, "hash_seed": 5},
     {"name": "age_raw", "column": "age", "kind": "numeric"},
-]  # fmt: skip
+]
 
 
 def _every_kind_spec(tmp_path: Path) -> TabularSpec:
@@ -336,9 +342,13 @@ def test_encode_file_uses_the_prepared_vocabulary(tmp_path):
 # ----------------------------------------------------------------------------- label, joins
 
 RATINGS = [  # user_id, movie_id, rating, ts
-    ("u1", "m1", "5", "10"), ("u2", "m1", "3.5", "11"), ("u1", "m2", "4", "12"),
-    ("u3", "m3", "1", "13"), ("u2", "m2", "4.5", "14"), ("u3", "m1", "2", "15"),
-]  # fmt: skip
+    ("u1", "m1", "5", "10"),
+    ("u2", "m1", "3.5", "11"),
+    ("u1", "m2", "4", "12"),
+    ("u3", "m3", "1", "13"),
+    ("u2", "m2", "4.5", "14"),
+    ("u3", "m1", "2", "15"),
+]
 USERS = [("u1", "F", "23"), ("u2", "M", "41"), ("u3", "F", ""), ("u4", "M", "30")]
 MOVIES = [("m1", "Drama|Comedy", "1999"), ("m2", "Action", "2004"), ("m3", "", "1950")]
 
@@ -391,8 +401,11 @@ def test_label_threshold_and_side_table_joins(tmp_path):
 def test_join_key_missing_from_side_table_is_an_error(tmp_path):
     ratings = [*RATINGS[:3], ("u9", "m1", "5", "16"), *RATINGS[3:]]
     spec = _movielens(tmp_path, ratings=ratings)
-    with pytest.raises(TabularFormatError, match=r"ratings\.csv: line 5: column 'user_id': key not "
-                       r"in side table .*users\.csv: 'u9'"):  # fmt: skip
+    with pytest.raises(
+        TabularFormatError,
+        match=r"ratings\.csv: line 5: column 'user_id': key not "
+        r"in side table .*users\.csv: 'u9'",
+    ):
         _prepare(spec, tmp_path)
 
 
@@ -483,8 +496,11 @@ def test_files_split(tmp_path):
         _rows_file(tmp_path, name, n)
     spec = _rid_spec(tmp_path, ["tr-*.csv"], {"kind": "files"}, valid=["va.csv"], test=["te.csv"])
     p = _prepare(spec, tmp_path)
-    assert _rows_by_split(p) == {"train": [0, 1, 2, 3, 4, 0, 1, 2, 3], "valid": [0, 1, 2],
-                                 "test": [0, 1]}  # fmt: skip
+    assert _rows_by_split(p) == {
+        "train": [0, 1, 2, 3, 4, 0, 1, 2, 3],
+        "valid": [0, 1, 2],
+        "test": [0, 1],
+    }
     assert p.stats["rows"] == {"train": 9, "valid": 3, "test": 2}
     assert p.vocab.values["rid"].to_pylist() == [0, 1, 2, 3, 4]
     np.testing.assert_array_equal(_batch(p, "train").ids_bfh[:, 0, 0], [1, 2, 3, 4, 5, 1, 2, 3, 4])
@@ -494,16 +510,29 @@ def test_files_split(tmp_path):
 
 IN_HEADER = ["label", "w", "city", "age", "tags", "price"]
 IN_ROWS = [
-    (1, 1.0, "paris", 5, "a|b", 3.5), (0, 0.5, "rome", 12, "b", None),
-    (1, 2.0, None, 100, "a|b|c", 80.0), (0, 1.0, "oslo", None, None, -2.0),
-    (0, 1.0, "rome", 7, "c|d", 0.0), (1, 1.0, "lima", 40, "d", 12.25),
-    (0, 1.0, "paris", 75, "a", 7.0), (1, 3.0, "oslo", 12, "b|c", 1.5),
-    (0, 1.0, "paris", 5, "a|b", 10.0), (1, 1.0, "rome", 100, "c", 49.9),
-    (0, 1.0, "oslo", 7, "b|a", -1.0), (1, 0.25, "paris", 40, "d|c|b", 25.0),
-    (1, 1.0, "kyiv", 9, "e", 4.0), (0, 2.0, "rome", 12, "a", 6.0),
-]  # fmt: skip
-IN_TYPES = {"label": pa.int64(), "w": pa.float64(), "city": pa.string(), "age": pa.int64(),
-            "tags": pa.string(), "price": pa.float64()}  # fmt: skip
+    (1, 1.0, "paris", 5, "a|b", 3.5),
+    (0, 0.5, "rome", 12, "b", None),
+    (1, 2.0, None, 100, "a|b|c", 80.0),
+    (0, 1.0, "oslo", None, None, -2.0),
+    (0, 1.0, "rome", 7, "c|d", 0.0),
+    (1, 1.0, "lima", 40, "d", 12.25),
+    (0, 1.0, "paris", 75, "a", 7.0),
+    (1, 3.0, "oslo", 12, "b|c", 1.5),
+    (0, 1.0, "paris", 5, "a|b", 10.0),
+    (1, 1.0, "rome", 100, "c", 49.9),
+    (0, 1.0, "oslo", 7, "b|a", -1.0),
+    (1, 0.25, "paris", 40, "d|c|b", 25.0),
+    (1, 1.0, "kyiv", 9, "e", 4.0),
+    (0, 2.0, "rome", 12, "a", 6.0),
+]
+IN_TYPES = {
+    "label": pa.int64(),
+    "w": pa.float64(),
+    "city": pa.string(),
+    "age": pa.int64(),
+    "tags": pa.string(),
+    "price": pa.float64(),
+}
 
 
 def _inputs_spec(tmp_path: Path, files, *, fmt=None, valid_fraction=0.3) -> TabularSpec:
@@ -619,49 +648,106 @@ U_HEX = [{"name": "u", "kind": "categorical", "parse": "hex", "hash_buckets": 9}
 X_INT = [{"name": "u", "kind": "categorical"}, {"name": "x", "kind": "numeric", "dtype": "int"}]
 BAD_CASES = {
     # name: (file name, text, spec extras, message)
-    "not_a_number": ("bad.csv", BASE_HEADER + GOOD + "0,d,abc\n", {},
-                     r"bad\.csv: line 5: column 'x': not a number: 'abc'"),
-    "ragged_short": ("bad.csv", BASE_HEADER + "1,a,1\n0,b\n" + GOOD, {},
-                     r"bad\.csv: line 3: wrong column count \(expected 3, got 2\)"),
-    "ragged_long": ("bad.csv", BASE_HEADER + GOOD + GOOD + "0,b,2,9\n", {},
-                    r"bad\.csv: line 8: wrong column count \(expected 3, got 4\)"),
-    "label_outside": ("bad.csv", BASE_HEADER + "1,a,1\n2,b,2\n", {},
-                      r"bad\.csv: line 3: column 'label': label outside \{0, 1\}: '2'"),
-    "missing_label": ("bad.csv", BASE_HEADER + GOOD + ",b,2\n", {},
-                      r"bad\.csv: line 5: column 'label': missing label"),
+    "not_a_number": (
+        "bad.csv",
+        BASE_HEADER + GOOD + "0,d,abc\n",
+        {},
+        r"bad\.csv: line 5: column 'x': not a number: 'abc'",
+    ),
+    "ragged_short": (
+        "bad.csv",
+        BASE_HEADER + "1,a,1\n0,b\n" + GOOD,
+        {},
+        r"bad\.csv: line 3: wrong column count \(expected 3, got 2\)",
+    ),
+    "ragged_long": (
+        "bad.csv",
+        BASE_HEADER + GOOD + GOOD + "0,b,2,9\n",
+        {},
+        r"bad\.csv: line 8: wrong column count \(expected 3, got 4\)",
+    ),
+    "label_outside": (
+        "bad.csv",
+        BASE_HEADER + "1,a,1\n2,b,2\n",
+        {},
+        r"bad\.csv: line 3: column 'label': label outside \{0, 1\}: '2'",
+    ),
+    "missing_label": (
+        "bad.csv",
+        BASE_HEADER + GOOD + ",b,2\n",
+        {},
+        r"bad\.csv: line 5: column 'label': missing label",
+    ),
     "empty_file": ("bad.csv", "", {}, r"bad\.csv: empty file"),
     "header_only": ("bad.csv", BASE_HEADER, {}, r"bad\.csv: empty file \(no data rows\)"),
-    "missing_column": ("bad.csv", BASE_HEADER + GOOD,
-                       {"features": [{"name": "u", "kind": "categorical"},
-                                     {"name": "nope", "kind": "numeric"}]},
-                       r"bad\.csv: column 'nope' named by the spec .* not in the file"),
-    "bad_int": ("bad.csv", BASE_HEADER + "1,7,1\n0,x7,2\n", {"features": U_INT},
-                r"bad\.csv: line 3: column 'u': .*'x7'"),
-    "bad_hex": ("bad.csv", BASE_HEADER + "1,0a0b,1\n0,zz,2\n", {"features": U_HEX},
-                r"bad\.csv: line 3: column 'u': bad hex: 'zz'"),
+    "missing_column": (
+        "bad.csv",
+        BASE_HEADER + GOOD,
+        {"features": [{"name": "u", "kind": "categorical"}, {"name": "nope", "kind": "numeric"}]},
+        r"bad\.csv: column 'nope' named by the spec .* not in the file",
+    ),
+    "bad_int": (
+        "bad.csv",
+        BASE_HEADER + "1,7,1\n0,x7,2\n",
+        {"features": U_INT},
+        r"bad\.csv: line 3: column 'u': .*'x7'",
+    ),
+    "bad_hex": (
+        "bad.csv",
+        BASE_HEADER + "1,0a0b,1\n0,zz,2\n",
+        {"features": U_HEX},
+        r"bad\.csv: line 3: column 'u': bad hex: 'zz'",
+    ),
     # pyarrow's int cast takes these when the whole chunk is clean; the rule does not
-    "hex_int": ("bad.csv", BASE_HEADER + "1,7,1\n0,0x10,2\n", {"features": U_INT},
-                r"bad\.csv: line 3: column 'u': .*'0x10'"),
-    "int_19_digits": ("bad.csv", BASE_HEADER + "1,a,1\n0,b,1234567890123456789\n",
-                      {"features": X_INT},
-                      r"bad\.csv: line 3: column 'x': not an integer: '1234567890123456789'"),
-    "not_an_integer": ("bad.csv", BASE_HEADER + "1,a,1\n0,b,-2\n1,c,3\n1,d,1.5\n",
-                       {"features": X_INT},
-                       r"bad\.csv: line 5: column 'x': not an integer: '1\.5'"),
-    "negative_weight": ("bad.csv", "label,u,x,w\n1,a,1,1\n0,b,2,-1\n", {"weight": "w"},
-                        r"bad\.csv: line 3: column 'w': weight is not a number >= 0: '-1'"),
-    "tsv_no_header_ragged": ("bad.tsv", "1\ta\t1\n0\tb\t2\n1\tc\n", {"format": {
-        "header": False, "column_names": ["label", "u", "x"]}},
-        r"bad\.tsv: line 3: wrong column count \(expected 3, got 2\)"),
-    "tsv_no_header_value": ("bad.tsv", "1\ta\t1\n0\tb\tnan?\n", {"format": {
-        "header": False, "column_names": ["label", "u", "x"]}},
-        r"bad\.tsv: line 2: column 'x': not a number"),
-    "gzip_value": ("bad.csv.gz", BASE_HEADER + GOOD + GOOD + "1,a,inf\n", {},
-                   r"bad\.csv\.gz: line 8: column 'x': not a number: 'inf'"),
-    "missing_time": ("bad.csv", "label,u,x,t\n1,a,1,5\n0,b,2,\n", {
-        "split": {"kind": "time", "column": "t", "valid_from": 3}},
-        r"bad\.csv: line 3: column 't': missing time"),
-}  # fmt: skip
+    "hex_int": (
+        "bad.csv",
+        BASE_HEADER + "1,7,1\n0,0x10,2\n",
+        {"features": U_INT},
+        r"bad\.csv: line 3: column 'u': .*'0x10'",
+    ),
+    "int_19_digits": (
+        "bad.csv",
+        BASE_HEADER + "1,a,1\n0,b,1234567890123456789\n",
+        {"features": X_INT},
+        r"bad\.csv: line 3: column 'x': not an integer: '1234567890123456789'",
+    ),
+    "not_an_integer": (
+        "bad.csv",
+        BASE_HEADER + "1,a,1\n0,b,-2\n1,c,3\n1,d,1.5\n",
+        {"features": X_INT},
+        r"bad\.csv: line 5: column 'x': not an integer: '1\.5'",
+    ),
+    "negative_weight": (
+        "bad.csv",
+        "label,u,x,w\n1,a,1,1\n0,b,2,-1\n",
+        {"weight": "w"},
+        r"bad\.csv: line 3: column 'w': weight is not a number >= 0: '-1'",
+    ),
+    "tsv_no_header_ragged": (
+        "bad.tsv",
+        "1\ta\t1\n0\tb\t2\n1\tc\n",
+        {"format": {"header": False, "column_names": ["label", "u", "x"]}},
+        r"bad\.tsv: line 3: wrong column count \(expected 3, got 2\)",
+    ),
+    "tsv_no_header_value": (
+        "bad.tsv",
+        "1\ta\t1\n0\tb\tnan?\n",
+        {"format": {"header": False, "column_names": ["label", "u", "x"]}},
+        r"bad\.tsv: line 2: column 'x': not a number",
+    ),
+    "gzip_value": (
+        "bad.csv.gz",
+        BASE_HEADER + GOOD + GOOD + "1,a,inf\n",
+        {},
+        r"bad\.csv\.gz: line 8: column 'x': not a number: 'inf'",
+    ),
+    "missing_time": (
+        "bad.csv",
+        "label,u,x,t\n1,a,1,5\n0,b,2,\n",
+        {"split": {"kind": "time", "column": "t", "valid_from": 3}},
+        r"bad\.csv: line 3: column 't': missing time",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_CASES))
@@ -681,9 +767,20 @@ def test_a_hex_column_of_empty_strings_is_missing(tmp_path):
     """A quoted "" is an empty string, not a null: in a hex column (alone in its chunk) it is
     a missing value, and an empty bag of a hex multi-categorical."""
     _write(tmp_path / "e.csv", 'label,u,x,m\n1,"",1,""\n0,"",2,|\n')
-    spec = _bad_spec(tmp_path, ["e.csv"], features=[
-        *U_HEX, {"name": "m", "kind": "multi_categorical", "parse": "hex", "hash_buckets": 5,
-                 "max_hotness": 2}])  # fmt: skip
+    spec = _bad_spec(
+        tmp_path,
+        ["e.csv"],
+        features=[
+            *U_HEX,
+            {
+                "name": "m",
+                "kind": "multi_categorical",
+                "parse": "hex",
+                "hash_buckets": 5,
+                "max_hotness": 2,
+            },
+        ],
+    )
     b = _batch(_prepare(spec, tmp_path), "train")
     np.testing.assert_array_equal(b.ids_bfh[:, 0, 0], [0, 0])
     np.testing.assert_array_equal(b.ids_bfh[:, 1], [[PAD_ID, PAD_ID], [PAD_ID, PAD_ID]])
@@ -935,8 +1032,15 @@ def test_spec_missing_field_and_bad_syntax(tmp_path):
     with pytest.raises(SpecError, match="^" + re.escape(f"{path}: missing field 'label'")):
         load_spec(path)
     with pytest.raises(SpecError, match=r"^where: joins\[0\]: missing field 'key'"):
-        spec_from_dict({"train": "d.csv", "label": {"column": "y"}, "joins": [{"path": "s.csv"}],
-                        "features": [{"name": "a", "kind": "numeric"}]}, where="where")  # fmt: skip
+        spec_from_dict(
+            {
+                "train": "d.csv",
+                "label": {"column": "y"},
+                "joins": [{"path": "s.csv"}],
+                "features": [{"name": "a", "kind": "numeric"}],
+            },
+            where="where",
+        )
     with pytest.raises(SpecError, match=r"spec\.json: not valid json"):
         load_spec(_write(tmp_path / "spec.json", "{train: }"))
     with pytest.raises(SpecError, match=r"end in \.yaml"):

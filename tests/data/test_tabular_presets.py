@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 def _assert_same_source(a, b, steps) -> None:
     assert a.schema == b.schema
     for step in steps:
-        for name, x, y in zip(a.train_batch(0)._fields, a.train_batch(step), b.train_batch(step),
-                              strict=True):  # fmt: skip
+        for name, x, y in zip(
+            a.train_batch(0)._fields, a.train_batch(step), b.train_batch(step), strict=True
+        ):
             np.testing.assert_array_equal(x, y, err_msg=f"train step {step} field {name}")
     ea, eb = list(a.eval_batches()), list(b.eval_batches())
     assert len(ea) == len(eb)
@@ -40,11 +41,17 @@ def _assert_same_source(a, b, steps) -> None:
 def test_frappe_spec_gives_the_readers_batches(frappe_files, tmp_path):
     spec_path = tmp_path / "frappe.yaml"
     write_spec(frappe_spec(str(frappe_files.path)), str(spec_path))
-    base = dataclasses.replace(frappe_preset(str(frappe_files.path)), batch_size=512,
-                               eval_batch_size=1024)  # fmt: skip
+    base = dataclasses.replace(
+        frappe_preset(str(frappe_files.path)), batch_size=512, eval_batch_size=1024
+    )
     reader = make_source(base)
-    tab = make_source(dataclasses.replace(base, kind="tabular", tabular=TabularConfig(
-        spec=str(spec_path), prepared_dir=str(tmp_path / "prep"))))  # fmt: skip
+    tab = make_source(
+        dataclasses.replace(
+            base,
+            kind="tabular",
+            tabular=TabularConfig(spec=str(spec_path), prepared_dir=str(tmp_path / "prep")),
+        )
+    )
     _assert_same_source(reader, tab, steps=[0, 1, 7, 100])
     # Values unseen in training map to id 0 in both and are counted alike.
     reader_oov = {k: v for k, v in reader.stats["eval"]["oov"].items() if v}
@@ -56,11 +63,22 @@ def test_criteo_spec_gives_the_readers_batches(criteo_files, tmp_path):
     path = str(criteo_files.path)
     spec_path = tmp_path / "criteo.yaml"
     write_spec(criteo_spec((path,), valid=(path,)), str(spec_path))
-    base = DataConfig(kind="criteo", train_path=path, eval_path=path, batch_size=256,
-                      eval_batch_size=512, criteo=CriteoConfig(vocab_sizes=CRITEO_KAGGLE_VOCAB_SIZES))  # fmt: skip
+    base = DataConfig(
+        kind="criteo",
+        train_path=path,
+        eval_path=path,
+        batch_size=256,
+        eval_batch_size=512,
+        criteo=CriteoConfig(vocab_sizes=CRITEO_KAGGLE_VOCAB_SIZES),
+    )
     reader = make_source(base)
-    tab = make_source(dataclasses.replace(base, kind="tabular", tabular=TabularConfig(
-        spec=str(spec_path), prepared_dir=str(tmp_path / "prep"))))  # fmt: skip
+    tab = make_source(
+        dataclasses.replace(
+            base,
+            kind="tabular",
+            tabular=TabularConfig(spec=str(spec_path), prepared_dir=str(tmp_path / "prep")),
+        )
+    )
     _assert_same_source(reader, tab, steps=[0, 3, 8])
 
 
@@ -80,8 +98,9 @@ def test_criteo_spec_lenient_rejects_what_the_reader_rejects(generated_criteo, t
     path, good = tmp_path / "bad.tsv", tmp_path / "good.tsv"
     path.write_text("".join(line + "\n" for line in lines))
     good.write_text("".join(line + "\n" for line in lines[:5]))
-    rows, stats = read_criteo(str(path), CriteoConfig(strict=False),
-                              rejects_path=str(tmp_path / "r.tsv"))  # fmt: skip
+    rows, stats = read_criteo(
+        str(path), CriteoConfig(strict=False), rejects_path=str(tmp_path / "r.tsv")
+    )
     spec = dataclasses.replace(criteo_spec((str(path),), valid=(str(good),)), strict=False)
     p = prepare(spec, str(tmp_path / "prep"), progress=False)
     assert stats.rows_rejected == sum(p.stats["rejected"].values()) == len(bad)
@@ -151,10 +170,20 @@ def test_killed_preparation_resumes_to_the_same_shards(tmp_path, workers):
     root = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "data.tabular.prepare", str(spec), "--root", str(root),
-         "--workers", str(workers)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "data.tabular.prepare",
+            str(spec),
+            "--root",
+            str(root),
+            "--workers",
+            str(workers),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     parts = None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -208,8 +237,9 @@ def test_pieces_of_a_large_csv_give_the_whole_files_records(tmp_path):
     vocabularies and scales of the uncut file, with one worker or two."""
     _toy_csv(tmp_path / "data.csv", 3000)
     _toy_csv(tmp_path / "valid.csv", 200, seed=1)
-    whole = prepare(str(_piece_spec(tmp_path, piece_bytes=10**9)), str(tmp_path / "a"),
-                    progress=False)  # fmt: skip
+    whole = prepare(
+        str(_piece_spec(tmp_path, piece_bytes=10**9)), str(tmp_path / "a"), progress=False
+    )
     spec = _piece_spec(tmp_path, piece_bytes=8000)
     from data.tabular.prepare import resolve_inputs, work_units
 
@@ -232,8 +262,7 @@ def test_bad_lines_in_later_pieces_are_named_by_their_file_line(tmp_path):
         lines[n - 1] = text
     (tmp_path / "data.csv").write_text("\n".join(lines) + "\n")
     with pytest.raises(Exception, match=r"data.csv: line 700: wrong column count"):
-        prepare(str(_piece_spec(tmp_path, piece_bytes=8000)), str(tmp_path / "s"),
-                progress=False)  # fmt: skip
+        prepare(str(_piece_spec(tmp_path, piece_bytes=8000)), str(tmp_path / "s"), progress=False)
     lenient = _piece_spec(tmp_path, piece_bytes=8000, strict=False, rows=250)
     p = prepare(str(lenient), str(tmp_path / "l"), workers=2, progress=False)
     found = {}
@@ -241,8 +270,7 @@ def test_bad_lines_in_later_pieces_are_named_by_their_file_line(tmp_path):
         for r in f.read_text().splitlines()[1:]:
             _, where, reason, *_ = r.split("\t")
             found[int(where.removeprefix("line "))] = reason
-    assert found == {700: "wrong column count", 1501: "wrong column count",
-                     2600: "not a number"}  # fmt: skip
+    assert found == {700: "wrong column count", 1501: "wrong column count", 2600: "not a number"}
     assert p.stats["rows"]["train"] == 3000 - 3
 
 
@@ -253,8 +281,10 @@ def test_two_processes_preparing_at_once_prepare_once(tmp_path):
     spec = _spec_file(tmp_path, rows_per_shard=2_000)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "data.tabular.prepare", str(spec), "--root", str(tmp_path / "r")]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     clean = prepare(str(spec), str(tmp_path / "clean"), progress=False)

@@ -41,10 +41,23 @@ FEATURES = [
     {"name": "age", "kind": "categorical", "parse": "int"},
     {"name": "item", "kind": "categorical", "hash_buckets": 11, "hash_seed": 3},
     {"name": "tags", "kind": "multi_categorical", "separator": "|", "max_hotness": 2},
-    {"name": "htags", "kind": "multi_categorical", "separator": ";", "max_hotness": 3,
-     "parse": "int", "hash_buckets": 50, "hash_seed": 1},
-    {"name": "price", "kind": "numeric", "clip": [0, 50], "log": True, "standardize": True,
-     "fill": -1.0},
+    {
+        "name": "htags",
+        "kind": "multi_categorical",
+        "separator": ";",
+        "max_hotness": 3,
+        "parse": "int",
+        "hash_buckets": 50,
+        "hash_seed": 1,
+    },
+    {
+        "name": "price",
+        "kind": "numeric",
+        "clip": [0, 50],
+        "log": True,
+        "standardize": True,
+        "fill": -1.0,
+    },
     {"name": "age_b", "column": "age", "kind": "numeric", "boundaries": [10, 50]},
     {"name": "n", "kind": "numeric", "dtype": "int", "standardize": True},
     {"name": "src", "kind": "categorical", "table": "place"},
@@ -53,7 +66,7 @@ FEATURES = [
     {"name": "gender", "kind": "categorical"},
     {"name": "score", "kind": "numeric", "log": True},
     {"name": "hx_vocab", "column": "hx", "kind": "categorical", "parse": "hex"},
-]  # fmt: skip
+]
 
 
 def _write(path: Path, rows) -> Path:
@@ -69,14 +82,18 @@ def prepared(tmp_path_factory):
     (d / "users.csv").write_text(USERS)
     spec = spec_from_dict(
         {
-            "name": "kinds", "train": ["train.csv"], "valid": ["valid.csv"],
-            "split": {"kind": "files"}, "label": {"column": "label"},
+            "name": "kinds",
+            "train": ["train.csv"],
+            "valid": ["valid.csv"],
+            "split": {"kind": "files"},
+            "label": {"column": "label"},
             "format": {"null_values": ["", "NA"]},
             "joins": [{"path": ["users.csv"], "key": "uid", "columns": ["gender", "score"]}],
             "features": FEATURES,
         },
-        where="test", base_dir=str(d),
-    )  # fmt: skip
+        where="test",
+        base_dir=str(d),
+    )
     p = prepare(spec, str(d / "prep"), workers=1, progress=False)
     desc, arrays = p.serving_encoding()
     return d, p, desc, RowEncoder(desc, arrays, p.schema.max_hotness)
@@ -134,7 +151,7 @@ def test_json_values_encode_as_their_text(prepared):
         ("htags", "1;b", "column 'htags': token not an integer"),
         ("uid", "u77", "column 'uid': key not in side table .*users.csv: 'u77'"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_value_is_an_error_in_both(prepared, tmp_path, column, value, match):
     d, p, desc, rows_enc = prepared
     row = list(VALID[0])
@@ -179,9 +196,14 @@ def test_criteo_raw_rows_encode_as_the_criteo_reader(criteo_files):
     from data.sources import make_source
 
     path = str(criteo_files.path)
-    cfg = DataConfig(kind="criteo", train_path=path, eval_path=path, batch_size=256,
-                     eval_batch_size=4096, criteo=CriteoConfig(
-                         vocab_sizes=CRITEO_KAGGLE_VOCAB_SIZES, hash_seed=7))  # fmt: skip
+    cfg = DataConfig(
+        kind="criteo",
+        train_path=path,
+        eval_path=path,
+        batch_size=256,
+        eval_batch_size=4096,
+        criteo=CriteoConfig(vocab_sizes=CRITEO_KAGGLE_VOCAB_SIZES, hash_seed=7),
+    )
     source = make_source(cfg)
     (want,) = list(source.eval_batches())
     n = int(want.weights_b.sum())  # the padding of the batch weighs 0
@@ -240,23 +262,37 @@ def test_a_typed_side_table_encodes_as_prepare_read_it(tmp_path):
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(0)
-    pq.write_table(pa.table({"item": [f"i{k}" for k in range(20)],
-                             "price": pa.array([None, *rng.uniform(0, 3, 19).round(1)],
-                                               pa.float32()),  # a null: missing in both
-                             "stock": pa.array(rng.integers(0, 4, 20), pa.int64())}),
-                   tmp_path / "items.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table(
+            {
+                "item": [f"i{k}" for k in range(20)],
+                "price": pa.array(
+                    [None, *rng.uniform(0, 3, 19).round(1)], pa.float32()
+                ),  # a null: missing in both
+                "stock": pa.array(rng.integers(0, 4, 20), pa.int64()),
+            }
+        ),
+        tmp_path / "items.parquet",
+    )
     lines = ["label,item,when"] + [f"{k % 2},i{k % 20},{k}" for k in range(60)]
     (tmp_path / "x.csv").write_text("\n".join(lines) + "\n")
     spec = spec_from_dict(
-        {"name": "typed", "train": ["x.csv"], "split": {"kind": "random", "valid_fraction": 0.3},
-         "label": {"column": "label"},
-         "joins": [{"path": ["items.parquet"], "key": "item"}],
-         "features": [{"name": "item", "kind": "categorical"},
-                      {"name": "price", "kind": "numeric", "standardize": True},
-                      {"name": "price_cat", "column": "price", "kind": "categorical"},
-                      {"name": "stock", "kind": "numeric", "log": True}]},
-        where="test", base_dir=str(tmp_path),
-    )  # fmt: skip
+        {
+            "name": "typed",
+            "train": ["x.csv"],
+            "split": {"kind": "random", "valid_fraction": 0.3},
+            "label": {"column": "label"},
+            "joins": [{"path": ["items.parquet"], "key": "item"}],
+            "features": [
+                {"name": "item", "kind": "categorical"},
+                {"name": "price", "kind": "numeric", "standardize": True},
+                {"name": "price_cat", "column": "price", "kind": "categorical"},
+                {"name": "stock", "kind": "numeric", "log": True},
+            ],
+        },
+        where="test",
+        base_dir=str(tmp_path),
+    )
     p = prepare(spec, str(tmp_path / "prep"), workers=1, progress=False)
     desc, arrays = p.serving_encoding()
     assert "when" in desc["ignored_columns"]  # a column of the file no feature reads

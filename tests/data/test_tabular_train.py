@@ -14,9 +14,12 @@ from recscale.config import get_preset
 from recscale.train.loop import train
 
 FAMILIES = {
-    "dlrm": "dlrm", "wukong": "wukong", "dcnv2": "baselines.dcnv2",
-    "finalmlp": "baselines.finalmlp", "masknet": "baselines.masknet",
-}  # fmt: skip
+    "dlrm": "dlrm",
+    "wukong": "wukong",
+    "dcnv2": "baselines.dcnv2",
+    "finalmlp": "baselines.finalmlp",
+    "masknet": "baselines.masknet",
+}
 
 SPEC = """
 name: shop
@@ -52,14 +55,24 @@ def test_family_trains_and_evaluates_on_a_feature_spec(family, shop, tmp_path, c
     importlib.import_module(f"{package}.presets")
     cfg = get_preset(f"{family}/tiny")
     data = dataclasses.replace(
-        cfg.data, kind="tabular", batch_size=64, eval_batch_size=256,
+        cfg.data,
+        kind="tabular",
+        batch_size=64,
+        eval_batch_size=256,
         tabular=TabularConfig(spec=str(shop / "spec.yaml"), prepared_dir=str(shop / "prep")),
-    )  # fmt: skip
-    cfg = dataclasses.replace(cfg, data=data, train=dataclasses.replace(
-        cfg.train, num_steps=3, log_every=1, progress=False))  # fmt: skip
+    )
+    cfg = dataclasses.replace(
+        cfg,
+        data=data,
+        train=dataclasses.replace(cfg.train, num_steps=3, log_every=1, progress=False),
+    )
     if family == "finalmlp":  # the gates' context features are named by the schema
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, fs1_context=("user_id",), fs2_context=("item_id", "last_item")))  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(
+                cfg.model, fs1_context=("user_id",), fs2_context=("item_id", "last_item")
+            ),
+        )
     wd = tmp_path / "run"
     build_model = importlib.import_module(f"{package}.model").build_model
     result = train(cfg, build_model, wd)

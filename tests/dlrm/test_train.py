@@ -102,9 +102,10 @@ def test_runs_of_one_model_in_one_process_share_programs_and_results(tmp_path):
     def cfg(steps, seed, lr, **model):
         c = _tiny(num_steps=steps, seed=seed, log_every=1, eval_every=0, checkpoint_every=steps)
         return dataclasses.replace(
-            c, model=dataclasses.replace(base.model, **model),
+            c,
+            model=dataclasses.replace(base.model, **model),
             dense_optim=dataclasses.replace(base.dense_optim, learning_rate=lr, warmup_steps=2),
-        )  # fmt: skip
+        )
 
     def built(wd):
         (row,) = map(json.loads, (wd / "timings.jsonl").read_text().splitlines())
@@ -121,8 +122,11 @@ def test_runs_of_one_model_in_one_process_share_programs_and_results(tmp_path):
     assert [r["loss"] for r in _rows(tmp_path / "b")] == [
         r["loss"] for r in _rows(tmp_path / "b_alone")
     ]
-    for x, y in zip(jax.tree.leaves(_ckpt_params(tmp_path / "b", 9)),
-                    jax.tree.leaves(_ckpt_params(tmp_path / "b_alone", 9)), strict=True):  # fmt: skip
+    for x, y in zip(
+        jax.tree.leaves(_ckpt_params(tmp_path / "b", 9)),
+        jax.tree.leaves(_ckpt_params(tmp_path / "b_alone", 9)),
+        strict=True,
+    ):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     wider = cfg(6, 0, 3e-3, top_mlp=(32, 1))
     train(wider, build_model, tmp_path / "c")
@@ -301,8 +305,14 @@ def test_early_stopping_keeps_and_reports_the_best_checkpoint(tmp_path, capsys):
     best, the run stops after `patience` evaluations, and its result is the best parameters'
     full evaluation, which `evaluate --best` repeats; a relaunch trains no further."""
     wd = tmp_path / "run"
-    cfg = _tiny(num_steps=40, eval_every=4, log_every=4, early_stopping_metric="logloss",
-                early_stopping_patience=2, early_stopping_min_delta=1.0)  # fmt: skip
+    cfg = _tiny(
+        num_steps=40,
+        eval_every=4,
+        log_every=4,
+        early_stopping_metric="logloss",
+        early_stopping_patience=2,
+        early_stopping_min_delta=1.0,
+    )
     result = train(cfg, build_model, wd)
     assert result["stopped_early"] and result["best_step"] == 4 and result["step"] == 12
     evals = _rows(wd, "eval")
@@ -320,8 +330,13 @@ def test_early_stopping_keeps_and_reports_the_best_checkpoint(tmp_path, capsys):
     assert relaunch["step"] == 12 and relaunch["logloss"] == result["logloss"]
     assert [r["step"] for r in _rows(wd, "eval")] == [4, 8, 12]  # no training after the stop
     # Without the impossible min_delta the same run improves and keeps training past step 12.
-    free = train(dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, early_stopping_min_delta=0.0, num_steps=16)), build_model, tmp_path / "free")  # fmt: skip
+    free = train(
+        dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, early_stopping_min_delta=0.0, num_steps=16)
+        ),
+        build_model,
+        tmp_path / "free",
+    )
     assert free["best_step"] > 4 and free["step"] == 16
     with pytest.raises(ValueError, match="eval_every"):
         _tiny(early_stopping_metric="auc")
@@ -337,8 +352,14 @@ def test_early_stopping_best_survives_a_resume_that_replays_differently(
     from recscale.train.checkpoint import Checkpointer
 
     wd = tmp_path / "run"
-    cfg = _tiny(num_steps=8, eval_every=2, checkpoint_every=4, log_every=2,
-                early_stopping_metric="logloss", early_stopping_patience=10)  # fmt: skip
+    cfg = _tiny(
+        num_steps=8,
+        eval_every=2,
+        checkpoint_every=4,
+        log_every=2,
+        early_stopping_metric="logloss",
+        early_stopping_patience=10,
+    )
     original = loop._TrainRun._early_stopping
 
     def killed_after_best_6(self, done, ev):
@@ -376,8 +397,9 @@ def test_early_stopping_best_survives_a_resume_that_replays_differently(
 
 
 def test_early_stopping_never_takes_a_nonfinite_evaluation_as_best():
-    es = loop._EarlyStopping(_tiny(eval_every=1, early_stopping_metric="auc",
-                                   early_stopping_patience=3).train)  # fmt: skip
+    es = loop._EarlyStopping(
+        _tiny(eval_every=1, early_stopping_metric="auc", early_stopping_patience=3).train
+    )
     assert not es.observe(1, {"auc": float("nan")})  # a one-class AUC on few batches
     assert es.observe(2, {"auc": 0.7}) and es.best_step == 2
     assert not es.observe(3, {"auc": float("nan")}) and es.best_step == 2

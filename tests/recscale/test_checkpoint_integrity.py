@@ -87,8 +87,9 @@ def test_async_save_holds_the_values_at_save_time_though_the_buffers_are_overwri
 
     restored, meta = ckpt.restore(1, {"params": new})
     assert meta["step"] == 1
-    for got, want, other in zip(*(jax.tree.leaves(t) for t in (restored["params"], expected, new)),
-                                strict=True):  # fmt: skip
+    for got, want, other in zip(
+        *(jax.tree.leaves(t) for t in (restored["params"], expected, new)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(got), want)
         assert not np.array_equal(np.asarray(got), np.asarray(other))
     ckpt.close()

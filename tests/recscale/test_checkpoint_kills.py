@@ -73,10 +73,19 @@ KILL_CASES = _kill_cases()
 
 def _cli_args(workdir: Path, keep: int) -> list[str]:
     return [
-        "dlrm/tiny", "--workdir", str(workdir), "--train.num-steps", str(STEPS),
-        "--train.no-progress", "--train.log-every", "1", "--train.checkpoint-every", str(EVERY),
-        "--train.max-checkpoints", str(keep),
-    ]  # fmt: skip
+        "dlrm/tiny",
+        "--workdir",
+        str(workdir),
+        "--train.num-steps",
+        str(STEPS),
+        "--train.no-progress",
+        "--train.log-every",
+        "1",
+        "--train.checkpoint-every",
+        str(EVERY),
+        "--train.max-checkpoints",
+        str(keep),
+    ]
 
 
 def _run(cmd: list[str], env: dict) -> subprocess.CompletedProcess:

@@ -125,9 +125,13 @@ def test_the_greedy_allocation_is_optimal_and_keeps_its_budget():
     for grad, tail in (("base", ":1"), ("same", "")):
         entries = cs.propose(sens, 0.036, grad=grad)["comm_error_bound_tables"]
         assert entries == [f"{n}={prop['scales'][n]:g}{tail}" for n in sorted(sens)]
-        EmbeddingShardingConfig(sharding="row_wise", comm_compression="error_bounded",
-                                comm_error_bound=0.036, comm_error_bound_grad=0.036,
-                                comm_error_bound_tables=tuple(entries))  # fmt: skip
+        EmbeddingShardingConfig(
+            sharding="row_wise",
+            comm_compression="error_bounded",
+            comm_error_bound=0.036,
+            comm_error_bound_grad=0.036,
+            comm_error_bound_tables=tuple(entries),
+        )
 
 
 def test_bounds_for_bits_and_clear_errors():
@@ -145,5 +149,11 @@ def test_bounds_for_bits_and_clear_errors():
             model = build_model(_cfg("off", 1), SCHEMA, nnx.Rngs(params=0))
             g, p, st = nnx.split(model, nnx.Param, nnx.BatchStat)
             b = _batches(1)[0]
-            cs.measure(g, p, st, [b._replace(ids_bfh=b.ids_bfh[:12], dense_bn=b.dense_bn[:12])],
-                       blocks=8, loss_fn=_loss)  # fmt: skip
+            cs.measure(
+                g,
+                p,
+                st,
+                [b._replace(ids_bfh=b.ids_bfh[:12], dense_bn=b.dense_bn[:12])],
+                blocks=8,
+                loss_fn=_loss,
+            )

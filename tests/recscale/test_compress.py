@@ -112,8 +112,13 @@ def _exchange(comp: compress.Compression):
     x[:s] *= 1e-3  # one device's slots on another scale: blocks are bounded by their own range
     weights = (np.arange(8 * 8 * s * (b // 8) * w) % 7 - 3.0).reshape(8 * 8 * s, b // 8, w)
     xs = jax.device_put(x, NamedSharding(mesh, P("d")))
-    f = jax.shard_map(lambda v: compress.exchange(v, "d", comp), mesh=mesh, in_specs=P("d"),
-                      out_specs=P("d"), check_vma=False)  # fmt: skip
+    f = jax.shard_map(
+        lambda v: compress.exchange(v, "d", comp),
+        mesh=mesh,
+        in_specs=P("d"),
+        out_specs=P("d"),
+        check_vma=False,
+    )
     y = jax.jit(f)(xs)
     g = jax.jit(jax.grad(lambda v: jnp.sum(f(v) * weights)))(xs)
     return x, weights, np.asarray(y), np.asarray(g)

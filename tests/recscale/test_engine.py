@@ -42,14 +42,20 @@ from recscale.train.steps import (
 )
 
 TYPES = (
-    "data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
+    "data_parallel",
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
     "table_column_wise",
-)  # fmt: skip
+)
 F, V, D, H, B = 4, 100, 8, 3, 16
 SCHEMA = Schema(
     dense_names=("a", "b"),
-    features=tuple(FeatureInfo(name=f"f{i}", vocab_size=V + 10 * i, max_hotness=H) for i in range(F)),
-)  # fmt: skip
+    features=tuple(
+        FeatureInfo(name=f"f{i}", vocab_size=V + 10 * i, max_hotness=H) for i in range(F)
+    ),
+)
 
 
 def _cfg(sharding_kind, n, opt="rowwise_adagrad", **emb):
@@ -103,8 +109,13 @@ def _build(cfg, schema, spec):
     model = build_model(cfg, schema, nnx.Rngs(params=0))
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     tx = make_optimizer(cfg, params)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                       opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        batch_stats=stats,
+        rng=initial_rng(0),
+    )
     clip = cowclip.from_config(cfg.embedding_optim)
     return model, graphdef, state, make_train_step(graphdef, tx, embedding_clip=clip)
 
@@ -181,8 +192,9 @@ def _run_init_table(name):
     with sharding.activate(mesh, "replicated"):
         model = build_model(_cfg("off", 1), SCHEMA, nnx.Rngs(params=0))
         t = model.embeddings.tables[name][...]
-        return np.asarray(t)[: next(s.num_rows for s in model.embeddings.table_specs
-                                    if s.name == name)]  # fmt: skip
+        return np.asarray(t)[
+            : next(s.num_rows for s in model.embeddings.table_specs if s.name == name)
+        ]
 
 
 def test_the_plan_is_what_was_asked_for():
@@ -226,8 +238,7 @@ def test_compressed_exchanges_with_no_error_are_bitwise_and_with_a_bound_stay_cl
     """Issue 19: ``error_bounded`` at ε = 0 trains bitwise as the float32 exchange; at ε = 0.002
     (8-bit codes, both ways; row-wise) and with fp8 (column-wise: slices of a row's width) it
     moves the run a little, not a lot."""
-    eb = dict(comm_compression="error_bounded", comm_error_bound=0.002,
-              comm_error_bound_grad=0.002)  # fmt: skip
+    eb = dict(comm_compression="error_bounded", comm_error_bound=0.002, comm_error_bound_grad=0.002)
     for kind, comp in (("row_wise", eb), ("column_wise", dict(comm_compression="fp8_e4m3"))):
         exact = _on_8_devices(kind)
         if kind == "row_wise":
@@ -243,8 +254,9 @@ def test_compressed_exchanges_with_no_error_are_bitwise_and_with_a_bound_stay_cl
         for a, b in zip(exact[0], logits, strict=True):
             np.testing.assert_allclose(b, a, rtol=tol_logits, atol=tol_logits)
         for name, t in exact[1].items():
-            np.testing.assert_allclose(tables[name], t, rtol=tol_logits, atol=tol_tables,
-                                       err_msg=name)  # fmt: skip
+            np.testing.assert_allclose(
+                tables[name], t, rtol=tol_logits, atol=tol_tables, err_msg=name
+            )
 
 
 def test_exchange_bytes_are_the_planners_and_shrink_by_the_code_width():
@@ -271,8 +283,7 @@ def test_per_table_bounds_group_tables_into_buffers_of_their_own_code_width():
     scale, element-wise (f2 at a quarter of the base: 10-bit codes; f3 at 4x: 7 bits); a table
     at scale 0 goes uncompressed, bitwise; bytes are counted per buffer; and a run whose tables
     are all at scale 0 trains bitwise as the float32 exchange."""
-    eb = dict(comm_compression="error_bounded", comm_error_bound=0.002,
-              comm_error_bound_grad=0.002)  # fmt: skip
+    eb = dict(comm_compression="error_bounded", comm_error_bound=0.002, comm_error_bound_grad=0.002)
     scales = ("f1=0", "f2=0.25:1", "f3=4")  # f2: a quarter of the bound forward, the base back
     mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
     ids = jnp.asarray(_batches(1)[0].ids_bfh)
@@ -285,8 +296,12 @@ def test_per_table_bounds_group_tables_into_buffers_of_their_own_code_width():
     by_key = {bl.key: bl for bl in layout.buffers}
     for key, table in (("", 0), ("_eb0", 1), ("_eb0p25_g1", 2), ("_eb4", 3)):
         bl = by_key.pop("sharded_w8_float32" + key)
-        held = {f for fs, cs in zip(bl.feature, bl.row_count, strict=True)
-                for f, c in zip(fs, cs, strict=True) if c}  # fmt: skip
+        held = {
+            f
+            for fs, cs in zip(bl.feature, bl.row_count, strict=True)
+            for f, c in zip(fs, cs, strict=True)
+            if c
+        }
         assert held == {table}, (key, held)
     assert not by_key
     by_key = {bl.key: bl for bl in layout.buffers}
@@ -317,8 +332,10 @@ def test_per_table_bounds_group_tables_into_buffers_of_their_own_code_width():
     a, b = outs["exact"][3], outs["scaled"][3]
     assert np.abs(b - a).max() > 0.002 * (a.max() - a.min())
     exact = _on_8_devices("row_wise")
-    zero = _run(_cfg("row_wise", 8, **eb, comm_error_bound_tables=tuple(
-        f"f{i}=0" for i in range(F))), _batches(3))  # fmt: skip
+    zero = _run(
+        _cfg("row_wise", 8, **eb, comm_error_bound_tables=tuple(f"f{i}=0" for i in range(F))),
+        _batches(3),
+    )
     for a, b in zip(jax.tree.leaves(exact), jax.tree.leaves(zero), strict=True):
         np.testing.assert_array_equal(b, a)
 
@@ -332,8 +349,9 @@ def test_per_table_bounds_clear_errors():
     with pytest.raises(ValueError, match=r"bound 0\.8 .*outside"):
         EmbeddingShardingConfig(**eb, comm_error_bound_tables=("f0=400",))
     with pytest.raises(ValueError, match="fp8_e4m3 has no bound to scale"):
-        EmbeddingShardingConfig(sharding="row_wise", comm_compression="fp8_e4m3",
-                                comm_error_bound_tables=("f0=2",))  # fmt: skip
+        EmbeddingShardingConfig(
+            sharding="row_wise", comm_compression="fp8_e4m3", comm_error_bound_tables=("f0=2",)
+        )
     with pytest.raises(ValueError, match="needs the engine and a comm_compression"):
         EmbeddingShardingConfig(sharding="row_wise", comm_error_bound_tables=("f0=0",))
     mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
@@ -341,8 +359,16 @@ def test_per_table_bounds_clear_errors():
         sharding.activate(mesh, "replicated"),
         pytest.raises(ValueError, match=r"comm_error_bound_tables names unknown tables \['nope'\]"),
     ):
-        build_model(_cfg("row_wise", 8, **{k: v for k, v in eb.items() if k != "sharding"},
-                         comm_error_bound_tables=("nope=2",)), SCHEMA, nnx.Rngs(params=0))  # fmt: skip
+        build_model(
+            _cfg(
+                "row_wise",
+                8,
+                **{k: v for k, v in eb.items() if k != "sharding"},
+                comm_error_bound_tables=("nope=2",),
+            ),
+            SCHEMA,
+            nnx.Rngs(params=0),
+        )
 
 
 @pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad"])
@@ -374,10 +400,11 @@ def _initial_tables_and_gradients(batch):
     g = jax.grad(loss)(params, batch)
     specs = model.embeddings.table_specs
     return specs, {
-        t.name: tuple(np.asarray(x["embeddings"]["tables"][t.name][...])[: t.num_rows]
-                      for x in (params, g))
+        t.name: tuple(
+            np.asarray(x["embeddings"]["tables"][t.name][...])[: t.num_rows] for x in (params, g)
+        )
         for t in specs
-    }  # fmt: skip
+    }
 
 
 def test_lazy_adam_updates_only_touched_rows_like_numpy():
@@ -421,8 +448,12 @@ def test_batched_unique_matches_numpy():
 def test_the_train_step_builds_no_table_sized_temporary(path):
     """XLA's memory analysis of the compiled step: temporaries scale with the batch, not the
     tables (here 4 tables of 200,000 x 8, 25.6 MB, against a batch of 16 x 3 ids)."""
-    schema = Schema(dense_names=("a", "b"), features=tuple(
-        FeatureInfo(name=f"f{i}", vocab_size=200_000, max_hotness=H) for i in range(F)))  # fmt: skip
+    schema = Schema(
+        dense_names=("a", "b"),
+        features=tuple(
+            FeatureInfo(name=f"f{i}", vocab_size=200_000, max_hotness=H) for i in range(F)
+        ),
+    )
     for kind in ("off",) if path == "off" else ("data_parallel",):
         cfg = _xla_kernels(_cfg(kind, 1)) if path == "plain" else _cfg(kind, 1)
         mesh = sharding.make_mesh(cfg.mesh)
@@ -475,11 +506,17 @@ def test_trainer_resumes_and_evaluates_with_the_engine(tmp_path, capsys):
     cfg = get_preset("dlrm/tiny")
     cfg = dataclasses.replace(
         cfg,
-        train=dataclasses.replace(cfg.train, num_steps=6, checkpoint_every=3, log_every=3,
-                                  progress=False, noise_scale_every=3),
+        train=dataclasses.replace(
+            cfg.train,
+            num_steps=6,
+            checkpoint_every=3,
+            log_every=3,
+            progress=False,
+            noise_scale_every=3,
+        ),
         mesh=dataclasses.replace(cfg.mesh, data_parallel=8),
         embeddings=EmbeddingShardingConfig(sharding="row_wise"),
-    )  # fmt: skip
+    )
     full = train(cfg, build_model, tmp_path / "full")
     plan = (tmp_path / "full" / "embedding_plan.txt").read_text()
     assert plan.count("row_wise") == len(get_preset("dlrm/tiny").data.synthetic.vocab_sizes), plan
@@ -538,15 +575,23 @@ def test_trainer_resumes_and_evaluates_with_the_engine(tmp_path, capsys):
     assert c["sharpness"][0]["max_loss"] >= c["sharpness"][0]["loss"]
     # Each table's sensitivity to a compressed exchange, and per-table bounds proposed from it
     # (``recscale.analysis.comm_sensitivity``; its own tests check the numbers).
-    sens = dlrm_evaluate.main(["--workdir", str(tmp_path / "full"), "--comm-sensitivity",
-                               "--comm-sensitivity-batches", "1"])["comm_sensitivity"]  # fmt: skip
+    sens = dlrm_evaluate.main(
+        [
+            "--workdir",
+            str(tmp_path / "full"),
+            "--comm-sensitivity",
+            "--comm-sensitivity-batches",
+            "1",
+        ]
+    )["comm_sensitivity"]
     saved = json.loads((tmp_path / "full" / "comm_sensitivity.json").read_text())
     assert saved["step"] == 6 and saved["scales"] == sens["scales"]
     assert sens["base_bound"] == 0.002 and sens["blocks"] == 8 and sens["bits_ratio"] <= 1
     assert len(sens["comm_error_bound_tables"]) == len(sens["tables"]) > 0
     # int8 inference on the engine's (re-laid-out) buffers: close to float32, not equal.
-    int8 = dlrm_evaluate.main(["--workdir", str(tmp_path / "full"), "--num-devices", "2",
-                               "--embeddings-int8"])  # fmt: skip
+    int8 = dlrm_evaluate.main(
+        ["--workdir", str(tmp_path / "full"), "--num-devices", "2", "--embeddings-int8"]
+    )
     assert int8["embeddings"] == "int8" and int8["num_examples"] == full["num_examples"]
     assert int8["logloss"] != full["logloss"]
     np.testing.assert_allclose(int8["logloss"], full["logloss"], rtol=1e-3)
@@ -575,9 +620,15 @@ def test_cowclip_step_equals_the_numpy_algorithm(kind):
     ratio, min_norm, row_l2, lr = 0.05, 1e-3, 0.01, 0.1
     batches = _batches(1, vocab="hot")
     cfg = _cfg(kind, 1 if kind == "off" else 8, opt="sgd")
-    cfg = dataclasses.replace(cfg, embedding_optim=dataclasses.replace(
-        cfg.embedding_optim, cowclip_ratio=ratio, cowclip_min_norm=min_norm, row_l2=row_l2,
-    ))  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg,
+        embedding_optim=dataclasses.replace(
+            cfg.embedding_optim,
+            cowclip_ratio=ratio,
+            cowclip_min_norm=min_norm,
+            row_l2=row_l2,
+        ),
+    )
     _, tables1, *_ = _run(cfg, batches)
 
     specs, start = _initial_tables_and_gradients(batches[0])
@@ -588,8 +639,9 @@ def test_cowclip_step_equals_the_numpy_algorithm(kind):
         count = np.bincount(ids[ids >= 0], minlength=t.num_rows)
         g_clip, n = _numpy_cowclip(gt, w0, count, ratio, min_norm, row_l2)
         clipped, kept = clipped + n, kept + int((count > 0).sum()) - n
-        np.testing.assert_allclose(tables1[t.name], w0 - lr * g_clip, rtol=1e-5, atol=1e-6,
-                                   err_msg=t.name)  # fmt: skip
+        np.testing.assert_allclose(
+            tables1[t.name], w0 - lr * g_clip, rtol=1e-5, atol=1e-6, err_msg=t.name
+        )
         assert np.array_equal(tables1[t.name][count == 0], w0[count == 0])  # untouched: bitwise
     assert clipped > 0 and kept > 0, (clipped, kept)  # both branches of the rule are exercised
 
@@ -609,9 +661,11 @@ def test_gradient_norms_for_the_noise_scale_equal_the_per_table_path(kind):
         with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
             _, graphdef, state, _ = _build(cfg, SCHEMA, None)
             fn = make_gradient_sq_norms(graphdef, sparse=k != "off")
-            got[k] = jax.device_get(jax.jit(
-                lambda s, b, fn=fn: noise_scale.micro_batch_sq_norms(lambda x: fn(s, x), b, 2)
-            )(state, batch))  # fmt: skip
+            got[k] = jax.device_get(
+                jax.jit(
+                    lambda s, b, fn=fn: noise_scale.micro_batch_sq_norms(lambda x: fn(s, x), b, 2)
+                )(state, batch)
+            )
     for i in (0, 1):  # micro-batches' mean, whole batch
         for part in ("dense", "embedding"):
             assert got["off"][i][part] > 0
@@ -627,24 +681,44 @@ def test_a_schedule_of_error_bounds_switches_the_compiled_step(tmp_path):
     cfg = get_preset("dlrm/tiny")
     cfg = dataclasses.replace(
         cfg,
-        train=dataclasses.replace(cfg.train, num_steps=6, log_every=1, checkpoint_every=0,
-                                  eval_every=0, progress=False),
+        train=dataclasses.replace(
+            cfg.train, num_steps=6, log_every=1, checkpoint_every=0, eval_every=0, progress=False
+        ),
         mesh=dataclasses.replace(cfg.mesh, data_parallel=8),
-        embeddings=EmbeddingShardingConfig(sharding="row_wise", comm_compression="error_bounded",
-                                           comm_error_bound=0.036, comm_error_bound_grad=0.036),
-    )  # fmt: skip
-    sched = dataclasses.replace(cfg, embeddings=dataclasses.replace(
-        cfg.embeddings, comm_error_bound_schedule=("3:0.002:0.002",)))  # fmt: skip
+        embeddings=EmbeddingShardingConfig(
+            sharding="row_wise",
+            comm_compression="error_bounded",
+            comm_error_bound=0.036,
+            comm_error_bound_grad=0.036,
+        ),
+    )
+    sched = dataclasses.replace(
+        cfg,
+        embeddings=dataclasses.replace(
+            cfg.embeddings, comm_error_bound_schedule=("3:0.002:0.002",)
+        ),
+    )
     # a schedule starting at step 0 replaces the bounds from the start: the constant 8-bit run
-    eight = dataclasses.replace(cfg, embeddings=dataclasses.replace(
-        cfg.embeddings, comm_error_bound=0.002, comm_error_bound_grad=0.002))  # fmt: skip
-    from_0 = dataclasses.replace(cfg, embeddings=dataclasses.replace(
-        cfg.embeddings, comm_error_bound_schedule=("0:0.002:0.002",)))  # fmt: skip
+    eight = dataclasses.replace(
+        cfg,
+        embeddings=dataclasses.replace(
+            cfg.embeddings, comm_error_bound=0.002, comm_error_bound_grad=0.002
+        ),
+    )
+    from_0 = dataclasses.replace(
+        cfg,
+        embeddings=dataclasses.replace(
+            cfg.embeddings, comm_error_bound_schedule=("0:0.002:0.002",)
+        ),
+    )
     runs = {}
     for name, c in (("const", cfg), ("sched", sched), ("eight", eight), ("from_0", from_0)):
         train(c, build_model, tmp_path / name)
-        runs[name] = [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text()
-                      .splitlines() if json.loads(r)["split"] == "train"]  # fmt: skip
+        runs[name] = [
+            json.loads(r)
+            for r in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            if json.loads(r)["split"] == "train"
+        ]
     const = [r["loss"] for r in runs["const"]]
     got = [r["loss"] for r in runs["sched"]]
     assert got[:3] == const[:3] and got[3] != const[3]
@@ -652,5 +726,8 @@ def test_a_schedule_of_error_bounds_switches_the_compiled_step(tmp_path):
     assert "comm_error_bound" not in runs["const"][0]  # constant bounds: nothing to log
     assert [r["loss"] for r in runs["from_0"]] == [r["loss"] for r in runs["eight"]]
     with pytest.raises(ValueError, match="steps increasing"):
-        EmbeddingShardingConfig(sharding="row_wise", comm_compression="error_bounded",
-                                comm_error_bound_schedule=("5:0.002:0.002", "5:0.01:0"))  # fmt: skip
+        EmbeddingShardingConfig(
+            sharding="row_wise",
+            comm_compression="error_bounded",
+            comm_error_bound_schedule=("5:0.002:0.002", "5:0.01:0"),
+        )

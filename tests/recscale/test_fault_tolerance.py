@@ -197,18 +197,25 @@ def test_rollback_after_k_nonfinite_steps_restores_the_last_good_checkpoint(
 ):
     bad_batches({4, 5})
     cfg = _cfg(
-        emb=emb, num_steps=8, log_every=4, checkpoint_every=3, max_checkpoints=5,
+        emb=emb,
+        num_steps=8,
+        log_every=4,
+        checkpoint_every=3,
+        max_checkpoints=5,
         nonfinite_rollback=2,
-    )  # fmt: skip
+    )
     wd = tmp_path / "run"
     train(cfg, dlrm_build_model, wd)
     (rb,) = metric_rows(wd, "rollback")
     # Steps 5 and 6 (batches 4, 5) were bad; checkpoint 3 is the last from before them; the
     # batches 3..5 since it are skipped and training goes on at step 6 from checkpoint 3's state.
     assert rb == {
-        "step": 6, "split": "rollback", "restored_step": 3, "nonfinite_steps": [5, 6],
+        "step": 6,
+        "split": "rollback",
+        "restored_step": 3,
+        "nonfinite_steps": [5, 6],
         "skipped_batches": [3, 6],
-    }  # fmt: skip
+    }
     assert "restored checkpoint step 3, skipping batches [3, 6)" in capsys.readouterr().err
     _assert_trees_equal(checkpoint_item(wd, 3), checkpoint_item(wd, 6))
     rows = metric_rows(wd)
@@ -216,8 +223,11 @@ def test_rollback_after_k_nonfinite_steps_restores_the_last_good_checkpoint(
     assert all(np.isfinite(r["loss"]) for r in rows)
     # Without the rollback the state at step 6 is the one after batches 3 and 4 (not 3's).
     plain = tmp_path / "plain"
-    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, nonfinite_rollback=0)),
-          dlrm_build_model, plain)  # fmt: skip
+    train(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, nonfinite_rollback=0)),
+        dlrm_build_model,
+        plain,
+    )
     assert not _trees_equal(checkpoint_item(plain, 6), checkpoint_item(wd, 6))
 
 
@@ -270,9 +280,18 @@ def test_same_seed_is_bitwise_equal_and_another_seed_differs(tmp_path, family, e
 
 def _train_cmd(workdir, steps):
     return [
-        sys.executable, "-m", "dlrm.train", "dlrm/tiny", "--workdir", str(workdir),
-        "--train.num-steps", str(steps), "--train.no-progress", "--train.log-every", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dlrm.train",
+        "dlrm/tiny",
+        "--workdir",
+        str(workdir),
+        "--train.num-steps",
+        str(steps),
+        "--train.no-progress",
+        "--train.log-every",
+        "1",
+    ]
 
 
 @pytest.mark.slow
@@ -284,8 +303,14 @@ def test_sigterm_checkpoints_exits_zero_and_the_relaunch_equals_uninterrupted(tm
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = dict(cwd=REPO, env=env, capture_output=True, text=True)
     wd = tmp_path / "preempted"
-    proc = subprocess.Popen(_train_cmd(wd, steps), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _train_cmd(wd, steps),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = wd / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and metrics.read_text().strip()):

@@ -62,15 +62,31 @@ def _case(name):
     if name == "wukong/residual":
         # 5 embeddings in, 6 out: a residual projection W_R in the first layer (then 6 -> 6).
         cfg = WukongModelConfig(
-            embed_dim=8, dense_mlp=(16,), num_layers=2, n_fmb=2, n_lcb=4, fmb_rank=3,
-            fmb_mlp_width=32, fmb_mlp_depth=2, top_mlp=(16, 1), layer_norm="flattened",
-        )  # fmt: skip
+            embed_dim=8,
+            dense_mlp=(16,),
+            num_layers=2,
+            n_fmb=2,
+            n_lcb=4,
+            fmb_rank=3,
+            fmb_mlp_width=32,
+            fmb_mlp_depth=2,
+            top_mlp=(16, 1),
+            layer_norm="flattened",
+        )
         return Wukong, cfg, SCHEMA
     if name == "wukong/attentive":
         cfg = WukongModelConfig(
-            embed_dim=8, num_layers=2, n_fmb=3, n_lcb=2, fmb_rank=4, fmb_projection="attentive",
-            attentive_mlp=(24,), fmb_mlp_width=16, fmb_mlp_depth=1, top_mlp=(16, 1),
-        )  # fmt: skip
+            embed_dim=8,
+            num_layers=2,
+            n_fmb=3,
+            n_lcb=2,
+            fmb_rank=4,
+            fmb_projection="attentive",
+            attentive_mlp=(24,),
+            fmb_mlp_width=16,
+            fmb_mlp_depth=1,
+            top_mlp=(16, 1),
+        )
         return Wukong, cfg, SCHEMA
     if name == "wukong/fmb-only":
         return (
@@ -82,9 +98,16 @@ def _case(name):
 
 
 CASES = [
-    "dlrm/tiny", "dlrm/frappe-like", "dlrm/cat", "dlrm/self",
-    "wukong/tiny", "wukong/frappe-like", "wukong/residual", "wukong/attentive", "wukong/fmb-only",
-]  # fmt: skip
+    "dlrm/tiny",
+    "dlrm/frappe-like",
+    "dlrm/cat",
+    "dlrm/self",
+    "wukong/tiny",
+    "wukong/frappe-like",
+    "wukong/residual",
+    "wukong/attentive",
+    "wukong/fmb-only",
+]
 
 
 def _cost(cls, cfg, schema):

@@ -37,8 +37,12 @@ def test_one_step_solves_a_convex_quadratic_in_n_cg_iterations():
     np.testing.assert_allclose(x["x"], np.linalg.solve(np.asarray(a), np.asarray(b)), rtol=2e-4)
     assert int(state.cg_iters) <= n and float(state.accepted) == 1.0
     # Truncated at fewer iterations, CG is not yet exact.
-    x3, *_ = _run(hessian_free(cg_iters=3, damping=0.0, initial_radius=1e6, cg_tol=0.0), f,
-                  {"x": jnp.zeros(n)}, 1)  # fmt: skip
+    x3, *_ = _run(
+        hessian_free(cg_iters=3, damping=0.0, initial_radius=1e6, cg_tol=0.0),
+        f,
+        {"x": jnp.zeros(n)},
+        1,
+    )
     assert float(f(x3)) > float(f(x)) + 1e-6
 
 
@@ -81,13 +85,20 @@ def test_trains_dlrm_with_the_engine_and_refuses_the_per_table_path(tmp_path):
     base = get_preset("dlrm/tiny")
     cfg = dataclasses.replace(
         base,
-        dense_optim=dataclasses.replace(base.dense_optim, name="hessian_free", learning_rate=1.0,
-                                        warmup_steps=0, decay="constant", weight_decay=0.0,
-                                        grad_clip_norm=0.0, hf_cg_iters=5),
+        dense_optim=dataclasses.replace(
+            base.dense_optim,
+            name="hessian_free",
+            learning_rate=1.0,
+            warmup_steps=0,
+            decay="constant",
+            weight_decay=0.0,
+            grad_clip_norm=0.0,
+            hf_cg_iters=5,
+        ),
         train=dataclasses.replace(base.train, num_steps=4, log_every=1, progress=False),
         mesh=dataclasses.replace(base.mesh, data_parallel=8),
         embeddings=EmbeddingShardingConfig(sharding="row_wise"),
-    )  # fmt: skip
+    )
     train(cfg, build_model, tmp_path)
     rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["split"] == "train"]

@@ -44,11 +44,23 @@ CASES = [
 
 def _args(family: str, engine: str, layout: str, workdir: Path) -> list[str]:
     return [
-        f"{family}/tiny", "--workdir", str(workdir), "--embeddings.sharding", engine,
-        "--train.num-steps", str(STEPS), "--train.log-every", "1", "--train.no-progress",
-        "--train.checkpoint-every", str(EVERY), "--train.no-async-checkpoint",
-        "--train.eval-max-batches", "1", *LAYOUTS[layout],
-    ]  # fmt: skip
+        f"{family}/tiny",
+        "--workdir",
+        str(workdir),
+        "--embeddings.sharding",
+        engine,
+        "--train.num-steps",
+        str(STEPS),
+        "--train.log-every",
+        "1",
+        "--train.no-progress",
+        "--train.checkpoint-every",
+        str(EVERY),
+        "--train.no-async-checkpoint",
+        "--train.eval-max-batches",
+        "1",
+        *LAYOUTS[layout],
+    ]
 
 
 def _parse(args: list[str], family: str):

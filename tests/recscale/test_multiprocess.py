@@ -76,16 +76,35 @@ features:
 
 def _args(family: str, sharding: str, workdir: Path, *extra: str) -> list[str]:
     return [
-        f"{family}/tiny", "--workdir", str(workdir), "--embeddings.sharding", sharding,
-        "--train.num-steps", str(STEPS), "--train.log-every", "1", "--train.no-progress",
-        "--train.checkpoint-every", str(EVERY), *extra,
-    ]  # fmt: skip
+        f"{family}/tiny",
+        "--workdir",
+        str(workdir),
+        "--embeddings.sharding",
+        sharding,
+        "--train.num-steps",
+        str(STEPS),
+        "--train.log-every",
+        "1",
+        "--train.no-progress",
+        "--train.checkpoint-every",
+        str(EVERY),
+        *extra,
+    ]
 
 
 def _shop_args(shop: Path) -> list[str]:
-    return ["--data.kind", "tabular", "--data.batch-size", "64", "--data.eval-batch-size", "256",
-            "--data.tabular.spec", str(shop / "spec.yaml"),
-            "--data.tabular.prepared-dir", str(shop / "prep")]  # fmt: skip
+    return [
+        "--data.kind",
+        "tabular",
+        "--data.batch-size",
+        "64",
+        "--data.eval-batch-size",
+        "256",
+        "--data.tabular.spec",
+        str(shop / "spec.yaml"),
+        "--data.tabular.prepared-dir",
+        str(shop / "prep"),
+    ]
 
 
 def _launch(processes: int, jobs: list[dict], where: Path, *, env: dict | None = None):
@@ -93,13 +112,27 @@ def _launch(processes: int, jobs: list[dict], where: Path, *, env: dict | None =
     where.mkdir(parents=True, exist_ok=True)
     jobs_file = where / "jobs.json"
     jobs_file.write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "recscale.launch", "--processes", str(processes),
-           "--devices-per-process", str(DEVICES // processes), "--log-dir", str(where / "logs"),
-           "--grace-s", "2",
-           "--", sys.executable, str(CHILD), str(jobs_file)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recscale.launch",
+        "--processes",
+        str(processes),
+        "--devices-per-process",
+        str(DEVICES // processes),
+        "--log-dir",
+        str(where / "logs"),
+        "--grace-s",
+        "2",
+        "--",
+        sys.executable,
+        str(CHILD),
+        str(jobs_file),
+    ]
     base = {k: v for k, v in os.environ.items() if not k.startswith("RECSCALE_")}
-    return subprocess.run(cmd, cwd=REPO, env={**base, **(env or {})}, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=REPO, env={**base, **(env or {})}, capture_output=True, text=True, timeout=600
+    )
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:
@@ -183,11 +216,17 @@ def runs(tmp_path_factory, shop) -> Path:
     resume = ("resumed", "dlrm", "row_wise", ())
     for name, family, sharding, extra in [*every, *four, resume]:  # the 1-process references
         _train_here(_args(family, sharding, root / "p1" / name, *extra), family)
-    evaluate = {"kind": "evaluate", "family": "dlrm", "workdir": str(root / "p2" / "dlrm_auto"),
-                "output": str(root / "p2" / "eval.json")}  # fmt: skip
+    evaluate = {
+        "kind": "evaluate",
+        "family": "dlrm",
+        "workdir": str(root / "p2" / "dlrm_auto"),
+        "output": str(root / "p2" / "eval.json"),
+    }
     for n, jobs in ((2, [*every, resume]), (4, [*four, resume])):
-        spec = [{"kind": "train", "family": f, "args": _args(f, s, root / f"p{n}" / name, *extra)}
-                for name, f, s, extra in jobs]  # fmt: skip
+        spec = [
+            {"kind": "train", "family": f, "args": _args(f, s, root / f"p{n}" / name, *extra)}
+            for name, f, s, extra in jobs
+        ]
         _check(_launch(n, spec + ([evaluate] if n == 2 else []), root / f"launch{n}"))
     return root
 
@@ -198,15 +237,17 @@ CASES = [(2, f, s) for f, s in JOBS] + [(4, f, s) for f, s in JOBS_4]
 def _compare(one: Path, many: Path, processes: int) -> None:
     l1, ln = _losses(one), _losses(many)
     assert sorted(l1) == sorted(ln) == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([ln[k] for k in sorted(ln)], [l1[k] for k in sorted(l1)],
-                               rtol=RTOL, atol=ATOL)  # fmt: skip
+    np.testing.assert_allclose(
+        [ln[k] for k in sorted(ln)], [l1[k] for k in sorted(l1)], rtol=RTOL, atol=ATOL
+    )
     _assert_close(_final_state(many), _final_state(one))
     info = json.loads((many / "run_info.json").read_text())["starts"][-1]
     assert (info["process_count"], info["device_count"]) == (processes, DEVICES)
 
 
-@pytest.mark.parametrize(("processes", "family", "sharding"), CASES,
-                         ids=[f"{n}proc-{f}-{s}" for n, f, s in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("processes", "family", "sharding"), CASES, ids=[f"{n}proc-{f}-{s}" for n, f, s in CASES]
+)
 def test_multiprocess_run_equals_one_process(runs, processes, family, sharding):
     name = f"{family}_{sharding}"
     _compare(runs / "p1" / name, runs / f"p{processes}" / name, processes)
@@ -267,8 +308,9 @@ def test_checkpoint_of_two_processes_resumes_with_another_count(runs, processes)
     whole = runs / "p1" / "dlrm_row_wise"
     ref = _losses(whole)
     got = _losses(resumed)
-    np.testing.assert_allclose([got[k] for k in sorted(ref)], [ref[k] for k in sorted(ref)],
-                               rtol=RTOL, atol=ATOL)  # fmt: skip
+    np.testing.assert_allclose(
+        [got[k] for k in sorted(ref)], [ref[k] for k in sorted(ref)], rtol=RTOL, atol=ATOL
+    )
     _assert_close(_final_state(resumed), _final_state(whole))
 
 
@@ -306,9 +348,23 @@ def test_a_failing_process_stops_the_run(tmp_path):
     once (not at the distributed runtime's shutdown barrier, minutes later), the launcher stops
     the other and exits with the failure's code, printing the failed process's log tail. The
     ``timeout`` only turns a hang into a failure."""
-    cmd = [sys.executable, "-m", "recscale.launch", "--processes", "2", "--devices-per-process",
-           "1", "--log-dir", str(tmp_path), "--grace-s", "2", "--", sys.executable, "-c",
-           FAILING_CHILD]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recscale.launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "1",
+        "--log-dir",
+        str(tmp_path),
+        "--grace-s",
+        "2",
+        "--",
+        sys.executable,
+        "-c",
+        FAILING_CHILD,
+    ]
     base = {k: v for k, v in os.environ.items() if not k.startswith("RECSCALE_")}
     proc = subprocess.run(cmd, cwd=REPO, env=base, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -320,11 +376,26 @@ def test_a_signal_stops_processes_that_ignore_it(tmp_path):
     """SIGTERM reaches every process; one that cannot act on it (here: ignores it, as a
     process blocked in a collective never reaches its handler) is killed after the grace
     period, and the launcher exits 128 + SIGKILL."""
-    hang = ("import os, pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            f"pathlib.Path({str(tmp_path)!r}, 'ready' + os.environ['RECSCALE_PROCESS_ID'])"
-            ".touch(); time.sleep(600)")  # fmt: skip
-    cmd = [sys.executable, "-m", "recscale.launch", "--processes", "2", "--log-dir",
-           str(tmp_path), "--grace-s", "1", "--", sys.executable, "-c", hang]  # fmt: skip
+    hang = (
+        "import os, pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"pathlib.Path({str(tmp_path)!r}, 'ready' + os.environ['RECSCALE_PROCESS_ID'])"
+        ".touch(); time.sleep(600)"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "recscale.launch",
+        "--processes",
+        "2",
+        "--log-dir",
+        str(tmp_path),
+        "--grace-s",
+        "1",
+        "--",
+        sys.executable,
+        "-c",
+        hang,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{i}").exists() for i in range(2)):  # both ignore it now

@@ -190,23 +190,29 @@ def test_schedule_constant_and_no_warmup():
 @pytest.mark.parametrize("decay", ["cosine", "linear"])
 def test_schedule_equals_optax_and_takes_traced_arguments(decay):
     # optax's own composition of the same schedule, at every step.
-    after = (optax.cosine_decay_schedule(2.0, 100, alpha=0.1) if decay == "cosine"
-             else optax.linear_schedule(2.0, 0.2, 100))  # fmt: skip
+    after = (
+        optax.cosine_decay_schedule(2.0, 100, alpha=0.1)
+        if decay == "cosine"
+        else optax.linear_schedule(2.0, 0.2, 100)
+    )
     ref = optax.join_schedules([optax.linear_schedule(0.0, 2.0, 10), after], [10])
-    ours = learning_rate_schedule(2.0, warmup_steps=10, decay=decay, total_steps=110,
-                                  end_fraction=0.1)  # fmt: skip
+    ours = learning_rate_schedule(
+        2.0, warmup_steps=10, decay=decay, total_steps=110, end_fraction=0.1
+    )
     steps = jnp.arange(0, 130)
     np.testing.assert_allclose(jax.vmap(ours)(steps), jax.vmap(ref)(steps), rtol=1e-6, atol=1e-7)
 
     # Peak, warmup and length as arguments: one compiled program for every run length.
     @jax.jit
     def traced(t, peak, warmup, total):
-        return learning_rate_schedule(peak, warmup_steps=warmup, decay=decay, total_steps=total,
-                                      end_fraction=0.1)(t)  # fmt: skip
+        return learning_rate_schedule(
+            peak, warmup_steps=warmup, decay=decay, total_steps=total, end_fraction=0.1
+        )(t)
 
     for peak, warmup, total in ((2.0, 10, 110), (0.5, 0, 40), (3e-3, 7, 1000)):
-        plain = learning_rate_schedule(peak, warmup_steps=warmup, decay=decay,
-                                       total_steps=total, end_fraction=0.1)  # fmt: skip
+        plain = learning_rate_schedule(
+            peak, warmup_steps=warmup, decay=decay, total_steps=total, end_fraction=0.1
+        )
         for t in (0, 3, warmup, 25, total - 1, total, 5000):
             args = (jnp.int32(t), jnp.float32(peak), jnp.int32(warmup), jnp.int32(total))
             assert float(traced(*args)) == pytest.approx(float(plain(t)), rel=1e-6, abs=1e-9)
@@ -416,8 +422,9 @@ def test_cowclip_row_factor_scaling_rule_and_config_errors():
 
     # rows: zero gradient (kept); ||g|| = 2 over cnt·r·||w|| = 1 (halved); a zero row's
     # threshold is the floor ζ per occurrence: 2 · 0.5 = 1 (halved)
-    s = cowclip.clip_scale(jnp.array([0.0, 4.0, 4.0]), jnp.array([1.0, 1.0, 0.0]),
-                           jnp.array([1.0, 1.0, 2.0]), 1.0, 0.5)  # fmt: skip
+    s = cowclip.clip_scale(
+        jnp.array([0.0, 4.0, 4.0]), jnp.array([1.0, 1.0, 0.0]), jnp.array([1.0, 1.0, 2.0]), 1.0, 0.5
+    )
     np.testing.assert_allclose(s, [1.0, 0.5, 0.5])
     # The paper's Criteo rule, 1K -> 128K: dense lr 8e-4 -> 90.51e-4, L2 1e-4 -> 128e-4.
     h = cowclip.scale_hparams(1024, 131072, dense_lr=8e-4, embedding_lr=1e-4, l2=1e-4)

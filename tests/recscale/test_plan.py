@@ -56,8 +56,10 @@ def test_planner_counts_the_exchange_as_the_engine_sends_it():
     assert 1 < k < n and len({s.device for s in tp.shards}) == k
     assert p.all_to_all_bytes == n * 1 * b * (d // k) * (4 + 4)  # 1 slot per device
     # two whole tables on one device: every device exchanges 2 slots
-    two = [planner.PlannerTable(name=f"t{i}", num_rows=100, dim=d, allowed=("table_wise",))
-           for i in range(2)]  # fmt: skip
+    two = [
+        planner.PlannerTable(name=f"t{i}", num_rows=100, dim=d, allowed=("table_wise",))
+        for i in range(2)
+    ]
     p2 = planner.plan(two, profile, 2, batch_size=b, memory_fraction=1.0)
     per_device = [sum(s.device == dev for tp in p2.tables for s in tp.shards) for dev in (0, 1)]
     assert p2.all_to_all_bytes == 2 * max(per_device) * b * d * 8
@@ -83,10 +85,21 @@ def test_compiled_step_on_this_host_matches_the_prediction():
     """dlrm/tiny with the engine, tensor parallelism and FSDP, compiled for 8 CPU devices: the
     step's argument bytes per device are the predicted state and batch (CPU pads nothing);
     the HLO holds the engine's all-to-all and FSDP's gathers."""
-    _, cfg = parse_preset_cli("dlrm/", [
-        "dlrm/tiny", "--workdir", "-", "--embeddings.sharding", "auto",
-        "--mesh.model-parallel", "2", "--mesh.fsdp", "--mesh.fsdp-min-bytes", "0",
-    ])  # fmt: skip
+    _, cfg = parse_preset_cli(
+        "dlrm/",
+        [
+            "dlrm/tiny",
+            "--workdir",
+            "-",
+            "--embeddings.sharding",
+            "auto",
+            "--mesh.model-parallel",
+            "2",
+            "--mesh.fsdp",
+            "--mesh.fsdp-min-bytes",
+            "0",
+        ],
+    )
     hw = tpu_gpu_configs.get("cpu-local-2proc")  # 8 devices
     r = plan.plan_step(cfg, build_model, hw, preset="dlrm/tiny", compile=True)
     assert r.chips == 8 and r.mesh == {"data": 4, "model": 2}
@@ -100,11 +113,22 @@ def test_compiled_step_on_this_host_matches_the_prediction():
 
 
 def test_gpu_presets_lower_the_step_for_cuda_with_the_triton_kernels():
-    _, cfg = parse_preset_cli("dlrm/", [
-        "dlrm/tiny", "--workdir", "-", "--embeddings.sharding", "row_wise",
-        "--kernels.embedding-bag", "pallas_gpu", "--kernels.embedding-update", "pallas_gpu",
-        "--kernels.dot-interaction", "pallas_gpu",
-    ])  # fmt: skip
+    _, cfg = parse_preset_cli(
+        "dlrm/",
+        [
+            "dlrm/tiny",
+            "--workdir",
+            "-",
+            "--embeddings.sharding",
+            "row_wise",
+            "--kernels.embedding-bag",
+            "pallas_gpu",
+            "--kernels.embedding-update",
+            "pallas_gpu",
+            "--kernels.dot-interaction",
+            "pallas_gpu",
+        ],
+    )
     hw = tpu_gpu_configs.get("gpu-h100x8")
     r = plan.plan_step(cfg, build_model, hw, preset="dlrm/tiny", compile=True)
     assert r.chips == 8 and not r.compiled and not r.fallbacks
@@ -115,8 +139,12 @@ def test_gpu_presets_lower_the_step_for_cuda_with_the_triton_kernels():
 
 def test_cli_errors_are_one_line(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "recscale.plan", *args],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "recscale.plan", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     p = run("dlrm/tiny", "--hardware", "tpu-v9-1")
     assert p.returncode != 0 and "unknown hardware preset 'tpu-v9-1'" in p.stderr

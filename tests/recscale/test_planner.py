@@ -18,10 +18,15 @@ def criteo_like(n=26, seed=0):
     rng = np.random.default_rng(seed)
     rows = np.concatenate([[40_000_000] * 4, rng.integers(10, 3_000_000, n - 4)])
     return [
-        PlannerTable(name=f"t{i}", num_rows=int(r), dim=128, pooling_factor=float(rng.integers(1, 30)),
-                     zipf_exponent=1.1)
+        PlannerTable(
+            name=f"t{i}",
+            num_rows=int(r),
+            dim=128,
+            pooling_factor=float(rng.integers(1, 30)),
+            zipf_exponent=1.1,
+        )
         for i, r in enumerate(rows)
-    ]  # fmt: skip
+    ]
 
 
 def check_memory(p, tables):
@@ -50,16 +55,22 @@ def test_plans_fit_memory(devices):
 
 def test_a_table_that_cannot_fit_is_named():
     small = dataclasses.replace(H100, memory_bytes=1 * GiB)
-    tables = [PlannerTable(name="ok", num_rows=1000, dim=16),
-              PlannerTable(name="huge_ads", num_rows=2_000_000_000, dim=128)]  # fmt: skip
+    tables = [
+        PlannerTable(name="ok", num_rows=1000, dim=16),
+        PlannerTable(name="huge_ads", num_rows=2_000_000_000, dim=128),
+    ]
     with pytest.raises(ValueError, match="huge_ads.*does not fit"):
         plan(tables, small, 8, batch_size=4096)
 
 
 def test_skewed_tables_beat_round_robin():
     # A few hot, wide, heavily pooled tables among many small ones: round-robin stacks them.
-    tables = [PlannerTable(name=f"hot{i}", num_rows=5_000_000, dim=256, pooling_factor=80,
-                           zipf_exponent=1.2) for i in range(3)]  # fmt: skip
+    tables = [
+        PlannerTable(
+            name=f"hot{i}", num_rows=5_000_000, dim=256, pooling_factor=80, zipf_exponent=1.2
+        )
+        for i in range(3)
+    ]
     tables += [PlannerTable(name=f"small{i}", num_rows=1000, dim=16) for i in range(29)]
     p = plan(tables, H100, 16, batch_size=65536)
     rr = round_robin(tables, H100, 16, batch_size=65536)
@@ -72,16 +83,19 @@ def test_skewed_tables_beat_round_robin():
 def test_skew_steers_away_from_row_wise():
     # One extremely hot row dominates: row-wise shards cannot balance it, so the planner's
     # estimate of row-wise's busiest shard rises with the skew.
-    base = PlannerTable(name="t", num_rows=1_000_000, dim=64, pooling_factor=10,
-                        allowed=("row_wise",))  # fmt: skip
+    base = PlannerTable(
+        name="t", num_rows=1_000_000, dim=64, pooling_factor=10, allowed=("row_wise",)
+    )
     flat = plan([base], H100, 8, batch_size=65536)
     skew = plan([dataclasses.replace(base, zipf_exponent=2.0)], H100, 8, batch_size=65536)
     assert skew.max_time_s > flat.max_time_s
 
 
 def test_by_hand_choice_is_respected():
-    tables = [PlannerTable(name="a", num_rows=10_000, dim=64, allowed=("column_wise",)),
-              PlannerTable(name="b", num_rows=10_000, dim=64, allowed=("data_parallel",))]  # fmt: skip
+    tables = [
+        PlannerTable(name="a", num_rows=10_000, dim=64, allowed=("column_wise",)),
+        PlannerTable(name="b", num_rows=10_000, dim=64, allowed=("data_parallel",)),
+    ]
     p = plan(tables, H100, 8, batch_size=4096).by_table()
     assert p["a"].sharding == "column_wise" and len(p["a"].shards) >= 2
     assert p["b"].sharding == "data_parallel" and len(p["b"].shards) == 8
@@ -104,11 +118,15 @@ def test_calibration_recovers_effective_bandwidth():
 def test_thousand_tables_on_1024_devices_under_10s():
     rng = np.random.default_rng(0)
     tables = [
-        PlannerTable(name=f"t{i}", num_rows=int(rng.integers(100, 50_000_000)),
-                     dim=int(rng.choice([16, 32, 64, 128])), pooling_factor=float(rng.integers(1, 50)),
-                     zipf_exponent=float(rng.uniform(0, 1.3)))
+        PlannerTable(
+            name=f"t{i}",
+            num_rows=int(rng.integers(100, 50_000_000)),
+            dim=int(rng.choice([16, 32, 64, 128])),
+            pooling_factor=float(rng.integers(1, 50)),
+            zipf_exponent=float(rng.uniform(0, 1.3)),
+        )
         for i in range(1000)
-    ]  # fmt: skip
+    ]
     t0 = time.perf_counter()
     p = plan(tables, get_profile("tpu-v5p"), 1024, batch_size=1 << 20)
     elapsed = time.perf_counter() - t0
@@ -126,8 +144,16 @@ def test_render_and_profiles():
     assert "embedding plan: 26 tables on 8 devices" in text and "t0" in text
     for p in PROFILES.values():
         assert p.memory_bytes > 0 and p.memory_bandwidth > 0 and p.flops > 0
-    assert {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "gpu-a100", "gpu-h100", "gpu-h200",
-            "cpu-2core"} <= set(PROFILES)  # fmt: skip
+    assert {
+        "tpu-v4",
+        "tpu-v5e",
+        "tpu-v5p",
+        "tpu-v6e",
+        "gpu-a100",
+        "gpu-h100",
+        "gpu-h200",
+        "cpu-2core",
+    } <= set(PROFILES)
 
 
 def test_table_row_wise_spans_one_host_even_with_a_partial_host():

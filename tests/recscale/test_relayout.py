@@ -64,8 +64,12 @@ def _active(cfg):
 
 
 def _save(ckpt, state, cfg):
-    items = {"params": state.params, "opt_state": state.opt_state,
-             "batch_stats": state.batch_stats, "rng": {"key_data": state.rng}}  # fmt: skip
+    items = {
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "batch_stats": state.batch_stats,
+        "rng": {"key_data": state.rng},
+    }
     step = int(state.step)
     ckpt.save(step, items, {"step": step, "layout": relayout.layout_meta(cfg)})
     ckpt.wait()
@@ -187,14 +191,20 @@ def _fabricated(exp, seed) -> TrainState:
     acc = {t.name: rng.random(t.num_rows).astype(np.float32) for t in tables}
     states["acc"] = _place_rows(coll, acc, exp.cfg.embedding_optim.initial_accumulator)
     emb = {
-        p: {k: var.replace(jax.device_put(states[k][p.split("/")[-1]], var.get_value().sharding))
-            for k, var in per.items()}
+        p: {
+            k: var.replace(jax.device_put(states[k][p.split("/")[-1]], var.get_value().sharding))
+            for k, var in per.items()
+        }
         for p, per in abstract.opt_state["embedding"].items()
-    }  # fmt: skip
+    }
     opt = {"dense": jax.tree.map(fake, abstract.opt_state["dense"]), "embedding": emb}
-    return TrainState(step=jnp.asarray(STEPS, jnp.int32), params=nnx.from_flat_state(leaves),
-                      opt_state=opt, batch_stats=jax.tree.map(fake, abstract.batch_stats),
-                      rng=fake(abstract.rng))  # fmt: skip
+    return TrainState(
+        step=jnp.asarray(STEPS, jnp.int32),
+        params=nnx.from_flat_state(leaves),
+        opt_state=opt,
+        batch_stats=jax.tree.map(fake, abstract.batch_stats),
+        rng=fake(abstract.rng),
+    )
 
 
 @pytest.fixture
@@ -217,9 +227,15 @@ def trained(tmp_path_factory):
         for s in range(STEPS):
             state, _ = step(state, exp.device_batch(exp.source.train_batch(s)))
         _save(ckpt, state, cfg)
-        out = dict(cfg=cfg, ckpt=ckpt, workdir=workdir, logits=_logits(exp, state),
-                   tables=_tables(exp, state), flat=_flat(state),
-                   eval=exp.evaluate(state.params, state.batch_stats))  # fmt: skip
+        out = dict(
+            cfg=cfg,
+            ckpt=ckpt,
+            workdir=workdir,
+            logits=_logits(exp, state),
+            tables=_tables(exp, state),
+            flat=_flat(state),
+            eval=exp.evaluate(state.params, state.batch_stats),
+        )
         _, metrics = step(state, exp.device_batch(exp.source.train_batch(STEPS)))
         out["loss"] = float(metrics["loss"])
     yield out
@@ -234,8 +250,11 @@ def test_row_wise_on_8_devices_resumes_table_wise_on_2_and_on_1_device(trained):
             assert relayout.needs_relayout(trained["ckpt"].read_meta(STEPS)["layout"], cfg)
             state = _restore(trained["ckpt"], STEPS, exp, cfg)
             a = exp.abstract_state
-            for got, want in zip(jax.tree.leaves((state.params, state.opt_state)),
-                                 jax.tree.leaves((a.params, a.opt_state)), strict=True):  # fmt: skip
+            for got, want in zip(
+                jax.tree.leaves((state.params, state.opt_state)),
+                jax.tree.leaves((a.params, a.opt_state)),
+                strict=True,
+            ):
                 assert got.sharding == want.sharding  # laid out for this mesh
             tables = _tables(exp, state)
             assert tables.keys() == trained["tables"].keys()
@@ -333,15 +352,23 @@ def _assert_fabricated_round_trip(cfg_a, cfg_b, tmp_path, *, seed: int, check_a=
 def test_per_table_bounds_buffers_round_trip_bitwise(tmp_path, no_fingerprints):
     """Per-table exchange bounds put tables into buffers of their own (issue 19): a state saved
     row-wise on 4 devices with them restores table-wise on 2 and back, bitwise."""
-    comp = dict(comm_compression="error_bounded", comm_error_bound=0.002,
-                comm_error_bound_tables=("f0=0", "f2=4"))  # fmt: skip
+    comp = dict(
+        comm_compression="error_bounded",
+        comm_error_bound=0.002,
+        comm_error_bound_tables=("f0=0", "f2=4"),
+    )
 
     def scaled_buffers(exp):
         keys = set(exp.abstract_state.params["embeddings"]["buffers"])
         assert {"sharded_w8_float32_eb0", "sharded_w8_float32_eb4"} < keys, keys
 
-    _assert_fabricated_round_trip(_cfg("row_wise", 4, **comp), _cfg("table_wise", 2, **comp),
-                                  tmp_path, seed=2, check_a=scaled_buffers)  # fmt: skip
+    _assert_fabricated_round_trip(
+        _cfg("row_wise", 4, **comp),
+        _cfg("table_wise", 2, **comp),
+        tmp_path,
+        seed=2,
+        check_a=scaled_buffers,
+    )
 
 
 def test_engine_off_restores_onto_another_device_count_through_orbax(tmp_path, no_fingerprints):
@@ -368,16 +395,24 @@ def _fabricated_off(exp) -> TrainState:
     rng = np.random.default_rng(2)
 
     def fake(sds):
-        value = rng.standard_normal(sds.shape) * 0.1 if jnp.issubdtype(sds.dtype, jnp.floating) \
-            else np.zeros(sds.shape)  # fmt: skip
+        value = (
+            rng.standard_normal(sds.shape) * 0.1
+            if jnp.issubdtype(sds.dtype, jnp.floating)
+            else np.zeros(sds.shape)
+        )
         return jax.device_put(value.astype(sds.dtype), sds.sharding)
 
     a = exp.abstract_state
     params, opt_state, batch_stats, rng_ = jax.tree.map(
         fake, (a.params, a.opt_state, a.batch_stats, a.rng)
     )
-    return TrainState(step=jnp.asarray(STEPS, jnp.int32), params=params, opt_state=opt_state,
-                      batch_stats=batch_stats, rng=rng_)  # fmt: skip
+    return TrainState(
+        step=jnp.asarray(STEPS, jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        batch_stats=batch_stats,
+        rng=rng_,
+    )
 
 
 def test_layout_meta_and_when_a_relayout_is_needed():
@@ -392,8 +427,14 @@ def test_layout_meta_and_when_a_relayout_is_needed():
     old = {**meta, "engine": {k: v for k, v in meta["engine"].items() if k != "comm_dtype"}}
     assert meta["engine"]["comm_dtype"] == "float32" and not relayout.needs_relayout(old, row8)
     comm = _cfg("row_wise", 8, comm_dtype="bfloat16")  # the planner costs exchanges with it
-    for other in (comm, _cfg("row_wise", 4), _cfg("table_wise", 8), _cfg("auto", 8, per_table=PINS),
-                  _cfg("row_wise", 8, host_size=2), _cfg("off", 8)):  # fmt: skip
+    for other in (
+        comm,
+        _cfg("row_wise", 4),
+        _cfg("table_wise", 8),
+        _cfg("auto", 8, per_table=PINS),
+        _cfg("row_wise", 8, host_size=2),
+        _cfg("off", 8),
+    ):
         assert relayout.needs_relayout(meta, other), other.embeddings
     off = relayout.layout_meta(_cfg("off", 8))
     assert off["engine"] is None and not relayout.needs_relayout(off, _cfg("off", 2))
@@ -407,14 +448,26 @@ def test_what_cannot_be_relaid_out_exactly_is_refused():
         with pytest.raises(ValueError, match=match):
             relayout.restore_relaid(None, 0, None, cfg, build_model, saved)
 
-    refuse(_cfg("row_wise", 8), _cfg("table_wise", 2, storage_dtype="bfloat16"),
-           "embeddings.storage_dtype changed from 'float32' to 'bfloat16'.*not exact")  # fmt: skip
-    refuse(_cfg("row_wise", 8), _cfg("row_wise", 8, "adam"),
-           "embedding_optim.name changed from 'rowwise_adagrad' to 'adam'")  # fmt: skip
-    refuse(_cfg("off", 8), _cfg("row_wise", 8),
-           "engine being turned on.*embeddings.sharding='off'.*'row_wise'")  # fmt: skip
-    refuse(_cfg("table_wise", 2), _cfg("off", 2),
-           "engine being turned off.*embeddings.sharding='table_wise'")  # fmt: skip
+    refuse(
+        _cfg("row_wise", 8),
+        _cfg("table_wise", 2, storage_dtype="bfloat16"),
+        "embeddings.storage_dtype changed from 'float32' to 'bfloat16'.*not exact",
+    )
+    refuse(
+        _cfg("row_wise", 8),
+        _cfg("row_wise", 8, "adam"),
+        "embedding_optim.name changed from 'rowwise_adagrad' to 'adam'",
+    )
+    refuse(
+        _cfg("off", 8),
+        _cfg("row_wise", 8),
+        "engine being turned on.*embeddings.sharding='off'.*'row_wise'",
+    )
+    refuse(
+        _cfg("table_wise", 2),
+        _cfg("off", 2),
+        "engine being turned off.*embeddings.sharding='table_wise'",
+    )
     with pytest.raises(ValueError, match="not a layout description"):
         relayout.needs_relayout({"device_count": 8}, _cfg("row_wise", 8))
 
@@ -427,9 +480,17 @@ def test_the_trainer_resumes_row_wise_on_8_as_table_wise_on_2_and_goes_on(tmp_pa
     from recscale.train.loop import train  # noqa: PLC0415
 
     def with_train(cfg):
-        return dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, num_steps=8, checkpoint_every=4, log_every=1, progress=False,
-            async_checkpoint=False))  # fmt: skip
+        return dataclasses.replace(
+            cfg,
+            train=dataclasses.replace(
+                cfg.train,
+                num_steps=8,
+                checkpoint_every=4,
+                log_every=1,
+                progress=False,
+                async_checkpoint=False,
+            ),
+        )
 
     def losses(wd):
         rows = map(json.loads, (wd / "metrics.jsonl").read_text().splitlines())

@@ -77,8 +77,11 @@ def _where(pred, fresh):
         def f(path, x):
             return fresh(x) if pred(jax.tree_util.keystr(path)) else x
 
-        hit = [p for p, _ in jax.tree_util.tree_flatten_with_path(trees["opt_state"])[0]
-               if pred(jax.tree_util.keystr(p))]  # fmt: skip
+        hit = [
+            p
+            for p, _ in jax.tree_util.tree_flatten_with_path(trees["opt_state"])[0]
+            if pred(jax.tree_util.keystr(p))
+        ]
         assert hit, "the ablation matches no leaf of the optimizer state"
         opt = jax.tree_util.tree_map_with_path(f, trees["opt_state"])
         return {**trees, "opt_state": opt}, meta
@@ -118,10 +121,13 @@ CASES = {
     # and data position are the same code on both paths.
     "dlrm-off": ("dlrm", "off", "rowwise_adagrad", dlrm_build_model, tuple(ABLATIONS)),
     "wukong-row_wise": (
-        "wukong", "row_wise", "rowwise_adagrad", wukong_build_model,
+        "wukong",
+        "row_wise",
+        "rowwise_adagrad",
+        wukong_build_model,
         ("none", "embedding accumulators"),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -95,8 +95,11 @@ def run_dir(tmp_path_factory):
     """dlrm/tiny trained 20 steps with its tables row-wise on 8 devices (the engine)."""
     wd = tmp_path_factory.mktemp("serving") / "run"
     cfg = get_preset("dlrm/tiny")
-    cfg = dataclasses.replace(cfg, embeddings=EmbeddingShardingConfig(sharding="row_wise"),
-                              train=dataclasses.replace(cfg.train, progress=False))  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg,
+        embeddings=EmbeddingShardingConfig(sharding="row_wise"),
+        train=dataclasses.replace(cfg.train, progress=False),
+    )
     train(cfg, build_model, wd, argv=["-m", "dlrm.train", "dlrm/tiny"])
     return wd
 
@@ -124,9 +127,12 @@ def test_export_and_load_give_the_evaluation_scores_for_every_precision(run_dir,
     sizes = {}
     for p in prec.PRECISIONS:
         out = tmp_path / p
-        man = export_workdir(DLRMConfig, build_model,
-                             ExportArgs(workdir=str(run_dir), out=str(out), precision=p),
-                             family="dlrm")  # fmt: skip
+        man = export_workdir(
+            DLRMConfig,
+            build_model,
+            ExportArgs(workdir=str(run_dir), out=str(out), precision=p),
+            family="dlrm",
+        )
         assert man["source"]["step"] == 20
         assert {t["precision"] for t in man["tables"].values()} == {p}
         sizes[p] = man["table_bytes"]
@@ -151,11 +157,18 @@ def test_export_and_load_give_the_evaluation_scores_for_every_precision(run_dir,
 def test_per_table_precisions_and_the_jax_only_loader(run_dir, tmp_path):
     dense, ids, want = _reference(run_dir)
     out = tmp_path / "mixed"
-    man = export_workdir(DLRMConfig, build_model,
-                         ExportArgs(workdir=str(run_dir), out=str(out), precision="int8",
-                                    table_precision=("f0=float32", "f1=int4"),
-                                    platforms=("cpu", "cuda", "tpu")),
-                         family="dlrm")  # fmt: skip
+    man = export_workdir(
+        DLRMConfig,
+        build_model,
+        ExportArgs(
+            workdir=str(run_dir),
+            out=str(out),
+            precision="int8",
+            table_precision=("f0=float32", "f1=int4"),
+            platforms=("cpu", "cuda", "tpu"),
+        ),
+        family="dlrm",
+    )
     assert [man["tables"][t]["precision"] for t in ("f0", "f1", "f2")] == [
         "float32",
         "int4",
@@ -174,10 +187,16 @@ def test_per_table_precisions_and_the_jax_only_loader(run_dir, tmp_path):
         m = Model.load({str(out)!r})
         np.save({str(tmp_path / "scores.npy")!r}, m.predict(z["dense"], z["ids"]))
         print(json.dumps(sorted({{k.split(".")[0] for k in sys.modules}} & {{"recscale", "flax", "dlrm", "optax"}})))
-    """)  # fmt: skip
+    """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, check=True)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=True,
+    )
     assert json.loads(res.stdout.strip().splitlines()[-1]) == []
     np.testing.assert_array_equal(np.load(tmp_path / "scores.npy"), in_process)
 
@@ -188,8 +207,9 @@ def test_loader_errors_and_out_of_vocabulary_ids(run_dir, tmp_path):
     # an export never replaces the run, a folder above it or one that is not an artifact
     for bad_out in (run_dir, run_dir / "checkpoints", run_dir.parent, tmp_path):
         with pytest.raises(ValueError, match="--out"):
-            export_workdir(DLRMConfig, build_model,
-                           ExportArgs(workdir=str(run_dir), out=str(bad_out)))  # fmt: skip
+            export_workdir(
+                DLRMConfig, build_model, ExportArgs(workdir=str(run_dir), out=str(bad_out))
+            )
     assert (run_dir / "config.json").is_file()
     export_workdir(DLRMConfig, build_model, ExportArgs(workdir=str(run_dir), out=str(out)))
     model = Model.load(out)
@@ -247,9 +267,13 @@ def _serve(model, requests, **kw):
 
 
 def _examples(dense, ids):
-    return [{"dense": [float(x) for x in d],
-             "features": {f"f{j}": [int(v) for v in ids[i, j] if v >= 0] for j in range(4)}}
-            for i, d in enumerate(dense)]  # fmt: skip
+    return [
+        {
+            "dense": [float(x) for x in d],
+            "features": {f"f{j}": [int(v) for v in ids[i, j] if v >= 0] for j in range(4)},
+        }
+        for i, d in enumerate(dense)
+    ]
 
 
 def test_the_server_answers_and_batches_concurrent_requests(run_dir, artifact):
@@ -269,8 +293,9 @@ def test_the_server_answers_and_batches_concurrent_requests(run_dir, artifact):
             return (await r.json())["scores"][0]
 
         got = await asyncio.gather(*(one(i) for i in range(48)))
-        arrays = await client.post("/predict", json={"dense": dense[:3].tolist(),
-                                                      "ids": ids[:3].tolist()})  # fmt: skip
+        arrays = await client.post(
+            "/predict", json={"dense": dense[:3].tolist(), "ids": ids[:3].tolist()}
+        )
         stats = await (await client.get("/metrics")).json()
         health = await (await client.get("/healthz")).json()
         return got, (await arrays.json())["scores"], stats, health
@@ -394,19 +419,35 @@ def test_an_artifact_with_an_unknown_encoding_is_refused(artifact, tmp_path):
 
 
 def test_auto_precision_keeps_the_auc_budget(run_dir, tmp_path):
-    loose = export_workdir(DLRMConfig, build_model, ExportArgs(
-        workdir=str(run_dir), out=str(tmp_path / "a"), precision="auto", auc_budget=1.0,
-        auto_candidates=("int8", "int4"), table_precision=("f3=bfloat16",)),
-        log=lambda _: None)  # fmt: skip
+    loose = export_workdir(
+        DLRMConfig,
+        build_model,
+        ExportArgs(
+            workdir=str(run_dir),
+            out=str(tmp_path / "a"),
+            precision="auto",
+            auc_budget=1.0,
+            auto_candidates=("int8", "int4"),
+            table_precision=("f3=bfloat16",),
+        ),
+        log=lambda _: None,
+    )
     # all the smallest, but the pinned table
     assert [loose["tables"][t]["precision"] for t in ("f0", "f1", "f2", "f3")] == [
-        "int4", "int4", "int4", "bfloat16"]  # fmt: skip
+        "int4",
+        "int4",
+        "int4",
+        "bfloat16",
+    ]
     auto = loose["auto_precision"]
     assert set(auto["solo"]) == {"f0", "f1", "f2"}  # the pinned table is not searched
     assert all(set(v) == {"int4", "int8"} for v in auto["solo"].values())
-    strict = export_workdir(DLRMConfig, build_model, ExportArgs(
-        workdir=str(run_dir), out=str(tmp_path / "s"), precision="auto", auc_budget=0.0),
-        log=lambda _: None)["auto_precision"]  # fmt: skip
+    strict = export_workdir(
+        DLRMConfig,
+        build_model,
+        ExportArgs(workdir=str(run_dir), out=str(tmp_path / "s"), precision="auto", auc_budget=0.0),
+        log=lambda _: None,
+    )["auto_precision"]
     # the combination chosen through the probe, measured on the serving model itself: within
     # the budget up to the probe's float32 rounding
     assert strict["auc_cost"] <= 1e-6, strict
@@ -482,26 +523,48 @@ def test_a_model_with_several_embedding_collections_exports(tmp_path):
 
     wd = tmp_path / "run"
     cfg = get_preset("finalmlp/tiny")
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=5,
-                                                             progress=False))  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, num_steps=5, progress=False)
+    )
     train(cfg, build_finalmlp, wd, argv=["-m", "baselines.finalmlp.train", "finalmlp/tiny"])
-    man = export_workdir(FinalMLPConfig, build_finalmlp,
-                         ExportArgs(workdir=str(wd), out=str(tmp_path / "m"), precision="int8"))  # fmt: skip
+    man = export_workdir(
+        FinalMLPConfig,
+        build_finalmlp,
+        ExportArgs(workdir=str(wd), out=str(tmp_path / "m"), precision="int8"),
+    )
     rows = 100 + 50 + 200 + 30
     assert man["table_bytes"] == (rows + 100) * (8 + 8)  # f0's table twice: main and gate
     with restored(FinalMLPConfig, build_finalmlp, wd, num_devices=1) as r:
         batches = list(r.exp.source.eval_batches())
-        want = np.concatenate([np.asarray(jax.nn.sigmoid(
-            r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(b)))) for b in batches])  # fmt: skip
+        want = np.concatenate(
+            [
+                np.asarray(
+                    jax.nn.sigmoid(r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(b)))
+                )
+                for b in batches
+            ]
+        )
         train_batches = [r.exp.device_batch(r.exp.source.train_batch(i)) for i in range(2)]
         sens = comm_sensitivity.measure(
-            r.exp.graphdef, r.params, r.batch_stats, train_batches, blocks=8,
-            loss_fn=lambda logits, b: weighted_bce(logits, b.labels_b, b.weights_b))  # fmt: skip
+            r.exp.graphdef,
+            r.params,
+            r.batch_stats,
+            train_batches,
+            blocks=8,
+            loss_fn=lambda logits, b: weighted_bce(logits, b.labels_b, b.weights_b),
+        )
         # auto precision: the probe's AUC of every table in int4 (each lookup's delta from its
         # own collection's f0) is the int4 serving model's
-        auto = choose_precisions(r.exp, r.exp.graphdef, r.params, r.batch_stats,
-                                 ["f0", "f1", "f2", "f3"], budget=1.0, candidates=("int4",),
-                                 log=lambda _: None)  # fmt: skip
+        auto = choose_precisions(
+            r.exp,
+            r.exp.graphdef,
+            r.params,
+            r.batch_stats,
+            ["f0", "f1", "f2", "f3"],
+            budget=1.0,
+            candidates=("int4",),
+            log=lambda _: None,
+        )
     dense = np.concatenate([b.dense_bn for b in batches])
     ids = np.concatenate([b.ids_bfh for b in batches])
     got = Model.load(tmp_path / "m").predict(dense, ids)
@@ -529,15 +592,19 @@ def test_a_feature_spec_run_scores_raw_rows(tmp_path, capsys):
     cfg = get_preset("dlrm/tiny")
     tab = TabularConfig(spec=str(shop / "spec.yaml"), prepared_dir=str(shop / "prep"))
     cfg = dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, kind="tabular", batch_size=64,
-                                      eval_batch_size=256, tabular=tab),
-        train=dataclasses.replace(cfg.train, num_steps=3, progress=False))  # fmt: skip
+        cfg,
+        data=dataclasses.replace(
+            cfg.data, kind="tabular", batch_size=64, eval_batch_size=256, tabular=tab
+        ),
+        train=dataclasses.replace(cfg.train, num_steps=3, progress=False),
+    )
     wd, out = tmp_path / "run", tmp_path / "m"
     train(cfg, build_model, wd)
     man = export_workdir(DLRMConfig, build_model, ExportArgs(workdir=str(wd), out=str(out)))
     assert man["vocab"]["kind"] == "tabular/1" and (out / "vocab.npz").is_file()
     want_batch, _ = prepare(tab.spec, tab.prepared_dir, progress=False).encode_file(
-        str(shop / "later.csv"))  # fmt: skip
+        str(shop / "later.csv")
+    )
     with restored(DLRMConfig, build_model, wd, num_devices=8) as r:
         logits = r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(want_batch))
         want = np.asarray(jax.nn.sigmoid(logits))
@@ -567,19 +634,33 @@ def test_a_feature_spec_run_scores_raw_rows(tmp_path, capsys):
     bad_file.write_text("\n".join(text) + "\n")
     from recscale.serving import runtime
 
-    code = runtime.main([str(out), str(bad_file), "--batch-size", "100",
-                         "--out", str(tmp_path / "s.txt")])  # fmt: skip
+    code = runtime.main(
+        [str(out), str(bad_file), "--batch-size", "100", "--out", str(tmp_path / "s.txt")]
+    )
     assert code == 2 and not (tmp_path / "s.txt").exists()
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: {bad_file}: line 152: column 'user_id': key not in side "), err
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, str(out / "recscale_model.py"), str(out),
-                          str(shop / "later.csv"), "--batch-size", "100"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, check=True)  # fmt: skip
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(out / "recscale_model.py"),
+            str(out),
+            str(shop / "later.csv"),
+            "--batch-size",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=True,
+    )
     np.testing.assert_allclose(np.array(res.stdout.split(), float), got, rtol=1e-7, atol=1e-9)
-    assert json.loads(res.stderr.strip().splitlines()[-1])["unseen_values"] == counts[
-        "unseen_values"]  # fmt: skip
+    assert (
+        json.loads(res.stderr.strip().splitlines()[-1])["unseen_values"] == counts["unseen_values"]
+    )
 
 
 def test_a_criteo_run_scores_raw_lines(tmp_path):
@@ -592,18 +673,26 @@ def test_a_criteo_run_scores_raw_lines(tmp_path):
     path = tmp_path / "day.tsv"
     path.write_text("".join(line + "\n" for line in criteo_lines(300, seed=5)))
     cfg = get_preset("dlrm/tiny")
-    data = dataclasses.replace(cfg.data, kind="criteo", train_path=str(path), eval_path=str(path),
-                               batch_size=64, eval_batch_size=512,
-                               criteo=CriteoConfig(vocab_sizes=(40,) * 26, hash_seed=3))  # fmt: skip
-    cfg = dataclasses.replace(cfg, data=data, train=dataclasses.replace(
-        cfg.train, num_steps=2, progress=False))  # fmt: skip
+    data = dataclasses.replace(
+        cfg.data,
+        kind="criteo",
+        train_path=str(path),
+        eval_path=str(path),
+        batch_size=64,
+        eval_batch_size=512,
+        criteo=CriteoConfig(vocab_sizes=(40,) * 26, hash_seed=3),
+    )
+    cfg = dataclasses.replace(
+        cfg, data=data, train=dataclasses.replace(cfg.train, num_steps=2, progress=False)
+    )
     wd, out = tmp_path / "run", tmp_path / "m"
     train(cfg, build_model, wd)
     export_workdir(DLRMConfig, build_model, ExportArgs(workdir=str(wd), out=str(out)))
     with restored(DLRMConfig, build_model, wd, num_devices=8) as r:
         (b,) = list(r.exp.source.eval_batches())
-        want = np.asarray(jax.nn.sigmoid(
-            r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(b))))[:300]  # fmt: skip
+        want = np.asarray(
+            jax.nn.sigmoid(r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(b)))
+        )[:300]
     assert runtime.main([str(out), str(path), "--out", str(tmp_path / "s.txt")]) == 0
     np.testing.assert_allclose(np.loadtxt(tmp_path / "s.txt"), want, rtol=1e-6, atol=1e-7)
 
@@ -628,8 +717,20 @@ def test_the_serve_command_warms_up_and_answers(artifact):
     import portpicker
 
     port = portpicker.pick_unused_port()
-    proc = subprocess.Popen([sys.executable, "-m", "recscale.serve", str(artifact), "--port",
-                             str(port), "--max-batch", "4"], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "recscale.serve",
+            str(artifact),
+            "--port",
+            str(port),
+            "--max-batch",
+            "4",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stderr.readline()  # written once warm, just before it listens
         assert line.startswith("compiled batch sizes 1-4 in "), line

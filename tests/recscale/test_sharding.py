@@ -76,8 +76,9 @@ def test_mesh_with_a_model_axis():
     mesh = sharding.make_mesh(MeshConfig(model_parallel=2))
     assert dict(mesh.shape) == {"data": 4, "model": 2}
     assert dict(sharding.make_mesh(MeshConfig(data_parallel=2, model_parallel=4)).shape) == {
-        "data": 2, "model": 4,
-    }  # fmt: skip
+        "data": 2,
+        "model": 4,
+    }
     with pytest.raises(ValueError, match="model_parallel=3 does not divide the 8 devices"):
         sharding.make_mesh(MeshConfig(model_parallel=3))
     with pytest.raises(ValueError, match="data_parallel=8 x mesh.model_parallel=2"):
@@ -111,8 +112,11 @@ def test_fsdp_splits_the_largest_dimension_data_divides(mesh):
     with sharding.activate(mesh, cfg):
         specs = {k: s.spec for k, s in sharding.state_shardings(state).items()}
     assert specs == {
-        "w": P(None, "data"), "odd": P(None, None), "tie": P("data", None),
-        "t": P("data", None), "small": P(None),
-    }  # fmt: skip
+        "w": P(None, "data"),
+        "odd": P(None, None),
+        "tie": P("data", None),
+        "t": P("data", None),
+        "small": P(None),
+    }
     with sharding.activate(mesh, MeshConfig(fsdp=False)):
         assert sharding.state_shardings(state)["w"].spec == P(None, None)

@@ -47,8 +47,9 @@ def test_simulator_on_a_hand_worked_stream(policy, total, steady):
 def test_simulator_keeps_a_step_resident_and_refuses_more_than_fits():
     # step 1 reuses 0 and 1 and brings 2: the victim cannot be a row of the step, so it is none
     # of them; the cache holds 3 rows, so 0, 1 and 2 all hit at step 2
-    got = tier_plan.simulate_hit_rate([np.array([0, 1]), np.array([0, 1, 2]), np.array([2, 1, 0])],
-                                      3, "lru", warmup=0.0)  # fmt: skip
+    got = tier_plan.simulate_hit_rate(
+        [np.array([0, 1]), np.array([0, 1, 2]), np.array([2, 1, 0])], 3, "lru", warmup=0.0
+    )
     assert got[0] == pytest.approx(5 / 8)
     with pytest.raises(ValueError, match="3 distinct rows > capacity 2"):
         tier_plan.simulate_hit_rate([np.array([5, 6, 7, 5])], 2)
@@ -137,8 +138,9 @@ def test_lfu_beats_lru_on_skewed_ids():
 
 def _table(name, rows, s=1.0, lookups=256.0, row_bytes=132, seed=0):
     p = np.random.default_rng(seed).permutation(np.arange(1, rows + 1, dtype=np.float64) ** -s)
-    return tier_plan.TierTable(name=name, num_rows=rows, row_bytes=row_bytes, counts=p,
-                               lookups_per_step=lookups)  # fmt: skip
+    return tier_plan.TierTable(
+        name=name, num_rows=rows, row_bytes=row_bytes, counts=p, lookups_per_step=lookups
+    )
 
 
 def _predicted_hits(t, rows, policy="lru"):
@@ -219,8 +221,18 @@ def test_render_and_pins():
     whole = _table("whole", 1_000, lookups=5_000.0)  # min cache = all rows: always in HBM
     plan = tier_plan.place([hot, cold, whole], hbm_bytes=hot.nbytes, dram_bytes=10**8)
     lines = plan.render().splitlines()
-    assert lines[0].split() == ["name", "rows", "tier", "cache", "rows", "cache", "MiB", "hit",
-                                "backing", "GiB"]  # fmt: skip
+    assert lines[0].split() == [
+        "name",
+        "rows",
+        "tier",
+        "cache",
+        "rows",
+        "cache",
+        "MiB",
+        "hit",
+        "backing",
+        "GiB",
+    ]
     assert len({len(line) for line in lines[:5]}) == 1  # fixed width
     assert lines[3].split()[:3] == ["cold_table", "100,000", "dram"]
     assert lines[4].split()[:4] == ["whole", "1,000", "hbm", "1,000"]
@@ -231,11 +243,13 @@ def test_render_and_pins():
 
 def test_tables_are_checked():
     with pytest.raises(ValueError, match="counts has shape"):
-        tier_plan.TierTable(name="t", num_rows=10, row_bytes=4, counts=np.ones(9),
-                            lookups_per_step=1.0)  # fmt: skip
+        tier_plan.TierTable(
+            name="t", num_rows=10, row_bytes=4, counts=np.ones(9), lookups_per_step=1.0
+        )
     with pytest.raises(ValueError, match="must be non-empty without"):
-        tier_plan.TierTable(name="a=b", num_rows=10, row_bytes=4, counts=np.ones(10),
-                            lookups_per_step=1.0)  # fmt: skip
+        tier_plan.TierTable(
+            name="a=b", num_rows=10, row_bytes=4, counts=np.ones(10), lookups_per_step=1.0
+        )
     t = _table("t", 100)
     with pytest.raises(ValueError, match="unique"):
         tier_plan.place([t, t], hbm_bytes=10, dram_bytes=10)

@@ -182,9 +182,10 @@ F, H, B = 4, 3, 16
 VOCAB = (100, 110, 120, 130)
 SCHEMA = Schema(
     dense_names=("a", "b"),
-    features=tuple(FeatureInfo(name=f"f{i}", vocab_size=v, max_hotness=H)
-                   for i, v in enumerate(VOCAB)),
-)  # fmt: skip
+    features=tuple(
+        FeatureInfo(name=f"f{i}", vocab_size=v, max_hotness=H) for i, v in enumerate(VOCAB)
+    ),
+)
 PINS = ("f0=dram:56", "f2=ssd:64")  # a batch reads at most 48 distinct rows of a table
 
 
@@ -193,11 +194,10 @@ def _cfg(kind, opt):
         model=DLRMModelConfig(embed_dim=8, bottom_mlp=(8, 8), top_mlp=(8, 1)),
         data=DataConfig(batch_size=B, eval_batch_size=B),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
-        embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1,
-                                             initial_accumulator=0.1),
+        embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1, initial_accumulator=0.1),
         mesh=MeshConfig(data_parallel=8, rules="replicated"),
         embeddings=EmbeddingShardingConfig(sharding=kind),
-    )  # fmt: skip
+    )
 
 
 def _batches(steps):
@@ -222,8 +222,13 @@ def _state(cfg, schema):
     model = build_model(cfg, schema, nnx.Rngs(params=0))
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     tx = make_optimizer(cfg, params)
-    state = TrainState(step=jax.numpy.zeros((), "int32"), params=params,
-                       opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
+    state = TrainState(
+        step=jax.numpy.zeros((), "int32"),
+        params=params,
+        opt_state=tx.init(params),
+        batch_stats=stats,
+        rng=initial_rng(0),
+    )
     return model, state, jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
 
 
@@ -255,8 +260,16 @@ def test_training_through_the_cache_equals_the_engine(tmp_path, kind):
         want = _tables(ref_model, ref)
 
         model, state, step = _state(cfg, tiers_lib.model_schema(SCHEMA, specs))
-        tiers = tiers_lib.TieredTables(model, SCHEMA, specs, tmp_path, optimizer="rowwise_adagrad",
-                                       initial_accumulator=0.1, seed=0, mesh=mesh)  # fmt: skip
+        tiers = tiers_lib.TieredTables(
+            model,
+            SCHEMA,
+            specs,
+            tmp_path,
+            optimizer="rowwise_adagrad",
+            initial_accumulator=0.1,
+            seed=0,
+            mesh=mesh,
+        )
         tiers.create({t: initial[t] for t in ("f0", "f2")})
         losses, saved = [], None
         for i, b in enumerate(steps):
@@ -282,8 +295,11 @@ def test_training_through_the_cache_equals_the_engine(tmp_path, kind):
 
     # table-wise: the same sums in the same order, bitwise; row-wise: a bag's rows sit in other
     # row shards when cached, so its partial sums add up in another order (float32 rounding)
-    check = (np.testing.assert_array_equal if kind == "table_wise" else
-             lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6))  # fmt: skip
+    check = (
+        np.testing.assert_array_equal
+        if kind == "table_wise"
+        else lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    )
     check(losses, ref_losses)
     for t in ("f1", "f3"):  # in memory
         check(got[t], want[t])
@@ -302,8 +318,16 @@ def test_tiers_refuse_column_split_caches(tmp_path):
     with sharding.activate(mesh, cfg.mesh):
         model, _, _ = _state(cfg, tiers_lib.model_schema(SCHEMA, specs))
         with pytest.raises(ValueError, match="'f0': its cache must be placed whole rows"):
-            tiers_lib.TieredTables(model, SCHEMA, specs, tmp_path, optimizer="sgd",
-                                   initial_accumulator=0.0, seed=0, mesh=mesh)  # fmt: skip
+            tiers_lib.TieredTables(
+                model,
+                SCHEMA,
+                specs,
+                tmp_path,
+                optimizer="sgd",
+                initial_accumulator=0.0,
+                seed=0,
+                mesh=mesh,
+            )
 
 
 def test_the_trainer_trains_resumes_and_reports_with_tiered_tables(tmp_path, capsys):
@@ -313,13 +337,18 @@ def test_the_trainer_trains_resumes_and_reports_with_tiered_tables(tmp_path, cap
     cfg = get_preset("dlrm/tiny")
     cfg = dataclasses.replace(
         cfg,
-        train=dataclasses.replace(cfg.train, num_steps=60, checkpoint_every=20, log_every=20,
-                                  max_checkpoints=3,
-                                  eval_every=0, progress=False),
+        train=dataclasses.replace(
+            cfg.train,
+            num_steps=60,
+            checkpoint_every=20,
+            log_every=20,
+            max_checkpoints=3,
+            eval_every=0,
+            progress=False,
+        ),
         mesh=dataclasses.replace(cfg.mesh, data_parallel=8),
-        embeddings=EmbeddingShardingConfig(sharding="row_wise", tiers=("f0=dram:90",
-                                                                       "f2=ssd:150")),
-    )  # fmt: skip
+        embeddings=EmbeddingShardingConfig(sharding="row_wise", tiers=("f0=dram:90", "f2=ssd:150")),
+    )
     full = train(cfg, build_model, tmp_path / "full")
     rows = [json.loads(r) for r in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if r["split"] == "train"][-1]
@@ -336,8 +365,11 @@ def test_the_trainer_trains_resumes_and_reports_with_tiered_tables(tmp_path, cap
     assert "restored checkpoint step 20" in capsys.readouterr().err
     assert resumed == full
     # without tiers the same config trains too (the tables in the engine): comparable quality
-    plain = train(dataclasses.replace(cfg, embeddings=EmbeddingShardingConfig(
-        sharding="row_wise")), build_model, tmp_path / "plain")  # fmt: skip
+    plain = train(
+        dataclasses.replace(cfg, embeddings=EmbeddingShardingConfig(sharding="row_wise")),
+        build_model,
+        tmp_path / "plain",
+    )
     assert abs(plain["auc"] - full["auc"]) < 0.05, (plain["auc"], full["auc"])
     # checkpoint evaluation refuses a tiered run in one line (no traceback)
     with pytest.raises(SystemExit, match="embeddings.tiers: the tiered tables live in their"):
@@ -349,8 +381,18 @@ def test_row_sharded_reads_return_exact_bits_including_negative_zero():
     row holding -0.0 comes back as -0.0 (a float sum would make it +0.0)."""
     mesh = sharding.make_mesh(MeshConfig(data_parallel=8, rules="replicated"))
     spec = tiers_lib.TierSpec(table="t", tier="dram", cache_rows=32)
-    p = tiers_lib._Placed(spec=spec, feature=0, hotness=1, num_rows=100, dim=2, opt_path="",
-                          opt_names=(), pos=np.arange(32), buffer_rows=32, block_rows=4)  # fmt: skip
+    p = tiers_lib._Placed(
+        spec=spec,
+        feature=0,
+        hotness=1,
+        num_rows=100,
+        dim=2,
+        opt_path="",
+        opt_names=(),
+        pos=np.arange(32),
+        buffer_rows=32,
+        block_rows=4,
+    )
     buf = np.arange(64, dtype=np.float32).reshape(32, 2)
     buf[5] = -0.0
     x = jax.device_put(buf, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))

@@ -37,25 +37,52 @@ def make_sweep(root, *, diverged=True, noise=0.002, seed=0):
                 y *= np.exp(rng.normal(0, noise))
                 tid = f"{fam}-{bi}-{ri}"
                 ids.append(tid)
-                store.append_result({
-                    "trial_id": tid, "status": "SUCCESS", "family": fam, "rung": f"r{ri}",
-                    "rung_index": ri, "budget": float(budget), "compute": float(budget),
-                    "flops_per_example": float(size), "steps": 100, "params_dense": 10,
-                    "wall_time_s": 1.0, "final": {"logloss": float(y), "auc": 0.7, "step": 100},
-                    "best": {"logloss": float(y), "auc": 0.7, "step": 100}, "config": {},
-                    "versions": {}, "diverged_at_step": None,
-                })  # fmt: skip
+                store.append_result(
+                    {
+                        "trial_id": tid,
+                        "status": "SUCCESS",
+                        "family": fam,
+                        "rung": f"r{ri}",
+                        "rung_index": ri,
+                        "budget": float(budget),
+                        "compute": float(budget),
+                        "flops_per_example": float(size),
+                        "steps": 100,
+                        "params_dense": 10,
+                        "wall_time_s": 1.0,
+                        "final": {"logloss": float(y), "auc": 0.7, "step": 100},
+                        "best": {"logloss": float(y), "auc": 0.7, "step": 100},
+                        "config": {},
+                        "versions": {},
+                        "diverged_at_step": None,
+                    }
+                )
     if diverged:
         ids.append("boom")
-        store.append_result({
-            "trial_id": "boom", "status": "DIVERGED", "family": "dlrm", "rung": "r9",
-            "rung_index": 9, "budget": float(BUDGETS[-1]), "compute": float(BUDGETS[-1]),
-            "flops_per_example": 1e9, "steps": 100, "params_dense": 10, "wall_time_s": 1.0,
-            "final": None, "best": None, "config": {}, "versions": {}, "diverged_at_step": 7,
-            "error": "FloatingPointError: non-finite training loss nan at step 7",
-        })  # fmt: skip
-    (root / "sweep.json").write_text(json.dumps({"name": "t", "metric": "logloss",
-                                                 "trial_ids": ids}))  # fmt: skip
+        store.append_result(
+            {
+                "trial_id": "boom",
+                "status": "DIVERGED",
+                "family": "dlrm",
+                "rung": "r9",
+                "rung_index": 9,
+                "budget": float(BUDGETS[-1]),
+                "compute": float(BUDGETS[-1]),
+                "flops_per_example": 1e9,
+                "steps": 100,
+                "params_dense": 10,
+                "wall_time_s": 1.0,
+                "final": None,
+                "best": None,
+                "config": {},
+                "versions": {},
+                "diverged_at_step": 7,
+                "error": "FloatingPointError: non-finite training loss nan at step 7",
+            }
+        )
+    (root / "sweep.json").write_text(
+        json.dumps({"name": "t", "metric": "logloss", "trial_ids": ids})
+    )
     return store
 
 
@@ -125,26 +152,43 @@ def make_seeded_sweep(root, *, floor=0.4, seeds=3, grid=False):
     else:
         for budget in np.geomspace(1e9, 1e12, 7):
             for ri, size in enumerate(1e4 * (budget / 1e9) ** 0.5 * np.array([0.3, 1.0, 3.0])):
-                y = floor + 0.3 * (budget / 1e9) ** -0.2 + 0.05 * np.log10(size / (1e4 * (
-                    budget / 1e9) ** 0.5)) ** 2  # fmt: skip
+                y = (
+                    floor
+                    + 0.3 * (budget / 1e9) ** -0.2
+                    + 0.05 * np.log10(size / (1e4 * (budget / 1e9) ** 0.5)) ** 2
+                )
                 cells.append((budget, f"r{ri}", size, 1000, y))
     for k, (budget, rung, fpe, psp, y) in enumerate(cells):
         for seed in range(seeds):
             tid = f"t{k}-{seed}"
             ids.append(tid)
             v = float(y * np.exp(rng.normal(0, 0.002)))
-            store.append_result({
-                "trial_id": tid, "status": "SUCCESS", "family": "wukong", "rung": rung,
-                "rung_index": k, "budget": float(budget), "compute": float(budget),
-                "flops_per_example": float(fpe), "steps": 100, "params_dense": 10,
-                "params_sparse": psp, "wall_time_s": 1.0, "seed": seed,
-                "final": {"logloss": v, "auc": 0.7, "step": 100},
-                "best": {"logloss": v, "auc": 0.7, "step": 100}, "config": {}, "versions": {},
-                "diverged_at_step": None,
-            })  # fmt: skip
+            store.append_result(
+                {
+                    "trial_id": tid,
+                    "status": "SUCCESS",
+                    "family": "wukong",
+                    "rung": rung,
+                    "rung_index": k,
+                    "budget": float(budget),
+                    "compute": float(budget),
+                    "flops_per_example": float(fpe),
+                    "steps": 100,
+                    "params_dense": 10,
+                    "params_sparse": psp,
+                    "wall_time_s": 1.0,
+                    "seed": seed,
+                    "final": {"logloss": v, "auc": 0.7, "step": 100},
+                    "best": {"logloss": v, "auc": 0.7, "step": 100},
+                    "config": {},
+                    "versions": {},
+                    "diverged_at_step": None,
+                }
+            )
     spec = {"analyses": ["sparse_dense"]} if grid else {}
-    (root / "sweep.json").write_text(json.dumps({"name": "t", "metric": "logloss",
-                                                 "trial_ids": ids, "spec": spec}))  # fmt: skip
+    (root / "sweep.json").write_text(
+        json.dumps({"name": "t", "metric": "logloss", "trial_ids": ids, "spec": spec})
+    )
 
 
 def test_seeded_sweep_gets_seed_intervals_and_a_fixed_floor_law(tmp_path, monkeypatch):
@@ -192,15 +236,37 @@ def test_quality_vs_size_of_a_fixed_data_sweep(tmp_path, capsys):
             tid = f"r{ri}-{seed}"
             ids.append(tid)
             v = ll + 0.001 * seed
-            store.append_result({
-                "trial_id": tid, "status": "SUCCESS", "family": "dlrm", "rung": f"d{ri}",
-                "rung_index": ri, "budget": 1.0, "compute": fpe * 1e6, "flops_per_example": fpe,
-                "steps": 100, "params_dense": 10, "params_sparse": 100, "wall_time_s": 1.0,
-                "final": {"logloss": v + 0.01, "auc": 0.9}, "best": {"logloss": v, "auc": 0.95},
-                "config": {}, "versions": {}, "diverged_at_step": None,
-            })  # fmt: skip
-    (tmp_path / "sweep.json").write_text(json.dumps({"name": "f", "metric": "logloss",
-        "trial_ids": ids, "spec": {"analyses": ["quality_vs_size"]}}))  # fmt: skip
+            store.append_result(
+                {
+                    "trial_id": tid,
+                    "status": "SUCCESS",
+                    "family": "dlrm",
+                    "rung": f"d{ri}",
+                    "rung_index": ri,
+                    "budget": 1.0,
+                    "compute": fpe * 1e6,
+                    "flops_per_example": fpe,
+                    "steps": 100,
+                    "params_dense": 10,
+                    "params_sparse": 100,
+                    "wall_time_s": 1.0,
+                    "final": {"logloss": v + 0.01, "auc": 0.9},
+                    "best": {"logloss": v, "auc": 0.95},
+                    "config": {},
+                    "versions": {},
+                    "diverged_at_step": None,
+                }
+            )
+    (tmp_path / "sweep.json").write_text(
+        json.dumps(
+            {
+                "name": "f",
+                "metric": "logloss",
+                "trial_ids": ids,
+                "spec": {"analyses": ["quality_vs_size"]},
+            }
+        )
+    )
     out = analyze.main([str(tmp_path), "--n-boot", "20"])
     rows = out["quality_vs_size"]["dlrm"]
     assert [r["rung"] for r in rows] == ["d0", "d1", "d2"]
@@ -223,8 +289,9 @@ def test_bayes_reference_reads_the_generator_from_the_results():
 
     syn = SyntheticConfig(vocab_sizes=(50, 20), max_hotness=(2, 1), num_eval_examples=2000)
     a = DataConfig(kind="synthetic", batch_size=64, synthetic=syn)
-    b = DataConfig(kind="synthetic", batch_size=128, synthetic=syn, max_table_rows=10,
-                   id_policy="hash")  # fmt: skip
+    b = DataConfig(
+        kind="synthetic", batch_size=128, synthetic=syn, max_table_rows=10, id_policy="hash"
+    )
     df = pd.DataFrame({"config": [json.dumps({"data": config_lib.to_dict(d)}) for d in (a, b)]})
     g = SyntheticGenerator(syn, 0)
     idx = EVAL_INDEX_OFFSET + np.arange(2000)

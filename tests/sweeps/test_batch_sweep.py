@@ -16,14 +16,19 @@ from sweeps.specs import batch_tiny
 
 
 def test_trials_keep_the_examples_and_scale_rates_by_each_recipe():
-    spec = dataclasses.replace(batch_tiny.SPEC, lr_rules=("none", "sqrt", "linear", "cowclip"),
-                               lr_multipliers=(0.5, 1.0), cowclip_row_l2=1e-4)  # fmt: skip
+    spec = dataclasses.replace(
+        batch_tiny.SPEC,
+        lr_rules=("none", "sqrt", "linear", "cowclip"),
+        lr_multipliers=(0.5, 1.0),
+        cowclip_row_l2=1e-4,
+    )
     trials = resolve(spec).trials
     # 3 batches x 4 recipes x 2 multipliers; recipes that give the same run share one trial
     # (at batch 64, dlrm/tiny's own, none = sqrt = linear; at 16 and 256 some rule x0.5 equals
     # another x1).
-    served = [(t, rule, mult) for t in trials
-              for rule, mult in ((t.lr_rule, t.lr_multiplier), *t.also)]  # fmt: skip
+    served = [
+        (t, rule, mult) for t in trials for rule, mult in ((t.lr_rule, t.lr_multiplier), *t.also)
+    ]
     assert len(served) == 3 * 4 * 2 and len(trials) == 16
     assert len({(t.batch_size, r, m) for t, r, m in served}) == 24
     base = next(t for t, r, m in served if t.batch_size == 64 and r == "none" and m == 1.0)
@@ -32,8 +37,9 @@ def test_trials_keep_the_examples_and_scale_rates_by_each_recipe():
     for t, rule, mult in served:
         assert t.examples == 10240 and t.steps == 10240 // t.batch_size
         s = t.batch_size / 64
-        dpow, epow = {"none": (0, 0), "sqrt": (0.5, 0.5), "linear": (1, 1),
-                      "cowclip": (0.5, 0)}[rule]  # fmt: skip
+        dpow, epow = {"none": (0, 0), "sqrt": (0.5, 0.5), "linear": (1, 1), "cowclip": (0.5, 0)}[
+            rule
+        ]
         opt = t.config["dense_optim"], t.config["embedding_optim"]
         assert opt[0]["learning_rate"] == pytest.approx(d0 * s**dpow * mult)
         assert opt[1]["learning_rate"] == pytest.approx(e0 * s**epow * mult)
@@ -64,12 +70,28 @@ def test_analysis_of_a_sweep_directory(tmp_path):
     def trial(tid, batch, rule, mult, seed, evals, noise=(), also=()):
         d = tmp_path / "trials" / tid
         (d / "run").mkdir(parents=True)
-        t = {"trial_id": tid, "family": "dlrm", "rung": "d1", "batch_size": batch, "seed": seed,
-             "lr_rule": rule, "lr_multiplier": mult, "steps": 100, "also": also}  # fmt: skip
+        t = {
+            "trial_id": tid,
+            "family": "dlrm",
+            "rung": "d1",
+            "batch_size": batch,
+            "seed": seed,
+            "lr_rule": rule,
+            "lr_multiplier": mult,
+            "steps": 100,
+            "also": also,
+        }
         (d / "trial.json").write_text(json.dumps(t))
         rows = [{"split": "eval", "step": s, "logloss": v} for s, v in evals]
-        rows += [{"split": "noise_scale", "step": s, "noise_scale/dense": v,
-                  "noise_scale/embedding": 10 * v} for s, v in noise]  # fmt: skip
+        rows += [
+            {
+                "split": "noise_scale",
+                "step": s,
+                "noise_scale/dense": v,
+                "noise_scale/embedding": 10 * v,
+            }
+            for s, v in noise
+        ]
         (d / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         results.append({"trial_id": tid, "status": "SUCCESS"})
 
@@ -89,10 +111,15 @@ def test_analysis_of_a_sweep_directory(tmp_path):
     out = batch_analysis.analyze(tmp_path, target=0.5)
     none, rec = out["recipes"]
     assert (none["recipe"], rec["recipe"]) == ("none", "sqrt")
-    assert none["points"] == [{"batch": 64, "steps": 50.0, "examples": 3200.0,
-                               "lr_multiplier": 2.0}]  # fmt: skip
-    assert rec["points"][0] == {"batch": 64, "steps": 50.0, "examples": 3200.0,
-                                "lr_multiplier": 2.0}  # fmt: skip
+    assert none["points"] == [
+        {"batch": 64, "steps": 50.0, "examples": 3200.0, "lr_multiplier": 2.0}
+    ]
+    assert rec["points"][0] == {
+        "batch": 64,
+        "steps": 50.0,
+        "examples": 3200.0,
+        "lr_multiplier": 2.0,
+    }
     assert rec["points"][1]["steps"] is None
     (ns,) = out["noise_scale"]
     assert ns["batch"] == 64 and ns["b_simple_dense"] == pytest.approx(4.0)  # steps >= 50
@@ -103,8 +130,11 @@ def test_the_large_batch_spec_resolves_every_recipe_point():
     from sweeps.specs import large_batch
 
     trials = resolve(large_batch.SPEC).trials
-    served = {(t.family, t.rung, t.batch_size, r, m) for t in trials
-              for r, m in ((t.lr_rule, t.lr_multiplier), *t.also)}  # fmt: skip
+    served = {
+        (t.family, t.rung, t.batch_size, r, m)
+        for t in trials
+        for r, m in ((t.lr_rule, t.lr_multiplier), *t.also)
+    }
     assert len(served) == 2 * 3 * 7 * 4 * 3
     assert {t.examples for t in trials} == {1 << 24}
     assert {t.batch_size for t in trials} == {1 << k for k in range(10, 17)}
@@ -119,21 +149,47 @@ def test_targets_per_size_and_the_noise_scale_where_runs_reach_them(tmp_path):
     def trial(tid, rung, batch, evals, noise):
         d = tmp_path / "trials" / tid
         (d / "run").mkdir(parents=True)
-        t = {"trial_id": tid, "family": "dlrm", "rung": rung, "batch_size": batch, "seed": 0,
-             "lr_rule": "sqrt", "lr_multiplier": 1.0, "steps": 400, "also": []}  # fmt: skip
+        t = {
+            "trial_id": tid,
+            "family": "dlrm",
+            "rung": rung,
+            "batch_size": batch,
+            "seed": 0,
+            "lr_rule": "sqrt",
+            "lr_multiplier": 1.0,
+            "steps": 400,
+            "also": [],
+        }
         (d / "trial.json").write_text(json.dumps(t))
         rows = [{"split": "eval", "step": s, "logloss": v} for s, v in evals]
-        rows += [{"split": "noise_scale", "step": s, "noise_scale/dense/g2_now": g,
-                  "noise_scale/dense/trace_now": tr, "noise_scale/embedding/g2_now": ge,
-                  "noise_scale/embedding/trace_now": te} for s, g, tr, ge, te in noise]  # fmt: skip
+        rows += [
+            {
+                "split": "noise_scale",
+                "step": s,
+                "noise_scale/dense/g2_now": g,
+                "noise_scale/dense/trace_now": tr,
+                "noise_scale/embedding/g2_now": ge,
+                "noise_scale/embedding/trace_now": te,
+            }
+            for s, g, tr, ge, te in noise
+        ]
         (d / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         results.append({"trial_id": tid, "status": "SUCCESS"})
 
     # small: best 0.40, target 0.41, crossed between steps 100 (0.45) and 200 (0.40) at 180;
     # measurements at steps 90..360 count (90 and 400 do not: outside [90, 360])
-    trial("a", "small", 64, [(100, 0.45), (200, 0.40)],
-          [(80, 1.0, 1e6, 0.0, 0.0), (100, 2.0, 100.0, -1.0, 400.0),
-           (300, 4.0, 300.0, 1.0, 800.0), (400, 1.0, 1e6, 0.0, 0.0)])  # fmt: skip
+    trial(
+        "a",
+        "small",
+        64,
+        [(100, 0.45), (200, 0.40)],
+        [
+            (80, 1.0, 1e6, 0.0, 0.0),
+            (100, 2.0, 100.0, -1.0, 400.0),
+            (300, 4.0, 300.0, 1.0, 800.0),
+            (400, 1.0, 1e6, 0.0, 0.0),
+        ],
+    )
     # big: its own best 0.30 (target 0.31), reached at the first evaluation
     trial("b", "big", 64, [(50, 0.30), (100, 0.35)], [])
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))

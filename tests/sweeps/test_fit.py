@@ -39,9 +39,15 @@ def test_full_data_fit_matches_scipy_least_squares_huber(noisy_fit):
         return np.log(loss) - np.log(p[0] * x ** -p[1] + p[2])
 
     ref = least_squares(
-        resid, [0.2, 0.5, 0.1], bounds=([0, 0, 0], [np.inf, np.inf, loss.min()]),
-        loss="huber", f_scale=f.huber_delta, xtol=1e-15, ftol=1e-15, gtol=1e-15,
-    )  # fmt: skip
+        resid,
+        [0.2, 0.5, 0.1],
+        bounds=([0, 0, 0], [np.inf, np.inf, loss.min()]),
+        loss="huber",
+        f_scale=f.huber_delta,
+        xtol=1e-15,
+        ftol=1e-15,
+        gtol=1e-15,
+    )
     assert ref.success and np.abs(ref.fun).max() > f.huber_delta  # the Huber tail is in play
     np.testing.assert_allclose([f.a_norm, f.b, f.c], ref.x, rtol=1e-5)
     assert f.a == pytest.approx(f.a_norm * f.c0**f.b, rel=1e-12)
@@ -220,8 +226,10 @@ def test_seed_bootstrap_intervals_cover_the_law():
     rng = np.random.default_rng(7)
     grids = [_seeded_grid(rng) for _ in range(60)]
     for floor in (None, 0.4):
-        fits = [fit.fit_frontier_seeds(bu, co, ls, n_boot=150, seed=k, floor=floor)
-                for k, (bu, co, _, ls) in enumerate(grids)]  # fmt: skip
+        fits = [
+            fit.fit_frontier_seeds(bu, co, ls, n_boot=150, seed=k, floor=floor)
+            for k, (bu, co, _, ls) in enumerate(grids)
+        ]
         cover = np.mean([f.intervals["b"][0] <= 0.2 <= f.intervals["b"][1] for f in fits])
         assert 0.85 <= cover <= 1.0, (floor, cover)
         width = np.median([np.subtract(*f.intervals["b"][::-1]) for f in fits])

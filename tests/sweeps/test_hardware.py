@@ -32,10 +32,15 @@ def test_presets_are_consistent():
 
 
 def test_hardware_sets_the_global_batch_and_mesh():
-    fam = FamilySpec(family="dlrm", package="dlrm", preset="dlrm/tiny",
-                     ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)))  # fmt: skip
-    spec = SweepSpec(name="t", families=(fam,), budgets=(1e12,), code_version="x",
-                     hardware="gpu-h100x8")  # fmt: skip
+    fam = FamilySpec(
+        family="dlrm",
+        package="dlrm",
+        preset="dlrm/tiny",
+        ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
+    )
+    spec = SweepSpec(
+        name="t", families=(fam,), budgets=(1e12,), code_version="x", hardware="gpu-h100x8"
+    )
     (t,) = resolve(spec).trials
     hw = tpu_gpu_configs.get("gpu-h100x8")
     assert t.batch_size == hw.per_device_batch * 8 == t.config["data"]["batch_size"]
@@ -80,19 +85,27 @@ def test_a_malformed_distributed_setting_is_a_one_line_cli_error(monkeypatch, tm
     monkeypatch.setenv(launch.COORDINATOR_ENV, "127.0.0.1:1")
     monkeypatch.setenv(launch.NUM_PROCESSES_ENV, "2")
     monkeypatch.setenv(launch.PROCESS_ID_ENV, "one")
-    with pytest.raises(SystemExit, match=r"^error: RECSCALE_COORDINATOR=127.0.0.1:1 needs .*"
-                                         r"RECSCALE_PROCESS_ID"):  # fmt: skip
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: RECSCALE_COORDINATOR=127.0.0.1:1 needs .*"
+        r"RECSCALE_PROCESS_ID",
+    ):
         dlrm.train.main(["dlrm/tiny", "--workdir", str(tmp_path / "run")])
 
 
 def test_a_preset_plans_the_engine_for_its_machine():
     """A v6e preset plans with the v6e profile (32 GB, 8 chips per host), not the v5p's
     (95 GB) that the TPU backend's default would give; an engine-off trial is unchanged."""
-    fam = FamilySpec(family="dlrm", package="dlrm", preset="dlrm/tiny",
-                     ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
-                     overrides={"embeddings.sharding": "auto"})  # fmt: skip
-    spec = SweepSpec(name="t", families=(fam,), budgets=(1e12,), code_version="x",
-                     hardware="tpu-v6e-8")  # fmt: skip
+    fam = FamilySpec(
+        family="dlrm",
+        package="dlrm",
+        preset="dlrm/tiny",
+        ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
+        overrides={"embeddings.sharding": "auto"},
+    )
+    spec = SweepSpec(
+        name="t", families=(fam,), budgets=(1e12,), code_version="x", hardware="tpu-v6e-8"
+    )
     (t,) = resolve(spec).trials
     assert t.config["embeddings"]["profile"] == "tpu-v6e"
     assert t.config["embeddings"]["host_size"] == 8
@@ -109,7 +122,9 @@ def test_ray_tasks_request_the_presets_accelerators():
     tpu = ray_task_options(tpu_gpu_configs.get("tpu-v6e-8"), 1.0)
     assert tpu["resources"] == {"TPU": 8} and "num_gpus" not in tpu
     assert ray_task_options(tpu_gpu_configs.get("cpu-local-2proc"), 2.0) == {
-        "num_cpus": 2.0, "max_retries": 0}  # fmt: skip
+        "num_cpus": 2.0,
+        "max_retries": 0,
+    }
     with pytest.raises(ValueError, match="--backend slurm"):
         ray_task_options(tpu_gpu_configs.get("gpu-h100x8-4nodes"), 1.0)
 
@@ -139,31 +154,53 @@ def test_multi_host_tpu_trials_start_on_every_worker_through_gcloud(tmp_path, mo
     fake.chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
-    probe = (f"import os; open(os.path.join({str(out)!r}, 'w' + os.environ['WORKER']), 'w')"
-             ".write(os.getcwd() + ' ' + os.environ['RECSCALE_DISTRIBUTED'] + ' ' "
-             "+ os.environ['LIBTPU_INIT_ARGS'])")  # fmt: skip
+    probe = (
+        f"import os; open(os.path.join({str(out)!r}, 'w' + os.environ['WORKER']), 'w')"
+        ".write(os.getcwd() + ' ' + os.environ['RECSCALE_DISTRIBUTED'] + ' ' "
+        "+ os.environ['LIBTPU_INIT_ARGS'])"
+    )
     cmd = [sys.executable if p == "{python}" else p for p in hw.command_prefix]
-    env = {**os_environ_without_recscale(), **hw.env, "PATH": f"{fake.parent}:/usr/bin:/bin",
-           "FAKE_GCLOUD_LOG": str(tmp_path / "args"), "RECSCALE_TPU_NAME": "my-slice",
-           "RECSCALE_TPU_ZONE": "us-east5-a"}  # fmt: skip
+    env = {
+        **os_environ_without_recscale(),
+        **hw.env,
+        "PATH": f"{fake.parent}:/usr/bin:/bin",
+        "FAKE_GCLOUD_LOG": str(tmp_path / "args"),
+        "RECSCALE_TPU_NAME": "my-slice",
+        "RECSCALE_TPU_ZONE": "us-east5-a",
+    }
     repo = str(tpu_gpu_configs.__file__).rsplit("/tpu_gpu_configs", 1)[0]
-    subprocess.run([*cmd, sys.executable, "-c", probe], cwd=repo, env=env, check=True,
-                   timeout=60)  # fmt: skip
+    subprocess.run([*cmd, sys.executable, "-c", probe], cwd=repo, env=env, check=True, timeout=60)
     args = (tmp_path / "args").read_text().splitlines()
-    assert args[:8] == ["compute", "tpus", "tpu-vm", "ssh", "my-slice", "--worker=all",
-                        "--ssh-flag=-tt", "--zone=us-east5-a"]  # fmt: skip
+    assert args[:8] == [
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "ssh",
+        "my-slice",
+        "--worker=all",
+        "--ssh-flag=-tt",
+        "--zone=us-east5-a",
+    ]
     for w in ("w0", "w1"):
         cwd, distributed, flags = (out / w).read_text().split(" ", 2)
         assert (cwd, distributed, flags) == (repo, "1", hw.env["LIBTPU_INIT_ARGS"])
-    dry = subprocess.run([*cmd[:-1], "--dry-run", "--", "train", "a b"], cwd=repo, env=env,
-                         capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    dry = subprocess.run(
+        [*cmd[:-1], "--dry-run", "--", "train", "a b"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert dry.stdout.startswith(
         "gcloud compute tpus tpu-vm ssh my-slice --worker=all --ssh-flag=-tt"
     )
     assert "RECSCALE_DISTRIBUTED=1" in dry.stdout and "'a b'" in dry.stdout
     env.pop("RECSCALE_TPU_NAME")
-    bad = subprocess.run([*cmd, "train"], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+    bad = subprocess.run(
+        [*cmd, "train"], cwd=repo, env=env, capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode != 0 and "RECSCALE_TPU_NAME" in bad.stderr
     assert "Traceback" not in bad.stderr
 

@@ -30,8 +30,9 @@ pytestmark = pytest.mark.slow
 STEP_FLOPS_D1 = 1732 * 64
 
 
-def write_spec(path: Path, *, budgets, name="t", overrides=None, max_retries=1, ckpts=2,
-               timeout=0.0) -> Path:  # fmt: skip
+def write_spec(
+    path: Path, *, budgets, name="t", overrides=None, max_retries=1, ckpts=2, timeout=0.0
+) -> Path:
     path.write_text(
         textwrap.dedent(
             f"""
@@ -61,15 +62,29 @@ def write_spec(path: Path, *, budgets, name="t", overrides=None, max_retries=1, 
 
 
 def launch_cmd(spec: Path, sweep_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "sweeps.launch", str(spec), "--sweep-dir", str(sweep_dir),
-            "--heartbeat", "0.5", "--stale-after", "4", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "sweeps.launch",
+        str(spec),
+        "--sweep-dir",
+        str(sweep_dir),
+        "--heartbeat",
+        "0.5",
+        "--stale-after",
+        "4",
+        *extra,
+    ]
 
 
 def run_launch(spec: Path, sweep_dir: Path, *extra: str, timeout=300, env=None) -> dict:
     proc = subprocess.run(
-        launch_cmd(spec, sweep_dir, *extra), capture_output=True, text=True, timeout=timeout,
+        launch_cmd(spec, sweep_dir, *extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env=env,
-    )  # fmt: skip
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -105,8 +120,9 @@ def wait_for(pred, timeout=120.0, poll=0.05):
 
 def test_dry_run_lists_trials_without_running(tmp_path):
     spec = write_spec(tmp_path / "spec.py", budgets=[20 * STEP_FLOPS_D1, 40 * STEP_FLOPS_D1])
-    out = subprocess.run(launch_cmd(spec, tmp_path / "sw", "--dry-run"), capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        launch_cmd(spec, tmp_path / "sw", "--dry-run"), capture_output=True, text=True, check=True
+    ).stdout
     assert out.count("PENDING") == 2 and " 20 " in out and " 40 " in out
     assert not (tmp_path / "sw" / "results.jsonl").exists()
 
@@ -120,8 +136,10 @@ def test_trials_in_one_warm_process_equal_trials_in_their_own(tmp_path):
     assert run_launch(spec, isolated, "--isolate-trials")["statuses"] == {"SUCCESS": 2}
     finals = {d: {r["trial_id"]: r["final"] for r in rows(d)} for d in (warm, isolated)}
     assert len(finals[warm]) == 2 and finals[warm] == finals[isolated]
-    logs = {d: [(SweepStore(d).trial_dir(t) / "train.log").read_text() for t in finals[d]]
-            for d in (warm, isolated)}  # fmt: skip
+    logs = {
+        d: [(SweepStore(d).trial_dir(t) / "train.log").read_text() for t in finals[d]]
+        for d in (warm, isolated)
+    }
     pids = {re.search(r"trial server pid (\d+)", log).group(1) for log in logs[warm]}
     assert len(pids) == 1  # one process ran both
     assert not any("trial server" in log for log in logs[isolated])
@@ -131,8 +149,9 @@ def test_kill9_then_relaunch_gives_exactly_n_rows(tmp_path):
     n = 3
     spec = write_spec(tmp_path / "spec.py", budgets=[s * STEP_FLOPS_D1 for s in (20, 30, 40)])
     sweep = tmp_path / "sw"
-    proc = subprocess.Popen(launch_cmd(spec, sweep), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        launch_cmd(spec, sweep), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wait_for(lambda: len(rows(sweep)) >= 1)
 
     def next_claimed() -> bool:
@@ -164,8 +183,12 @@ def test_two_concurrent_launchers_run_each_trial_once(tmp_path):
     n = 4
     spec = write_spec(tmp_path / "spec.py", budgets=[s * STEP_FLOPS_D1 for s in (10, 15, 20, 25)])
     sweep = tmp_path / "sw"
-    procs = [subprocess.Popen(launch_cmd(spec, sweep), stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            launch_cmd(spec, sweep), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
     got = rows(sweep)
     assert sorted(r["trial_id"] for r in got) == sorted({r["trial_id"] for r in got})
@@ -183,8 +206,9 @@ def test_trial_killed_mid_run_resumes_from_its_checkpoint(tmp_path):
     steps = 3000
     spec = write_spec(tmp_path / "spec.py", budgets=[steps * STEP_FLOPS_D1], ckpts=6)
     sweep = tmp_path / "sw"
-    proc = subprocess.Popen(launch_cmd(spec, sweep), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        launch_cmd(spec, sweep), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
     def checkpointed():
         return any(p.name.isdigit() for p in sweep.glob("trials/*/run/checkpoints/*"))
@@ -203,19 +227,28 @@ def test_trial_killed_mid_run_resumes_from_its_checkpoint(tmp_path):
 def test_diverged_and_failed_trials_are_recorded(tmp_path):
     sweep = tmp_path / "sw"
     diverge = write_spec(
-        tmp_path / "diverge.py", budgets=[20 * STEP_FLOPS_D1], name="d",
-        overrides={"dense_optim.name": "sgd", "dense_optim.learning_rate": 1e30,
-                   "embedding_optim.name": "sgd", "embedding_optim.learning_rate": 1e30},
-    )  # fmt: skip
+        tmp_path / "diverge.py",
+        budgets=[20 * STEP_FLOPS_D1],
+        name="d",
+        overrides={
+            "dense_optim.name": "sgd",
+            "dense_optim.learning_rate": 1e30,
+            "embedding_optim.name": "sgd",
+            "embedding_optim.learning_rate": 1e30,
+        },
+    )
     run_launch(diverge, sweep)
     (row,) = rows(sweep)
     assert row["status"] == "DIVERGED" and row["attempts"] == 1  # deterministic: no retry
     assert row["diverged_at_step"] is not None and "non-finite" in row["error"]
 
     fail = write_spec(
-        tmp_path / "fail.py", budgets=[20 * STEP_FLOPS_D1], name="f", max_retries=1,
+        tmp_path / "fail.py",
+        budgets=[20 * STEP_FLOPS_D1],
+        name="f",
+        max_retries=1,
         overrides={"train.init_from": str(tmp_path / "no_such_run")},
-    )  # fmt: skip
+    )
     sweep2 = tmp_path / "sw2"
     summary = run_launch(fail, sweep2)
     (row,) = rows(sweep2)
@@ -238,22 +271,47 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
     # --block keeps the head in this process group, so the test stops its own cluster only
     # (``ray stop`` would stop every Ray cluster on the machine, a user's included).
     head = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={ray_tmp}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         deadline = time.time() + 120
-        while subprocess.run([str(ray_bin), "status", f"--address=127.0.0.1:{port}"],
-                             capture_output=True, env=env, timeout=60).returncode:  # fmt: skip
+        while subprocess.run(
+            [str(ray_bin), "status", f"--address=127.0.0.1:{port}"],
+            capture_output=True,
+            env=env,
+            timeout=60,
+        ).returncode:
             assert head.poll() is None, head.stderr.read()[-2000:]
             assert time.time() < deadline, "the Ray head did not come up in 120 s"
             time.sleep(1)
         spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
         sweep = tmp_path / "sw"
-        summary = run_launch(spec, sweep, "--backend", "ray", "--max-parallel", "2",
-                             "--ray-address", f"127.0.0.1:{port}", env=env)  # fmt: skip
+        summary = run_launch(
+            spec,
+            sweep,
+            "--backend",
+            "ray",
+            "--max-parallel",
+            "2",
+            "--ray-address",
+            f"127.0.0.1:{port}",
+            env=env,
+        )
         assert summary["statuses"] == {"SUCCESS": 2}
         got = rows(sweep)
         assert len(got) == 2
@@ -273,8 +331,9 @@ def test_ray_backend_on_a_local_cluster(tmp_path):
 def test_slurm_backend_with_submitits_local_executor(tmp_path):
     spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
     sweep = tmp_path / "sw"
-    summary = run_launch(spec, sweep, "--backend", "slurm", "--submitit-cluster", "local",
-                         "--max-parallel", "2")  # fmt: skip
+    summary = run_launch(
+        spec, sweep, "--backend", "slurm", "--submitit-cluster", "local", "--max-parallel", "2"
+    )
     assert summary["statuses"] == {"SUCCESS": 2}
     got = rows(sweep)
     owners = {a["owner"] for r in got for a in SweepStore(sweep).attempts(r["trial_id"])}
@@ -293,8 +352,17 @@ def test_trials_that_are_themselves_multi_process(tmp_path, backend):
     spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1])
     sweep = tmp_path / "sw"
     extra = ("--submitit-cluster", "local") if backend == "slurm" else ()
-    summary = run_launch(spec, sweep, "--backend", backend, "--max-parallel", "1",
-                         "--hardware", "cpu-local-2proc", *extra)  # fmt: skip
+    summary = run_launch(
+        spec,
+        sweep,
+        "--backend",
+        backend,
+        "--max-parallel",
+        "1",
+        "--hardware",
+        "cpu-local-2proc",
+        *extra,
+    )
     assert summary["statuses"] == {"SUCCESS": 1}
     got = rows(sweep)
     assert len(got) == 1
@@ -309,18 +377,40 @@ def test_results_rows_carry_what_fits_and_audits_need(tmp_path):
     sweep = tmp_path / "sw"
     run_launch(spec, sweep)
     (row,) = rows(sweep)
-    for key in ("trial_id", "config", "budget", "compute", "flops_per_example",
-                "flops_convention", "examples", "params_dense", "params_sparse", "final", "best",
-                "wall_time_s", "device_kind", "host_cpu", "device_count", "seed", "code_version",
-                "versions", "status", "data_fingerprint"):  # fmt: skip
+    for key in (
+        "trial_id",
+        "config",
+        "budget",
+        "compute",
+        "flops_per_example",
+        "flops_convention",
+        "examples",
+        "params_dense",
+        "params_sparse",
+        "final",
+        "best",
+        "wall_time_s",
+        "device_kind",
+        "host_cpu",
+        "device_count",
+        "seed",
+        "code_version",
+        "versions",
+        "status",
+        "data_fingerprint",
+    ):
         assert row.get(key) is not None, key
     assert row["examples"] == 10 * 64 and row["compute"] == pytest.approx(10 * STEP_FLOPS_D1)
     assert row["final"]["step"] == 10 and row["best"]["logloss"] <= row["final"]["logloss"]
     assert row["versions"]["jax"]
     # The trial's workdir is a normal run: the evaluate command works on it.
     wd = SweepStore(sweep).workdir(row["trial_id"])
-    ev = subprocess.run([sys.executable, "-m", "dlrm.evaluate", "--workdir", str(wd)],
-                        capture_output=True, text=True, check=True).stdout  # fmt: skip
+    ev = subprocess.run(
+        [sys.executable, "-m", "dlrm.evaluate", "--workdir", str(wd)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert json.loads(ev.strip().splitlines()[-1])["logloss"] == pytest.approx(
         row["final"]["logloss"], abs=1e-6
     )
@@ -328,8 +418,9 @@ def test_results_rows_carry_what_fits_and_audits_need(tmp_path):
 
 
 def test_an_attempt_over_its_timeout_is_killed_and_counted(tmp_path):
-    spec = write_spec(tmp_path / "spec.py", budgets=[20000 * STEP_FLOPS_D1], max_retries=0,
-                      timeout=3.0)  # fmt: skip
+    spec = write_spec(
+        tmp_path / "spec.py", budgets=[20000 * STEP_FLOPS_D1], max_retries=0, timeout=3.0
+    )
     sweep = tmp_path / "sw"
     t0 = time.time()
     summary = run_launch(spec, sweep)

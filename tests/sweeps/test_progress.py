@@ -22,8 +22,14 @@ def finish(store: SweepStore, tid: str, status: str, wall: float) -> None:
 
 def make(tmp_path):
     store = SweepStore(tmp_path)
-    trials = [trial("a", 1e9), trial("b", 3e9), trial("c", 2e9), trial("d", 1e9),
-              trial("e", 4e9), trial("f", 6e9)]  # fmt: skip
+    trials = [
+        trial("a", 1e9),
+        trial("b", 3e9),
+        trial("c", 2e9),
+        trial("d", 1e9),
+        trial("e", 4e9),
+        trial("f", 6e9),
+    ]
     # Finished trials cost 2 s plus 1 s per 1e9 FLOPs.
     finish(store, "a", "SUCCESS", 3.0)
     finish(store, "b", "SUCCESS", 5.0)

@@ -16,11 +16,21 @@ from sweeps.store import SweepStore
 
 def fake_trial(tid="t1", steps=10) -> Trial:
     return Trial(
-        trial_id=tid, family="dlrm", package="dlrm", rung="d1", rung_index=0, budget=1e9,
-        seed=0, flops_per_example=1e3, examples=steps * 64, steps=steps, batch_size=64,
-        params_dense=10, params_sparse=100,
+        trial_id=tid,
+        family="dlrm",
+        package="dlrm",
+        rung="d1",
+        rung_index=0,
+        budget=1e9,
+        seed=0,
+        flops_per_example=1e3,
+        examples=steps * 64,
+        steps=steps,
+        batch_size=64,
+        params_dense=10,
+        params_sparse=100,
         config={"dense_optim": {"learning_rate": 1e-3}, "embedding_optim": {"learning_rate": 0.05}},
-    )  # fmt: skip
+    )
 
 
 def setup(tmp_path, attempts, evals=()):
@@ -40,10 +50,19 @@ def setup(tmp_path, attempts, evals=()):
     ("attempts", "status"),
     [
         ([{"exit_code": 0, "duration_s": 1.0}], "SUCCESS"),
-        ([{"exit_code": 3, "duration_s": 1.0, "error_tail": "non-finite training loss nan at step 4"}], "DIVERGED"),
+        (
+            [
+                {
+                    "exit_code": 3,
+                    "duration_s": 1.0,
+                    "error_tail": "non-finite training loss nan at step 4",
+                }
+            ],
+            "DIVERGED",
+        ),
         ([{"exit_code": 1, "duration_s": 1.0, "error_tail": "boom"}] * 2, "FAILED"),
     ],
-)  # fmt: skip
+)
 def test_a_settled_trial_whose_worker_died_gets_its_row_without_rerunning(
     tmp_path, attempts, status
 ):
@@ -67,9 +86,14 @@ def test_one_failure_within_the_retry_budget_is_not_settled(tmp_path):
 
 def test_non_finite_metrics_become_null(tmp_path):
     # One-class eval sets give AUC NaN; JSON rows cannot hold NaN, so it is recorded as null.
-    store, t = setup(tmp_path, [{"exit_code": 0, "duration_s": 1.0}],
-                     evals=[{"step": 5, "logloss": 0.6, "auc": float("nan")},
-                            {"step": 10, "logloss": 0.5, "auc": float("nan")}])  # fmt: skip
+    store, t = setup(
+        tmp_path,
+        [{"exit_code": 0, "duration_s": 1.0}],
+        evals=[
+            {"step": 5, "logloss": 0.6, "auc": float("nan")},
+            {"step": 10, "logloss": 0.5, "auc": float("nan")},
+        ],
+    )
     run_worker(str(tmp_path), [t.to_dict()], WorkerOptions(wait=False))
     (row,) = store.results()
     assert row["final"]["auc"] is None and row["final"]["logloss"] == 0.5
@@ -142,9 +166,14 @@ def test_claim_order_keeps_a_worker_on_the_sizes_it_has_compiled(tmp_path):
     os.utime(stale, (time.time() - 600, time.time() - 600))
     order = claim_order(spec_order, {("dlrm", "d3")}, store, "me")
     assert ids(order) == [
-        "d3-1e+09", "d3-1e+10",  # compiled here
-        "d1-1e+09", "d4-1e+09", "d1-1e+10", "d4-1e+10",  # nobody's running these sizes
-        "d2-1e+09", "d2-1e+10",  # another worker's size: its programs are there, not here
-    ]  # fmt: skip
+        "d3-1e+09",
+        "d3-1e+10",  # compiled here
+        "d1-1e+09",
+        "d4-1e+09",
+        "d1-1e+10",
+        "d4-1e+10",  # nobody's running these sizes
+        "d2-1e+09",
+        "d2-1e+10",  # another worker's size: its programs are there, not here
+    ]
     # A worker's own claim does not make its size busy for it; with nothing warm: spec order.
     assert ids(claim_order(spec_order, set(), store, "other")) == ids(spec_order)

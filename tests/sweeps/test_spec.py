@@ -21,8 +21,16 @@ DLRM = FamilySpec(
 
 
 def make_spec(**kw) -> SweepSpec:
-    return SweepSpec(**{"name": "t", "families": (DLRM,), "budgets": (2e7, 6e7, 2e8),
-                        "min_steps": 5, "code_version": "test", **kw})  # fmt: skip
+    return SweepSpec(
+        **{
+            "name": "t",
+            "families": (DLRM,),
+            "budgets": (2e7, 6e7, 2e8),
+            "min_steps": 5,
+            "code_version": "test",
+            **kw,
+        }
+    )
 
 
 def test_budget_resolves_to_examples_and_steps():
@@ -50,7 +58,10 @@ def test_diagonal_grid_climbs_the_ladder():
     for t in res.trials:
         by_budget.setdefault(t.budget, []).append(t.rung_index)
     assert by_budget == {2e7: [0, 1], 6e7: [1, 2], 2e8: [1, 2]} or by_budget == {
-        2e7: [0, 1], 6e7: [0, 1], 2e8: [1, 2]}  # round() of 0.5  # fmt: skip
+        2e7: [0, 1],
+        6e7: [0, 1],
+        2e8: [1, 2],
+    }  # round() of 0.5
 
 
 def test_extend_below_adds_sizes_under_the_diagonal_window():
@@ -121,8 +132,16 @@ def test_learning_rate_follows_the_batch_rule():
 def test_identity_ignores_non_semantic_fields_only():
     (t,) = resolve(make_spec(budgets=(2e7,), sizes_per_budget=1)).trials
     cfg = t.config
-    same = {**cfg, "train": {**cfg["train"], "log_every": 7, "eval_every": 3, "progress": True,
-                             "checkpoint_every": 11}}  # fmt: skip
+    same = {
+        **cfg,
+        "train": {
+            **cfg["train"],
+            "log_every": 7,
+            "eval_every": 3,
+            "progress": True,
+            "checkpoint_every": 11,
+        },
+    }
     assert spec_lib.trial_id("dlrm", same, "test", "fp") == spec_lib.trial_id(
         "dlrm", cfg, "test", "fp"
     )
@@ -164,9 +183,13 @@ def test_tabular_identity_is_the_spec_and_files_not_their_paths(tmp_path):
         (tmp_path / d / "s.yaml").write_text(
             "train: [x.csv]\nlabel: {column: label}\nfeatures: [{name: u, kind: categorical}]\n"
         )
-    cfgs = [DataConfig(kind="tabular", tabular=TabularConfig(spec=str(tmp_path / d / "s.yaml"),
-                                                             prepared_dir=f"/p/{d}"))
-            for d in ("a", "b")]  # fmt: skip
+    cfgs = [
+        DataConfig(
+            kind="tabular",
+            tabular=TabularConfig(spec=str(tmp_path / d / "s.yaml"), prepared_dir=f"/p/{d}"),
+        )
+        for d in ("a", "b")
+    ]
     fps = [spec_lib.data_fingerprint(c) for c in cfgs]
     assert fps[0] == fps[1]  # same content, other folder
     from recscale import config as config_lib
@@ -184,10 +207,12 @@ def test_tabular_identity_is_the_spec_and_files_not_their_paths(tmp_path):
 
 def test_overrides_and_wukong_ladder():
     fam = FamilySpec(
-        family="wukong", package="wukong", preset="wukong/tiny",
+        family="wukong",
+        package="wukong",
+        preset="wukong/tiny",
         ladder=wukong_ladder(((1, 2, 2, 2, 1, 8), (2, 4, 4, 4, 1, 16))),
         overrides={"model.top_mlp": (8, 1), "dense_optim.decay": "cosine"},
-    )  # fmt: skip
+    )
     res = resolve(make_spec(families=(fam,), budgets=(1e8,)))
     assert [t.rung for t in res.trials] == ["w1", "w2"]
     assert all(t.config["model"]["top_mlp"] == [8, 1] for t in res.trials)
@@ -219,13 +244,16 @@ def test_specs_resolve_without_jax():
 def test_rung_overrides_set_the_schema_and_a_field_added_at_default_keeps_identity():
     from data.config import DataConfig, SyntheticConfig  # noqa: PLC0415
 
-    data = DataConfig(kind="synthetic", batch_size=64,
-                      synthetic=SyntheticConfig(vocab_sizes=(5000, 100), max_hotness=(1, 1)))  # fmt: skip
+    data = DataConfig(
+        kind="synthetic",
+        batch_size=64,
+        synthetic=SyntheticConfig(vocab_sizes=(5000, 100), max_hotness=(1, 1)),
+    )
     ladder = (
         spec_lib.Rung("full", dict(embed_dim=8)),
         spec_lib.Rung(
             "capped", dict(embed_dim=8), {"data.max_table_rows": 500, "data.id_policy": "hash"}
-        ),  # fmt: skip
+        ),
     )
     fam = FamilySpec(family="dlrm", package="dlrm", preset="dlrm/tiny", ladder=ladder)
     sweep = SweepSpec(name="t", families=(fam,), budgets=(1e9,), data=data, min_steps=1)

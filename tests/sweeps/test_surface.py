@@ -50,9 +50,12 @@ def test_recovers_a_noiseless_surface_and_its_closed_form_optimum():
     assert fit.rms_log_residual < 1e-6
     for c in (1e9, 3e10, 1e12):
         # The closed form against a numerical minimum of L(N, C/N) over N.
-        res = optimize.minimize_scalar(lambda u, c=c: _loss(np.exp(u), c / np.exp(u)),
-                                       bounds=(np.log(10.0), np.log(1e9)), method="bounded",
-                                       options={"xatol": 1e-10})  # fmt: skip
+        res = optimize.minimize_scalar(
+            lambda u, c=c: _loss(np.exp(u), c / np.exp(u)),
+            bounds=(np.log(10.0), np.log(1e9)),
+            method="bounded",
+            options={"xatol": 1e-10},
+        )
         assert fit.optimal_size(c)[0] == pytest.approx(np.exp(res.x), rel=2e-3)
         assert fit.optimal_loss(c)[0] == pytest.approx(res.fun, rel=1e-5)
     opts = surface.surface_optima(fit, *grid()[:2])
@@ -144,14 +147,27 @@ def _write_sweep(root, b, n, y, family="dlrm"):
     for k, (budget, size, v) in enumerate(zip(b, n, y, strict=True)):
         for s, loss in enumerate(v):
             ids.append(tid := f"{family}-{k}-{s}")
-            store.append_result({
-                "trial_id": tid, "status": "SUCCESS", "family": family, "rung": f"r{size:.4g}",
-                "rung_index": k, "budget": float(budget), "compute": float(budget),
-                "flops_per_example": float(size), "steps": 100, "params_dense": 10,
-                "wall_time_s": 1.0, "seed": s, "final": {"logloss": float(loss), "auc": 0.7},
-                "best": {"logloss": float(loss), "auc": 0.7}, "config": {}, "versions": {},
-                "diverged_at_step": None,
-            })  # fmt: skip
+            store.append_result(
+                {
+                    "trial_id": tid,
+                    "status": "SUCCESS",
+                    "family": family,
+                    "rung": f"r{size:.4g}",
+                    "rung_index": k,
+                    "budget": float(budget),
+                    "compute": float(budget),
+                    "flops_per_example": float(size),
+                    "steps": 100,
+                    "params_dense": 10,
+                    "wall_time_s": 1.0,
+                    "seed": s,
+                    "final": {"logloss": float(loss), "auc": 0.7},
+                    "best": {"logloss": float(loss), "auc": 0.7},
+                    "config": {},
+                    "versions": {},
+                    "diverged_at_step": None,
+                }
+            )
     sweep = root / "sweep.json"
     ids = (json.loads(sweep.read_text())["trial_ids"] if sweep.exists() else []) + ids
     sweep.write_text(json.dumps({"name": "t", "metric": "logloss", "trial_ids": ids}))

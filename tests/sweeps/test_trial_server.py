@@ -40,12 +40,26 @@ FAKE_TRAIN = textwrap.dedent(
 
 def fake_trial(name: str, do: str) -> Trial:
     return Trial(
-        trial_id=name, family="fake", package="fakefam", rung="r", rung_index=0, budget=1.0,
-        seed=0, flops_per_example=1.0, examples=1, steps=1, batch_size=1, params_dense=1,
+        trial_id=name,
+        family="fake",
+        package="fakefam",
+        rung="r",
+        rung_index=0,
+        budget=1.0,
+        seed=0,
+        flops_per_example=1.0,
+        examples=1,
+        steps=1,
+        batch_size=1,
+        params_dense=1,
         params_sparse=1,
-        config={"name": name, "do": do, "dense_optim": {"learning_rate": 1.0},
-                "embedding_optim": {"learning_rate": 1.0}},
-    )  # fmt: skip
+        config={
+            "name": name,
+            "do": do,
+            "dense_optim": {"learning_rate": 1.0},
+            "embedding_optim": {"learning_rate": 1.0},
+        },
+    )
 
 
 def run(tmp_path, trials, **opts):
@@ -58,17 +72,24 @@ def run(tmp_path, trials, **opts):
     for t in trials:
         store.trial_dir(t.trial_id).mkdir(parents=True)
         (store.trial_dir(t.trial_id) / "config.json").write_text(json.dumps(t.config))
-    options = WorkerOptions(wait=False, max_retries=0, env={"PYTHONPATH": str(tmp_path / "lib")},
-                            **opts)  # fmt: skip
+    options = WorkerOptions(
+        wait=False, max_retries=0, env={"PYTHONPATH": str(tmp_path / "lib")}, **opts
+    )
     counts = run_worker(str(sweep), [t.to_dict() for t in trials], options)
     pids = [json.loads(x) for x in (sweep / "pids.jsonl").read_text().splitlines()]
     return store, counts, {p["trial"]: p["pid"] for p in pids}
 
 
 def test_successful_trials_share_one_process_and_each_failure_gets_a_fresh_one(tmp_path):
-    trials = [fake_trial("a", "ok"), fake_trial("b", "ok"), fake_trial("c", "raise"),
-              fake_trial("d", "ok"), fake_trial("e", "diverge"), fake_trial("f", "die"),
-              fake_trial("g", "ok")]  # fmt: skip
+    trials = [
+        fake_trial("a", "ok"),
+        fake_trial("b", "ok"),
+        fake_trial("c", "raise"),
+        fake_trial("d", "ok"),
+        fake_trial("e", "diverge"),
+        fake_trial("f", "die"),
+        fake_trial("g", "ok"),
+    ]
     store, counts, pid = run(tmp_path, trials)
     assert counts["success"] == 4 and counts["failed"] == 2 and counts["diverged"] == 1
     assert pid["a"] == pid["b"] == pid["c"]  # one warm process until a trial fails
@@ -77,8 +98,15 @@ def test_successful_trials_share_one_process_and_each_failure_gets_a_fresh_one(t
     codes = {t.trial_id: store.attempts(t.trial_id)[-1]["exit_code"] for t in trials}
     assert codes == {"a": 0, "b": 0, "c": 1, "d": 0, "e": 3, "f": -9, "g": 0}
     status = {r["trial_id"]: r["status"] for r in store.results()}
-    assert status == {"a": "SUCCESS", "b": "SUCCESS", "c": "FAILED", "d": "SUCCESS",
-                      "e": "DIVERGED", "f": "FAILED", "g": "SUCCESS"}  # fmt: skip
+    assert status == {
+        "a": "SUCCESS",
+        "b": "SUCCESS",
+        "c": "FAILED",
+        "d": "SUCCESS",
+        "e": "DIVERGED",
+        "f": "FAILED",
+        "g": "SUCCESS",
+    }
     # Each trial's output (both streams) lands in its own log, and only there.
     for t in trials:
         log = (store.trial_dir(t.trial_id) / "train.log").read_text()

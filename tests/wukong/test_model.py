@@ -24,9 +24,17 @@ SCHEMA = Schema(
     ),
 )
 CFG = WukongModelConfig(
-    embed_dim=4, dense_mlp=(8,), num_layers=2, n_fmb=3, n_lcb=2, fmb_rank=3, fmb_mlp_width=8,
-    fmb_mlp_depth=1, attentive_mlp=(8,), top_mlp=(8, 1),
-)  # fmt: skip
+    embed_dim=4,
+    dense_mlp=(8,),
+    num_layers=2,
+    n_fmb=3,
+    n_lcb=2,
+    fmb_rank=3,
+    fmb_mlp_width=8,
+    fmb_mlp_depth=1,
+    attentive_mlp=(8,),
+    top_mlp=(8, 1),
+)
 
 
 def _x(b=3, e=5, d=4, seed=0):

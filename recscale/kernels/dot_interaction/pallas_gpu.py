@@ -109,9 +109,12 @@ def _fwd_kernel(x_ref, o_ref, *, b: int, n: int, d: int, bb: int, self_interacti
         for (rows, cols), _, mask in tiles:
             x_nd = plgpu.load(x_ref.at[e, rows, cols], mask=mask & live, other=0.0)
             z_nn += lax.dot_general(
-                x_nd, x_nd, (((1,), (1,)), ((), ())),
-                precision=precision, preferred_element_type=jnp.float32,
-            )  # fmt: skip
+                x_nd,
+                x_nd,
+                (((1,), (1,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
         plgpu.store(o_ref.at[e, p_nn], z_nn.astype(o_ref.dtype), mask=keep & live)
         return carry
 
@@ -138,9 +141,12 @@ def _bwd_kernel(x_ref, g_ref, dx_ref, *, b: int, n: int, d: int, bb: int, self_i
         for (rows, cols), (out_rows, out_cols), mask in tiles:
             x_nd = plgpu.load(x_ref.at[e, rows, cols], mask=mask & live, other=0.0)
             dx_nd = lax.dot_general(
-                s_nn, x_nd, (((1,), (0,)), ((), ())),
-                precision=precision, preferred_element_type=jnp.float32,
-            )  # fmt: skip
+                s_nn,
+                x_nd,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
             dx_nd = dx_nd.astype(dx_ref.dtype)
             plgpu.store(dx_ref.at[e, out_rows, out_cols], dx_nd, mask=mask & live)
         return carry

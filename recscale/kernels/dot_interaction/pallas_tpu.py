@@ -115,9 +115,12 @@ def _fwd_kernel(x_ref, o_ref, z_scr, *t_scr, n: int, self_interaction: bool):
         e0 = pl.multiple_of(k * CHUNK_B, CHUNK_B)
         x_end = x_ref[pl.ds(e0, CHUNK_B)]  # [Eb, Np, D]
         z_enn = jnp.einsum(
-            "end,emd->enm", x_end, x_end,
-            precision=precision, preferred_element_type=jnp.float32,
-        )  # fmt: skip
+            "end,emd->enm",
+            x_end,
+            x_end,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
         rows = pl.ds(pl.multiple_of(e0 * np_, CHUNK_B * np_), CHUNK_B * np_)
         z_scr[rows, :] = z_enn.reshape(CHUNK_B * np_, np_)
         return carry
@@ -156,9 +159,12 @@ def _bwd_kernel(x_ref, g_ref, dx_ref, g_scr, l_scr, *, n: int, self_interaction:
         # padding rows of the X block are uninitialised: S has zeros there, but 0·NaN = NaN
         x_end = jnp.where(lax.broadcasted_iota(jnp.int32, x_end.shape, 1) < n, x_end, 0)
         dx_end = jnp.einsum(
-            "enm,emd->end", s_enn, x_end,
-            precision=precision, preferred_element_type=jnp.float32,
-        )  # fmt: skip
+            "enm,emd->end",
+            s_enn,
+            x_end,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
         dx_ref[pl.ds(e0, CHUNK_B)] = dx_end.astype(dx_ref.dtype)
         return carry
 

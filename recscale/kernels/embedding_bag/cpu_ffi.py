@@ -36,22 +36,35 @@ def available() -> bool:
         return False
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
-        warnings.warn("no C++ compiler: the embedding engine uses its plain-JAX CPU path",
-                      stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "no C++ compiler: the embedding engine uses its plain-JAX CPU path", stacklevel=2
+        )
         return False
-    flags = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-march=native",
-             f"-I{jax.ffi.include_dir()}")  # fmt: skip
+    flags = (
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-pthread",
+        "-march=native",
+        f"-I{jax.ffi.include_dir()}",
+    )
     lib = build_library(
-        SOURCE, cxx, flags, subdir="kernels", stem="recscale_embedding",
+        SOURCE,
+        cxx,
+        flags,
+        subdir="kernels",
+        stem="recscale_embedding",
         key=jax.__version__.encode() + cxx.encode(),
         fallback="the embedding engine uses its plain-JAX CPU path",
-    )  # fmt: skip
+    )
     if lib is None:
         return False
     handle = ctypes.cdll.LoadLibrary(str(lib))
     for name, symbol in (("recscale_pool", "RecscalePool"), ("recscale_update", "RecscaleUpdate")):
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(handle, symbol)),
-                                    platform="cpu")  # fmt: skip
+        jax.ffi.register_ffi_target(
+            name, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu"
+        )
     print(f"recscale: CPU embedding kernels loaded from {lib}", file=sys.stderr)
     return True
 
@@ -73,7 +86,12 @@ def update(buf, acc, keys_sbh, grad_sbw, lr, table_dim_s, *, eps: float, adagrad
     )
     call = jax.ffi.ffi_call("recscale_update", outs, input_output_aliases={0: 0, 1: 1})
     return call(
-        buf, acc, keys_sbh, grad_sbw.astype(jnp.float32),
-        jnp.asarray(lr, jnp.float32).reshape(()), table_dim_s.astype(jnp.int32),
-        eps=np.float32(eps), adagrad=np.int32(adagrad),
-    )  # fmt: skip
+        buf,
+        acc,
+        keys_sbh,
+        grad_sbw.astype(jnp.float32),
+        jnp.asarray(lr, jnp.float32).reshape(()),
+        table_dim_s.astype(jnp.int32),
+        eps=np.float32(eps),
+        adagrad=np.int32(adagrad),
+    )

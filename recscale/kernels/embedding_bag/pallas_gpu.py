@@ -71,8 +71,19 @@ def load_float_rows(table_refs, safe_b, valid_b, cols_d, mask_bd) -> jax.Array:
     return rows_bd.astype(jnp.float32)
 
 
-def _kernel(ids_ref, *refs, load_rows: RowLoader, num_bags: int, num_slots: int, num_rows: int,
-            dim: int, dim_pad: int, bags: int, unroll: int, pooling: str) -> None:  # fmt: skip
+def _kernel(
+    ids_ref,
+    *refs,
+    load_rows: RowLoader,
+    num_bags: int,
+    num_slots: int,
+    num_rows: int,
+    dim: int,
+    dim_pad: int,
+    bags: int,
+    unroll: int,
+    pooling: str,
+) -> None:
     *table_refs, out_ref = refs
     rows_b = pl.program_id(0) * bags + jnp.arange(bags, dtype=jnp.int32)
     row_ok_b = rows_b < num_bags
@@ -136,9 +147,17 @@ def bag_pool(
     dim_pad = common.next_pow2(dim)
     bags = block_bags(num_bags, dim)
     kernel = functools.partial(
-        _kernel, load_rows=load_rows, num_bags=num_bags, num_slots=num_slots,
-        num_rows=num_rows, dim=dim, dim_pad=dim_pad, bags=bags, unroll=_UNROLL, pooling=pooling,
-    )  # fmt: skip
+        _kernel,
+        load_rows=load_rows,
+        num_bags=num_bags,
+        num_slots=num_slots,
+        num_rows=num_rows,
+        dim=dim,
+        dim_pad=dim_pad,
+        bags=bags,
+        unroll=_UNROLL,
+        pooling=pooling,
+    )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_bags, dim), jnp.float32),
@@ -155,6 +174,11 @@ def pool(
     """``[N, D]`` float32: :func:`..reference.pool` as one Triton kernel (see the module)."""
     num_rows, dim = table_vd.shape
     return bag_pool(
-        load_float_rows, (table_vd,), ids_nh.astype(jnp.int32), num_rows=num_rows, dim=dim,
-        pooling=pooling, interpret=interpret,
-    )  # fmt: skip
+        load_float_rows,
+        (table_vd,),
+        ids_nh.astype(jnp.int32),
+        num_rows=num_rows,
+        dim=dim,
+        pooling=pooling,
+        interpret=interpret,
+    )

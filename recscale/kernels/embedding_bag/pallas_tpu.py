@@ -97,8 +97,17 @@ def combine_float(bufs, h) -> jax.Array:
     return bufs[0][h].astype(jnp.float32)
 
 
-def _kernel(ids_smem, ids_vmem, *refs, combine: Combine, num_tables: int, num_slots: int,
-            num_rows: int, bags: int, pooling: str) -> None:  # fmt: skip
+def _kernel(
+    ids_smem,
+    ids_vmem,
+    *refs,
+    combine: Combine,
+    num_tables: int,
+    num_slots: int,
+    num_rows: int,
+    bags: int,
+    pooling: str,
+) -> None:
     tables_hbm = refs[:num_tables]
     out_ref = refs[num_tables]
     bufs = refs[num_tables + 1 : 2 * num_tables + 1]
@@ -173,9 +182,14 @@ def bag_pool(
         pad = ((0, num_blocks * bags - num_bags), (0, 0))
         ids_nh = jnp.pad(ids_nh, pad, constant_values=num_rows)
     kernel = functools.partial(
-        _kernel, combine=combine, num_tables=len(tables), num_slots=num_slots,
-        num_rows=num_rows, bags=bags, pooling=pooling,
-    )  # fmt: skip
+        _kernel,
+        combine=combine,
+        num_tables=len(tables),
+        num_slots=num_slots,
+        num_rows=num_rows,
+        bags=bags,
+        pooling=pooling,
+    )
     ids_spec = functools.partial(pl.BlockSpec, (bags, num_slots), lambda i: (i, 0))
     row_bytes = sum(t.shape[1] * jnp.dtype(t.dtype).itemsize for t in tables)
     cost = pl.CostEstimate(
@@ -208,6 +222,11 @@ def pool(table_vd: jax.Array, ids_nh: jax.Array, *, pooling: str = "sum", interp
     """``[N, D]`` float32: :func:`..reference.pool` as one Mosaic TPU kernel (see the module)."""
     num_rows, dim = table_vd.shape
     return bag_pool(
-        combine_float, (table_vd,), ids_nh.astype(jnp.int32), num_rows=num_rows, dim=dim,
-        pooling=pooling, interpret=interpret,
-    )  # fmt: skip
+        combine_float,
+        (table_vd,),
+        ids_nh.astype(jnp.int32),
+        num_rows=num_rows,
+        dim=dim,
+        pooling=pooling,
+        interpret=interpret,
+    )

@@ -59,10 +59,19 @@ def _unsupported(table: jax.Array, ids: jax.Array, need_cpu_ffi: bool) -> dict[s
     return {"pallas_gpu": gpu, "pallas_tpu": tpu, "cpu_ffi": cpu}
 
 
-def update(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Array, lr, *,
-           optimizer: str = "rowwise_adagrad", eps: float = 1e-8, pooling: str = "sum",
-           impl: str = "auto", interpret: Any = None,
-           ) -> tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+def update(
+    table: jax.Array,
+    acc: jax.Array | None,
+    ids: jax.Array,
+    grad: jax.Array,
+    lr,
+    *,
+    optimizer: str = "rowwise_adagrad",
+    eps: float = 1e-8,
+    pooling: str = "sum",
+    impl: str = "auto",
+    interpret: Any = None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Backward of the pooled lookup fused with the optimizer update of the touched rows.
     table [V, D] (float32, bfloat16 or float16 storage), acc [V] float32 (row-wise Adagrad's
     accumulator; None for sgd), ids [N, H] int32 (ids outside [0, V) are padding), grad [N, D]
@@ -91,8 +100,9 @@ def update(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Ar
     unsupported = _unsupported(table, ids, need_cpu_ffi=want_ffi)
     chosen = common.resolve(OP, impl, unsupported, cpu_auto=cpu_auto)
     if chosen == "xla":
-        return reference.update(table, acc, ids, grad, lr, optimizer=optimizer, eps=eps,
-                                pooling=pooling)  # fmt: skip
+        return reference.update(
+            table, acc, ids, grad, lr, optimizer=optimizer, eps=eps, pooling=pooling
+        )
 
     v, d = table.shape
     lr = jnp.asarray(lr, jnp.float32)
@@ -103,9 +113,15 @@ def update(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Ar
         from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415
 
         new_table, new_acc, stats = cpu_ffi.update(
-            table, acc_in if adagrad else jnp.zeros((1,), jnp.float32), keys_nh[None],
-            g_nd[None], lr, jnp.full((1,), d, jnp.int32), eps=eps, adagrad=adagrad,
-        )  # fmt: skip
+            table,
+            acc_in if adagrad else jnp.zeros((1,), jnp.float32),
+            keys_nh[None],
+            g_nd[None],
+            lr,
+            jnp.full((1,), d, jnp.int32),
+            eps=eps,
+            adagrad=adagrad,
+        )
         return new_table, (new_acc if adagrad else acc), stats
     if interpret is None:
         interpret = common.interpret_for(chosen)

@@ -45,8 +45,23 @@ def block_rows(dim: int) -> int:
     return max(16, 4096 // max(16, common.next_pow2(dim)))
 
 
-def _kernel(row_ref, start_ref, end_ref, bag_ref, seg_ref, grad_ref, lr_ref, table_ref, *refs,
-            adagrad: bool, eps: float, dim: int, bu: int, bp: int, dp: int):  # fmt: skip
+def _kernel(
+    row_ref,
+    start_ref,
+    end_ref,
+    bag_ref,
+    seg_ref,
+    grad_ref,
+    lr_ref,
+    table_ref,
+    *refs,
+    adagrad: bool,
+    eps: float,
+    dim: int,
+    bu: int,
+    bp: int,
+    dp: int,
+):
     if adagrad:
         acc_ref, table_out, acc_out, stats_ref = refs
     else:
@@ -99,10 +114,19 @@ def _kernel(row_ref, start_ref, end_ref, bag_ref, seg_ref, grad_ref, lr_ref, tab
     stats_ref[pid, two] = jnp.where(two == 0, jnp.sum(upd_bc * upd_bc), jnp.sum(sq_b))
 
 
-def update(table: jax.Array, acc: jax.Array | None, seg: Segments, g_nd: jax.Array,
-           lr: jax.Array, *, eps: float, interpret: bool, block_pairs: int = 32,
-           num_warps: int | None = None, num_stages: int = 1,
-           ) -> tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+def update(
+    table: jax.Array,
+    acc: jax.Array | None,
+    seg: Segments,
+    g_nd: jax.Array,
+    lr: jax.Array,
+    *,
+    eps: float,
+    interpret: bool,
+    block_pairs: int = 32,
+    num_warps: int | None = None,
+    num_stages: int = 1,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Updates the rows of ``table [V, D]`` (and ``acc [V]``; None: SGD) that the sorted pairs
     ``seg`` touch, with the float32 bag gradients ``g [N, D]``; returns ``(table, acc, stats
     [G, 2])``. ``seg`` must come from ``sorted_segments(..., row_block=block_rows(D))``."""
@@ -116,8 +140,16 @@ def update(table: jax.Array, acc: jax.Array | None, seg: Segments, g_nd: jax.Arr
     if num_warps is None:  # ~32 accumulator elements per thread; wide rows get 8 warps
         num_warps = 4 if bu * dp <= 4096 else 8
     adagrad = acc is not None
-    args = [seg.row_u, seg.start_u, seg.end_u, seg.bag_p, seg.seg_p, g_nd,
-            jnp.reshape(lr, (1,)).astype(jnp.float32), table]  # fmt: skip
+    args = [
+        seg.row_u,
+        seg.start_u,
+        seg.end_u,
+        seg.bag_p,
+        seg.seg_p,
+        g_nd,
+        jnp.reshape(lr, (1,)).astype(jnp.float32),
+        table,
+    ]
     out_shape = [jax.ShapeDtypeStruct(table.shape, table.dtype)]
     aliases = {7: 0}
     if adagrad:
@@ -125,8 +157,9 @@ def update(table: jax.Array, acc: jax.Array | None, seg: Segments, g_nd: jax.Arr
         out_shape.append(jax.ShapeDtypeStruct(acc.shape, acc.dtype))
         aliases[8] = 1
     out_shape.append(jax.ShapeDtypeStruct((grid, 2), jnp.float32))
-    kernel = functools.partial(_kernel, adagrad=adagrad, eps=eps, dim=d, bu=bu,
-                               bp=block_pairs, dp=dp)  # fmt: skip
+    kernel = functools.partial(
+        _kernel, adagrad=adagrad, eps=eps, dim=d, bu=bu, bp=block_pairs, dp=dp
+    )
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -51,8 +51,21 @@ _ROW_IN, _ACC_IN, _ROW_OUT, _ACC_OUT, _META, _GRAD0 = range(6)
 _NUM_SEMS = _GRAD0 + 2
 
 
-def _kernel(nd_ref, lr_ref, meta_ref, bag_hbm, seg_hbm, grad_hbm, table_hbm, *refs,
-            adagrad: bool, eps: float, dim: int, bu: int, chunk: int):  # fmt: skip
+def _kernel(
+    nd_ref,
+    lr_ref,
+    meta_ref,
+    bag_hbm,
+    seg_hbm,
+    grad_hbm,
+    table_hbm,
+    *refs,
+    adagrad: bool,
+    eps: float,
+    dim: int,
+    bu: int,
+    chunk: int,
+):
     if adagrad:
         acc_hbm, table_out, acc_out, stats_ref, *scratch = refs
     else:
@@ -174,9 +187,17 @@ def _kernel(nd_ref, lr_ref, meta_ref, bag_hbm, seg_hbm, grad_hbm, table_hbm, *re
         stats_ref[0, 1] = gsq_11[0, 0]
 
 
-def update(table: jax.Array, acc: jax.Array | None, seg: Segments, g_nd: jax.Array,
-           lr: jax.Array, *, eps: float, interpret: Any, chunk_pairs: int = CHUNK_PAIRS,
-           ) -> tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+def update(
+    table: jax.Array,
+    acc: jax.Array | None,
+    seg: Segments,
+    g_nd: jax.Array,
+    lr: jax.Array,
+    *,
+    eps: float,
+    interpret: Any,
+    chunk_pairs: int = CHUNK_PAIRS,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Updates the rows of ``table [V, D]`` (and ``acc [V]``; None: SGD) that the sorted pairs
     ``seg`` touch, with the float32 bag gradients ``g [N, D]``; returns ``(table, acc, stats
     [G, 2])``. ``seg`` must come from ``sorted_segments(..., row_block=BLOCK_ROWS,
@@ -196,10 +217,20 @@ def update(table: jax.Array, acc: jax.Array | None, seg: Segments, g_nd: jax.Arr
     in_specs = [
         pl.BlockSpec(memory_space=pltpu.SMEM),
         pl.BlockSpec((None, 3, bu), lambda b, nd: (b, 0, 0), memory_space=pltpu.SMEM),
-        hbm, hbm, hbm, hbm,
-    ]  # fmt: skip
-    args = [seg.num_distinct, jnp.reshape(lr, (1,)).astype(jnp.float32), meta_g3u,
-            seg.bag_p, seg.seg_p, g_nd, table]  # fmt: skip
+        hbm,
+        hbm,
+        hbm,
+        hbm,
+    ]
+    args = [
+        seg.num_distinct,
+        jnp.reshape(lr, (1,)).astype(jnp.float32),
+        meta_g3u,
+        seg.bag_p,
+        seg.seg_p,
+        g_nd,
+        table,
+    ]
     out_shape = [jax.ShapeDtypeStruct(table.shape, table.dtype)]
     out_specs = [hbm]
     aliases = {6: 0}  # operand indices count the scalar prefetch
@@ -220,8 +251,7 @@ def update(table: jax.Array, acc: jax.Array | None, seg: Segments, g_nd: jax.Arr
         pltpu.SMEM((2, chunk_pairs), jnp.int32),  # their distinct rows
         pltpu.SemaphoreType.DMA((_NUM_SEMS,)),
     ]
-    kernel = functools.partial(_kernel, adagrad=adagrad, eps=eps, dim=d, bu=bu,
-                               chunk=chunk_pairs)  # fmt: skip
+    kernel = functools.partial(_kernel, adagrad=adagrad, eps=eps, dim=d, bu=bu, chunk=chunk_pairs)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -42,8 +42,14 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
 
 
-def check_args(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Array,
-               optimizer: str, pooling: str) -> None:  # fmt: skip
+def check_args(
+    table: jax.Array,
+    acc: jax.Array | None,
+    ids: jax.Array,
+    grad: jax.Array,
+    optimizer: str,
+    pooling: str,
+) -> None:
     """Raises a ValueError naming what is wrong with the call's shapes or options."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"embedding_update: optimizer {optimizer!r} is not one of {OPTIMIZERS}")
@@ -160,8 +166,9 @@ def row_gradients(keys_nh: jax.Array, g_nd: jax.Array, num_rows: int):
     return uids[0], grad[0]
 
 
-def rowwise_adagrad_rows(g: jax.Array, acc: jax.Array, row_sq: jax.Array, touched: jax.Array,
-                         dim, eps: float) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def rowwise_adagrad_rows(
+    g: jax.Array, acc: jax.Array, row_sq: jax.Array, touched: jax.Array, dim, eps: float
+) -> tuple[jax.Array, jax.Array]:
     """Row-wise Adagrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``) on rows ``g [..., D]`` (float32) with
     accumulators ``acc [...]``: the one copy of its arithmetic, which the XLA update, the
     engine's sparse update and the dense optax transform (``recscale.optim``) all call.
@@ -189,9 +196,17 @@ def row_step(g_ud: jax.Array, acc_u: jax.Array | None, lr: jax.Array, eps: float
     return pre * -lr, acc_u
 
 
-def update(table: jax.Array, acc: jax.Array | None, ids: jax.Array, grad: jax.Array, lr, *,
-           optimizer: str = "rowwise_adagrad", eps: float = 1e-8, pooling: str = "sum",
-           ) -> tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+def update(
+    table: jax.Array,
+    acc: jax.Array | None,
+    ids: jax.Array,
+    grad: jax.Array,
+    lr,
+    *,
+    optimizer: str = "rowwise_adagrad",
+    eps: float = 1e-8,
+    pooling: str = "sum",
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """The XLA implementation; see :func:`recscale.kernels.embedding_update.api.update`.
 
     Distinct rows + scatter-added row gradients ``[U, D]``, then a gather of those rows, the
@@ -235,8 +250,9 @@ class Segments(NamedTuple):
     num_distinct: jax.Array
 
 
-def sorted_segments(keys_nh: jax.Array, num_rows: int, *, row_block: int = 1,
-                    pair_pad: int = 0) -> Segments:  # fmt: skip
+def sorted_segments(
+    keys_nh: jax.Array, num_rows: int, *, row_block: int = 1, pair_pad: int = 0
+) -> Segments:
     """FBGEMM's layout of a batch's (row, bag) pairs: sorted by row (padding ``V`` last, a
     row's bags in increasing order: a stable sort), and for each distinct row its segment.
 

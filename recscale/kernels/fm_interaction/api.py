@@ -76,9 +76,14 @@ def fm_interaction(
     """
     _check(x, y)
     # (the reference asks no kernel: its shapes may be symbolic, as in ``jax.export``)
-    unsupported = {} if impl == "xla" else {
-        name: mod.unsupported_reason(x.shape, y.shape, x.dtype) for name, mod in _KERNELS.items()
-    }  # fmt: skip
+    unsupported = (
+        {}
+        if impl == "xla"
+        else {
+            name: mod.unsupported_reason(x.shape, y.shape, x.dtype)
+            for name, mod in _KERNELS.items()
+        }
+    )
     chosen = common.resolve(OP, impl, unsupported, dtype=x.dtype)
     if chosen == "xla":
         return _with_vjp(reference.fm_interaction, reference.fm_interaction_vjp, x, y)

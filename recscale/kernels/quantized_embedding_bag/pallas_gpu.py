@@ -51,7 +51,12 @@ def pool(
     """``[N, D]`` float32: :func:`..reference.pool` as one Triton kernel (see the module)."""
     num_rows, dim = q_vd.shape
     return float_gpu.bag_pool(
-        load_quantized_rows, (q_vd, scale_bias_v2), ids_nh.astype(jnp.int32),
-        num_rows=num_rows, dim=dim, pooling=pooling, interpret=interpret,
+        load_quantized_rows,
+        (q_vd, scale_bias_v2),
+        ids_nh.astype(jnp.int32),
+        num_rows=num_rows,
+        dim=dim,
+        pooling=pooling,
+        interpret=interpret,
         name="quantized_embedding_bag",
-    )  # fmt: skip
+    )

@@ -50,7 +50,12 @@ def pool(
     """``[N, D]`` float32: :func:`..reference.pool` as one Mosaic TPU kernel (see the module)."""
     num_rows, dim = q_vd.shape
     return float_tpu.bag_pool(
-        combine_quantized, (q_vd, scale_bias_v2), ids_nh.astype(jnp.int32),
-        num_rows=num_rows, dim=dim, pooling=pooling, interpret=interpret,
+        combine_quantized,
+        (q_vd, scale_bias_v2),
+        ids_nh.astype(jnp.int32),
+        num_rows=num_rows,
+        dim=dim,
+        pooling=pooling,
+        interpret=interpret,
         name="quantized_embedding_bag",
-    )  # fmt: skip
+    )

@@ -36,8 +36,17 @@ def _cases() -> list[tuple]:
     any two factors occurs; or the whole product."""
     if os.environ.get("RECSCALE_KERNEL_TESTS") == "full":
         return list(itertools.product(BS, NS, DS, DTYPES, (False, True)))
-    l9 = [(0, 0, 0, 0), (0, 1, 1, 1), (0, 2, 2, 2), (1, 0, 1, 2), (1, 1, 2, 0),
-          (1, 2, 0, 1), (2, 0, 2, 1), (2, 1, 0, 2), (2, 2, 1, 0)]  # fmt: skip
+    l9 = [
+        (0, 0, 0, 0),
+        (0, 1, 1, 1),
+        (0, 2, 2, 2),
+        (1, 0, 1, 2),
+        (1, 1, 2, 0),
+        (1, 2, 0, 1),
+        (2, 0, 2, 1),
+        (2, 1, 0, 2),
+        (2, 2, 1, 0),
+    ]
     b_self = [(3, False), (16, True), (3, True)]
     cases = []
     for n, d, t, s in l9:

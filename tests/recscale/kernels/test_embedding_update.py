@@ -73,9 +73,11 @@ def _inputs(d: int, n: int, h: int, dtype, seed: int = 0):
     ids[-1] = -1  # a bag of padding only (its mean weight divides by max(0, 1))
     grad = rng.standard_normal((n, d)).astype(np.float32)
     return (
-        jnp.asarray(table, dtype), jnp.asarray(acc), jnp.asarray(ids, jnp.int32),
+        jnp.asarray(table, dtype),
+        jnp.asarray(acc),
+        jnp.asarray(ids, jnp.int32),
         jnp.asarray(grad, dtype),
-    )  # fmt: skip
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("lr", "optimizer", "pooling", "eps"))
@@ -103,8 +105,9 @@ def _oracle(table, acc, ids, grad, lr, optimizer, pooling, eps):
 
 
 def oracle(table, acc, ids, grad, lr, optimizer, pooling, eps=1e-8):
-    new_t, new_acc, stats, touched = _oracle(table, acc, ids, grad, lr=lr, optimizer=optimizer,
-                                             pooling=pooling, eps=eps)  # fmt: skip
+    new_t, new_acc, stats, touched = _oracle(
+        table, acc, ids, grad, lr=lr, optimizer=optimizer, pooling=pooling, eps=eps
+    )
     return new_t, new_acc, stats, np.asarray(touched)
 
 
@@ -115,9 +118,10 @@ def test_update_matches_oracle(impl, d, n, h, dtype, optimizer, pooling):
     acc_in = acc if optimizer == "rowwise_adagrad" else None
     before = dict(common.FALLBACKS)
     fn = jax.jit(
-        lambda t, a, i, g, lr: api.update(t, a, i, g, lr, optimizer=optimizer, pooling=pooling,
-                                          impl=impl)
-    )  # fmt: skip
+        lambda t, a, i, g, lr: api.update(
+            t, a, i, g, lr, optimizer=optimizer, pooling=pooling, impl=impl
+        )
+    )
     new_t, new_acc, stats = fn(table, acc_in, ids, grad, LR)
     assert dict(common.FALLBACKS) == before, "the implementation fell back"
     want_t, want_acc, want_stats, touched = oracle(table, acc, ids, grad, LR, optimizer, pooling)
@@ -177,8 +181,9 @@ def test_touched_rows_with_zero_gradient_do_not_move(impl):
     acc = jnp.asarray(acc)
     fn = jax.jit(lambda t, a, i, g: api.update(t, a, i, g, LR, eps=0.0, impl=impl))
     new_t, new_acc, stats = fn(table, acc, ids, grad)
-    want_t, want_acc, want_stats, _ = oracle(table, acc, ids, grad, LR, "rowwise_adagrad",
-                                             "sum", eps=0.0)  # fmt: skip
+    want_t, want_acc, want_stats, _ = oracle(
+        table, acc, ids, grad, LR, "rowwise_adagrad", "sum", eps=0.0
+    )
     assert np.isfinite(np.asarray(new_t)).all()
     np.testing.assert_array_equal(np.asarray(new_t)[[5, 9]], np.asarray(table)[[5, 9]])
     np.testing.assert_array_equal(np.asarray(new_acc)[[5, 9]], 0.0)
@@ -235,8 +240,9 @@ def test_bad_input_raises_a_clear_error(kwargs, match):
     table, acc, ids, grad = _inputs(16, 6, 4, jnp.float32)
     args = {"table": table, "acc": acc, "ids": ids, "grad": grad} | kwargs
     with pytest.raises(ValueError, match=match):
-        api.update(args.pop("table"), args.pop("acc"), args.pop("ids"), args.pop("grad"), LR,
-                   **args)  # fmt: skip
+        api.update(
+            args.pop("table"), args.pop("acc"), args.pop("ids"), args.pop("grad"), LR, **args
+        )
 
 
 def test_unknown_implementation_is_an_error():
@@ -271,10 +277,11 @@ def _lower(impl: str, platform: str, h: int, dtype, optimizer: str) -> str:
         jax.ShapeDtypeStruct((), jnp.float32),
     )
     f = jax.jit(
-        lambda t, a, i, g, lr: api.update(t, a, i, g, lr, optimizer=optimizer, impl=impl,
-                                          interpret=False),
+        lambda t, a, i, g, lr: api.update(
+            t, a, i, g, lr, optimizer=optimizer, impl=impl, interpret=False
+        ),
         donate_argnums=(0, 1),
-    )  # fmt: skip
+    )
     before = dict(common.FALLBACKS)
     if platform == "tpu":
         with _tpu_target():
@@ -291,11 +298,16 @@ def _lower(impl: str, platform: str, h: int, dtype, optimizer: str) -> str:
 )
 @pytest.mark.parametrize(
     "h,dtype,optimizer",
-    [(1, jnp.float32, "rowwise_adagrad"), (20, jnp.float32, "rowwise_adagrad"),
-     (20, jnp.bfloat16, "rowwise_adagrad"), (1, jnp.bfloat16, "sgd")],
-)  # fmt: skip
-def test_lowers_at_production_shapes_with_the_table_aliased(impl, platform, target, h, dtype,
-                                                             optimizer):  # fmt: skip
+    [
+        (1, jnp.float32, "rowwise_adagrad"),
+        (20, jnp.float32, "rowwise_adagrad"),
+        (20, jnp.bfloat16, "rowwise_adagrad"),
+        (1, jnp.bfloat16, "sgd"),
+    ],
+)
+def test_lowers_at_production_shapes_with_the_table_aliased(
+    impl, platform, target, h, dtype, optimizer
+):
     text = _lower(impl, platform, h, dtype, optimizer)
     calls = [line for line in text.splitlines() if "custom_call" in line and target in line]
     assert len(calls) == 1, f"expected one {target} call"

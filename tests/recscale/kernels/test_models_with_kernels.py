@@ -42,8 +42,10 @@ from wukong.config import WukongConfig, WukongModelConfig
 F, V, D, H, B, STEPS = 3, 50, 8, 3, 16, 3
 SCHEMA = Schema(
     dense_names=("a", "b"),
-    features=tuple(FeatureInfo(name=f"f{i}", vocab_size=V + 7 * i, max_hotness=H) for i in range(F)),
-)  # fmt: skip
+    features=tuple(
+        FeatureInfo(name=f"f{i}", vocab_size=V + 7 * i, max_hotness=H) for i in range(F)
+    ),
+)
 # Kernels sum bags, row gradients and matmul partial products in another order than XLA; float32
 # rounding of that order, compounded over 3 SGD / row-wise Adagrad steps through the network,
 # stays far below these (the first step's logits agree to the kernel tolerance table's 1e-5).
@@ -64,8 +66,17 @@ def _cfg(family: str, impl: str, devices: int = 8):
     if family == "dlrm":
         model = DLRMModelConfig(embed_dim=D, bottom_mlp=(8, D), top_mlp=(8, 1))
         return DLRMConfig(model=model, **common_fields), dlrm_model.build_model
-    model = WukongModelConfig(embed_dim=D, num_layers=2, n_fmb=3, n_lcb=2, fmb_rank=2,
-                              fmb_mlp_width=8, fmb_mlp_depth=1, dense_mlp=(8,), top_mlp=(8, 1))  # fmt: skip
+    model = WukongModelConfig(
+        embed_dim=D,
+        num_layers=2,
+        n_fmb=3,
+        n_lcb=2,
+        fmb_rank=2,
+        fmb_mlp_width=8,
+        fmb_mlp_depth=1,
+        dense_mlp=(8,),
+        top_mlp=(8, 1),
+    )
     return WukongConfig(model=model, **common_fields), wukong_model.build_model
 
 
@@ -87,8 +98,13 @@ def _state_and_step(cfg, build):
     model = build(cfg, SCHEMA, nnx.Rngs(params=0))
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     tx = make_optimizer(cfg, params)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                       opt_state=tx.init(params), batch_stats=stats, rng=initial_rng(0))  # fmt: skip
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        batch_stats=stats,
+        rng=initial_rng(0),
+    )
     return graphdef, state, jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
 
 
@@ -172,8 +188,12 @@ def test_the_whole_train_step_with_kernels_lowers_for_cuda(family):
     # kernel forward and backward: DLRM's once, Wukong's per layer.
     interaction = "dot_interaction" if family == "dlrm" else "fm_interaction"
     layers = 1 if family == "dlrm" else cfg.model.num_layers
-    want = {"embedding_bag": 1, "embedding_update": 1,
-            f"{interaction}_fwd": layers, f"{interaction}_bwd": layers}  # fmt: skip
+    want = {
+        "embedding_bag": 1,
+        "embedding_update": 1,
+        f"{interaction}_fwd": layers,
+        f"{interaction}_bwd": layers,
+    }
     assert text.count("xla.gpu.triton") == sum(want.values())
     names = collections.Counter(re.findall(r'name = "(\w+)"', text))
     assert {k: names[k] for k in want} == want, names

@@ -83,8 +83,9 @@ def test_embedding_bag(impl, dtype, h):
     before = dict(common.FALLBACKS)
     for pooling in ("sum", "mean"):
         out, vjp = jax.vjp(lambda t, p=pooling: bag_api.pool(t, ids, pooling=p, impl=impl), table)
-        ref, ref_vjp = _reference(lambda t, p=pooling: bag_api.pool(t, ids, pooling=p, impl="xla"),
-                                  table)  # fmt: skip
+        ref, ref_vjp = _reference(
+            lambda t, p=pooling: bag_api.pool(t, ids, pooling=p, impl="xla"), table
+        )
         # The same pooling over |table| (forward) and of |g| (backward: the pooling is linear).
         mag, mag_vjp = _reference(
             lambda t, p=pooling: bag_api.pool(t, ids, pooling=p, impl="xla"), jnp.abs(table)
