@@ -98,8 +98,12 @@ class EmbeddingOptimConfig:
     eps: float = 1e-8
     """Numerical epsilon of row-wise Adagrad / Adam."""
     l2: float = 0.0
-    """Coupled L2 regularisation of whole tables: adds ``l2 * W`` to the gradient (FuxiCTR's
-    ``embedding_regularizer``); it makes every row's update dense."""
+    """L2 regularisation of the tables. In the engine (every run but the per-table
+    reference), the L2 of the rows a batch touches, as sparse optimizers apply weight decay
+    (FBGEMM's ``WeightDecayMode.L2``): ``l2 * w_j`` added to each touched row's gradient, the
+    same as ``row_l2`` (the two add). In the per-table reference (``embeddings.sharding=off``),
+    coupled L2 of whole tables, ``l2 * W`` added to the gradient (FuxiCTR's
+    ``embedding_regularizer``), which updates every row every step."""
     row_l2: float = 0.0
     """L2 of the rows a batch touches (lazy, as sparse optimizers apply it): adds
     ``row_l2 * w_j`` to each touched row's gradient, before CowClip; engine and per-table
@@ -152,13 +156,15 @@ class EmbeddingShardingConfig:
     """The sharded embedding engine (``recscale.embeddings.engine``): how tables are laid out
     over the mesh and updated. Models are unchanged whichever is chosen."""
 
-    sharding: str = "off"
-    """``off``: one array per table, sharded by ``mesh.rules``, updated by the dense optax
-    optimizers (the reference path). ``auto``: the engine, with a plan from
-    ``recscale.embeddings.planner``. A sharding type (``data_parallel``, ``table_wise``,
-    ``row_wise``, ``column_wise``, ``table_row_wise``, ``table_column_wise``): the engine with
-    every table pinned to it (placement still from the planner). The engine updates only the
-    rows a batch touches (sparse SGD, row-wise Adagrad, lazy Adam)."""
+    sharding: str = "auto"
+    """``auto``: the engine, with a plan from ``recscale.embeddings.planner``. A sharding type
+    (``data_parallel``, ``table_wise``, ``row_wise``, ``column_wise``, ``table_row_wise``,
+    ``table_column_wise``): the engine with every table pinned to it (placement still from the
+    planner). The engine updates only the rows a batch touches (sparse SGD, row-wise Adagrad,
+    lazy Adam). ``off``: the per-table reference, one array per table, sharded by
+    ``mesh.rules`` and updated by the dense optax optimizers (whole-table gradients): the
+    oracle the engine's tests compare against, and what runs recorded before the engine was
+    the default used (``sweeps/specs/study_frappe.py``, ``study_lr.py`` pin it)."""
     per_table: tuple[str, ...] = ()
     """Per-table pins ``TABLE=TYPE`` (e.g. ``C1=row_wise``), over ``sharding``'s choice."""
     profile: str = ""

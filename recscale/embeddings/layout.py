@@ -68,11 +68,6 @@ class EngineSpec:
         e = cfg.embeddings
         if e.sharding == "off":
             return None
-        if cfg.embedding_optim.l2 > 0:
-            raise ValueError(
-                f"embedding_optim.l2={cfg.embedding_optim.l2}: coupled L2 touches every row each "
-                "step, which the sparse engine does not do; set embeddings.sharding=off or l2=0"
-            )
         comp = Compression(
             kind=e.comm_compression, eps=e.comm_error_bound, eps_grad=e.comm_error_bound_grad
         )
@@ -112,10 +107,37 @@ class BufferLayout:
     table_dim: tuple[tuple[int, ...], ...]
     cw_group: tuple[tuple[int, ...], ...]
     """Index of the slot's table among column-split tables (``num_cw_groups``: not split)."""
+    owner: tuple[tuple[int, ...], ...]
+    """The first slot over the same rows: a table read by several features has a slot per
+    feature on each of its shards, all at one offset (the slot itself when unshared)."""
     bound_scale: float = 1.0
     """Its tables' forward exchange bound relative to the layout's (``EngineSpec.bound_scales``)."""
     bound_scale_grad: float = 1.0
     """The same for the gradients' exchange."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether several of a device's slots read the same rows (a shared table)."""
+        return any(o != s for per in self.owner for s, o in enumerate(per))
+
+    def update_groups(self) -> np.ndarray:
+        """``[N, G, K]`` int32: per device, the slots over each distinct set of rows (``G`` of
+        them, the most on any device), ``K`` slots each at most; ``S`` (one past the last
+        slot) pads. A sparse update combines a group's gradients before its optimizer step."""
+        per_device = []
+        for owners in self.owner:
+            groups: dict[int, list[int]] = {}
+            for s, o in enumerate(owners):
+                groups.setdefault(o, []).append(s)
+            per_device.append(list(groups.values()))
+        g = max(len(d) for d in per_device)
+        k = max(len(m) for d in per_device for m in d)
+        pad = len(self.owner[0])
+        out = np.full((len(per_device), g, k), pad, np.int32)
+        for d, groups_d in enumerate(per_device):
+            for i, members in enumerate(groups_d):
+                out[d, i, : len(members)] = members
+        return out
 
     @property
     def scaled(self) -> bool:
@@ -204,13 +226,12 @@ def build_layout(
     by_table: dict[str, list[int]] = {t.name: [] for t in tables}
     for i, f in enumerate(features):
         by_table[f.table].append(i)
-    for name, fs in by_table.items():
-        if len(fs) != 1:
-            raise ValueError(
-                f"embedding engine: table {name!r} is read by {len(fs)} features; the engine "
-                "needs exactly one feature per table (set embeddings.sharding=off for shared or "
-                "unused tables)"
-            )
+    unused = [name for name, fs in by_table.items() if not fs]
+    if unused:
+        raise ValueError(
+            f"embedding engine: tables {unused} are read by no feature; remove them from the "
+            "collection (the engine stores only what a feature looks up)"
+        )
     pins = dict(item.split("=", 1) for item in spec.per_table)
     unknown = set(pins) - set(by_table)
     if unknown:
@@ -230,7 +251,8 @@ def build_layout(
         profile = dataclasses.replace(profile, devices_per_host=spec.host_size)
     itemsize = jnp.dtype(DTYPES[spec.storage_dtype]).itemsize
     default = () if spec.sharding == "auto" else (spec.sharding,)
-    hot = {f.table: f.max_hotness for f in features}
+    # a shared table serves every feature that reads it: its ids per example add up
+    hot = {t.name: sum(features[i].max_hotness for i in by_table[t.name]) for t in tables}
 
     def allowed(name: str) -> tuple[str, ...]:
         kinds = (pins[name],) if name in pins else default
@@ -266,7 +288,7 @@ def build_layout(
     groups: dict[tuple[int, bool, tuple[float, float]], list[list[tuple]]] = {}
     for t in tables:
         tp = table_plans[t.name]
-        (f,) = by_table[t.name]
+        fs = tuple(by_table[t.name])
         replicated = tp.sharding == "data_parallel"
         shards = tp.shards[:1] if replicated else tp.shards
         for sh in shards:
@@ -277,33 +299,27 @@ def build_layout(
             scale = (1.0, 1.0) if replicated else scales.get(t.name, (1.0, 1.0))
             devs = groups.setdefault((c1 - c0, replicated, scale), [[] for _ in range(num_devices)])
             cw = cw_index.get(t.name, len(cw_tables))
-            devs[0 if replicated else sh.device].append((f, r0, r1 - r0, c0, t.dim, cw))
+            devs[0 if replicated else sh.device].append((fs, r0, r1 - r0, c0, t.dim, cw))
     buffers = []
     for (width, replicated, scale), devs in sorted(groups.items()):
         if replicated:
             devs = devs[:1]
-        num_slots = max(len(d) for d in devs)
-        fields: dict[str, list[list[int]]] = {
-            k: []
-            for k in (
-                "feature",
-                "row_start",
-                "row_count",
-                "offset",
-                "col_start",
-                "table_dim",
-                "cw_group",
-            )
-        }
+        # a shard of a table read by k features is k slots over the same rows (one offset)
+        num_slots = max(sum(len(fs) for fs, *_ in d) for d in devs)
+        names = ("feature", "row_start", "row_count", "offset", "col_start", "table_dim")
+        fields: dict[str, list[list[int]]] = {k: [] for k in (*names, "cw_group", "owner")}
         rows = 1
         for slots in devs:
             off, per = 0, {k: [] for k in fields}
-            for f, r0, count, c0, dim, cw in slots:
-                for k, v in zip(fields, (f, r0, count, off, c0, dim, cw), strict=True):
-                    per[k].append(v)
+            for fs, r0, count, c0, dim, cw in slots:
+                owner = len(per["feature"])
+                for f in fs:
+                    for k, v in zip(fields, (f, r0, count, off, c0, dim, cw, owner), strict=True):
+                        per[k].append(v)
                 off += count
-            for _ in range(num_slots - len(slots)):  # padding slots: no rows
-                for k, v in zip(fields, (0, 0, 0, off, 0, 1, len(cw_tables)), strict=True):
+            while len(per["feature"]) < num_slots:  # padding slots: no rows
+                pad = (0, 0, 0, off, 0, 1, len(cw_tables), len(per["feature"]))
+                for k, v in zip(fields, pad, strict=True):
                     per[k].append(v)
             rows = max(rows, off)
             for k in fields:

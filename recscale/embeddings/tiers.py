@@ -535,6 +535,11 @@ class TieredTables:
                 if spec is None:
                     continue
                 t = next(t for t in coll.table_specs if t.name == fs.table)
+                if fs.table in self.table_specs:  # its cache remaps one feature's ids
+                    raise ConfigError(
+                        f"tiered table {fs.table!r} is read by several features; a tiered "
+                        "table must have one (drop it from embeddings.tiers)"
+                    )
                 self.table_specs[fs.table] = t
                 self.placed.append(
                     self._place(ck, coll, fi, fs, spec, t, feature_index, vocab[fs.table])

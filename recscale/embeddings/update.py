@@ -14,6 +14,7 @@ row-wise Adagrad of whole rows run in the configured update kernel
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from recscale import sharding
 from recscale.embeddings.layout import BufferLayout, Layout
 from recscale.kernels.embedding_update import api as update_api
 from recscale.kernels.embedding_update import reference as ref
+from recscale.optim import cowclip
 from recscale.optim.cowclip import CowClip, clip_scale
 
 AXIS = sharding.DATA_AXIS
@@ -58,6 +60,16 @@ class UpdateRule:
     b2: float = 0.999
     clip: CowClip | None = None
     """CowClip and the touched rows' L2, applied to the row gradients before the optimizer."""
+
+    @classmethod
+    def from_config(cls, e: Any) -> UpdateRule:
+        """The rule of an ``EmbeddingOptimConfig``. Its ``l2`` is, on the engine, the L2 of the
+        rows a batch touches (FBGEMM's ``WeightDecayMode.L2``, TensorFlow's sparse embedding
+        regularisers): ``l2 · w_j`` added to each touched row's gradient, as ``row_l2`` is
+        (the two add). Coupled L2 of whole tables, the per-table reference's, would read and
+        write every row every step."""
+        clip = cowclip.from_config(dataclasses.replace(e, row_l2=e.row_l2 + e.l2))
+        return cls(e.name, eps=e.eps, clip=clip)
 
 
 def apply_update(
@@ -102,6 +114,11 @@ def apply_update(
             new_st = {"acc": acc} if "acc" in st else {}
         else:
             count = None
+            cw_s, tdim_s = cw[0], tdim[0]
+            if bl.shared:  # slots over the same rows (a shared table) update them as one
+                keys_sbh, g_sbw, cw_s, tdim_s = _grouped(
+                    bl, keys_sbh, g_sbw, cw_s, tdim_s, buf_rw.shape[0], groups
+                )
             if rule.clip is not None:
                 # Each row's occurrences in the batch, by the same scatter as its gradient (a
                 # column of ones beside the bags' gradients).
@@ -111,7 +128,7 @@ def apply_update(
             if rule.clip is not None:
                 grad, count = grad[..., :-1], grad[..., -1]
             new_buf, new_st, sq = _update_rows(
-                buf_rw, st, uids, grad, cw[0], tdim[0], lr, step, rule, groups, count
+                buf_rw, st, uids, grad, cw_s, tdim_s, lr, step, rule, groups, count
             )
             sq = jnp.stack([sq, jnp.sum(jnp.square(grad))])  # padding slots: zero gradients
         if not bl.replicated:
@@ -158,6 +175,8 @@ def row_gradient_sq(bl: BufferLayout, keys, grad_pooled) -> jax.Array:
     them; a column-split row's shards add up to its whole norm), without updating anything."""
 
     def body(keys_sbh, g_sbw):
+        if bl.shared:
+            keys_sbh, g_sbw = _grouped(bl, keys_sbh, g_sbw, None, None, bl.rows, 0)[:2]
         _, grad = ref.batched_row_gradients(keys_sbh, g_sbw, bl.rows)
         sq = jnp.sum(jnp.square(grad))
         return sq if bl.replicated else jax.lax.psum(sq, AXIS)
@@ -171,6 +190,27 @@ def row_gradient_sq(bl: BufferLayout, keys, grad_pooled) -> jax.Array:
         out_specs=P(),
         check_vma=False,
     )(keys, grad_pooled)
+
+
+def _grouped(bl: BufferLayout, keys_sbh, g_sbw, cw_s, tdim_s, sentinel: int, groups: int):
+    """The slots of a device that read the same rows (a table shared by several features)
+    merged into one: keys ``[G, K·B, H]`` and gradients ``[G, K·B, w]`` (``K`` slots of ``B``
+    bags each, padded with bags of no ids), and each group's column-split index and table
+    width. The row gradients of a group then combine every feature's, so row-wise Adagrad and
+    lazy Adam take one step per touched row, as the per-table optimizer does."""
+    members_ngk = bl.update_groups()
+    members_gk = jnp.asarray(members_ngk)[0 if bl.replicated else jax.lax.axis_index(AXIS)]
+    g, k = members_ngk.shape[1:]
+    s, b, h = keys_sbh.shape
+    keys = jnp.concatenate([keys_sbh, jnp.full((1, b, h), sentinel, keys_sbh.dtype)])
+    grads = jnp.concatenate([g_sbw, jnp.zeros((1, b, g_sbw.shape[-1]), g_sbw.dtype)])
+    keys, grads = keys[members_gk].reshape(g, k * b, h), grads[members_gk].reshape(g, k * b, -1)
+    if cw_s is None:
+        return keys, grads, None, None
+    first = members_gk[:, 0]  # a padding group's is S: not column-split, width 1
+    cw_g = jnp.concatenate([cw_s, jnp.full((1,), groups, cw_s.dtype)])[first]
+    tdim_g = jnp.concatenate([tdim_s, jnp.ones((1,), tdim_s.dtype)])[first]
+    return keys, grads, cw_g, tdim_g
 
 
 def _full_rows(x_su: jax.Array, cw_s: jax.Array, groups: int) -> jax.Array:

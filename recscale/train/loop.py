@@ -165,7 +165,7 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
             embedding_lr=optim.embedding_schedule(
                 e, steps, peak=a.get("embedding_lr"), warmup_steps=a.get("embedding_warmup")
             ),
-            rule=engine.UpdateRule(e.name, eps=e.eps, clip=optim.cowclip.from_config(e)),
+            rule=engine.UpdateRule.from_config(e),
             initial_accumulator=e.initial_accumulator,
             dense_needs_loss=hf,
         )
