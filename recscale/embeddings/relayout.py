@@ -134,20 +134,24 @@ def needs_relayout(saved: dict | None, cfg: Any) -> bool:
     return _layout_key(_checked(saved)) != _layout_key(layout_meta(cfg))
 
 
-def check_relayout(saved: dict, cfg: Any) -> None:
+def check_relayout(saved: dict, cfg: Any, *, with_opt_state: bool = True) -> None:
     """Raises ``ValueError`` naming what changed when a state saved under ``saved`` cannot be
-    re-laid out for ``cfg`` exactly (see the module docstring)."""
+    re-laid out for ``cfg`` exactly (see the module docstring). Without the optimizer state
+    (``train.init_from``, evaluation), a per-table checkpoint converts to the engine."""
     saved = _checked(saved)
     now = layout_meta(cfg)
     old_e, new_e = saved["engine"], now["engine"]
     old_kind = saved.get("embeddings", {}).get("sharding", "off" if old_e is None else "?")
+    if old_e is None and new_e is not None and not with_opt_state:
+        return  # parameters only: the per-table arrays convert (``_per_table_to_engine``)
     if (old_e is None) != (new_e is None):
         raise ValueError(
             f"cannot restore across the embedding engine being turned "
             f"{'on' if old_e is None else 'off'}: the checkpoint was saved with "
             f"embeddings.sharding={old_kind!r}, the run has {cfg.embeddings.sharding!r} "
             "(per-table arrays with their optax state and the engine's buffers with their "
-            "sparse optimizer state do not convert); resume with the saved setting"
+            "sparse optimizer state do not convert); resume with the saved setting, or start a "
+            "new run from its parameters with train.init_from"
         )
     if old_e is None:
         return
@@ -214,9 +218,11 @@ def restore_relaid(
     ``{"rng": ...}``), returned under their names. Raises ``ValueError`` for the refused changes
     (``check_relayout``).
     """
-    check_relayout(saved, cfg)
+    check_relayout(saved, cfg, with_opt_state=with_opt_state)
     if sharding.active_mesh() is None:
         raise RuntimeError("restore_relaid runs inside sharding.activate of the new layout")
+    if saved["engine"] is None and engine.EngineSpec.from_config(cfg) is not None:
+        return _per_table_to_engine(ckpt, step, exp, cfg, build_model, extra)
     abstract = exp.abstract_state
     likes: dict[str, Any] = {"batch_stats": abstract.batch_stats, **(extra or {})}
     if with_opt_state:
@@ -319,6 +325,59 @@ def restore_relaid(
         }
         out["opt_state"] = {"dense": trees["opt_state"]["dense"], "embedding": emb}
     return out
+
+
+def _per_table_to_engine(ckpt, step, exp, cfg, build_model, extra) -> dict[str, Any]:
+    """The parameters of a per-table checkpoint (``embeddings.sharding=off``) in ``exp``'s
+    engine layout: each table's rows copied into its shards (``engine.init_buffers``), the
+    dense parameters and statistics restored as they are. Bits move, nothing is computed."""
+    old_cfg = dataclasses.replace(
+        cfg, embeddings=dataclasses.replace(cfg.embeddings, sharding="off")
+    )
+    old_model = nnx.eval_shape(
+        lambda: build_model(old_cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
+    )
+    abstract = exp.abstract_state
+    replicated = sharding.replicated()
+    target = {path: _value(var) for path, var in nnx.to_flat_state(abstract.params)}
+    leaves = []
+    for path, var in nnx.to_flat_state(nnx.state(old_model, nnx.Param)):
+        v = _value(var)
+        if path in target and target[path].shape == v.shape:
+            value = target[path]
+        elif "tables" in path:  # whole on every device: the host copies it into the buffers
+            value = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated)
+        else:
+            raise ValueError(
+                f"parameter {_name(path)} of the saved model has no counterpart of "
+                f"shape {v.shape} in this model"
+            )
+        leaves.append((path, var.replace(value)))
+    likes = {"params": nnx.from_flat_state(leaves), "batch_stats": abstract.batch_stats}
+    trees, _ = ckpt.restore(step, {**likes, **(extra or {})})
+    restored = {path: _value(var) for path, var in nnx.to_flat_state(trees["params"])}
+    new_colls = _collections(nnx.merge(exp.graphdef, abstract.params, abstract.batch_stats))
+    new_arrays: dict[tuple, jax.Array] = {}
+    for path, coll in new_colls.items():
+        specs = coll.table_specs
+        tables = [
+            np.asarray(jax.device_get(restored.pop(path + ("tables", t.name)))) for t in specs
+        ]
+        index = {t.name: i for i, t in enumerate(specs)}
+        buffers = engine.init_buffers(
+            coll.layout,
+            lambda i, tables=tables, specs=specs: tables[i][: specs[i].num_rows],
+            [index[f.table] for f in coll.feature_specs],
+            len(specs),
+        )
+        for key, buf in buffers.items():
+            p = path + ("buffers", key)
+            new_arrays[p] = jax.device_put(buf, target[p].sharding)
+    out_leaves = [
+        (path, var.replace(new_arrays[path] if path in new_arrays else restored[path]))
+        for path, var in nnx.to_flat_state(abstract.params)
+    ]
+    return {**trees, "params": nnx.from_flat_state(out_leaves), "opt_state": None}
 
 
 def _value(var: Any) -> Any:
