@@ -1,9 +1,9 @@
 """Config machinery: frozen dataclasses, a preset registry, a JSON round trip, a tyro CLI.
 
 No jax import here, so sweeps and launchers can expand configs without it. The JSON round trip
-is hand-written (about 60 lines) because it must rebuild nested frozen dataclasses, tuples and
-literals exactly, with a clear error naming the field on a typo; ``dataclasses.asdict`` only goes
-one way and tyro's own serialisation is YAML of its CLI, not a stable file format.
+is ``data.strict`` (shared with feature specs): it rebuilds nested frozen dataclasses, tuples
+and literals exactly, with a clear error naming the field on a typo; tyro's own serialisation is
+YAML of its CLI, not a stable file format.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import dataclasses
 import json
 import os
 import sys
-import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from data import strict
 from data.config import DataConfig
+from data.strict import FieldError, to_dict
 
 T = TypeVar("T")
 
@@ -554,65 +555,10 @@ def get_preset(name: str) -> Any:
 # JSON round trip.
 
 
-def to_dict(cfg: Any) -> Any:
-    """Config dataclass -> JSON-able nested dict (tuples become lists)."""
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, (tuple, list)):
-        return [to_dict(v) for v in cfg]
-    if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    return cfg
-
-
 def from_dict(cls: type[T], data: Any, *, path: str = "config") -> T:
-    """Inverse of ``to_dict``; raises naming the field path on unknown or ill-typed fields."""
-    return _build(cls, data, path)
-
-
-def _build(tp: Any, data: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(data, dict):
-            raise TypeError(f"{path}: expected an object for {tp.__name__}, got {data!r}")
-        hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp) if f.init}
-        unknown = set(data) - names
-        if unknown:
-            raise TypeError(f"{path}: unknown field(s) {sorted(unknown)} for {tp.__name__}")
-        kwargs = {k: _build(hints[k], v, f"{path}.{k}") for k, v in data.items()}
-        return tp(**kwargs)
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(data, (list, tuple)):
-            raise TypeError(f"{path}: expected a list, got {data!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v, f"{path}[{i}]") for i, v in enumerate(data))
-        return tuple(
-            _build(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data, strict=True))
-        )
-    if origin is Literal:
-        if data not in typing.get_args(tp):
-            raise ValueError(f"{path}: {data!r} is not one of {typing.get_args(tp)}")
-        return data
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if data is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _build(a, data, path)
-            except (TypeError, ValueError) as e:
-                errors.append(str(e))
-        raise TypeError(f"{path}: {data!r} matches none of {args}: {errors}")
-    if tp is float and isinstance(data, int) and not isinstance(data, bool):
-        return float(data)
-    if tp in (int, float, str, bool) and not isinstance(data, tp):
-        raise TypeError(f"{path}: expected {tp.__name__}, got {data!r}")
-    return data
+    """Inverse of ``to_dict``; raises ``FieldError`` (a ``TypeError`` and a ``ValueError``)
+    naming the field path on an unknown, missing or ill-typed field."""
+    return strict.build(cls, data, path=path, error=FieldError)
 
 
 def absolute_paths(cfg: T) -> T:
@@ -652,14 +598,6 @@ def load_json(cls: type[T], path: str | Path) -> T:
 
 # ------------------------------------------------------------------------------------------------
 # CLI: ``python -m dlrm.train PRESET --workdir DIR [--train.num-steps 100 ...]``.
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunArgs:
-    """Arguments every entry point takes besides the config."""
-
-    workdir: str
-    """Directory of this run: config.json, command.txt, checkpoints, metrics.jsonl."""
 
 
 def parse_preset_cli(
