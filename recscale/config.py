@@ -473,47 +473,6 @@ class TrainConfig:
             )
 
 
-# Fields that do not change what a run computes (logging, evaluation cadence, checkpoint
-# cadence): a run may resume with them changed, and they stay out of trial identities.
-NON_SEMANTIC_FIELDS = frozenset(
-    {
-        "train.progress",
-        "train.log_every",
-        "train.eval_every",
-        "train.eval_max_batches",
-        "embeddings.tier_dir",
-        "train.checkpoint_every",
-        "train.max_checkpoints",
-        "train.async_checkpoint",
-        "train.checkpoint_fallback",
-        "train.noise_scale_every",
-        "train.noise_scale_micro_batches",
-        "data.eval_batch_size",
-        "data.eval_path",
-        "mesh.data_parallel",
-        "data.tabular.prepared_dir",
-        "data.tabular.workers",
-    }
-)
-
-
-# Fields that only lay the same computation out differently (the embedding plan, the dense
-# layout; the device count, ``mesh.data_parallel``, is non-semantic): a run may resume with them changed (its
-# checkpoint is re-laid out, ``recscale.embeddings.relayout``), but they stay in trial identities, as a
-# sweep may compare layouts.
-LAYOUT_FIELDS = frozenset(
-    {
-        "embeddings.sharding",
-        "embeddings.per_table",
-        "embeddings.profile",
-        "embeddings.host_size",
-        "mesh.model_parallel",
-        "mesh.fsdp",
-        "mesh.fsdp_min_bytes",
-    }
-)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     """What every family's run config holds besides its ``model`` (families subclass this and add
