@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from data.roles import LOCATION, RUNTIME, field
+
 # Per-feature cardinalities of the Criteo Kaggle display-advertising set (C1..C26), as used by
 # facebookresearch/dlrm and TorchRec. Criteo categoricals are hashed into tables of these sizes.
 CRITEO_KAGGLE_VOCAB_SIZES = (
@@ -131,14 +133,14 @@ class CriteoConfig:
 class TabularConfig:
     """Bring-your-own tabular data from a feature spec (see ``data/tabular/``)."""
 
-    spec: str = ""
+    spec: str = field("", role=LOCATION)
     """Feature spec file (.yaml/.json/.toml): files, joins, split, label and features."""
-    prepared_dir: str = ""
+    prepared_dir: str = field("", role=RUNTIME)
     """Root of prepared datasets ('' = ``~/.cache/recscale/tabular``); each spec and file set
     gets its own fingerprinted folder, prepared on first use and reused after."""
     eval_split: Literal["valid", "test"] = "valid"
     """Prepared split evaluation reads (unless an eval file is given, e.g. ``--data-path``)."""
-    workers: int = 0
+    workers: int = field(0, role=RUNTIME)
     """Preparation processes (0 = one per input file, at most the CPU count)."""
 
 
@@ -155,14 +157,14 @@ class DataConfig:
 
     kind: Literal["synthetic", "frappe", "criteo", "tabular"] = "synthetic"
     """Dataset family."""
-    train_path: str = ""
+    train_path: str = field("", role=LOCATION)
     """Training file (Frappe: ``train.csv``; Criteo: a raw TSV, optionally .gz). Unused for synthetic."""
-    eval_path: str = ""
+    eval_path: str = field("", role=RUNTIME)
     """Evaluation file of the same format as ``train_path``. Unused for synthetic; with
     ``tfds_data_dir`` it picks the eval split and may be empty (see there)."""
-    batch_size: int = 256
+    batch_size: int = field(256, plan_input="batch_size")
     """Global training batch size (split over hosts and the data-parallel mesh axis)."""
-    eval_batch_size: int = 4096
+    eval_batch_size: int = field(4096, role=RUNTIME)
     """Global evaluation batch size; the last batch is padded with weight-0 examples."""
     shuffle_seed: int = 0
     """Seed of the training-order shuffle (a fresh permutation every epoch); for synthetic data
@@ -171,7 +173,7 @@ class DataConfig:
     """Synthetic generator settings (kind='synthetic')."""
     criteo: CriteoConfig = CriteoConfig()
     """Criteo reader settings (kind='criteo')."""
-    tabular: TabularConfig = TabularConfig()
+    tabular: TabularConfig = field(TabularConfig(), identity_default=TabularConfig())
     """Feature-spec data (kind='tabular'): any CSV/TSV/Parquet CTR dataset, prepared into
     array_record shards and read by random access."""
     id_policy: Literal["reject", "hash", "modulo"] = "reject"
@@ -180,13 +182,13 @@ class DataConfig:
     raises naming the feature, the value and the record; ``modulo`` maps it to
     ``id mod vocab_size``; ``hash`` to a fixed seedless splitmix64 hash mod ``vocab_size``.
     Mapped ids are counted per feature in the run's ``data_stats.json`` (``ids.mapped``)."""
-    max_table_rows: int = 0
+    max_table_rows: int = field(0, identity_default=0)
     """Synthetic data: cap every feature's vocabulary (so its embedding table) at this many
     rows (0 = no cap): a table of V > cap ids gets cap rows and its ids are folded into them by
     ``id_policy`` ('hash' or 'modulo'; the hashing trick), counted in ``data_stats.json``
     (``ids.mapped``). The generator and its teacher are unchanged: only the model's capacity is
     (the sparse axis of ``sweeps.specs.study_grid``'s sparse/dense IsoFLOP grid)."""
-    tfds_data_dir: str = ""
+    tfds_data_dir: str = field("", role=LOCATION)
     """Non-empty (frappe, criteo): read a tfds array_record dataset kept under this data_dir.
 
     The folder of ``train_path`` is the tfds manual dir; the dataset is prepared from it on first

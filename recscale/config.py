@@ -1,9 +1,10 @@
 """Config machinery: frozen dataclasses, a preset registry, a JSON round trip, a tyro CLI.
 
 No jax import here, so sweeps and launchers can expand configs without it. The JSON round trip
-is hand-written (about 60 lines) because it must rebuild nested frozen dataclasses, tuples and
-literals exactly, with a clear error naming the field on a typo; ``dataclasses.asdict`` only goes
-one way and tyro's own serialisation is YAML of its CLI, not a stable file format.
+is ``data.strict`` (shared with feature specs): it rebuilds nested frozen dataclasses, tuples
+and literals exactly, with a clear error naming the field on a typo; tyro's own serialisation is
+YAML of its CLI, not a stable file format. What each field is for (part of a trial's identity,
+free to change on resume, ...) is declared on the field with ``data.roles.field``.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import dataclasses
 import json
 import os
 import sys
-import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from data import strict
 from data.config import DataConfig
+from data.roles import ARGUMENT, CADENCE, LAYOUT, RUNTIME, field
+from data.strict import FieldError, to_dict
 
 T = TypeVar("T")
 
@@ -39,9 +42,9 @@ class DenseOptimConfig:
     """Optimizer family. ``hessian_free``: truncated Newton with Steihaug-CG in a trust region
     (``recscale.optim.hessian_free``; the learning rate scales its step, 1.0 is Newton's; it
     needs the embedding engine, whose tables keep their sparse optimizer)."""
-    learning_rate: float = 1e-3
+    learning_rate: float = field(1e-3, role=ARGUMENT)
     """Peak learning rate."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(0, role=ARGUMENT)
     """Linear warmup from 0 to the peak over this many steps."""
     decay: Literal["constant", "cosine", "linear"] = "constant"
     """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step."""
@@ -57,11 +60,11 @@ class DenseOptimConfig:
     """Numerical epsilon."""
     grad_clip_norm: float = 0.0
     """Clip the dense gradients' global norm to this (0 = off)."""
-    hf_cg_iters: int = 20
+    hf_cg_iters: int = field(20, identity_default=20)
     """hessian_free: CG iterations (Hessian-vector products) per step, at most."""
-    hf_damping: float = 1e-4
+    hf_damping: float = field(1e-4, identity_default=1e-4)
     """hessian_free: Tikhonov damping λ of the curvature products (H + λI)."""
-    hf_radius: float = 1.0
+    hf_radius: float = field(1.0, identity_default=1.0)
     """hessian_free: the trust region's initial radius (then adapted)."""
 
     def __post_init__(self):
@@ -82,12 +85,14 @@ class DenseOptimConfig:
 class EmbeddingOptimConfig:
     """Optimizer of the embedding tables (their own, as in DLRM and TorchRec)."""
 
-    name: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    name: Literal["sgd", "rowwise_adagrad", "adam"] = field(
+        "rowwise_adagrad", plan_input="optimizer"
+    )
     """``sgd``; ``rowwise_adagrad`` (one accumulator per row, the mean of its squared grads);
     ``adam`` (dense Adam on the tables, for comparison)."""
-    learning_rate: float = 0.01
+    learning_rate: float = field(0.01, role=ARGUMENT)
     """Learning rate of the tables."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(0, role=ARGUMENT)
     """Linear warmup from 0 over this many steps."""
     decay: Literal["constant", "cosine", "linear"] = "constant"
     """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step."""
@@ -104,15 +109,15 @@ class EmbeddingOptimConfig:
     same as ``row_l2`` (the two add). In the per-table reference (``embeddings.sharding=off``),
     coupled L2 of whole tables, ``l2 * W`` added to the gradient (FuxiCTR's
     ``embedding_regularizer``), which updates every row every step."""
-    row_l2: float = 0.0
+    row_l2: float = field(0.0, identity_default=0.0)
     """L2 of the rows a batch touches (lazy, as sparse optimizers apply it): adds
     ``row_l2 * w_j`` to each touched row's gradient, before CowClip; engine and per-table
     tables alike."""
-    cowclip_ratio: float = 0.0
+    cowclip_ratio: float = field(0.0, identity_default=0.0)
     """CowClip (``recscale.optim.cowclip``): clips each touched row's gradient to
     ``cnt · max(r · ||w||, ζ)``, ``cnt`` its occurrences in the batch; this is ``r``
     (0: off; the paper uses 1)."""
-    cowclip_min_norm: float = 1e-5
+    cowclip_min_norm: float = field(1e-5, identity_default=1e-5)
     """CowClip's ``ζ``: the threshold's floor per occurrence, for rows still near zero."""
 
     def __post_init__(self):
@@ -125,22 +130,22 @@ class EmbeddingOptimConfig:
 class MeshConfig:
     """Device mesh and logical-axis rules (see ``recscale/sharding``)."""
 
-    data_parallel: int = -1
+    data_parallel: int = field(-1, role=RUNTIME)
     """Devices on the ``data`` mesh axis (-1 = all devices left after ``model_parallel``)."""
-    model_parallel: int = 1
+    model_parallel: int = field(1, role=LAYOUT, identity_default=1)
     """Devices on the ``model`` mesh axis: tensor parallelism of the dense layers (every
     ``mlp``-named dimension, i.e. the output units of each MLP layer, that the axis divides is
     split over it; the others stay replicated). 1: no ``model`` axis. Batches are split over
     ``data`` only; the embedding engine shards over ``data`` and is replicated over ``model``."""
     rules: Literal["replicated", "row_sharded"] = "row_sharded"
     """Named rule set: ``row_sharded`` shards table rows over ``data``; ``replicated`` copies them."""
-    fsdp: bool = False
+    fsdp: bool = field(False, role=LAYOUT, identity_default=False)
     """Fully sharded data parallelism (ZeRO-3): every dense parameter and its optimizer state
     of at least ``fsdp_min_bytes`` is split over the ``data`` axis along its largest dimension
     that the axis divides (the first of equal ones; arrays already split over ``data``, such as
     sharded tables, are left as they are). XLA gathers each weight where it is used and
     reduce-scatters its gradient."""
-    fsdp_min_bytes: int = 1 << 20
+    fsdp_min_bytes: int = field(1 << 20, role=LAYOUT, identity_default=1 << 20)
     """Arrays smaller than this stay replicated under ``fsdp`` (gathering them costs more in
     latency than their copies cost in memory)."""
 
@@ -156,7 +161,7 @@ class EmbeddingShardingConfig:
     """The sharded embedding engine (``recscale.embeddings.engine``): how tables are laid out
     over the mesh and updated. Models are unchanged whichever is chosen."""
 
-    sharding: str = "auto"
+    sharding: str = field("auto", role=LAYOUT, plan_input="sharding")
     """``auto``: the engine, with a plan from ``recscale.embeddings.planner``. A sharding type
     (``data_parallel``, ``table_wise``, ``row_wise``, ``column_wise``, ``table_row_wise``,
     ``table_column_wise``): the engine with every table pinned to it (placement still from the
@@ -165,47 +170,55 @@ class EmbeddingShardingConfig:
     ``mesh.rules`` and updated by the dense optax optimizers (whole-table gradients): the
     oracle the engine's tests compare against, and what runs recorded before the engine was
     the default used (``sweeps/specs/study_frappe.py``, ``study_lr.py`` pin it)."""
-    per_table: tuple[str, ...] = ()
+    per_table: tuple[str, ...] = field((), role=LAYOUT, plan_input="per_table")
     """Per-table pins ``TABLE=TYPE`` (e.g. ``C1=row_wise``), over ``sharding``'s choice."""
-    profile: str = ""
+    profile: str = field("", role=LAYOUT, plan_input="profile")
     """Hardware profile the planner costs plans with (``tpu_gpu_configs.profiles``); empty:
     ``cpu-2core`` on CPU, ``gpu-h100`` on GPU, ``tpu-v5p`` on TPU."""
-    host_size: int = 0
+    host_size: int = field(0, role=LAYOUT, plan_input="host_size")
     """Devices per host for ``table_row_wise`` / ``table_column_wise`` (0: the profile's)."""
-    storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    storage_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        "float32", plan_input="storage_dtype"
+    )
     """Table storage; lookups and updates compute in float32."""
-    comm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    comm_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        "float32", plan_input="comm_dtype"
+    )
     """Dtype of the pooled embeddings (and their gradients) in the all-to-all exchanges."""
-    comm_compression: Literal["none", "error_bounded", "fp8_e4m3", "fp8_e5m2"] = "none"
+    comm_compression: Literal["none", "error_bounded", "fp8_e4m3", "fp8_e5m2"] = field(
+        "none", identity_default="none"
+    )
     """Compression of those exchanges (``recscale.embeddings.compress``): ``error_bounded``
     quantises each block (a table slot's outputs for one destination device) to within
     ``comm_error_bound`` of its range, packing the codes densely; ``fp8_*`` scales each block
     to the format and casts. Needs ``comm_dtype`` float32."""
-    comm_error_bound: float = 0.0
+    comm_error_bound: float = field(0.0, identity_default=0.0)
     """error_bounded: the bound ε of each pooled value, relative to its block's range
     (0: sent as float32; 0.002: 8-bit codes, 4x fewer bytes; 0.0081: 6 bits; 0.036: 4 bits)."""
-    comm_error_bound_grad: float = 0.0
+    comm_error_bound_grad: float = field(0.0, identity_default=0.0)
     """error_bounded: the same for the gradients sent back (0: float32)."""
-    comm_error_bound_schedule: tuple[str, ...] = ()
+    comm_error_bound_schedule: tuple[str, ...] = field((), identity_default=())
     """error_bounded, per iteration: ``STEP:EPS:EPS_GRAD`` entries (steps increasing), each
     bound from its step on (before the first: ``comm_error_bound{,_grad}``; evaluations keep
     those). E.g. ``0:0.036:0.036 2000:0.002:0.002``: 4-bit codes early, 8-bit late. Each
     distinct pair is its own compiled step; train rows log the bounds in force."""
-    comm_error_bound_tables: tuple[str, ...] = ()
+    comm_error_bound_tables: tuple[str, ...] = field(
+        (), identity_default=(), plan_input="bound_scales"
+    )
     """Per table: ``TABLE=SCALE[:SCALE_GRAD]`` entries, that table's bounds (the schedule's
     included) being the bounds above times SCALE forward and SCALE_GRAD (default SCALE) back; 0
     sends that direction uncompressed (float32; with ``fp8_*`` only 0 and 1, the same both
     ways). Tables of one pair share buffers (one code width per all-to-all).
     ``python -m FAMILY.evaluate --workdir DIR --comm-sensitivity`` proposes them from each
     table's measured sensitivity."""
-    tiers: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = field((), identity_default=())
     """Tables kept beyond device memory, ``TABLE=TIER:CACHE_ROWS`` (e.g. ``C1=ssd:65536``):
     the whole table in host RAM (``dram``) or in a memory-mapped file (``ssd``), and a cache
     of its hot rows in the engine (``recscale.embeddings.tiers``; ``python -m recscale.plan
     --tiers`` proposes a placement from the data's access counts)."""
-    tier_dir: str = ""
+    tier_dir: str = field("", role=RUNTIME)
     """Where the tiered tables' files go (empty: ``WORKDIR/tiers``)."""
-    tier_policy: Literal["lru", "lfu"] = "lru"
+    tier_policy: Literal["lru", "lfu"] = field("lru", identity_default="lru")
     """Which cached rows make room for a batch's missed rows: least recently or least
     frequently used."""
 
@@ -364,35 +377,35 @@ class KernelConfig:
 class TrainConfig:
     """The training loop."""
 
-    num_steps: int = 1000
+    num_steps: int = field(1000, role=ARGUMENT)
     """Training steps."""
-    seed: int = 0
+    seed: int = field(0, role=ARGUMENT)
     """Seed of parameter init and of the random stream the steps split their dropout keys off
     (``TrainState.rng``, checkpointed); in ``[0, 2**31)``."""
-    eval_every: int = 0
+    eval_every: int = field(0, role=CADENCE)
     """Evaluate every N steps (0 = only at the end)."""
-    eval_max_batches: int = 0
+    eval_max_batches: int = field(0, role=CADENCE)
     """Cap on evaluation batches during training (0 = the whole evaluation set)."""
-    noise_scale_every: int = 0
+    noise_scale_every: int = field(0, role=CADENCE)
     """Measure the gradient noise scale every N steps (0 = never): the step's batch in
     ``noise_scale_micro_batches`` micro-batches and whole, dense parameters and tables apart
     (``recscale.analysis.noise_scale``), before the step's update; ``split="noise_scale"``
     rows in metrics.jsonl. Costs ``noise_scale_micro_batches + 1`` extra gradients."""
-    noise_scale_micro_batches: int = 4
+    noise_scale_micro_batches: int = field(4, role=CADENCE)
     """Micro-batches of the noise scale's small-batch gradients (>= 2, dividing the batch)."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(0, role=CADENCE)
     """Save a checkpoint every N steps (0 = only at the end)."""
-    max_checkpoints: int = 3
+    max_checkpoints: int = field(3, role=CADENCE)
     """Checkpoints kept."""
-    async_checkpoint: bool = True
+    async_checkpoint: bool = field(True, role=CADENCE)
     """Save checkpoints asynchronously (training continues during the write)."""
-    checkpoint_fallback: bool = False
+    checkpoint_fallback: bool = field(False, role=RUNTIME)
     """On resume, a latest checkpoint that fails its checks (unreadable, or a fingerprint
     mismatch: ``CheckpointCorruptError``) makes the run fall back to the one before it with a
     warning, instead of stopping with the error. Corrupt steps stay on disk."""
-    log_every: int = 50
+    log_every: int = field(50, role=CADENCE)
     """Append train metrics to metrics.jsonl every N steps."""
-    progress: bool = True
+    progress: bool = field(True, role=CADENCE)
     """Show a progress bar."""
     init_from: str = ""
     """Initialise parameters (not optimizer state) from another run's latest checkpoint (its
@@ -411,15 +424,15 @@ class TrainConfig:
     """``skip``: stop the run (``FloatingPointError``, a diverged run) after this many
     non-finite steps in a row (0 = never); must exceed ``nonfinite_rollback`` when both are
     set, so the rollback is tried first."""
-    early_stopping_metric: Literal["", "auc", "logloss"] = ""
+    early_stopping_metric: Literal["", "auc", "logloss"] = field("", identity_default="")
     """'' = off. Else early stopping with best-checkpoint selection (the BARS protocol): at
     every evaluation (``eval_every``) the parameters with the best validation value of this
     metric so far are kept in ``checkpoints_best/``; the run stops after
     ``early_stopping_patience`` evaluations in a row without an improvement; its result is the
     best parameters evaluated on the whole evaluation set (``evaluate --best`` repeats it)."""
-    early_stopping_patience: int = 2
+    early_stopping_patience: int = field(2, identity_default=2)
     """Evaluations without improvement before the run stops."""
-    early_stopping_min_delta: float = 0.0
+    early_stopping_min_delta: float = field(0.0, identity_default=0.0)
     """An evaluation improves on the best only by more than this."""
 
     def __post_init__(self):
@@ -464,47 +477,6 @@ class TrainConfig:
                 f"nonfinite_max_consecutive={self.nonfinite_max_consecutive} must exceed "
                 f"nonfinite_rollback={self.nonfinite_rollback} (or be 0), else no rollback runs"
             )
-
-
-# Fields that do not change what a run computes (logging, evaluation cadence, checkpoint
-# cadence): a run may resume with them changed, and they stay out of trial identities.
-NON_SEMANTIC_FIELDS = frozenset(
-    {
-        "train.progress",
-        "train.log_every",
-        "train.eval_every",
-        "train.eval_max_batches",
-        "embeddings.tier_dir",
-        "train.checkpoint_every",
-        "train.max_checkpoints",
-        "train.async_checkpoint",
-        "train.checkpoint_fallback",
-        "train.noise_scale_every",
-        "train.noise_scale_micro_batches",
-        "data.eval_batch_size",
-        "data.eval_path",
-        "mesh.data_parallel",
-        "data.tabular.prepared_dir",
-        "data.tabular.workers",
-    }
-)
-
-
-# Fields that only lay the same computation out differently (the embedding plan, the dense
-# layout; the device count, ``mesh.data_parallel``, is non-semantic): a run may resume with them changed (its
-# checkpoint is re-laid out, ``recscale.embeddings.relayout``), but they stay in trial identities, as a
-# sweep may compare layouts.
-LAYOUT_FIELDS = frozenset(
-    {
-        "embeddings.sharding",
-        "embeddings.per_table",
-        "embeddings.profile",
-        "embeddings.host_size",
-        "mesh.model_parallel",
-        "mesh.fsdp",
-        "mesh.fsdp_min_bytes",
-    }
-)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -560,65 +532,10 @@ def get_preset(name: str) -> Any:
 # JSON round trip.
 
 
-def to_dict(cfg: Any) -> Any:
-    """Config dataclass -> JSON-able nested dict (tuples become lists)."""
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, (tuple, list)):
-        return [to_dict(v) for v in cfg]
-    if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    return cfg
-
-
 def from_dict(cls: type[T], data: Any, *, path: str = "config") -> T:
-    """Inverse of ``to_dict``; raises naming the field path on unknown or ill-typed fields."""
-    return _build(cls, data, path)
-
-
-def _build(tp: Any, data: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(data, dict):
-            raise TypeError(f"{path}: expected an object for {tp.__name__}, got {data!r}")
-        hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp) if f.init}
-        unknown = set(data) - names
-        if unknown:
-            raise TypeError(f"{path}: unknown field(s) {sorted(unknown)} for {tp.__name__}")
-        kwargs = {k: _build(hints[k], v, f"{path}.{k}") for k, v in data.items()}
-        return tp(**kwargs)
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(data, (list, tuple)):
-            raise TypeError(f"{path}: expected a list, got {data!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v, f"{path}[{i}]") for i, v in enumerate(data))
-        return tuple(
-            _build(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data, strict=True))
-        )
-    if origin is Literal:
-        if data not in typing.get_args(tp):
-            raise ValueError(f"{path}: {data!r} is not one of {typing.get_args(tp)}")
-        return data
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if data is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _build(a, data, path)
-            except (TypeError, ValueError) as e:
-                errors.append(str(e))
-        raise TypeError(f"{path}: {data!r} matches none of {args}: {errors}")
-    if tp is float and isinstance(data, int) and not isinstance(data, bool):
-        return float(data)
-    if tp in (int, float, str, bool) and not isinstance(data, tp):
-        raise TypeError(f"{path}: expected {tp.__name__}, got {data!r}")
-    return data
+    """Inverse of ``to_dict``; raises ``FieldError`` (a ``TypeError`` and a ``ValueError``)
+    naming the field path on an unknown, missing or ill-typed field."""
+    return strict.build(cls, data, path=path, error=FieldError)
 
 
 def absolute_paths(cfg: T) -> T:
@@ -658,14 +575,6 @@ def load_json(cls: type[T], path: str | Path) -> T:
 
 # ------------------------------------------------------------------------------------------------
 # CLI: ``python -m dlrm.train PRESET --workdir DIR [--train.num-steps 100 ...]``.
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunArgs:
-    """Arguments every entry point takes besides the config."""
-
-    workdir: str
-    """Directory of this run: config.json, command.txt, checkpoints, metrics.jsonl."""
 
 
 def parse_preset_cli(

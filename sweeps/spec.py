@@ -20,15 +20,14 @@ still gives ``k``-point IsoFLOP curves at every budget at a fraction of the cost
 an ``optimum`` law (``FamilySpec.optimum``) runs instead the ``k`` rungs centred on the
 compute-optimal size that law predicts at each budget.
 
-**Trial identity** is a hash of the canonical resolved config minus
-``recscale.config.NON_SEMANTIC_FIELDS`` (logging, eval and checkpoint cadence, output paths),
-plus the family, the code version and a data fingerprint: changing a hyperparameter makes a new
-trial, changing where or how often it logs does not.
+**Trial identity** is a hash of the canonical resolved config minus the fields whose declared
+role (``data.roles``) is outside identity (logging, eval and checkpoint cadence, output paths,
+where the data is), plus the family, the code version and a data fingerprint: changing a
+hyperparameter makes a new trial, changing where or how often it logs does not.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import importlib
@@ -42,7 +41,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tpu_gpu_configs
-from data.config import DataConfig, TabularConfig
+from data import roles
+from data.config import DataConfig
 from recscale import __version__
 from recscale import config as config_lib
 from wukong.presets import TABLE5
@@ -426,7 +426,7 @@ def resolve(spec: SweepSpec) -> Resolution:
                         )
                         cfg = _override(cfg, rung.overrides, fam.family)
                         cdict = config_lib.to_dict(cfg)
-                        tid = trial_id(fam.family, cdict, code_version, data_fp)
+                        tid = trial_id(fam.family, cdict, code_version, data_fp, type(cfg))
                         if tid in seen and rule:  # recipes that coincide (at the base batch)
                             i = trials.index(seen[tid])
                             seen[tid] = trials[i] = dataclasses.replace(
@@ -553,70 +553,33 @@ def _trial_config(spec, base, model, data, steps, seed, base_batch, lr_rule="", 
 # Identity.
 
 
-def semantic_config(cdict: dict[str, Any]) -> dict[str, Any]:
-    """``cdict`` without the non-semantic fields (logging, eval/checkpoint cadence, paths)."""
-    out = copy.deepcopy(cdict)
-    # Feature-spec settings at their defaults (every trial that is not tabular) go first, whole:
-    # the non-semantic fields below are some of their keys.
-    if out.get("data", {}).get("tabular") == _ADDED_AT_DEFAULT["data.tabular"]:
-        out["data"].pop("tabular")
-    for dotted in config_lib.NON_SEMANTIC_FIELDS:
-        node = out
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.get(p, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    # Where the data files are is not what they are: the data fingerprint covers content.
-    for key in ("train_path", "eval_path", "tfds_data_dir"):
-        out.get("data", {}).pop(key, None)
-    # Fields added after sweeps were recorded, at the default that keeps the old behaviour, are
-    # no part of a trial's identity: adding them does not orphan recorded results.
-    for dotted, default in _ADDED_AT_DEFAULT.items():
-        *parents, leaf = dotted.split(".")
-        node = out
-        for p in parents:
-            node = node.get(p, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict) and leaf in node and node[leaf] == default:
-            node.pop(leaf)
-    # A feature spec's file and prepared folder are where the data is (the fingerprint covers
-    # what it is).
-    tabular = out.get("data", {}).get("tabular")
-    if isinstance(tabular, dict):
-        for key in ("spec", "prepared_dir", "workers"):
-            tabular.pop(key, None)
-    return out
+def semantic_config(
+    cdict: dict[str, Any], config_cls: type = config_lib.ExperimentConfig
+) -> dict[str, Any]:
+    """``cdict`` (a ``config_cls`` as ``to_dict`` writes it) as trial identity sees it: without
+    the fields whose role is outside identity (logging, eval and checkpoint cadence, folders;
+    where the data is, since the data fingerprint covers what it is), and without the fields
+    added after sweeps were recorded while they hold the value that keeps the old behaviour
+    (``identity_default``), so adding a field does not orphan recorded results
+    (``data.roles``)."""
+    return roles.identity_view(config_cls, cdict)
 
 
-_ADDED_AT_DEFAULT: dict[str, Any] = {
-    "data.max_table_rows": 0,
-    "data.tabular": config_lib.to_dict(TabularConfig()),
-    "train.early_stopping_metric": "",
-    "train.early_stopping_patience": 2,
-    "train.early_stopping_min_delta": 0.0,
-    "mesh.model_parallel": 1,
-    "mesh.fsdp": False,
-    "mesh.fsdp_min_bytes": 1 << 20,
-    "embedding_optim.row_l2": 0.0,
-    "dense_optim.hf_cg_iters": 20,
-    "dense_optim.hf_damping": 1e-4,
-    "dense_optim.hf_radius": 1.0,
-    "embedding_optim.cowclip_ratio": 0.0,
-    "embedding_optim.cowclip_min_norm": 1e-5,
-    "embeddings.comm_compression": "none",
-    "embeddings.comm_error_bound": 0.0,
-    "embeddings.comm_error_bound_grad": 0.0,
-    "embeddings.tiers": [],
-    "embeddings.comm_error_bound_schedule": [],
-    "embeddings.tier_policy": "lru",
-    "embeddings.comm_error_bound_tables": [],
-}
-
-
-def trial_id(family: str, cdict: dict[str, Any], code_version: str, data_fp: str) -> str:
+def trial_id(
+    family: str,
+    cdict: dict[str, Any],
+    code_version: str,
+    data_fp: str,
+    config_cls: type = config_lib.ExperimentConfig,
+) -> str:
     """16 hex digits of SHA-256 over the canonical JSON of the semantic config and context."""
     blob = json.dumps(
-        {"family": family, "config": semantic_config(cdict), "code": code_version, "data": data_fp},
+        {
+            "family": family,
+            "config": semantic_config(cdict, config_cls),
+            "code": code_version,
+            "data": data_fp,
+        },
         sort_keys=True,
         separators=(",", ":"),
     )

@@ -44,10 +44,10 @@ import dataclasses
 import hashlib
 import json
 import os
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
+
+from data import strict
 
 FORMAT_VERSION = 2
 """Bumped when prepared data's layout or encoding changes (part of every fingerprint). 2: an
@@ -347,7 +347,7 @@ def spec_from_dict(data: Any, *, where: str = "spec", base_dir: str = "") -> Tab
         raise SpecError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
     data = {**data, "base_dir": base_dir}
     try:
-        return _build(TabularSpec, data, "")
+        return strict.build(TabularSpec, data, error=SpecError, str_as_list=True)
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
 
@@ -379,90 +379,6 @@ def load_spec(path: str | os.PathLike) -> TabularSpec:
     except Exception as e:  # the parsers' own errors carry line and column
         raise SpecError(f"{path}: not valid {suffix[1:]}: {e}") from None
     return spec_from_dict(data, where=path, base_dir=os.path.dirname(os.path.abspath(path)))
-
-
-def _build(cls, data: Any, path: str):
-    """Strict nested dataclass loading with field paths in its errors (dacite/pydantic are not
-    dependencies). ``recscale.config`` has a loader of the same shape for run configs, but
-    ``data`` may not import ``recscale``; moving that one down into ``data`` and sharing it is
-    left to a follow-up (its error types and messages differ from a spec's)."""
-    at = f"{path}: " if path else ""  # path '' is the top level
-    if not isinstance(data, dict):
-        raise SpecError(f"{at}expected a mapping for {cls.__name__}, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise SpecError(f"{at}unknown field {unknown[0]!r} (known: {', '.join(fields)})")
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _convert(hints[name], value, f"{path}.{name}" if path else name)
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in kwargs
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise SpecError(f"{at}missing field {missing[0]!r}")
-    try:
-        return cls(**kwargs)
-    except SpecError as e:
-        raise SpecError(f"{at}{e}") from None
-
-
-def _convert(tp, value: Any, path: str):
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(a, value, path)
-            except SpecError as e:
-                errors.append(str(e))
-        raise SpecError(errors[0])
-    if origin is Literal:
-        if value not in get_args(tp):
-            raise SpecError(f"{path}: {value!r} is not one of {list(get_args(tp))}")
-        return value
-    if origin is tuple:
-        args = get_args(tp)
-        if isinstance(value, str) and args[-1] is Ellipsis:
-            value = [value]  # one file may be given as a string
-        if not isinstance(value, list | tuple):
-            raise SpecError(f"{path}: expected a list, got {value!r}")
-        if args[-1] is Ellipsis:
-            return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise SpecError(f"{path}: expected {len(args)} values, got {len(value)}")
-        return tuple(
-            _convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
-        )
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise SpecError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SpecError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise SpecError(f"{path}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"{path}: unsupported spec type {tp}")
 
 
 def spec_digest(spec: TabularSpec) -> str:

@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from data import roles
 from recscale import config as config_lib
 from recscale import sharding
 from recscale.embeddings import engine
@@ -56,19 +57,9 @@ AXIS = sharding.DATA_AXIS
 CHUNK_ROWS = 1 << 16
 """Most table rows moved through the host at once."""
 _MIN_CHUNK = 1 << 10  # smaller tables share one compiled gather / scatter per array
-_PLAN_FIELDS = (
-    "sharding",
-    "per_table",
-    "profile",
-    "host_size",
-    "storage_dtype",
-    "optimizer",
-    "batch_size",
-    "comm_dtype",
-    "bound_scales",
-)
-"""The engine spec's fields the plan depends on (kernels do not move rows; ``comm_dtype`` is
-in the planner's costs)."""
+_PLAN_FIELDS = tuple(roles.plan_inputs(config_lib.ExperimentConfig))
+"""The engine spec's fields the plan depends on, as the config fields that set them declare
+(``plan_input``; kernels do not move rows; ``comm_dtype`` is in the planner's costs)."""
 _PLAN_DEFAULTS = {"comm_dtype": "float32", "bound_scales": []}
 """Plan inputs recorded since: a checkpoint without one was planned as with this value (the
 planner costed float32 exchanges whatever ``comm_dtype`` said; per-table bounds, which group
@@ -176,22 +167,14 @@ def _saved_config(saved: dict, cfg: Any) -> Any:
     ``build_model`` lays the saved model out as it was (its ``EngineSpec.from_config`` gives
     the saved spec)."""
     e = {**_PLAN_DEFAULTS, **saved["engine"]}
-    emb = dataclasses.replace(
-        cfg.embeddings,
-        sharding=e["sharding"],
-        per_table=tuple(e["per_table"]),
-        profile=e["profile"],
-        host_size=e["host_size"],
-        storage_dtype=e["storage_dtype"],
-        comm_dtype=e["comm_dtype"],
-        comm_error_bound_tables=tuple(e["bound_scales"]),
-    )
-    return dataclasses.replace(
-        cfg,
-        embeddings=emb,
-        embedding_optim=dataclasses.replace(cfg.embedding_optim, name=e["optimizer"]),
-        data=dataclasses.replace(cfg.data, batch_size=e["batch_size"]),
-    )
+    d = config_lib.to_dict(cfg)
+    for name, dotted in roles.plan_inputs(type(cfg)).items():
+        *parents, leaf = dotted.split(".")
+        node = d
+        for p in parents:
+            node = node[p]
+        node[leaf] = e[name]
+    return config_lib.from_dict(type(cfg), d, path="saved layout")
 
 
 # ------------------------------------------------------------------------------------------------

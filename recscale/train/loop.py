@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from data import roles
 from data.batch import Batch, Schema
 from data.sources import DataSource, make_source
 from recscale import config as config_lib
@@ -77,33 +78,14 @@ def schedule_args(cfg: Any) -> dict[str, np.ndarray]:
 _PROGRAMS: collections.OrderedDict[str, Callable] = collections.OrderedDict()
 _PROGRAMS_MAX = 24  # jitted functions (3 per model: init, train step, eval step)
 
-# Config fields that reach the compiled programs only as arguments (``schedule_args`` and the
-# init seed) or not at all (cadences of logging, evaluation and checkpoints): runs that differ
-# in nothing else run the same programs.
-_PROGRAM_FREE_FIELDS = (
-    "train.num_steps",
-    "train.seed",
-    "dense_optim.learning_rate",
-    "dense_optim.warmup_steps",
-    "embedding_optim.learning_rate",
-    "embedding_optim.warmup_steps",
-    "train.log_every",
-    "train.eval_every",
-    "train.eval_max_batches",
-    "train.checkpoint_every",
-    "train.max_checkpoints",
-    "train.progress",
-    "train.async_checkpoint",
-    "train.noise_scale_every",
-    "train.noise_scale_micro_batches",
-)
-
 
 def _program_key(cfg: Any, build_model: BuildModel, schema: Schema, what: str) -> str:
     """What a jitted function of this run computes: the config without the argument-only
     fields, the model builder, the data schema (table sizes) and the mesh."""
     d = config_lib.to_dict(cfg)
-    for dotted in _PROGRAM_FREE_FIELDS:
+    # Fields that reach the programs only as arguments (``schedule_args``, the init seed) or not
+    # at all (logging, evaluation and checkpoint cadence): runs differing only in them share.
+    for dotted in roles.paths(type(cfg), program=False):
         *parents, leaf = dotted.split(".")
         node = d
         for p in parents:
@@ -427,7 +409,9 @@ def write_run_files(workdir: Path, cfg: Any, argv: list[str] | None) -> None:
     if cfg_path.is_file() and _has_checkpoints(workdir):
         # Resuming: the checkpoints belong to the saved config; a changed one would silently mix.
         old = config_lib.to_dict(config_lib.load_json(type(cfg), cfg_path))
-        diffs = _config_diffs(old, config_lib.to_dict(cfg))
+        diffs = _config_diffs(
+            old, config_lib.to_dict(cfg), roles.paths(type(cfg), resume_free=True)
+        )
         if diffs:
             raise ValueError(
                 f"{workdir} holds a run with another config ({'; '.join(diffs)}); resume it with the "
@@ -489,13 +473,16 @@ def write_run_info(workdir: Path, start_step: int) -> None:
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
-def _config_diffs(old: Any, new: Any, path: str = "") -> list[str]:
+def _config_diffs(old: Any, new: Any, free: frozenset[str], path: str = "") -> list[str]:
+    """What differs between two config dicts, but for the fields in ``free``."""
+    if path in free:
+        return []
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
         for k in sorted(set(old) | set(new)):
-            out += _config_diffs(old.get(k), new.get(k), f"{path}.{k}" if path else k)
+            out += _config_diffs(old.get(k), new.get(k), free, f"{path}.{k}" if path else k)
         return out
-    if old == new or path in config_lib.NON_SEMANTIC_FIELDS or path in config_lib.LAYOUT_FIELDS:
+    if old == new:
         return []
     return [f"{path}: saved {old!r}, now {new!r}"]
 
