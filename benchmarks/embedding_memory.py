@@ -83,7 +83,7 @@ def main() -> None:
         data=DataConfig(batch_size=a.batch, eval_batch_size=a.batch),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.01, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name=a.optimizer, learning_rate=0.01),
-        mesh=MeshConfig(data_parallel=1, rules="replicated"),
+        mesh=MeshConfig(data_parallel=1),
         embeddings=EmbeddingShardingConfig(sharding=a.sharding),
     )
     rng = np.random.default_rng(0)

@@ -108,7 +108,7 @@ def child(args) -> None:
         data=DataConfig(batch_size=args.batch, eval_batch_size=args.batch),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        mesh=MeshConfig(data_parallel=1, rules="replicated"),
+        mesh=MeshConfig(data_parallel=1),
         embeddings=EmbeddingShardingConfig(sharding="table_wise"),
     )
     specs = (

@@ -150,7 +150,7 @@ def recscale_run(
         data=DataConfig(batch_size=c["batch"], eval_batch_size=c["batch"]),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=LR, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=LR),
-        mesh=MeshConfig(data_parallel=1, rules="replicated"),
+        mesh=MeshConfig(data_parallel=1),
         embeddings=EmbeddingShardingConfig(sharding=sharding_kind),
         kernels=KernelConfig(
             embedding_bag=kernels, embedding_update=kernels, dot_interaction=kernels

@@ -139,8 +139,17 @@ def identity_view(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+RETIRED = "RETIRED"
+"""A config class's ``RETIRED: ClassVar[dict[str, Any]]``: fields it no longer has, each with
+the value every recorded run had or that computes what they did. The loader
+(``data.strict.build``) accepts and drops them, so files written before still load; trial
+identity puts the value back where it is absent, so trials recorded before keep their ids."""
+
+
 def _prune(cls: type, data: dict[str, Any]) -> None:
     sections = _sections(cls)
+    for name, value in getattr(cls, RETIRED, {}).items():
+        data.setdefault(name, to_dict(value))
     for f in dataclasses.fields(cls):
         if f.name not in data:
             continue

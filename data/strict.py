@@ -82,6 +82,8 @@ class _Loader:
         if not isinstance(data, dict):
             raise self.error(f"{at}expected a mapping for {cls.__name__}, got {data!r}")
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        # fields a class no longer has (``data.roles.RETIRED``): older files still name them
+        data = {k: v for k, v in data.items() if k not in getattr(cls, "RETIRED", {})}
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise self.error(f"{at}unknown field {unknown[0]!r} (known: {', '.join(fields)})")

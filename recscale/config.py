@@ -16,7 +16,7 @@ import sys
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from data import strict
 from data.config import DataConfig
@@ -130,6 +130,12 @@ class EmbeddingOptimConfig:
 class MeshConfig:
     """Device mesh and logical-axis rules (see ``recscale/sharding``)."""
 
+    RETIRED: ClassVar[dict[str, Any]] = {"rules": "row_sharded"}
+    """Fields no longer set (``data.roles.RETIRED``). ``rules`` chose whether the per-table
+    reference's rows were sharded over ``data`` (``row_sharded``, the default) or copied: the
+    same computation; the embedding engine's ``embeddings.sharding`` is the one row-sharding
+    knob, and the reference's rows are always sharded."""
+
     data_parallel: int = field(-1, role=RUNTIME)
     """Devices on the ``data`` mesh axis (-1 = all devices left after ``model_parallel``)."""
     model_parallel: int = field(1, role=LAYOUT, identity_default=1)
@@ -137,8 +143,6 @@ class MeshConfig:
     ``mlp``-named dimension, i.e. the output units of each MLP layer, that the axis divides is
     split over it; the others stay replicated). 1: no ``model`` axis. Batches are split over
     ``data`` only; the embedding engine shards over ``data`` and is replicated over ``model``."""
-    rules: Literal["replicated", "row_sharded"] = "row_sharded"
-    """Named rule set: ``row_sharded`` shards table rows over ``data``; ``replicated`` copies them."""
     fsdp: bool = field(False, role=LAYOUT, identity_default=False)
     """Fully sharded data parallelism (ZeRO-3): every dense parameter and its optimizer state
     of at least ``fsdp_min_bytes`` is split over the ``data`` axis along its largest dimension
@@ -166,8 +170,8 @@ class EmbeddingShardingConfig:
     (``data_parallel``, ``table_wise``, ``row_wise``, ``column_wise``, ``table_row_wise``,
     ``table_column_wise``): the engine with every table pinned to it (placement still from the
     planner). The engine updates only the rows a batch touches (sparse SGD, row-wise Adagrad,
-    lazy Adam). ``off``: the per-table reference, one array per table, sharded by
-    ``mesh.rules`` and updated by the dense optax optimizers (whole-table gradients): the
+    lazy Adam). ``off``: the per-table reference, one array per table, rows sharded over
+    ``data`` and updated by the dense optax optimizers (whole-table gradients): the
     oracle the engine's tests compare against, and what runs recorded before the engine was
     the default used (``sweeps/specs/study_frappe.py``, ``study_lr.py`` pin it)."""
     per_table: tuple[str, ...] = field((), role=LAYOUT, plan_input="per_table")

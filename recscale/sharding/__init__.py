@@ -128,7 +128,7 @@ def activate(mesh: Mesh, rules: str | Mapping[str, str | None] | MeshConfig) -> 
     soft, fsdp = frozenset(), None
     if isinstance(rules, MeshConfig):
         cfg = rules
-        rules = dict(get_rules(cfg.rules))
+        rules = dict(get_rules("row_sharded"))  # the per-table reference's rows: sharded
         if cfg.model_parallel > 1:
             rules["mlp"], soft = MODEL_AXIS, frozenset({MODEL_AXIS})
         fsdp = cfg.fsdp_min_bytes if cfg.fsdp else None

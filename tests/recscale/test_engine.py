@@ -64,7 +64,7 @@ def _cfg(sharding_kind, n, opt="rowwise_adagrad", **emb):
         data=DataConfig(batch_size=B, eval_batch_size=B),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1),
-        mesh=MeshConfig(data_parallel=n, rules="replicated"),
+        mesh=MeshConfig(data_parallel=n),
         # host_size 4: two "hosts" of 4 devices, so the table_* hybrids differ from row/column-wise
         embeddings=EmbeddingShardingConfig(sharding=sharding_kind, host_size=4, **emb),
     )
@@ -188,7 +188,7 @@ def test_the_plain_jax_path_equals_one_device_too(kind, reference):
 
 
 def _run_init_table(name):
-    mesh = sharding.make_mesh(MeshConfig(data_parallel=1, rules="replicated"))
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=1))
     with sharding.activate(mesh, "replicated"):
         model = build_model(_cfg("off", 1), SCHEMA, nnx.Rngs(params=0))
         t = model.embeddings.tables[name][...]

@@ -48,7 +48,7 @@ def _cfg(kind: str, n: int, opt: str, kernels: str = "auto") -> DLRMConfig:
         data=DataConfig(batch_size=B, eval_batch_size=B),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1),
-        mesh=MeshConfig(data_parallel=n, rules="replicated"),
+        mesh=MeshConfig(data_parallel=n),
         embeddings=EmbeddingShardingConfig(sharding=kind, host_size=4),
         kernels=KernelConfig(embedding_bag=kernels, embedding_update=kernels),
     )

@@ -195,7 +195,7 @@ def _cfg(kind, opt):
         data=DataConfig(batch_size=B, eval_batch_size=B),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1, initial_accumulator=0.1),
-        mesh=MeshConfig(data_parallel=8, rules="replicated"),
+        mesh=MeshConfig(data_parallel=8),
         embeddings=EmbeddingShardingConfig(sharding=kind),
     )
 
@@ -379,7 +379,7 @@ def test_the_trainer_trains_resumes_and_reports_with_tiered_tables(tmp_path, cap
 def test_row_sharded_reads_return_exact_bits_including_negative_zero():
     """The row-sharded read sums every device's (mostly empty) share: as bit patterns, so a
     row holding -0.0 comes back as -0.0 (a float sum would make it +0.0)."""
-    mesh = sharding.make_mesh(MeshConfig(data_parallel=8, rules="replicated"))
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
     spec = tiers_lib.TierSpec(table="t", tier="dram", cache_rows=32)
     p = tiers_lib._Placed(
         spec=spec,

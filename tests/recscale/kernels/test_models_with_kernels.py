@@ -57,7 +57,7 @@ def _cfg(family: str, impl: str, devices: int = 8):
         data=DataConfig(batch_size=B, eval_batch_size=B),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.1),
-        mesh=MeshConfig(data_parallel=devices, rules="replicated"),
+        mesh=MeshConfig(data_parallel=devices),
         embeddings=EmbeddingShardingConfig(sharding="row_wise"),
         kernels=KernelConfig(
             embedding_bag=impl, embedding_update=impl, dot_interaction=impl, fm_interaction=impl
