@@ -102,13 +102,11 @@ class EmbeddingOptimConfig:
     """Initial value of the row-wise Adagrad accumulator."""
     eps: float = 1e-8
     """Numerical epsilon of row-wise Adagrad / Adam."""
-    l2: float = 0.0
-    """L2 regularisation of the tables. In the engine (every run but the per-table
-    reference), the L2 of the rows a batch touches, as sparse optimizers apply weight decay
-    (FBGEMM's ``WeightDecayMode.L2``): ``l2 * w_j`` added to each touched row's gradient, the
-    same as ``row_l2`` (the two add). In the per-table reference (``embeddings.sharding=off``),
-    coupled L2 of whole tables, ``l2 * W`` added to the gradient (FuxiCTR's
-    ``embedding_regularizer``), which updates every row every step."""
+    l2: float = field(0.0, plan_input="l2")
+    """Coupled L2 regularisation of whole tables: adds ``l2 * W`` to the gradient of every row
+    every step (FuxiCTR's ``embedding_regularizer``), so every row is updated. The engine keeps
+    the tables data-parallel for it (an update of a whole table is local there), as TorchRec's
+    data-parallel tables take dense optimizers; ``row_l2`` is the sparse alternative."""
     row_l2: float = field(0.0, identity_default=0.0)
     """L2 of the rows a batch touches (lazy, as sparse optimizers apply it): adds
     ``row_l2 * w_j`` to each touched row's gradient, before CowClip; engine and per-table

@@ -56,6 +56,9 @@ class EngineSpec:
     tiered: tuple[str, ...] = ()
     """Tables whose engine table is a cache of a larger one (``recscale.embeddings.tiers``):
     placed whole rows at a time (never column-split) unless pinned."""
+    l2: float = 0.0
+    """Coupled L2 of whole tables (``embedding_optim.l2``): every table is data-parallel, where
+    the update of every row every step is local (``recscale.embeddings.update``)."""
     bound_scales: tuple[str, ...] = ()
     """``TABLE=SCALE[:SCALE_GRAD]`` pins (``embeddings.comm_error_bound_tables``): the table's
     exchange bounds are :attr:`compression`'s times SCALE forward and SCALE_GRAD (default:
@@ -83,8 +86,9 @@ class EngineSpec:
             cfg.kernels.embedding_bag,
             cfg.kernels.embedding_update,
             comp,
-            tuple(t.split("=", 1)[0] for t in e.tiers),
-            tuple(e.comm_error_bound_tables),
+            tiered=tuple(t.split("=", 1)[0] for t in e.tiers),
+            l2=cfg.embedding_optim.l2,
+            bound_scales=tuple(e.comm_error_bound_tables),
         )
 
 
@@ -256,6 +260,15 @@ def build_layout(
 
     def allowed(name: str) -> tuple[str, ...]:
         kinds = (pins[name],) if name in pins else default
+        if spec.l2:  # every row updated every step: a local update only where it is whole
+            if kinds not in ((), ("data_parallel",)) or name in spec.tiered:
+                raise ValueError(
+                    f"embedding_optim.l2={spec.l2} (coupled L2 of whole tables) keeps every "
+                    f"table data-parallel; table {name!r} is asked to be "
+                    f"{'tiered' if name in spec.tiered else kinds[0]} (use "
+                    "embedding_optim.row_l2, the L2 of the rows a batch touches, instead)"
+                )
+            return ("data_parallel",)
         if name in spec.tiered and name not in pins:  # a cache swaps whole rows
             every = planner_lib.ShardingType.__args__
             kinds = tuple(k for k in kinds or every if k not in COLUMN_TYPES)

@@ -60,16 +60,16 @@ class UpdateRule:
     b2: float = 0.999
     clip: CowClip | None = None
     """CowClip and the touched rows' L2, applied to the row gradients before the optimizer."""
+    l2: float = 0.0
+    """Coupled L2 of whole tables (``embedding_optim.l2``): ``l2 · W`` added to every row's
+    gradient every step, so every row is updated (the optimizer dense over the buffer, as the
+    per-table reference and TorchRec's data-parallel tables run it). The layout keeps such
+    tables data-parallel (``EngineSpec.l2``), where a whole-buffer update is a local one."""
 
     @classmethod
     def from_config(cls, e: Any) -> UpdateRule:
-        """The rule of an ``EmbeddingOptimConfig``. Its ``l2`` is, on the engine, the L2 of the
-        rows a batch touches (FBGEMM's ``WeightDecayMode.L2``, TensorFlow's sparse embedding
-        regularisers): ``l2 · w_j`` added to each touched row's gradient, as ``row_l2`` is
-        (the two add). Coupled L2 of whole tables, the per-table reference's, would read and
-        write every row every step."""
-        clip = cowclip.from_config(dataclasses.replace(e, row_l2=e.row_l2 + e.l2))
-        return cls(e.name, eps=e.eps, clip=clip)
+        """The rule of an ``EmbeddingOptimConfig``."""
+        return cls(e.name, eps=e.eps, clip=cowclip.from_config(e), l2=e.l2)
 
 
 def apply_update(
@@ -94,7 +94,14 @@ def apply_update(
     # SGD and row-wise Adagrad of whole rows run in the update kernel (recscale.kernels
     # .embedding_update); a column-split table's row statistic needs a psum across its column
     # shards, and lazy Adam keeps per-column moments, so those stay here.
-    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split and rule.clip is None
+    if rule.l2 and not bl.replicated:
+        raise AssertionError(f"coupled L2 needs data-parallel tables; {bl.key} is sharded")
+    kernel = (
+        rule.optimizer in ("sgd", "rowwise_adagrad")
+        and not split
+        and rule.clip is None
+        and not rule.l2
+    )
     impl = layout.update_kernel
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
@@ -127,7 +134,8 @@ def apply_update(
             uids, grad = ref.batched_row_gradients(keys_sbh, g_sbw, buf_rw.shape[0])
             if rule.clip is not None:
                 grad, count = grad[..., :-1], grad[..., -1]
-            new_buf, new_st, sq = _update_rows(
+            update = _update_dense if rule.l2 else _update_rows
+            new_buf, new_st, sq = update(
                 buf_rw, st, uids, grad, cw_s, tdim_s, lr, step, rule, groups, count
             )
             sq = jnp.stack([sq, jnp.sum(jnp.square(grad))])  # padding slots: zero gradients
@@ -279,3 +287,41 @@ def _update_rows(
     sq = jnp.sum(jnp.where(valid, jnp.square(upd), 0.0))
     new_buf = buf.at[flat_u].add(upd.reshape(-1, w).astype(buf.dtype), mode="drop")
     return new_buf, new_st, sq
+
+
+def _update_dense(
+    buf, st, uids_su, g_suw, cw_s, tdim_s, lr, step, rule: UpdateRule, groups: int, count_su=None
+):
+    """The optimizer on every row of a data-parallel buffer, with coupled L2: the row
+    gradients (CowClip'd as the sparse update does) scattered into ``[R, w]``, ``l2 · W`` added,
+    then SGD, row-wise Adagrad or Adam over the whole buffer, as ``optax`` runs the per-table
+    reference (``recscale.optim.embedding_optimizer``). Padding rows are zero with zero
+    gradients and state, so they stay zero."""
+    del tdim_s  # a data-parallel buffer holds whole tables: its width is theirs
+    rows, w = buf.shape
+    g = g_suw.astype(jnp.float32)
+    if rule.clip is not None:
+        g = _clip_rows(buf, uids_su, g, count_su, cw_s, groups, rule.clip)
+    flat = (
+        jnp.zeros((rows, w), jnp.float32).at[uids_su.reshape(-1)].add(g.reshape(-1, w), mode="drop")
+    )
+    table = buf.astype(jnp.float32)
+    full = flat + rule.l2 * table
+    if rule.optimizer == "sgd":
+        upd, new_st = -lr * full, st
+    elif rule.optimizer == "rowwise_adagrad":
+        row_sq = jnp.sum(jnp.square(full), axis=-1)
+        pre, acc = ref.rowwise_adagrad_rows(
+            full, st["acc"], row_sq, jnp.any(full != 0, -1), w, rule.eps
+        )
+        upd, new_st = pre * -lr, {"acc": acc}
+    elif rule.optimizer == "adam":
+        t = (step + 1).astype(jnp.float32)
+        m = rule.b1 * st["m"] + (1 - rule.b1) * full
+        v = rule.b2 * st["v"] + (1 - rule.b2) * full * full
+        upd = -lr * (m / (1 - rule.b1**t)) / (jnp.sqrt(v / (1 - rule.b2**t)) + rule.eps)
+        new_st = {"m": m, "v": v}
+    else:
+        raise ValueError(f"unknown embedding optimizer {rule.optimizer!r}")
+    new_buf = (table + upd).astype(buf.dtype)
+    return new_buf, new_st, jnp.sum(jnp.square(upd))

@@ -267,6 +267,9 @@ def make_train_step(
                     state.step,
                     tx.rule,
                 )
+                if skip and tx.rule.l2:  # coupled L2 moves every row: keep them by selection
+                    old = state.opt_state["embedding"][path]
+                    buf, st = _keep_if(ok, (buf, st), (var[...], old))
                 var.value = buf
                 emb_state[path] = st
                 emb_sq.append(sq)

@@ -473,15 +473,17 @@ def test_the_train_step_builds_no_table_sized_temporary(path):
 
 
 def test_clear_errors():
-    with pytest.raises(ValueError, match="l2"):
-        engine.EngineSpec.from_config(
-            dataclasses.replace(_cfg("row_wise", 8), embedding_optim=EmbeddingOptimConfig(l2=0.1))
-        )
+    mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
+    l2 = dataclasses.replace(_cfg("row_wise", 8), embedding_optim=EmbeddingOptimConfig(l2=0.1))
+    with (
+        sharding.activate(mesh, "replicated"),
+        pytest.raises(ValueError, match="coupled L2 of whole tables.*'f0' is asked to be row_wise"),
+    ):
+        build_model(l2, SCHEMA, nnx.Rngs(params=0))
     with pytest.raises(ValueError, match="TABLE=TYPE"):
         EmbeddingShardingConfig(sharding="auto", per_table=("f0:row_wise",))
     with pytest.raises(ValueError, match="expected off, auto"):
         EmbeddingShardingConfig(sharding="rows")
-    mesh = sharding.make_mesh(MeshConfig(data_parallel=8))
     cfg = _cfg("auto", 8, per_table=("nope=row_wise",))
     with (
         sharding.activate(mesh, "replicated"),
@@ -492,10 +494,10 @@ def test_clear_errors():
 
     with (
         sharding.activate(mesh, "replicated"),
-        pytest.raises(ValueError, match="table 't' is read by 2 features"),
+        pytest.raises(ValueError, match=r"tables \['u'\] are read by no feature"),
     ):
         EmbeddingCollection(
-            (TableSpec(name="t", num_rows=10, dim=4),),
+            (TableSpec(name="t", num_rows=10, dim=4), TableSpec(name="u", num_rows=10, dim=4)),
             (FeatureSpec(name="a", table="t"), FeatureSpec(name="b", table="t")),
             rngs=nnx.Rngs(params=0),
             engine=engine.EngineSpec.from_config(cfg),

@@ -25,6 +25,7 @@ from recscale.config import (
     MeshConfig,
 )
 from recscale.embeddings import engine
+from recscale.optim import cowclip
 from recscale.train.loop import make_optimizer
 from recscale.train.steps import TrainState, initial_rng, make_train_step, weighted_bce
 
@@ -42,12 +43,12 @@ SCHEMA = Schema(
 TOL = dict(rtol=2e-5, atol=2e-6)  # test_engine.py's: summation order across devices
 
 
-def _cfg(kind: str, n: int, opt: str, kernels: str = "auto") -> DLRMConfig:
+def _cfg(kind: str, n: int, opt: str, kernels: str = "auto", **optim) -> DLRMConfig:
     return DLRMConfig(
         model=DLRMModelConfig(embed_dim=D, bottom_mlp=(8, D), top_mlp=(8, 1)),
         data=DataConfig(batch_size=B, eval_batch_size=B),
         dense_optim=DenseOptimConfig(name="sgd", learning_rate=0.1, b1=0.0),
-        embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1),
+        embedding_optim=EmbeddingOptimConfig(name=opt, learning_rate=0.1, **optim),
         mesh=MeshConfig(data_parallel=n),
         embeddings=EmbeddingShardingConfig(sharding=kind, host_size=4),
         kernels=KernelConfig(embedding_bag=kernels, embedding_update=kernels),
@@ -97,7 +98,9 @@ def _run(cfg: DLRMConfig, batches: list[Batch]):
             batch_stats=stats,
             rng=initial_rng(0),
         )
-        step = jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
+        clip = cowclip.from_config(cfg.embedding_optim)  # the per-table path's, before tx
+        step = jax.jit(make_train_step(graphdef, tx, embedding_clip=clip), donate_argnums=0)
+        metrics = None
         for b in batches:
             state, metrics = step(state, b)
         return _tables(model, state.params), jax.device_get(metrics)
@@ -166,6 +169,27 @@ def test_lazy_adam_on_a_shared_table_steps_touched_rows_with_combined_gradients(
     got, _ = _run(_cfg("row_wise", 8, "adam"), [batch])
     np.testing.assert_allclose(got["pair"], want, rtol=1e-4, atol=1e-5)
     assert np.array_equal(got["pair"][~touched], w0[~touched])
+
+
+@pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad", "adam"])
+def test_coupled_l2_equals_the_per_table_reference(opt):
+    """Coupled L2 (``embedding_optim.l2``) keeps the tables data-parallel and updates every row
+    every step, Adam's moments of untouched rows included: the per-table reference's
+    semantics, on 8 devices, with CowClip on top."""
+    batches = _batches(3)
+    optim = dict(l2=0.05, cowclip_ratio=1.0)
+    ref, ref_m = _run(_cfg("off", 1, opt, **optim), batches)
+    got, m = _run(_cfg("auto", 8, opt, **optim), batches)
+    for name, t in ref.items():
+        np.testing.assert_allclose(got[name], t, **TOL, err_msg=name)
+    np.testing.assert_allclose(m["update_norm"], ref_m["update_norm"], **TOL)
+    untouched = np.ones(V, bool)  # rows of "pair" no batch read: moved by L2 alone
+    for b in batches:
+        ids = b.ids_bfh[:, [0, 2]].reshape(-1)
+        untouched[ids[ids >= 0]] = False
+    assert untouched.any()
+    init, _ = _run(_cfg("off", 1, opt, **optim), [])
+    assert not np.array_equal(got["pair"][untouched], init["pair"][untouched])
 
 
 def test_a_table_no_feature_reads_is_a_clear_error():
