@@ -43,7 +43,7 @@ from recscale.config import (  # noqa: E402
     MeshConfig,
 )
 from recscale.embeddings import engine  # noqa: E402
-from recscale.train.loop import make_optimizer  # noqa: E402
+from recscale.train.experiment import make_optimizer  # noqa: E402
 from recscale.train.steps import (  # noqa: E402
     TrainState,
     initial_rng,

@@ -38,7 +38,7 @@ import optax  # noqa: E402
 from data.batch import Batch  # noqa: E402
 from recscale import config as config_lib  # noqa: E402
 from recscale import optim, sharding  # noqa: E402
-from recscale.train import loop  # noqa: E402
+from recscale.train import experiment  # noqa: E402
 from recscale.train.steps import make_train_step  # noqa: E402
 from sweeps.spec import resolve  # noqa: E402
 from sweeps.specs import study  # noqa: E402
@@ -60,7 +60,7 @@ def _programs(cfg, exp):
     params, graphdef = exp.abstract_state.params, exp.graphdef
 
     def train_step(state, batch, args):
-        tx = loop.make_optimizer(cfg, params, args)
+        tx = experiment.make_optimizer(cfg, params, args)
         return make_train_step(graphdef, tx, nonfinite=cfg.train.nonfinite)(state, batch)
 
     def multi(state, batches, args):
@@ -120,8 +120,8 @@ def main() -> None:
         cfg = config_lib.from_dict(type(base), json.loads(json.dumps(t.config)))
         mesh = sharding.make_mesh(cfg.mesh)
         with sharding.activate(mesh, cfg.mesh):
-            exp = loop.Experiment.build(cfg, build_model)
-            sargs = jax.device_put(loop.schedule_args(cfg), sharding.replicated())
+            exp = experiment.Experiment.build(cfg, build_model)
+            sargs = jax.device_put(experiment.schedule_args(cfg), sharding.replicated())
             dev = [exp.device_batch(exp.source.train_batch(s)) for s in range(args.k)]
             stacked = Batch(*(jnp.stack(xs) for xs in zip(*dev, strict=True)))
             single, multi = _programs(cfg, exp)
@@ -140,9 +140,9 @@ def main() -> None:
             per_call = _time(multi, exp.init_state(), [stacked], sargs, args.reps)
             ms["scan"] = per_call / args.k
             n_ops = {"single": _count(single.lower(a, dev[0], sargs).compile().as_text())}
-            loop._PROGRAMS.clear()  # the init program kept for this model is the unflattened one
+            experiment._PROGRAMS.clear()  # the init program kept for this model is the unflattened one
             with _flat_dense():  # its own state layout (flattened moments), init and step
-                exp_flat = loop.Experiment.build(cfg, build_model)
+                exp_flat = experiment.Experiment.build(cfg, build_model)
                 flat_single, _ = _programs(cfg, exp_flat)
                 ms["flat"] = _time(flat_single, exp_flat.init_state(), dev, sargs, args.reps)
                 n_ops["flat"] = _count(

@@ -54,7 +54,7 @@ from recscale.config import (
     MeshConfig,
 )
 from recscale.flops import dlrm_cost
-from recscale.train.loop import make_optimizer
+from recscale.train.experiment import make_optimizer
 from recscale.train.steps import (
     TrainState,
     initial_rng,

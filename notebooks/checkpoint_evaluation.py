@@ -68,7 +68,8 @@ from recscale import sharding
 from recscale.metrics import EvalAccumulator
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.evaluation import EvalArgs, evaluate_workdir
-from recscale.train.loop import Experiment, train
+from recscale.train.experiment import Experiment
+from recscale.train.loop import train
 from recscale.train.steps import make_eval_step
 from wukong.config import WukongConfig
 from wukong.model import build_model as build_wukong

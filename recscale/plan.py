@@ -43,7 +43,7 @@ from recscale import optim, sharding
 from recscale.embeddings import EmbeddingTable, engine
 from recscale.embeddings.planner import OPTIMIZER_STATE_BYTES
 from recscale.kernels import common
-from recscale.train.loop import state_parts
+from recscale.train.experiment import state_parts
 from recscale.train.steps import make_train_step
 from tpu_gpu_configs.profiles import get_profile
 

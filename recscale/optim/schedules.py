@@ -97,7 +97,7 @@ def config_schedule(
     """``learning_rate_schedule`` of an optimizer config (``learning_rate``, ``warmup_steps``,
     ``decay``, ``end_lr_fraction``: the dense and the embedding configs alike); ``peak`` /
     ``warmup_steps`` replace the config's, e.g. with traced values
-    (``recscale.train.loop.schedule_args``)."""
+    (``recscale.train.experiment.schedule_args``)."""
     return learning_rate_schedule(
         cfg.learning_rate if peak is None else peak,
         warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps,

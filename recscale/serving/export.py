@@ -47,7 +47,7 @@ from recscale.embeddings import EmbeddingCollection, engine
 from recscale.serving import precision as prec
 from recscale.serving import runtime
 from recscale.train.evaluation import restored
-from recscale.train.loop import BuildModel
+from recscale.train.experiment import BuildModel
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 XLA_KERNELS = KernelConfig(

@@ -12,7 +12,8 @@ from recscale.config import parse_preset_cli
 from recscale.launch import exit_at_once_on_error, initialize_from_env
 from recscale.train import DIVERGED_EXIT_CODE
 from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
-from recscale.train.loop import BuildModel, train
+from recscale.train.experiment import BuildModel
+from recscale.train.loop import train
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:

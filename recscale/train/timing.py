@@ -8,7 +8,8 @@ than work. The trainer writes the result as one ``timings.jsonl`` row per ``trai
 numbers ``benchmarks/sweep_overhead.py`` and the sweep results read (a trial's share of time in
 training steps is what bounds how much compute a sweep can afford).
 
-Phases must not nest (a second ``phase`` inside one raises): each second is counted once.
+A phase started inside another pauses it (a tiered table's cache swap inside the wait for
+data): each second is counted once, in the innermost phase. A phase never nests in itself.
 """
 
 from __future__ import annotations
@@ -69,20 +70,27 @@ class PhaseTimer:
         self.compiles: dict[str, int] = {}
         self.cache_hits: dict[str, int] = {}
         self._current: str | None = None
+        self._open: list[str] = []  # the phases entered, outermost first
+        self._since = 0.0  # when the current phase last started or resumed
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if self._current is not None:
-            raise RuntimeError(f"phase {name!r} started inside phase {self._current!r}")
-        previous = getattr(_local, "timer", None)
-        _local.timer, self._current = self, name
-        t0 = time.perf_counter()
+        if name in self._open:
+            raise RuntimeError(f"phase {name!r} started inside itself ({' > '.join(self._open)})")
+        previous, outer = getattr(_local, "timer", None), self._current
+        now = time.perf_counter()
+        if outer is not None:  # paused until this one ends
+            self.seconds[outer] = self.seconds.get(outer, 0.0) + now - self._since
+        self._open.append(name)
+        _local.timer, self._current, self._since = self, name, now
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            now = time.perf_counter()
+            self.seconds[name] = self.seconds.get(name, 0.0) + now - self._since
             self.counts[name] = self.counts.get(name, 0) + 1
-            self._current, _local.timer = None, previous
+            self._open.pop()
+            self._current, self._since, _local.timer = outer, now, previous
 
     def summary(self) -> dict:
         """The JSON row: per phase ``{seconds, count, compile_s, compiles, cache_hits}`` (programs

@@ -20,7 +20,8 @@ from dlrm.config import DLRMConfig
 from dlrm.model import build_model
 from recscale import config as config_lib
 from recscale.config import get_preset
-from recscale.train import loop
+from recscale.train import experiment, loop
+from recscale.train.early_stopping import BestTracker, EarlyStopping
 from recscale.train.loop import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +73,7 @@ def test_every_tiny_preset_trains_two_steps(tmp_path):
 
 
 def test_tiny_learns_and_accounts_for_its_wall_time(tmp_path):
-    loop._PROGRAMS.clear()  # compiled here, not reused from an earlier test in this process
+    experiment._PROGRAMS.clear()  # compiled here, not reused from an earlier test in this process
     wd = tmp_path / "run"
     t0 = time.time()
     cfg = _tiny(num_steps=150, log_every=50, eval_every=50, checkpoint_every=75)
@@ -113,12 +114,12 @@ def test_runs_of_one_model_in_one_process_share_programs_and_results(tmp_path):
         (row,) = map(json.loads, (wd / "timings.jsonl").read_text().splitlines())
         return {k: v["compiles"] for k, v in row["phases"].items() if v["compiles"]}
 
-    loop._PROGRAMS.clear()
+    experiment._PROGRAMS.clear()
     train(cfg(6, 0, 3e-3), build_model, tmp_path / "a")
     second = cfg(9, 1, 1e-3)
     train(second, build_model, tmp_path / "b")
     assert built(tmp_path / "b") == {}  # init, train and eval steps all reused
-    loop._PROGRAMS.clear()
+    experiment._PROGRAMS.clear()
     train(second, build_model, tmp_path / "b_alone")
     assert built(tmp_path / "b_alone")["train"] == 1
     assert [r["loss"] for r in _rows(tmp_path / "b")] == [
@@ -383,17 +384,17 @@ def test_early_stopping_best_survives_a_resume_that_replays_differently(
         early_stopping_metric="logloss",
         early_stopping_patience=10,
     )
-    original = loop._TrainRun._early_stopping
+    original = EarlyStopping.evaluated
 
-    def killed_after_best_6(self, done, ev):
-        original(self, done, ev)
+    def killed_after_best_6(self, done, ev, state):
+        original(self, done, ev, state)
         if done == 6:
             raise KeyboardInterrupt  # the process dies here
 
-    monkeypatch.setattr(loop._TrainRun, "_early_stopping", killed_after_best_6)
+    monkeypatch.setattr(EarlyStopping, "evaluated", killed_after_best_6)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, build_model, wd)
-    monkeypatch.setattr(loop._TrainRun, "_early_stopping", original)
+    monkeypatch.setattr(EarlyStopping, "evaluated", original)
     assert Checkpointer(wd / "checkpoints", async_save=False).all_steps() == [4]
     assert 6 in Checkpointer(wd / "checkpoints_best", async_save=False).all_steps()
     no_evals = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=100))
@@ -404,13 +405,14 @@ def test_early_stopping_best_survives_a_resume_that_replays_differently(
     run_cfg = config_lib.absolute_paths(no_evals)
     mesh = sharding.make_mesh(run_cfg.mesh)
     with sharding.activate(mesh, run_cfg.mesh):
-        exp = loop.Experiment.build(run_cfg, build_model, workdir=str(wd))
+        exp = experiment.Experiment.build(run_cfg, build_model, workdir=str(wd))
         run = loop._TrainRun(run_cfg, build_model, exp, wd, PhaseTimer())
         run.restore_or_init()
-        assert run.start_step == 4 and run.early.best_step == 4
-        assert run.best_ckpt.all_steps() == [2, 4]
+        (early,) = run.hooks
+        assert run.start_step == 4 and early.tracker.best_step == 4
+        assert early.best_ckpt.all_steps() == [2, 4]
         run.ckpt.close()
-        run.best_ckpt.close()
+        early.close()
     # Going on, the last step is a candidate too (logloss still falls): it is the best.
     resumed = train(no_evals, build_model, wd)
     assert resumed["step"] == 8 and resumed["best_step"] == 8
@@ -420,7 +422,7 @@ def test_early_stopping_best_survives_a_resume_that_replays_differently(
 
 
 def test_early_stopping_never_takes_a_nonfinite_evaluation_as_best():
-    es = loop._EarlyStopping(
+    es = BestTracker(
         _tiny(eval_every=1, early_stopping_metric="auc", early_stopping_patience=3).train
     )
     assert not es.observe(1, {"auc": float("nan")})  # a one-class AUC on few batches

@@ -45,7 +45,7 @@ from orbax.checkpoint._src.serialization import jax_array_handlers  # noqa: E402
 
 import dlrm.train  # noqa: E402
 from recscale.train import checkpoint as checkpoint_lib  # noqa: E402
-from recscale.train import loop  # noqa: E402
+from recscale.train import run_files  # noqa: E402
 
 NOT_KILLED_EXIT_CODE = 3
 TMP_SUFFIX = atomicity.TMP_DIR_SUFFIX  # "<name>.orbax-checkpoint-tmp": not yet committed
@@ -195,7 +195,7 @@ def install_async_inflight() -> None:
 
         return write
 
-    _patch(loop.MetricsWriter, "write", make)
+    _patch(run_files.MetricsWriter, "write", make)
 
 
 def install_keep1_after_save() -> None:

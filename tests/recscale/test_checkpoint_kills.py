@@ -35,7 +35,7 @@ from dlrm.model import build_model
 from recscale import sharding
 from recscale.config import get_preset
 from recscale.train.checkpoint import DELETED, Checkpointer
-from recscale.train.loop import Experiment
+from recscale.train.experiment import Experiment
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("ckpt_kill_child.py")

@@ -80,7 +80,8 @@ def test_trains_dlrm_with_the_engine_and_refuses_the_per_table_path(tmp_path):
     import dlrm.presets  # noqa: F401  (registers the dlrm/* presets)
     from dlrm.model import build_model
     from recscale.config import EmbeddingShardingConfig, get_preset
-    from recscale.train.loop import make_optimizer, train
+    from recscale.train.experiment import make_optimizer
+    from recscale.train.loop import train
 
     base = get_preset("dlrm/tiny")
     cfg = dataclasses.replace(

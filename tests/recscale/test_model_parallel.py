@@ -16,7 +16,8 @@ import pytest
 
 from recscale import sharding
 from recscale.config import parse_preset_cli
-from recscale.train.loop import Experiment, train
+from recscale.train.experiment import Experiment
+from recscale.train.loop import train
 from tests.run_files import checkpoint_item, metric_rows
 
 STEPS, EVERY = 3, 2

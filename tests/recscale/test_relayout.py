@@ -28,7 +28,7 @@ from recscale.embeddings import engine, relayout
 from recscale.train import checkpoint
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.evaluation import EvalArgs, evaluate_workdir
-from recscale.train.loop import Experiment
+from recscale.train.experiment import Experiment
 from recscale.train.steps import TrainState, make_train_step
 
 STEPS = 3
