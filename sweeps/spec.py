@@ -610,6 +610,10 @@ _ADDED_AT_DEFAULT: dict[str, Any] = {
     "embeddings.comm_error_bound_schedule": [],
     "embeddings.tier_policy": "lru",
     "embeddings.comm_error_bound_tables": [],
+    "embeddings.zipf_exponents": [],
+    "embeddings.measure_skew": 0,
+    "embeddings.calibrate": False,
+    "embeddings.cost_lookup_factor": 0.0,
 }
 
 

@@ -66,13 +66,21 @@ _PLAN_FIELDS = (
     "batch_size",
     "comm_dtype",
     "bound_scales",
+    "zipf_exponents",
+    "lookup_factor",
 )
 """The engine spec's fields the plan depends on (kernels do not move rows; ``comm_dtype`` is
 in the planner's costs)."""
-_PLAN_DEFAULTS = {"comm_dtype": "float32", "bound_scales": []}
+_PLAN_DEFAULTS = {
+    "comm_dtype": "float32",
+    "bound_scales": [],
+    "zipf_exponents": [],
+    "lookup_factor": 0.0,
+}
 """Plan inputs recorded since: a checkpoint without one was planned as with this value (the
 planner costed float32 exchanges whatever ``comm_dtype`` said; per-table bounds, which group
-tables into buffers, came later)."""
+tables into buffers, came later; so did the tables' measured skew and the lookup calibration,
+before which every table was costed as uniform and uncalibrated)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,6 +193,8 @@ def _saved_config(saved: dict, cfg: Any) -> Any:
         storage_dtype=e["storage_dtype"],
         comm_dtype=e["comm_dtype"],
         comm_error_bound_tables=tuple(e["bound_scales"]),
+        zipf_exponents=tuple(e["zipf_exponents"]),
+        cost_lookup_factor=e["lookup_factor"],
     )
     return dataclasses.replace(
         cfg,

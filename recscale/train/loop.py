@@ -35,7 +35,7 @@ from data.sources import DataSource, make_source
 from recscale import config as config_lib
 from recscale import optim, sharding
 from recscale.analysis import noise_scale
-from recscale.embeddings import EmbeddingTable, engine, relayout
+from recscale.embeddings import EmbeddingTable, engine, plan_inputs, relayout
 from recscale.embeddings import tiers as tiers_lib
 from recscale.metrics import EvalAccumulator
 from recscale.train.checkpoint import Checkpointer
@@ -662,6 +662,7 @@ def train(
     cfg = config_lib.absolute_paths(cfg)
     timer = PhaseTimer()
     with timer.phase("setup"):
+        cfg = plan_inputs.resolve(cfg, workdir)  # measured skew, lookup calibration
         write_run_files(workdir, cfg, argv)
         mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh):
