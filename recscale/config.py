@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import typing
@@ -176,7 +177,9 @@ class EmbeddingShardingConfig:
     """Per-table pins ``TABLE=TYPE`` (e.g. ``C1=row_wise``), over ``sharding``'s choice."""
     profile: str = field("", role=LAYOUT, plan_input="profile")
     """Hardware profile the planner costs plans with (``tpu_gpu_configs.profiles``); empty:
-    ``cpu-2core`` on CPU, ``gpu-h100`` on GPU, ``tpu-v5p`` on TPU."""
+    the device's, by its ``device_kind`` (``TPU v5 lite``: ``tpu-v5e``, ``NVIDIA H200``:
+    ``gpu-h200``, CPU: ``cpu-2core``; an unknown kind warns and takes ``gpu-h100`` / ``tpu-v5p``).
+    A hardware preset (``--hardware``) sets its machine's."""
     host_size: int = field(0, role=LAYOUT, plan_input="host_size")
     """Devices per host for ``table_row_wise`` / ``table_column_wise`` (0: the profile's)."""
     storage_dtype: Literal["float32", "bfloat16", "float16"] = field(
@@ -223,6 +226,25 @@ class EmbeddingShardingConfig:
     tier_policy: Literal["lru", "lfu"] = field("lru", identity_default="lru")
     """Which cached rows make room for a batch's missed rows: least recently or least
     frequently used."""
+    zipf_exponents: tuple[str, ...] = field(
+        (), role=LAYOUT, identity_default=(), plan_input="zipf_exponents"
+    )
+    """Id skew per table, ``TABLE=S`` entries (``P(rank r) ~ (r + 1)^-S``; a table not named is
+    taken as uniform): the planner loads a row-wise table's busiest shard with its hottest
+    row's share of the lookups. ``measure_skew`` fills in the tables not named."""
+    measure_skew: int = field(0, role=LAYOUT, identity_default=0)
+    """Training batches (the first ones) whose ids the trainer counts at start to fit each
+    table's Zipf exponent into ``zipf_exponents`` (``recscale.embeddings.plan_inputs``; the
+    values go into config.json, so evaluation and resume plan the same); 0: not measured."""
+    calibrate: bool = field(False, role=LAYOUT, identity_default=False)
+    """At start, time the embedding-bag kernel on this device and record the planner's lookup
+    factor in ``cost_lookup_factor`` (and the profile it is relative to in ``profile``)."""
+    cost_lookup_factor: float = field(
+        0.0, role=LAYOUT, identity_default=0.0, plan_input="lookup_factor"
+    )
+    """The planner's lookup cost relative to the profile's peak memory bandwidth (measured
+    lookup time over the peak's; ``planner.CostModel.calibrated``); 0: uncalibrated (1).
+    These four are the planner's: with ``sharding`` off they do nothing."""
 
     def __post_init__(self):
         types = (
@@ -297,10 +319,31 @@ class EmbeddingShardingConfig:
                 f"error_bounded, not {self.comm_compression}"
             )
         self._check_table_bounds()
+        self._check_plan_inputs()
         if self.comm_compression != "error_bounded" and any(bounds):
             raise ValueError(
                 "embeddings.comm_error_bound{,_grad} need comm_compression "
                 f"error_bounded, not {self.comm_compression}"
+            )
+
+    def _check_plan_inputs(self) -> None:
+        for item in self.zipf_exponents:
+            name, _, value = item.partition("=")
+            try:
+                ok = bool(name) and math.isfinite(float(value)) and float(value) >= 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"embeddings.zipf_exponents entry {item!r}: expected TABLE=S with S a "
+                    "finite number >= 0 (e.g. C1=1.05)"
+                )
+        if self.measure_skew < 0:
+            raise ValueError(f"embeddings.measure_skew must be >= 0, got {self.measure_skew}")
+        if not (math.isfinite(self.cost_lookup_factor) and self.cost_lookup_factor >= 0):
+            raise ValueError(
+                f"embeddings.cost_lookup_factor must be finite and >= 0 (0: uncalibrated), "
+                f"got {self.cost_lookup_factor}"
             )
 
     def _check_table_bounds(self) -> None:

@@ -16,6 +16,10 @@ compile for this host's devices. Overrides are the train CLI's (``--mesh.model-p
 The predictions are the planner's (``recscale.embeddings.planner``: the tables' memory per
 device and the bytes the engine's all-to-alls move per step) and the dense state's bytes per
 chip from its shardings; ``benchmarks/pod_compile.py`` tabulates them against the compiler's.
+The report shows the embedding plan itself too: each table's sharding and placement, and each
+device's predicted step time by term (lookup, communication, compute), in ``--json`` as
+``plans``. A preset that sets ``embeddings.measure_skew`` has its tables' skew measured first,
+as the trainer does (its ``embeddings.calibrate`` is not run: this host is not the target).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import tpu_gpu_configs
 from data.schemas import schema_of
 from recscale import config as config_lib
 from recscale import optim, sharding
-from recscale.embeddings import EmbeddingTable, engine
+from recscale.embeddings import EmbeddingTable, engine, plan_inputs
 from recscale.embeddings.planner import OPTIMIZER_STATE_BYTES
 from recscale.kernels import common
 from recscale.train.experiment import state_parts
@@ -123,6 +127,11 @@ def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
     raise SystemExit(f"planning for {hw.platform} presets from this host is not supported")
 
 
+def _profile(hw: tpu_gpu_configs.LaunchPreset) -> str:
+    """``hw``'s hardware profile; a preset naming none (``cpu-local``) runs on this host's."""
+    return hw.profile or engine.default_profile()
+
+
 def for_hardware(cfg: Any, hw: tpu_gpu_configs.LaunchPreset, *, global_batch: int = 0) -> Any:
     """``cfg`` as a sweep would run it on ``hw``: its global batch (``global_batch`` if given,
     else the preset's per-device batch times its devices, else the config's), and the engine
@@ -178,6 +187,11 @@ class StepReport:
     lowered: dict[str, int] = dataclasses.field(default_factory=dict)
     """GPU presets: the step lowered for CUDA (no compiler here): its StableHLO's size and
     the Pallas (Triton) kernel calls in it."""
+    plans: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The embedding plan of each engine collection (``Plan.to_dict``: per table its sharding
+    and shards, per device its memory and predicted step time by term)."""
+    plan_text: str = ""
+    """Those plans rendered (``Plan.render``)."""
 
     def errors(self) -> dict[str, float]:
         """Relative error of each prediction against the compiler, where both exist."""
@@ -237,6 +251,7 @@ def plan_step(
     compiler's numbers (see the module docstring)."""
     devices = topology_devices(hw)
     cfg = for_hardware(cfg, hw, global_batch=global_batch)
+    cfg = plan_inputs.resolve(cfg, calibrate=False)
     schema = schema_of(cfg.data)
     mesh = sharding.make_mesh(cfg.mesh, devices=devices)
     target = hw.platform if hw.platform in ("gpu", "tpu") else None
@@ -251,6 +266,11 @@ def plan_step(
         batch_sharding = jax.tree.map(lambda x: sharding.batch_sharding(np.ndim(x)), batch)
         model = nnx_merge(graphdef, abstract)
         colls = engine.engine_collections(model)
+        spec = engine.EngineSpec.from_config(cfg)
+        plans = {
+            path: engine.plan_engine(c.table_specs, c.feature_specs, c.layout.num_devices, spec)
+            for path, c in colls.items()
+        }
         planner_mem = sum(c.layout.plan_memory_bytes for c in colls.values())
         # the planner's float32/bf16 costing, or the compressed payloads when compressed
         a2a = sum(
@@ -279,7 +299,7 @@ def plan_step(
             layout=_layout_name(cfg),
             dense_params=int(n_dense),
             table_rows=int(rows),
-            memory_bytes=get_profile(hw.profile).memory_bytes if hw.profile else 0.0,
+            memory_bytes=get_profile(_profile(hw)).memory_bytes,
             predicted={
                 "state_bytes_per_chip": state_bytes,
                 "batch_bytes_per_chip": batch_bytes,
@@ -288,6 +308,10 @@ def plan_step(
                 # every model replica runs the data axis's exchange
                 "all_to_all_bytes_per_chip": float(a2a) / mesh.shape[sharding.DATA_AXIS],
             },
+            plans={path: p.to_dict() for path, p in plans.items()},
+            plan_text="\n".join(
+                (f"{path}:\n" if path else "") + p.render() for path, p in plans.items()
+            ),
         )
         if not compile:
             return report
@@ -409,6 +433,8 @@ def render(r: StepReport) -> str:
         )
         for f in r.fallbacks:
             lines.append(f"  kernel fallback: {f}")
+    if r.plan_text:
+        lines.append(r.plan_text.rstrip())
     return "\n".join(lines)
 
 
@@ -419,7 +445,7 @@ def render(r: StepReport) -> str:
 def table_access_counts(cfg: Any, schema: Any, sample_batches: int) -> dict[str, tuple]:
     """Per table ``(counts, lookups per step)``: synthetic data from its Zipf law (exact
     probabilities by rank: hit rates do not depend on which row has which rank); other data
-    from the ids of ``sample_batches`` training batches."""
+    from the ids of ``sample_batches`` training batches (``plan_inputs.sampled_ids``)."""
     batch = cfg.data.batch_size
     if cfg.data.kind == "synthetic":
         syn = cfg.data.synthetic
@@ -430,19 +456,12 @@ def table_access_counts(cfg: Any, schema: Any, sample_batches: int) -> dict[str,
             ranks = np.arange(f.vocab_size, dtype=np.float64)
             out[f.table_name] = (np.power(ranks + 1.0, -syn.zipf_exponent), batch * mean_bag)
         return out
-    from data.sources import make_source  # noqa: PLC0415
-
-    source = make_source(cfg.data)
-    counts = {f.table_name: np.zeros(f.vocab_size, np.int64) for f in schema.features}
-    n = {f.table_name: 0 for f in schema.features}
-    for step in range(sample_batches):
-        b = source.train_batch(step)
-        for i, f in enumerate(schema.features):
-            ids = b.ids_bfh[:, i].ravel()
-            ids = ids[ids >= 0]
-            counts[f.table_name] += np.bincount(ids, minlength=f.vocab_size)
-            n[f.table_name] += ids.size
-    return {t: (c, n[t] / sample_batches) for t, c in counts.items()}
+    rows = {f.table_name: f.vocab_size for f in schema.features}
+    out = {}
+    for t, halves in plan_inputs.sampled_ids(cfg.data, sample_batches).items():
+        ids = np.concatenate(halves)
+        out[t] = (np.bincount(ids, minlength=rows[t]), ids.size / sample_batches)
+    return out
 
 
 def plan_tiers(
@@ -482,7 +501,7 @@ def plan_tiers(
             )
         )
     devices = hw.num_hosts * hw.devices_per_host
-    hbm = hbm_gib * 2**30 if hbm_gib else get_profile(hw.profile).memory_bytes * devices
+    hbm = hbm_gib * 2**30 if hbm_gib else get_profile(_profile(hw)).memory_bytes * devices
     plan = tier_plan.place(
         tables, hbm_bytes=int(hbm), dram_bytes=int(dram_gib * 2**30), policy=policy
     )

@@ -33,7 +33,8 @@ class LaunchPreset:
     """The planner's hardware profile of this machine (``tpu_gpu_configs.profiles``: memory,
     bandwidths, FLOP/s). Applied to a trial whose embedding engine is on and names no profile
     (``embeddings.profile``, with ``embeddings.host_size = devices_per_host``); empty: the
-    planner's default for the backend."""
+    profile of the device the trial runs on, by its JAX device kind
+    (``profiles.profile_for_device_kind``)."""
     topology: str = ""
     """TPU slice topology as ``jax.experimental.topologies`` names it (``v5p:2x2x2``): what
     ``python -m recscale.plan --compile`` compiles for (TPU presets)."""

@@ -35,6 +35,7 @@ from recscale.embeddings.layout import (
     export_tables,
     generated_rows,
     init_buffers,
+    plan_engine,
 )
 from recscale.embeddings.lookup import (
     engine_collections,
@@ -67,6 +68,7 @@ __all__ = [
     "init_buffers",
     "init_opt_state_for",
     "lookup",
+    "plan_engine",
     "row_gradient_sq",
     "step_context",
     "with_error_bounds",

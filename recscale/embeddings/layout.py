@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import jax
@@ -29,6 +30,7 @@ from recscale import sharding
 from recscale.embeddings import planner as planner_lib
 from recscale.embeddings.compress import Compression
 from recscale.embeddings.spec import FeatureSpec, TableSpec
+from tpu_gpu_configs import profiles
 from tpu_gpu_configs.profiles import get_profile
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -64,6 +66,11 @@ class EngineSpec:
     exchange bounds are :attr:`compression`'s times SCALE forward and SCALE_GRAD (default:
     SCALE) back (0: uncompressed). Tables of one pair share buffers, since an all-to-all has one
     code width."""
+    zipf_exponents: tuple[str, ...] = ()
+    """``TABLE=S`` entries (``embeddings.zipf_exponents``): each table's id skew for the
+    planner's row-wise load (tables not named: uniform)."""
+    lookup_factor: float = 0.0
+    """The planner's lookup calibration (``embeddings.cost_lookup_factor``; 0: uncalibrated)."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> EngineSpec | None:
@@ -89,6 +96,8 @@ class EngineSpec:
             tiered=tuple(t.split("=", 1)[0] for t in e.tiers),
             l2=cfg.embedding_optim.l2,
             bound_scales=tuple(e.comm_error_bound_tables),
+            zipf_exponents=tuple(e.zipf_exponents),
+            lookup_factor=e.cost_lookup_factor,
         )
 
 
@@ -215,18 +224,46 @@ class Layout:
 # Planning.
 
 
-def default_profile() -> str:
-    platform = jax.devices()[0].platform
-    return {"gpu": "gpu-h100", "tpu": "tpu-v5p"}.get(platform, "cpu-2core")
+_WARNED: set[str] = set()
 
 
-def build_layout(
+def default_profile(device: Any = None) -> str:
+    """The hardware profile of ``device`` (default: the first device) by its ``device_kind``
+    (``tpu_gpu_configs.profiles.profile_for_device_kind``); a kind not in the table takes its
+    platform's default (``PLATFORM_DEFAULTS``), with a warning naming it (printed once)."""
+    device = jax.devices()[0] if device is None else device
+    name = profiles.profile_for_device_kind(device.device_kind)
+    if name is not None:
+        return name
+    name = profiles.PLATFORM_DEFAULTS.get(device.platform, "cpu-2core")
+    if device.device_kind not in _WARNED:
+        _WARNED.add(device.device_kind)
+        print(
+            f"warning: no hardware profile for device kind {device.device_kind!r}; the "
+            f"embedding planner costs plans as {name} (set --embeddings.profile)",
+            file=sys.stderr,
+        )
+    return name
+
+
+def _bound_scales(spec: EngineSpec) -> dict[str, tuple[float, float]]:
+    """``{table: (forward scale, gradient scale)}`` of ``spec.bound_scales``."""
+    out = {}
+    for item in spec.bound_scales:
+        name, value = item.split("=", 1)
+        fwd, _, grad = value.partition(":")
+        out[name] = (float(fwd), float(grad or fwd))
+    return out
+
+
+def plan_engine(
     tables: tuple[TableSpec, ...],
     features: tuple[FeatureSpec, ...],
     num_devices: int,
     spec: EngineSpec,
-) -> Layout:
-    """Plans ``tables`` on ``num_devices`` devices and lays the shards out in buffers."""
+) -> planner_lib.Plan:
+    """The planner's plan of ``tables`` on ``num_devices`` devices, as :func:`build_layout`
+    lays it out (``python -m recscale.plan`` prints it)."""
     by_table: dict[str, list[int]] = {t.name: [] for t in tables}
     for i, f in enumerate(features):
         by_table[f.table].append(i)
@@ -240,16 +277,16 @@ def build_layout(
     unknown = set(pins) - set(by_table)
     if unknown:
         raise ValueError(f"embeddings.per_table names unknown tables {sorted(unknown)}")
-    scales = {}
-    for item in spec.bound_scales:
-        name, value = item.split("=", 1)
-        fwd, _, grad = value.partition(":")
-        scales[name] = (float(fwd), float(grad or fwd))
+    scales = _bound_scales(spec)
     unknown = set(scales) - set(by_table)
     if unknown:
         raise ValueError(
             f"embeddings.comm_error_bound_tables names unknown tables {sorted(unknown)}"
         )
+    skew = {k: float(v) for k, v in (item.split("=", 1) for item in spec.zipf_exponents)}
+    unknown = set(skew) - set(by_table)
+    if unknown:
+        raise ValueError(f"embeddings.zipf_exponents names unknown tables {sorted(unknown)}")
     profile = get_profile(spec.profile or default_profile())
     if spec.host_size:
         profile = dataclasses.replace(profile, devices_per_host=spec.host_size)
@@ -283,6 +320,7 @@ def build_layout(
             dim=t.dim,
             bytes_per_element=itemsize,
             pooling_factor=float(hot[t.name]),
+            zipf_exponent=skew.get(t.name, 0.0),
             optimizer=spec.optimizer,
             allowed=allowed(t.name),
         )
@@ -290,9 +328,25 @@ def build_layout(
     ]
     comm_bytes = jnp.dtype(DTYPES[spec.comm_dtype]).itemsize
     cost = planner_lib.CostModel.for_profile(profile, comm_bytes)
-    plan = planner_lib.plan(
+    if spec.lookup_factor:
+        cost = dataclasses.replace(cost, lookup=spec.lookup_factor)
+    return planner_lib.plan(
         ptables, profile, num_devices, batch_size=spec.batch_size, cost_model=cost
     )
+
+
+def build_layout(
+    tables: tuple[TableSpec, ...],
+    features: tuple[FeatureSpec, ...],
+    num_devices: int,
+    spec: EngineSpec,
+) -> Layout:
+    """Plans ``tables`` on ``num_devices`` devices and lays the shards out in buffers."""
+    plan = plan_engine(tables, features, num_devices, spec)
+    by_table: dict[str, list[int]] = {t.name: [] for t in tables}
+    for i, f in enumerate(features):
+        by_table[f.table].append(i)
+    scales = _bound_scales(spec)
     table_plans = plan.by_table()
     cw_tables = [t.name for t in tables if table_plans[t.name].sharding in COLUMN_TYPES]
     cw_index = {name: i for i, name in enumerate(cw_tables)}

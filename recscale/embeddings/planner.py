@@ -32,7 +32,9 @@ fraction ``f`` of the table's lookups:
 
 time = lookup / memory_bandwidth + comm / link bandwidth + compute / FLOP/s, each term scaled by
 the ``CostModel``'s calibration factors (``CostModel.calibrated`` fits the lookup factor from
-measured lookup times). Row-wise load follows the id skew: with a Zipf exponent ``s`` the hottest
+measured lookup times; ``embeddings.calibrate`` runs it at the start of training). Shards keep
+the three terms (``Shard.lookup_s``, ``comm_s``, ``compute_s``) and the plan their sums per
+device (``Plan.device_terms_s``), which ``Plan.render`` and ``python -m recscale.plan`` print. Row-wise load follows the id skew: with a Zipf exponent ``s`` the hottest
 row alone takes ``p_0 = 1/H_{V,s}`` of the lookups, so the busiest of ``n`` row shards sees
 ``p_0 + (1 - p_0)/n`` of them (rows are spread by a permutation, so only single hot rows
 concentrate).
@@ -63,6 +65,8 @@ ShardingType = Literal[
 ]
 OPTIMIZER_STATE_BYTES = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
 """(bytes per row, bytes per element) of optimizer state."""
+TERMS = ("lookup", "comm", "compute")
+"""The terms of a shard's estimated time (``Shard.lookup_s``, ``comm_s``, ``compute_s``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,6 +144,13 @@ class Shard:
     cols: tuple[int, int]
     memory_bytes: float
     time_s: float
+    """Its estimated time per step: the sum of the three terms below."""
+    lookup_s: float = 0.0
+    """Reading and updating its rows (the lookup bytes over the memory bandwidth)."""
+    comm_s: float = 0.0
+    """Its exchanges (ids, pooled vectors, partial sums, gradients over the links)."""
+    compute_s: float = 0.0
+    """Pooling, scatter and update FLOPs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +173,9 @@ class Plan:
     every shard's pooled outputs for the whole batch forward, their gradients backward, slots
     padded to the fullest device's count; the ids travel in an all-gather; a replicated table
     exchanges nothing)."""
+    device_terms_s: np.ndarray | None = None
+    """Each device's estimated time per step by term [N, 3]: lookup, communication, compute
+    (summing to :attr:`device_time_s`, up to rounding)."""
 
     @property
     def max_time_s(self) -> float:
@@ -170,8 +184,40 @@ class Plan:
     def by_table(self) -> dict[str, TablePlan]:
         return {t.table: t for t in self.tables}
 
-    def render(self, max_rows: int = 50) -> str:
-        """The plan as a readable table (rich), plus per-device load."""
+    def to_dict(self) -> dict:
+        """The plan as JSON-able data: per table its sharding and shards' placement, memory
+        and time terms; per device its memory and time terms (seconds and bytes)."""
+        terms = self._terms()
+        return {
+            "tables": [
+                {
+                    "table": tp.table,
+                    "sharding": tp.sharding,
+                    "shards": [dataclasses.asdict(s) for s in tp.shards],
+                }
+                for tp in self.tables
+            ],
+            "devices": [
+                {
+                    "device": d,
+                    "memory_bytes": float(self.device_memory_bytes[d]),
+                    "time_s": float(self.device_time_s[d]),
+                    **{f"{k}_s": float(terms[d, i]) for i, k in enumerate(TERMS)},
+                }
+                for d in range(self.device_time_s.size)
+            ],
+            "memory_limit_bytes": float(self.memory_limit_bytes),
+            "all_to_all_bytes": float(self.all_to_all_bytes),
+        }
+
+    def _terms(self) -> np.ndarray:
+        if self.device_terms_s is not None:
+            return self.device_terms_s
+        return np.zeros((self.device_time_s.size, len(TERMS)))
+
+    def render(self, max_rows: int = 50, max_devices: int = 16) -> str:
+        """The plan as readable tables (rich): per table its placement, per device (the
+        busiest ``max_devices``) its predicted step time by term and its memory."""
         import io  # noqa: PLC0415
 
         from rich.console import Console  # noqa: PLC0415
@@ -197,6 +243,24 @@ class Plan:
         buf = io.StringIO()
         console = Console(file=buf, width=120)
         console.print(t)
+        n = self.device_time_s.size
+        # the busiest devices, in device order
+        shown = np.sort(np.argsort(-self.device_time_s, kind="stable")[:max_devices])
+        d = Table(
+            title="predicted embedding step time per device"
+            + ("" if n <= max_devices else f" (the {max_devices} busiest of {n})")
+        )
+        for col in ("device", "lookup", "communication", "compute", "total", "memory"):
+            d.add_column(col, justify="right")
+        terms = self._terms()
+        for dev in shown.tolist():
+            d.add_row(
+                str(dev),
+                *(f"{x * 1e6:.1f} us" for x in terms[dev]),
+                f"{self.device_time_s[dev] * 1e6:.1f} us",
+                _bytes(self.device_memory_bytes[dev]),
+            )
+        console.print(d)
         mem = self.device_memory_bytes
         console.print(
             f"device memory: max {_bytes(mem.max())} of {_bytes(self.memory_limit_bytes)}, "
@@ -225,6 +289,8 @@ class _Candidate:
     shard_time: float
     shard_rows: int
     shard_cols: int
+    shard_terms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """``shard_time`` by term (``TERMS``)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -251,41 +317,26 @@ def _candidates(
     def memory(rows: int, cols: int) -> float:
         return rows * cols * (b + elem_b) + rows * row_b
 
-    def time(frac: float, cols: int, comm: float, link: float) -> float:
+    def cand(kind, k, group, rows: int, cols: int, frac: float, comm: float, link: float):
+        """A candidate of ``k`` shards of ``rows x cols``, the busiest serving ``frac`` of the
+        table's lookups and exchanging ``comm`` bytes over ``link``."""
         look = 3 * frac * lookups * cols * b / hw.memory_bandwidth * cm.lookup
         flops = 3 * frac * lookups * cols / hw.flops * cm.compute
-        return look + flops + comm / link * cm.comm
+        talk = comm / link * cm.comm
+        time = look + flops + talk
+        return _Candidate(kind, k, group, memory(rows, cols), time, rows, cols, (look, talk, flops))
 
     out = []
     allowed = set(t.allowed) or set(ShardingType.__args__)
     hot = _hot_fraction(t.num_rows, t.zipf_exponent)
+    ici = hw.interconnect_bandwidth
     if "data_parallel" in allowed:
         comm = lookups * t.dim * c * (n - 1) / n
         # every device pools its own examples: 1/n of the batch's lookups
-        out.append(
-            _Candidate(
-                "data_parallel",
-                n,
-                "all",
-                memory(t.num_rows, t.dim),
-                time(1 / n, t.dim, comm, hw.interconnect_bandwidth),
-                t.num_rows,
-                t.dim,
-            )
-        )
+        out.append(cand("data_parallel", n, "all", t.num_rows, t.dim, 1 / n, comm, ici))
     if "table_wise" in allowed:
         comm = 4 * lookups + batch * t.dim * cm.exchange_bytes_at(t.dim)
-        out.append(
-            _Candidate(
-                "table_wise",
-                1,
-                "any",
-                memory(t.num_rows, t.dim),
-                time(1, t.dim, comm, hw.interconnect_bandwidth),
-                t.num_rows,
-                t.dim,
-            )
-        )
+        out.append(cand("table_wise", 1, "any", t.num_rows, t.dim, 1, comm, ici))
     for kind in ("column_wise", "table_column_wise"):
         if kind not in allowed:
             continue
@@ -293,28 +344,16 @@ def _candidates(
         while k <= min(max_col_splits, n) and t.dim % k == 0 and t.dim // k >= 4:
             cols = t.dim // k
             comm = 4 * lookups + batch * cols * cm.exchange_bytes_at(cols)
-            out.append(
-                _Candidate(
-                    kind,
-                    k,
-                    "any",
-                    memory(t.num_rows, cols),
-                    time(1, cols, comm, hw.interconnect_bandwidth),
-                    t.num_rows,
-                    cols,
-                )
-            )
+            out.append(cand(kind, k, "any", t.num_rows, cols, 1, comm, ici))
             k *= 2
     for kind, m, group, link in (
         (
             "row_wise",
             n,
             "all",
-            hw.interconnect_bandwidth
-            if n <= hw.devices_per_host
-            else min(hw.interconnect_bandwidth, hw.cross_host_bandwidth),
+            ici if n <= hw.devices_per_host else min(ici, hw.cross_host_bandwidth),
         ),
-        ("table_row_wise", min(hw.devices_per_host, n), "host", hw.interconnect_bandwidth),
+        ("table_row_wise", min(hw.devices_per_host, n), "host", ici),
     ):
         if kind not in allowed or m < 2:
             continue
@@ -322,11 +361,7 @@ def _candidates(
         frac = min(1.0, hot + (1 - hot) / m)  # the busiest shard
         # the partial sums are added before any multiply: comm_dtype both ways
         comm = batch * t.dim * 2 * c * (m - 1) / m + 4 * lookups * frac
-        out.append(
-            _Candidate(
-                kind, m, group, memory(rows, t.dim), time(frac, t.dim, comm, link), rows, t.dim
-            )
-        )
+        out.append(cand(kind, m, group, rows, t.dim, frac, comm, link))
     return out
 
 
@@ -353,7 +388,7 @@ def plan(
         caps.append(caps[-1] * 2)
     for cap in caps:
         try:
-            load, mem, choices = _greedy(
+            load, mem, terms, choices = _greedy(
                 tables, profile, num_devices, batch_size, cost_model, limit, cap
             )
         except _NoPlacement as e:  # e.g. a table pinned to column_wise, at cap 1
@@ -361,15 +396,15 @@ def plan(
             continue
         key = (float(load.max()), float(load.sum()))
         if best is None or key < best[0]:
-            best = (key, load, mem, choices)
+            best = (key, load, mem, terms, choices)
     if best is None:
         raise ValueError(str(error)) from None
-    _, load, mem, choices = best
+    _, load, mem, terms, choices = best
     out = tuple(
         TablePlan(t.name, choices[t.name][0].sharding, _shards(t, *choices[t.name])) for t in tables
     )
     a2a = _exchange_bytes(out, num_devices, batch_size, cost_model)
-    return Plan(out, load, mem, limit, a2a)
+    return Plan(out, load, mem, limit, a2a, terms)
 
 
 def _exchange_bytes(tables: tuple[TablePlan, ...], n: int, batch: int, cm: CostModel) -> float:
@@ -415,6 +450,7 @@ def round_robin(
     """The baseline: table ``i`` table-wise on device ``i mod N`` (memory is not checked)."""
     load = np.zeros(num_devices)
     mem = np.zeros(num_devices)
+    terms = np.zeros((num_devices, len(TERMS)))
     out = []
     for i, t in enumerate(tables):
         (cand,) = _candidates(
@@ -428,19 +464,15 @@ def round_robin(
         d = i % num_devices
         load[d] += cand.shard_time
         mem[d] += cand.shard_memory
-        out.append(
-            TablePlan(
-                t.name,
-                "table_wise",
-                (Shard(d, (0, t.num_rows), (0, t.dim), cand.shard_memory, cand.shard_time),),
-            )
-        )
-    return Plan(tuple(out), load, mem, profile.memory_bytes * memory_fraction)
+        terms[d] += cand.shard_terms
+        out.append(TablePlan(t.name, "table_wise", _shards(t, cand, np.array([d]))))
+    return Plan(tuple(out), load, mem, profile.memory_bytes * memory_fraction, device_terms_s=terms)
 
 
-def _greedy(tables, hw, n, batch, cm, limit, cap) -> Plan:
+def _greedy(tables, hw, n, batch, cm, limit, cap):
     load = np.zeros(n)
     mem = np.zeros(n)
+    terms = np.zeros((n, len(TERMS)))
     cands = {t.name: _candidates(t, n, hw, cm, batch, cap) for t in tables}
     for t in tables:
         if not cands[t.name]:
@@ -467,8 +499,9 @@ def _greedy(tables, hw, n, batch, cm, limit, cap) -> Plan:
         _, c, devs = choice
         load[devs] += c.shard_time
         mem[devs] += c.shard_memory
+        terms[devs] += c.shard_terms
         choices[t.name] = (c, devs)
-    return load, mem, choices
+    return load, mem, terms, choices
 
 
 def _devices(c: _Candidate, load, mem, limit, n) -> np.ndarray | None:
@@ -504,5 +537,5 @@ def _shards(t: PlannerTable, c: _Candidate, devs: np.ndarray) -> tuple[Shard, ..
             rows, cols = (0, t.num_rows), (i * c.shard_cols, (i + 1) * c.shard_cols)
         else:
             rows, cols = (0, t.num_rows), (0, t.dim)
-        out.append(Shard(int(d), rows, cols, c.shard_memory, c.shard_time))
+        out.append(Shard(int(d), rows, cols, c.shard_memory, c.shard_time, *c.shard_terms))
     return tuple(out)

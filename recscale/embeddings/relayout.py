@@ -60,11 +60,18 @@ _MIN_CHUNK = 1 << 10  # smaller tables share one compiled gather / scatter per a
 _PLAN_FIELDS = tuple(roles.plan_inputs(config_lib.ExperimentConfig))
 """The engine spec's fields the plan depends on, as the config fields that set them declare
 (``plan_input``; kernels do not move rows; ``comm_dtype`` is in the planner's costs)."""
-_PLAN_DEFAULTS = {"comm_dtype": "float32", "bound_scales": [], "l2": 0.0}
+_PLAN_DEFAULTS = {
+    "comm_dtype": "float32",
+    "bound_scales": [],
+    "l2": 0.0,
+    "zipf_exponents": [],
+    "lookup_factor": 0.0,
+}
 """Plan inputs recorded since: a checkpoint without one was planned as with this value (the
 planner costed float32 exchanges whatever ``comm_dtype`` said; per-table bounds, which group
 tables into buffers, came later; the engine refused coupled L2 before it kept such tables
-data-parallel)."""
+data-parallel; the tables' measured skew and the lookup calibration came later too, before
+which every table was costed as uniform and uncalibrated)."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from data.batch import Batch
 from data.sources import DataSource
 from recscale import config as config_lib
 from recscale import sharding
-from recscale.embeddings import relayout
+from recscale.embeddings import plan_inputs, relayout
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.early_stopping import BEST_DIR as BEST_DIR  # re-exported (evaluation.py)
 from recscale.train.early_stopping import EarlyStopping
@@ -71,6 +71,7 @@ def train(
     cfg = config_lib.absolute_paths(cfg)
     timer = PhaseTimer()
     with timer.phase("setup"):
+        cfg = plan_inputs.resolve(cfg, workdir)  # measured skew, lookup calibration
         write_run_files(workdir, cfg, argv)
         mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh):

@@ -31,6 +31,7 @@ from recscale.config import (
     get_preset,
 )
 from recscale.embeddings import engine
+from recscale.embeddings.spec import one_table_per_feature
 from recscale.kernels.embedding_update import reference as update_ref
 from recscale.optim import cowclip
 from recscale.train.loop import make_optimizer, train
@@ -216,6 +217,62 @@ def test_the_plan_is_what_was_asked_for():
     assert len(slots[1]) == 1 and slots[1][0][1:] == (V + 10, D)  # one whole table
     assert len(slots[2]) >= 2 and sum(w for *_, w in slots[2]) == D  # column slices
     assert len(slots[3]) == 4 and len({d // 4 for d, *_ in slots[3]}) == 1  # one host's rows
+
+
+def test_the_plan_takes_the_tables_skew_and_the_lookup_calibration():
+    """``embeddings.zipf_exponents`` load a row-wise table's busiest shard with its hot row;
+    ``cost_lookup_factor`` scales every shard's lookup term (placement pinned, so the same)."""
+    pins = ("f0=row_wise", "f1=table_wise", "f2=column_wise", "f3=data_parallel")
+    specs = one_table_per_feature(
+        tuple((f.name, f.vocab_size, f.max_hotness) for f in SCHEMA.features), D
+    )
+
+    def planned(**emb):
+        spec = engine.EngineSpec.from_config(_cfg("auto", 8, per_table=pins, **emb))
+        return engine.plan_engine(*specs, 8, spec).by_table()
+
+    base = planned()
+    skewed = planned(zipf_exponents=("f0=1.5",))
+    hot = max(s.lookup_s for s in skewed["f0"].shards)
+    assert hot > 2 * max(s.lookup_s for s in base["f0"].shards)
+    assert skewed["f1"] == base["f1"]  # the others are uniform still
+    slow = planned(cost_lookup_factor=3.0)
+    for name, tp in base.items():
+        for a, b in zip(tp.shards, slow[name].shards, strict=True):
+            assert (a.device, a.rows, a.cols) == (b.device, b.rows, b.cols)
+            assert b.lookup_s == pytest.approx(3 * a.lookup_s, rel=1e-12)
+            assert (b.comm_s, b.compute_s) == (a.comm_s, a.compute_s)
+    with pytest.raises(ValueError, match=r"zipf_exponents names unknown tables \['nope'\]"):
+        planned(zipf_exponents=("nope=1.0",))
+    for bad, match in (
+        (dict(zipf_exponents=("f0",)), "zipf_exponents entry 'f0': expected TABLE=S"),
+        (dict(zipf_exponents=("f0=-1",)), "zipf_exponents entry 'f0=-1'"),
+        (dict(zipf_exponents=("f0=x",)), "zipf_exponents entry 'f0=x'"),
+        (dict(measure_skew=-1), "measure_skew must be >= 0"),
+        (dict(cost_lookup_factor=float("nan")), "cost_lookup_factor must be finite"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            EmbeddingShardingConfig(**bad)
+
+
+def test_the_default_profile_is_the_devices_and_an_unknown_kind_warns(capsys):
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from recscale.embeddings import layout  # noqa: PLC0415
+
+    assert engine.default_profile() == "cpu-2core"  # this host's simulated devices
+    h200 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+    v5e = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+    assert (engine.default_profile(h200), engine.default_profile(v5e)) == ("gpu-h200", "tpu-v5e")
+    assert capsys.readouterr().err == ""
+    layout._WARNED.discard("TPU7x")
+    for _ in range(2):  # warned once
+        assert engine.default_profile(SimpleNamespace(platform="tpu", device_kind="TPU7x")) == (
+            "tpu-v5p"
+        )
+    err = capsys.readouterr().err
+    assert err.count("no hardware profile for device kind 'TPU7x'") == 1, err
+    assert "as tpu-v5p (set --embeddings.profile)" in err
 
 
 def test_mixed_pins_and_bf16_storage_and_communication(reference):

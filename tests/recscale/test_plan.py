@@ -4,6 +4,7 @@ HLO's collective bytes, and the planner's all-to-all accounting."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -135,6 +136,36 @@ def test_gpu_presets_lower_the_step_for_cuda_with_the_triton_kernels():
     # the bag and update kernels, and the interaction's forward and backward
     assert r.lowered["triton_kernels"] >= 4 and r.lowered["stablehlo_bytes"] > 0
     assert "lowered for CUDA" in plan.render(r)
+
+
+def test_the_report_shows_the_embedding_plan_and_its_step_time_by_device(tmp_path, capsys):
+    """``python -m recscale.plan``: each table's placement and each device's predicted time by
+    term, in the text and in ``--json``; a preset measuring its skew is planned with it."""
+    out = tmp_path / "r.jsonl"
+    argv = ["dlrm/tiny", "--hardware", "cpu-local-2proc", "--json", str(out)]
+    plan.main([*argv, "--embeddings.per-table", "f0=row_wise", "--embeddings.measure-skew", "64"])
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "embedding plan: 4 tables on 8 devices" in text
+    assert "│ f0    │ row_wise" in text and "memory/shard" in text
+    assert "predicted embedding step time per device" in text
+    assert "communication" in text and "│      7 │" in text  # every one of the 8 devices
+    assert "embeddings.measure_skew: Zipf exponents over 64 batches" in captured.err
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (p,) = row["plans"].values()
+    assert [t["table"] for t in p["tables"]] == ["f0", "f1", "f2", "f3"]
+    assert p["tables"][0]["sharding"] == "row_wise" and len(p["tables"][0]["shards"]) == 8
+    assert len(p["devices"]) == 8
+    for d in p["devices"]:
+        total = d["lookup_s"] + d["comm_s"] + d["compute_s"]
+        assert d["time_s"] > 0 and total == pytest.approx(d["time_s"], rel=1e-12)
+    # the skew moves the row-wise table's busiest shard: a hotter first row than uniform ids
+    plan.main([*argv, "--embeddings.per-table", "f0=row_wise"])
+    capsys.readouterr()
+    uniform = json.loads(out.read_text().splitlines()[1])
+    (u,) = uniform["plans"].values()
+    busiest = max(s["lookup_s"] for s in p["tables"][0]["shards"])
+    assert busiest > max(s["lookup_s"] for s in u["tables"][0]["shards"])
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from recscale.embeddings.planner import CostModel, PlannerTable, plan, round_robin
-from tpu_gpu_configs.profiles import PROFILES, GiB, get_profile
+from tpu_gpu_configs.profiles import PROFILES, GiB, get_profile, profile_for_device_kind
 
 H100 = get_profile("gpu-h100")
 
@@ -166,3 +166,77 @@ def test_table_row_wise_spans_one_host_even_with_a_partial_host():
     assert all(s.rows[1] > s.rows[0] for s in tp.shards)
     assert sum(s.rows[1] - s.rows[0] for s in tp.shards) == 1000
     assert p.device_memory_bytes[8:].sum() == 0.0
+
+
+def test_the_step_time_breakdown_sums_to_the_estimate_and_is_rendered():
+    tables = criteo_like()
+    for p in (
+        plan(tables, H100, 16, batch_size=65536),
+        round_robin(tables, H100, 16, batch_size=65536),
+    ):
+        for tp in p.tables:
+            for s in tp.shards:
+                terms = s.lookup_s + s.comm_s + s.compute_s
+                assert s.lookup_s > 0 and s.comm_s > 0 and s.compute_s > 0
+                assert terms == pytest.approx(s.time_s, rel=1e-12)
+        np.testing.assert_allclose(p.device_terms_s.sum(1), p.device_time_s, rtol=1e-12)
+    d = p.to_dict()
+    assert [t["table"] for t in d["tables"]] == [t.name for t in tables]
+    assert len(d["devices"]) == 16 and set(d["devices"][0]) == {
+        "device",
+        "memory_bytes",
+        "time_s",
+        "lookup_s",
+        "comm_s",
+        "compute_s",
+    }
+    busiest = int(np.argmax(p.device_time_s))
+    assert d["devices"][busiest]["time_s"] == p.max_time_s
+    text = plan(tables, H100, 64, batch_size=65536).render(max_devices=4)
+    assert "table" in text and "memory/shard" in text and "t25" in text
+    assert "predicted embedding step time per device (the 4 busiest of 64)" in text
+    for col in ("lookup", "communication", "compute", "total"):
+        assert col in text
+
+
+def test_a_calibrated_lookup_factor_scales_the_lookup_term_only():
+    t = [PlannerTable(name="t", num_rows=10**6, dim=64, allowed=("table_wise",))]
+    base = plan(t, H100, 1, batch_size=4096).tables[0].shards[0]
+    slow = plan(t, H100, 1, batch_size=4096, cost_model=CostModel(lookup=7.0)).tables[0].shards[0]
+    assert slow.lookup_s == pytest.approx(7 * base.lookup_s, rel=1e-12)
+    assert (slow.comm_s, slow.compute_s) == (base.comm_s, base.compute_s)
+
+
+@pytest.mark.parametrize(
+    "kind, profile",
+    [
+        # XLA's device kinds (xla/python/ifrt GetDeviceMemoryInBytes; JAX's Pallas TPU tests)
+        ("TPU v4", "tpu-v4"),
+        ("TPU v5 lite", "tpu-v5e"),
+        ("TPU v5e", "tpu-v5e"),
+        ("TPU v5", "tpu-v5p"),
+        ("TPU v5p", "tpu-v5p"),
+        ("TPU v6 lite", "tpu-v6e"),
+        # CUDA device names
+        ("NVIDIA H100 80GB HBM3", "gpu-h100"),
+        ("NVIDIA H100 PCIe", "gpu-h100"),
+        ("NVIDIA H100 NVL", "gpu-h100"),
+        ("NVIDIA H200", "gpu-h200"),
+        ("NVIDIA H200 NVL", "gpu-h200"),
+        ("NVIDIA A100-SXM4-80GB", "gpu-a100"),
+        ("NVIDIA A100 80GB PCIe", "gpu-a100"),
+        ("NVIDIA A100-SXM4-40GB", "gpu-a100-40gb"),
+        ("NVIDIA A100-PCIE-40GB", "gpu-a100-40gb"),
+        ("cpu", "cpu-2core"),
+        # not in the table: the platform's default, with a warning (test_engine)
+        ("TPU v4 lite", None),
+        ("TPU7x", None),
+        ("NVIDIA GH200 480GB", None),
+        ("NVIDIA B200", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_device_kinds_map_to_their_profiles(kind, profile):
+    assert profile_for_device_kind(kind) == profile
+    if profile is not None:
+        assert profile in PROFILES

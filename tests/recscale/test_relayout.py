@@ -371,6 +371,40 @@ def test_per_table_bounds_buffers_round_trip_bitwise(tmp_path, no_fingerprints):
     )
 
 
+def test_a_checkpoint_from_before_skew_and_calibration_were_plan_inputs_restores(
+    tmp_path, no_fingerprints
+):
+    """Its layout meta has neither ``zipf_exponents`` nor ``lookup_factor``: it was planned
+    uniform and uncalibrated (``_PLAN_DEFAULTS``), and restores bitwise onto a run whose
+    measured calibration plans the tables elsewhere."""
+    cfg_a = _cfg("auto", 4)
+    cfg_b = _cfg("auto", 4, zipf_exponents=("f0=1.3", "f2=2"), cost_lookup_factor=40.0)
+    ckpt = Checkpointer(tmp_path / "a", async_save=False)
+    with _active(cfg_a) as exp:
+        state = _fabricated(exp, seed=3)
+        want = _tables(exp, state)
+        buffers_a = set(exp.abstract_state.params["embeddings"]["buffers"])
+        meta = relayout.layout_meta(cfg_a)
+        new = ("zipf_exponents", "lookup_factor")
+        meta["engine"] = {k: v for k, v in meta["engine"].items() if k not in new}
+        items = {
+            "params": state.params,
+            "opt_state": state.opt_state,
+            "batch_stats": state.batch_stats,
+            "rng": {"key_data": state.rng},
+        }
+        ckpt.save(STEPS, items, {"step": STEPS, "layout": meta})
+        ckpt.wait()
+    assert not relayout.needs_relayout(meta, cfg_a) and relayout.needs_relayout(meta, cfg_b)
+    with _active(cfg_b) as exp:
+        assert set(exp.abstract_state.params["embeddings"]["buffers"]) != buffers_a
+        got = _tables(exp, _restore(ckpt, STEPS, exp, cfg_b))
+    ckpt.close()
+    for name, per in want.items():
+        for k, value in per.items():
+            _assert_bitwise(got[name][k], value, f"{name} {k}")
+
+
 def test_engine_off_restores_onto_another_device_count_through_orbax(tmp_path, no_fingerprints):
     cfg_a, cfg_b = _cfg("off", 8), _cfg("off", 2)
     ckpt = Checkpointer(tmp_path, async_save=False)
@@ -426,8 +460,14 @@ def test_layout_meta_and_when_a_relayout_is_needed():
     # a checkpoint from before comm_dtype was a plan input was planned as with float32
     old = {**meta, "engine": {k: v for k, v in meta["engine"].items() if k != "comm_dtype"}}
     assert meta["engine"]["comm_dtype"] == "float32" and not relayout.needs_relayout(old, row8)
+    # nor skew and the lookup calibration: the planner took every table as uniform, factor 1
+    new = ("zipf_exponents", "lookup_factor")
+    older = {**meta, "engine": {k: v for k, v in meta["engine"].items() if k not in new}}
+    assert not relayout.needs_relayout(older, row8)
     comm = _cfg("row_wise", 8, comm_dtype="bfloat16")  # the planner costs exchanges with it
     for other in (
+        _cfg("row_wise", 8, zipf_exponents=("f0=1.1",)),
+        _cfg("row_wise", 8, cost_lookup_factor=2.0),
         comm,
         _cfg("row_wise", 4),
         _cfg("table_wise", 8),
