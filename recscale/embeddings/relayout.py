@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -51,6 +52,8 @@ from jax.sharding import PartitionSpec as P
 from recscale import config as config_lib
 from recscale import sharding
 from recscale.embeddings import engine
+from recscale.embeddings import tiers as tiers_lib
+from recscale.embeddings.tier_view import StoreView
 
 AXIS = sharding.DATA_AXIS
 CHUNK_ROWS = 1 << 16
@@ -204,6 +207,7 @@ def restore_relaid(
     *,
     with_opt_state: bool = True,
     extra: dict[str, Any] | None = None,
+    tier_dir: Any = None,
 ) -> dict[str, Any]:
     """``{"params", "opt_state", "batch_stats"}`` of checkpoint ``step`` (saved under layout
     ``saved``), laid out for ``exp``'s active mesh and engine.
@@ -213,8 +217,21 @@ def restore_relaid(
     further checkpoint items restored as they are, onto the abstract trees given (e.g.
     ``{"rng": ...}``), returned under their names. Raises ``ValueError`` for the refused changes
     (``check_relayout``).
+
+    Tiered tables (``embeddings.tiers``): the checkpoint holds their caches. A table tiered
+    alike in ``saved`` and ``cfg`` is re-laid out as the cache it is; one tiered in ``saved``
+    but not in ``cfg`` is restored whole, its rows read from its store in ``tier_dir`` as of
+    ``step`` (``tier_view.StoreView``; its rows only: ``with_opt_state=False``).
     """
     check_relayout(saved, cfg)
+    saved_tiers = tiers_lib.parse_tiers(tuple(saved.get("embeddings", {}).get("tiers", ())))
+    whole = sorted(set(saved_tiers) - set(tiers_lib.parse_tiers(cfg.embeddings.tiers)))
+    if whole and (with_opt_state or tier_dir is None):
+        raise ValueError(
+            f"checkpoint step {step} holds only the caches of the tiered tables {whole}: "
+            "restoring them whole needs their stores (tier_dir) and gives their rows, not "
+            "their optimizer state; resume with the run's embeddings.tiers"
+        )
     if sharding.active_mesh() is None:
         raise RuntimeError("restore_relaid runs inside sharding.activate of the new layout")
     abstract = exp.abstract_state
@@ -226,9 +243,11 @@ def restore_relaid(
     mesh = jax.sharding.AbstractMesh((n_old,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     old_cfg = cfg if saved["engine"] is None else _saved_config(saved, cfg)
     # the saved buffers' layout: data axis only (the engine ignores a model axis)
+    schema = exp.source.schema
+    old_schema = tiers_lib.model_schema(schema, saved_tiers)  # a tiered table: its cache
     with sharding.activate(mesh, dataclasses.replace(cfg.mesh, model_parallel=1, fsdp=False)):
         old_model = nnx.eval_shape(
-            lambda: build_model(old_cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
+            lambda: build_model(old_cfg, old_schema, nnx.Rngs(params=cfg.train.seed))
         )
     old_params = nnx.state(old_model, nnx.Param)
     if saved["engine"] is None:
@@ -238,6 +257,7 @@ def restore_relaid(
             likes["opt_state"] = abstract.opt_state
         trees, _ = ckpt.restore(step, likes)
         return {"opt_state": None, **trees}
+
     if jax.process_count() > 1:
         raise NotImplementedError("re-laying out engine tables needs a single process")
 
@@ -280,9 +300,20 @@ def restore_relaid(
     new_arrays: dict[tuple, jax.Array] = {}
     new_state: dict[str, dict[str, jax.Array]] = {}
     init_acc = cfg.embedding_optim.initial_accumulator
+    vocab = {f.table_name: f.vocab_size for f in schema.features}
     for path, new in new_colls.items():
         old = old_colls[path]
-        _check_same_tables(old, new, path)
+        _check_same_tables(old, new, path, {t: vocab[t] for t in whole})
+        stores = {
+            t.name: StoreView(
+                Path(tier_dir) / t.name,
+                t.num_rows,
+                t.dim + tiers_lib.state_width(saved["engine"]["optimizer"], t.dim),
+                step,
+            )
+            for t in new.table_specs
+            if t.name in whole
+        }
         src, src_state, dst, dst_state = {}, {}, {}, {}
         for bl in old.layout.buffers:
             p = path + ("buffers", bl.key)
@@ -299,7 +330,7 @@ def restore_relaid(
                     k: _full(_value(v), init_acc if k == "acc" else 0)
                     for k, v in abstract.opt_state["embedding"][_key(p)].items()
                 }
-        _copy_tables(old, new, src, src_state, dst, dst_state)
+        _copy_tables(old, new, src, src_state, dst, dst_state, stores)
         for a in jax.tree.leaves((src, src_state)):
             a.delete()  # the staging copy is no longer needed
         for bl in new.layout.buffers:
@@ -353,15 +384,21 @@ def _check_same_shapes(old: Any, new: Any, n_old: int) -> None:
             )
 
 
-def _check_same_tables(old: Any, new: Any, path: tuple) -> None:
-    def specs(c):
-        by_table = {f.table: f.name for f in c.feature_specs}
-        return [(t.name, t.num_rows, t.dim, by_table.get(t.name)) for t in c.table_specs]
+def _check_same_tables(old: Any, new: Any, path: tuple, whole: dict[str, int]) -> None:
+    """``whole``: ``{table: rows}`` of the tables restored whole from their stores (saved as
+    caches of fewer rows)."""
 
-    if specs(old) != specs(new):
+    def specs(c, rows):
+        by_table = {f.table: f.name for f in c.feature_specs}
+        return [
+            (t.name, rows.get(t.name, t.num_rows), t.dim, by_table.get(t.name))
+            for t in c.table_specs
+        ]
+
+    if specs(old, whole) != specs(new, {}):
         raise ValueError(
-            f"embedding collection {_name(path) or 'model'}: the saved tables {specs(old)} differ "
-            f"from this model's {specs(new)}"
+            f"embedding collection {_name(path) or 'model'}: the saved tables "
+            f"{specs(old, whole)} differ from this model's {specs(new, {})}"
         )
 
 
@@ -482,18 +519,25 @@ def _column_groups(layout: engine.Layout, feature: int, num_rows: int):
     return list(groups.values())
 
 
-def _copy_tables(old, new, src, src_state, dst, dst_state) -> None:
+def _copy_tables(old, new, src, src_state, dst, dst_state, stores=None) -> None:
     """Copies every table of collection ``old`` (arrays ``src``, optimizer state ``src_state``,
-    per buffer key) into collection ``new``'s arrays ``dst`` / ``dst_state``, in place."""
+    per buffer key) into collection ``new``'s arrays ``dst`` / ``dst_state``, in place; the
+    rows of a table in ``stores`` (``{table: StoreView}``, ``dst_state`` empty) from there."""
+    stores = stores or {}
     feature_of = {f.table: i for i, f in enumerate(old.feature_specs)}
     new_feature_of = {f.table: i for i, f in enumerate(new.feature_specs)}
-    for t in old.table_specs:
-        groups_old = _column_groups(old.layout, feature_of[t.name], t.num_rows)
+    for t in new.table_specs:
+        groups_old = (
+            [] if t.name in stores else _column_groups(old.layout, feature_of[t.name], t.num_rows)
+        )
         groups_new = _column_groups(new.layout, new_feature_of[t.name], t.num_rows)
         chunk = min(max(1 << (t.num_rows - 1).bit_length(), _MIN_CHUNK), CHUNK_ROWS)
         for a in range(0, t.num_rows, chunk):
             b = min(a + chunk, t.num_rows)
             rows = state = None
+            if t.name in stores:
+                rows = np.zeros((chunk, t.dim), np.float32)
+                rows[: b - a] = stores[t.name].read(a, b)[:, : t.dim]
             for bl, c0, pos in groups_old:
                 i = _chunk(pos, a, b, chunk)
                 part = _gather(src[bl.key], i)
