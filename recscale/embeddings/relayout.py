@@ -24,6 +24,19 @@ round trip A -> B -> A gives the original arrays. The host holds one chunk of on
 time; the devices hold the staging arrays and the new ones (twice the embedding state) until
 the function returns.
 
+Any process count restores any checkpoint (orbax reads each process's part of an array
+whichever processes wrote it): every process runs the same steps, reads every chunk back (the
+gathers' results are replicated) and writes its own devices' rows of the new arrays. Staging
+rows that do not divide over all the devices of several processes are held once per process
+instead, over that process's devices (each must read them back), so such a buffer takes a
+copy per process while it is staged.
+
+Tiered tables (``recscale.embeddings.tiers``): the checkpoint holds their device caches, laid
+out like any table. Restored for the same tiers, a cache is re-laid out as the table it is to
+the engine (its slots keep their rows, so the caches' directories still hold); restored without
+them (evaluation, export), a table is filled whole from its store as of the checkpoint
+(``tier_view.StoreView``).
+
 Refused (``ValueError`` naming the change): the engine turned on or off (per-table arrays and
 their optax state against buffers and sparse state), a changed ``storage_dtype`` (not exact), a
 changed embedding optimizer (another state). The engine ``off`` path needs no re-layout: its
@@ -258,9 +271,6 @@ def restore_relaid(
         trees, _ = ckpt.restore(step, likes)
         return {"opt_state": None, **trees}
 
-    if jax.process_count() > 1:
-        raise NotImplementedError("re-laying out engine tables needs a single process")
-
     old_colls = _collections(old_model)
     new_colls = _collections(nnx.merge(exp.graphdef, abstract.params, abstract.batch_stats))
     if set(old_colls) != set(new_colls):
@@ -407,11 +417,22 @@ def _check_same_tables(old: Any, new: Any, path: tuple, whole: dict[str, int]) -
 
 
 def _staging(shape: tuple[int, ...]) -> NamedSharding:
-    """Rows over as many of the active mesh's devices as divide them (all of them, usually)."""
+    """Rows over as many of the active mesh's devices as divide them (all of them, usually).
+
+    Over several processes every process reads the rows back (``_gather``), so each must hold
+    a part of the array: where the rows do not divide over all the devices, every process holds
+    a copy, its rows over as many of its own devices as divide them."""
     devices = sharding.active_mesh().devices.reshape(-1)
+    spec = P(AXIS, *(None,) * (len(shape) - 1))
+    auto = jax.sharding.AxisType.Auto
     g = math.gcd(shape[0], devices.size)
-    mesh = jax.sharding.Mesh(devices[:g], (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    return NamedSharding(mesh, P(AXIS, *(None,) * (len(shape) - 1)))
+    procs = sorted({d.process_index for d in devices})
+    if g == devices.size or len(procs) == 1:
+        return NamedSharding(jax.sharding.Mesh(devices[:g], (AXIS,), axis_types=(auto,)), spec)
+    local = [[d for d in devices if d.process_index == p] for p in procs]
+    k = math.gcd(shape[0], min(map(len, local)))
+    grid = np.array([ds[:k] for ds in local])
+    return NamedSharding(jax.sharding.Mesh(grid, ("process", AXIS), axis_types=(auto, auto)), spec)
 
 
 def _full(sds: jax.ShapeDtypeStruct, fill: float) -> jax.Array:
