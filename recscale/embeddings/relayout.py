@@ -24,6 +24,19 @@ round trip A -> B -> A gives the original arrays. The host holds one chunk of on
 time; the devices hold the staging arrays and the new ones (twice the embedding state) until
 the function returns.
 
+Any process count restores any checkpoint (orbax reads each process's part of an array
+whichever processes wrote it): every process runs the same steps, reads every chunk back (the
+gathers' results are replicated) and writes its own devices' rows of the new arrays. Staging
+rows that do not divide over all the devices of several processes are held once per process
+instead, over that process's devices (each must read them back), so such a buffer takes a
+copy per process while it is staged.
+
+Tiered tables (``recscale.embeddings.tiers``): the checkpoint holds their device caches, laid
+out like any table. Restored for the same tiers, a cache is re-laid out as the table it is to
+the engine (its slots keep their rows, so the caches' directories still hold); restored without
+them (evaluation, export), a table is filled whole from its store as of the checkpoint
+(``tier_view.StoreView``).
+
 Refused (``ValueError`` naming the change): the engine turned on or off (per-table arrays and
 their optax state against buffers and sparse state), a changed ``storage_dtype`` (not exact), a
 changed embedding optimizer (another state). The engine ``off`` path needs no re-layout: its
@@ -39,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -52,6 +66,8 @@ from data import roles
 from recscale import config as config_lib
 from recscale import sharding
 from recscale.embeddings import engine
+from recscale.embeddings import tiers as tiers_lib
+from recscale.embeddings.tier_view import StoreView
 
 AXIS = sharding.DATA_AXIS
 CHUNK_ROWS = 1 << 16
@@ -199,6 +215,7 @@ def restore_relaid(
     *,
     with_opt_state: bool = True,
     extra: dict[str, Any] | None = None,
+    tier_dir: Any = None,
 ) -> dict[str, Any]:
     """``{"params", "opt_state", "batch_stats"}`` of checkpoint ``step`` (saved under layout
     ``saved``), laid out for ``exp``'s active mesh and engine.
@@ -208,8 +225,21 @@ def restore_relaid(
     further checkpoint items restored as they are, onto the abstract trees given (e.g.
     ``{"rng": ...}``), returned under their names. Raises ``ValueError`` for the refused changes
     (``check_relayout``).
+
+    Tiered tables (``embeddings.tiers``): the checkpoint holds their caches. A table tiered
+    alike in ``saved`` and ``cfg`` is re-laid out as the cache it is; one tiered in ``saved``
+    but not in ``cfg`` is restored whole, its rows read from its store in ``tier_dir`` as of
+    ``step`` (``tier_view.StoreView``; its rows only: ``with_opt_state=False``).
     """
     check_relayout(saved, cfg, with_opt_state=with_opt_state)
+    saved_tiers = tiers_lib.parse_tiers(tuple(saved.get("embeddings", {}).get("tiers", ())))
+    whole = sorted(set(saved_tiers) - set(tiers_lib.parse_tiers(cfg.embeddings.tiers)))
+    if whole and (with_opt_state or tier_dir is None):
+        raise ValueError(
+            f"checkpoint step {step} holds only the caches of the tiered tables {whole}: "
+            "restoring them whole needs their stores (tier_dir) and gives their rows, not "
+            "their optimizer state; resume with the run's embeddings.tiers"
+        )
     if sharding.active_mesh() is None:
         raise RuntimeError("restore_relaid runs inside sharding.activate of the new layout")
     if saved["engine"] is None and engine.EngineSpec.from_config(cfg) is not None:
@@ -223,9 +253,11 @@ def restore_relaid(
     mesh = jax.sharding.AbstractMesh((n_old,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     old_cfg = cfg if saved["engine"] is None else _saved_config(saved, cfg)
     # the saved buffers' layout: data axis only (the engine ignores a model axis)
+    schema = exp.source.schema
+    old_schema = tiers_lib.model_schema(schema, saved_tiers)  # a tiered table: its cache
     with sharding.activate(mesh, dataclasses.replace(cfg.mesh, model_parallel=1, fsdp=False)):
         old_model = nnx.eval_shape(
-            lambda: build_model(old_cfg, exp.source.schema, nnx.Rngs(params=cfg.train.seed))
+            lambda: build_model(old_cfg, old_schema, nnx.Rngs(params=cfg.train.seed))
         )
     old_params = nnx.state(old_model, nnx.Param)
     if saved["engine"] is None:
@@ -235,8 +267,6 @@ def restore_relaid(
             likes["opt_state"] = abstract.opt_state
         trees, _ = ckpt.restore(step, likes)
         return {"opt_state": None, **trees}
-    if jax.process_count() > 1:
-        raise NotImplementedError("re-laying out engine tables needs a single process")
 
     old_colls = _collections(old_model)
     new_colls = _collections(nnx.merge(exp.graphdef, abstract.params, abstract.batch_stats))
@@ -277,9 +307,20 @@ def restore_relaid(
     new_arrays: dict[tuple, jax.Array] = {}
     new_state: dict[str, dict[str, jax.Array]] = {}
     init_acc = cfg.embedding_optim.initial_accumulator
+    vocab = {f.table_name: f.vocab_size for f in schema.features}
     for path, new in new_colls.items():
         old = old_colls[path]
-        _check_same_tables(old, new, path)
+        _check_same_tables(old, new, path, {t: vocab[t] for t in whole})
+        stores = {
+            t.name: StoreView(
+                Path(tier_dir) / t.name,
+                t.num_rows,
+                t.dim + tiers_lib.state_width(saved["engine"]["optimizer"], t.dim),
+                step,
+            )
+            for t in new.table_specs
+            if t.name in whole
+        }
         src, src_state, dst, dst_state = {}, {}, {}, {}
         for bl in old.layout.buffers:
             p = path + ("buffers", bl.key)
@@ -296,7 +337,7 @@ def restore_relaid(
                     k: _full(_value(v), init_acc if k == "acc" else 0)
                     for k, v in abstract.opt_state["embedding"][_key(p)].items()
                 }
-        _copy_tables(old, new, src, src_state, dst, dst_state)
+        _copy_tables(old, new, src, src_state, dst, dst_state, stores)
         for a in jax.tree.leaves((src, src_state)):
             a.delete()  # the staging copy is no longer needed
         for bl in new.layout.buffers:
@@ -403,15 +444,21 @@ def _check_same_shapes(old: Any, new: Any, n_old: int) -> None:
             )
 
 
-def _check_same_tables(old: Any, new: Any, path: tuple) -> None:
-    def specs(c):
-        by_table = {f.table: f.name for f in c.feature_specs}
-        return [(t.name, t.num_rows, t.dim, by_table.get(t.name)) for t in c.table_specs]
+def _check_same_tables(old: Any, new: Any, path: tuple, whole: dict[str, int]) -> None:
+    """``whole``: ``{table: rows}`` of the tables restored whole from their stores (saved as
+    caches of fewer rows)."""
 
-    if specs(old) != specs(new):
+    def specs(c, rows):
+        by_table = {f.table: f.name for f in c.feature_specs}
+        return [
+            (t.name, rows.get(t.name, t.num_rows), t.dim, by_table.get(t.name))
+            for t in c.table_specs
+        ]
+
+    if specs(old, whole) != specs(new, {}):
         raise ValueError(
-            f"embedding collection {_name(path) or 'model'}: the saved tables {specs(old)} differ "
-            f"from this model's {specs(new)}"
+            f"embedding collection {_name(path) or 'model'}: the saved tables "
+            f"{specs(old, whole)} differ from this model's {specs(new, {})}"
         )
 
 
@@ -420,11 +467,22 @@ def _check_same_tables(old: Any, new: Any, path: tuple) -> None:
 
 
 def _staging(shape: tuple[int, ...]) -> NamedSharding:
-    """Rows over as many of the active mesh's devices as divide them (all of them, usually)."""
+    """Rows over as many of the active mesh's devices as divide them (all of them, usually).
+
+    Over several processes every process reads the rows back (``_gather``), so each must hold
+    a part of the array: where the rows do not divide over all the devices, every process holds
+    a copy, its rows over as many of its own devices as divide them."""
     devices = sharding.active_mesh().devices.reshape(-1)
+    spec = P(AXIS, *(None,) * (len(shape) - 1))
+    auto = jax.sharding.AxisType.Auto
     g = math.gcd(shape[0], devices.size)
-    mesh = jax.sharding.Mesh(devices[:g], (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    return NamedSharding(mesh, P(AXIS, *(None,) * (len(shape) - 1)))
+    procs = sorted({d.process_index for d in devices})
+    if g == devices.size or len(procs) == 1:
+        return NamedSharding(jax.sharding.Mesh(devices[:g], (AXIS,), axis_types=(auto,)), spec)
+    local = [[d for d in devices if d.process_index == p] for p in procs]
+    k = math.gcd(shape[0], min(map(len, local)))
+    grid = np.array([ds[:k] for ds in local])
+    return NamedSharding(jax.sharding.Mesh(grid, ("process", AXIS), axis_types=(auto, auto)), spec)
 
 
 def _full(sds: jax.ShapeDtypeStruct, fill: float) -> jax.Array:
@@ -532,18 +590,25 @@ def _column_groups(layout: engine.Layout, feature: int, num_rows: int):
     return list(groups.values())
 
 
-def _copy_tables(old, new, src, src_state, dst, dst_state) -> None:
+def _copy_tables(old, new, src, src_state, dst, dst_state, stores=None) -> None:
     """Copies every table of collection ``old`` (arrays ``src``, optimizer state ``src_state``,
-    per buffer key) into collection ``new``'s arrays ``dst`` / ``dst_state``, in place."""
+    per buffer key) into collection ``new``'s arrays ``dst`` / ``dst_state``, in place; the
+    rows of a table in ``stores`` (``{table: StoreView}``, ``dst_state`` empty) from there."""
+    stores = stores or {}
     feature_of = {f.table: i for i, f in enumerate(old.feature_specs)}
     new_feature_of = {f.table: i for i, f in enumerate(new.feature_specs)}
-    for t in old.table_specs:
-        groups_old = _column_groups(old.layout, feature_of[t.name], t.num_rows)
+    for t in new.table_specs:
+        groups_old = (
+            [] if t.name in stores else _column_groups(old.layout, feature_of[t.name], t.num_rows)
+        )
         groups_new = _column_groups(new.layout, new_feature_of[t.name], t.num_rows)
         chunk = min(max(1 << (t.num_rows - 1).bit_length(), _MIN_CHUNK), CHUNK_ROWS)
         for a in range(0, t.num_rows, chunk):
             b = min(a + chunk, t.num_rows)
             rows = state = None
+            if t.name in stores:
+                rows = np.zeros((chunk, t.dim), np.float32)
+                rows[: b - a] = stores[t.name].read(a, b)[:, : t.dim]
             for bl, c0, pos in groups_old:
                 i = _chunk(pos, a, b, chunk)
                 part = _gather(src[bl.key], i)

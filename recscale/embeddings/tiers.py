@@ -284,7 +284,13 @@ class RowStore:
 def _records(path: Path, width: int):
     """The complete ``(rows, old values)`` records of an undo log (a torn tail is dropped:
     its write never reached the file, which is written only after its record)."""
-    data = path.read_bytes()
+    for rows, old, _ in parse_records(path.read_bytes(), width):
+        yield rows, old
+
+
+def parse_records(data: bytes, width: int):
+    """``(rows, old values, end offset)`` of each complete undo record in ``data`` (bytes of
+    an undo log from a record's start), stopping at a torn or foreign tail."""
     at = 0
     while at + _HEADER.size <= len(data):
         magic, n = _HEADER.unpack_from(data, at)
@@ -293,7 +299,7 @@ def _records(path: Path, width: int):
             break
         rows = np.frombuffer(data, "<i8", n, at + _HEADER.size)
         old = np.frombuffer(data, "<f4", n * width, at + _HEADER.size + 8 * n).reshape(n, width)
-        yield rows, old
+        yield rows, old, end
         at = end
 
 
@@ -491,7 +497,7 @@ class _Placed:
     block_rows: int  # R: rows per device block (0: replicated buffer)
 
 
-def _state_width(optimizer: str, dim: int) -> int:
+def state_width(optimizer: str, dim: int) -> int:
     """float32 words of a row's optimizer state (the planner's bytes, ``OPTIMIZER_STATE_BYTES``)."""
     per_row, per_element = OPTIMIZER_STATE_BYTES[optimizer]
     return (per_row + per_element * dim) // 4
@@ -555,7 +561,7 @@ class TieredTables:
             p.spec.table: RowStore(
                 self.dir / p.spec.table,
                 p.num_rows,
-                p.dim + _state_width(optimizer, p.dim),
+                p.dim + state_width(optimizer, p.dim),
                 p.spec.tier,
             )
             for p in self.placed

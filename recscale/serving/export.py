@@ -439,7 +439,6 @@ def export_workdir(
         step=args.step,
         best=args.best,
         num_devices=1,
-        what="export",
         kernels=XLA_KERNELS,
     ) as r:
         schema = r.exp.source.schema

@@ -20,7 +20,7 @@ from flax import nnx
 from recscale import config as config_lib
 from recscale import sharding
 from recscale.analysis import comm_sensitivity, curvature
-from recscale.embeddings import EmbeddingTable, engine, relayout
+from recscale.embeddings import EmbeddingTable, engine, relayout, tier_view
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.loop import BEST_DIR, BuildModel, Experiment
 from recscale.train.steps import weighted_bce
@@ -121,7 +121,6 @@ def restored(
     num_devices: int = 0,
     data_path: str | None = None,
     train_batches: bool = False,
-    what: str = "checkpoint evaluation",
     kernels: Any = None,
 ) -> Iterator[Restored]:
     """The run in ``workdir`` rebuilt on this machine's devices, its checkpoint (``step``, the
@@ -130,7 +129,11 @@ def restored(
     ``num_devices``: the data-parallel devices (0: as many as divide the eval batch, and the
     training batch with ``train_batches``). Checkpoints restore onto any mesh; the engine's
     buffers are re-laid out from the layout the checkpoint records. ``kernels``: a
-    ``KernelConfig`` to build the model with instead of the run's (implementations only)."""
+    ``KernelConfig`` to build the model with instead of the run's (implementations only).
+
+    A tiered run's tables (``embeddings.tiers``) come back whole: the checkpoint holds their
+    caches, their stores every row as of the checkpoint (``tier_view.StoreView``), and the
+    model is built without tiers (``Restored.cfg``), its tables in device memory."""
     workdir = Path(workdir)
     cfg_path = workdir / "config.json"
     if not cfg_path.is_file():
@@ -138,12 +141,10 @@ def restored(
     cfg = config_lib.load_json(config_cls, cfg_path)
     if kernels is not None:
         cfg = dataclasses.replace(cfg, kernels=kernels)
+    run_cfg, tier_dir = cfg, None
     if cfg.embeddings.tiers:
-        raise config_lib.ConfigError(
-            f"{cfg_path}: embeddings.tiers: the tiered tables live in their stores, not in the "
-            f"checkpoint; {what} does not read them yet (the run's own evaluations in "
-            "metrics.jsonl do)"
-        )
+        tier_dir = tier_view.store_dir(cfg.embeddings, workdir)
+        cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, tiers=()))
     if best and not (workdir / BEST_DIR).is_dir():
         raise FileNotFoundError(
             f"{workdir / BEST_DIR} not found: --best needs a run trained with "
@@ -178,12 +179,20 @@ def restored(
             if saved is None and spec is not None:
                 n_train = cfg.mesh.data_parallel
                 n_train = _trained_device_count(workdir) if n_train == -1 else n_train
-                saved = relayout.layout_meta(cfg, device_count=n_train)
-            if relayout.needs_relayout(saved, cfg):
-                # The engine's buffers are laid out for the training mesh and plan: restored
-                # there and re-laid out for this one, table by table.
+                saved = relayout.layout_meta(run_cfg, device_count=n_train)
+            if tier_dir is not None or relayout.needs_relayout(saved, cfg):
+                # The engine's buffers are laid out for the training mesh and plan (and hold
+                # the tiered tables' caches): restored there and re-laid out for this one,
+                # table by table.
                 trees = relayout.restore_relaid(
-                    ckpt, step, exp, cfg, build_model, saved, with_opt_state=False
+                    ckpt,
+                    step,
+                    exp,
+                    cfg,
+                    build_model,
+                    saved,
+                    with_opt_state=False,
+                    tier_dir=tier_dir,
                 )
             else:
                 trees, _ = ckpt.restore(

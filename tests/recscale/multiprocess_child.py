@@ -4,7 +4,8 @@
 process starts JAX's distributed runtime from the launcher's environment, then runs the jobs
 one after another with the real trainer and evaluator (one start-up for many runs):
 ``{"kind": "train", "family": "dlrm", "args": [preset, "--workdir", DIR, ...]}`` or
-``{"kind": "evaluate", "family": "dlrm", "workdir": DIR, "output": FILE}``.
+``{"kind": "evaluate", "family": "dlrm", "workdir": DIR, "output": FILE}``, or
+``{"kind": "staging", "output": PREFIX}`` (:func:`_staging`).
 
 ``MP_KILL='{"process": 1, "step": 6}'``: that process dies by SIGKILL right after dispatching
 its 6th train step (0-based count of this start's steps), while the step's collectives are in
@@ -27,8 +28,11 @@ from recscale.launch import exit_at_once_on_error, initialize_from_env  # noqa: 
 initialize_from_env()
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-from recscale.config import parse_preset_cli  # noqa: E402
+from recscale import sharding  # noqa: E402
+from recscale.config import MeshConfig, parse_preset_cli  # noqa: E402
+from recscale.embeddings import relayout  # noqa: E402
 from recscale.train import loop  # noqa: E402
 from recscale.train.evaluation import EvalArgs, evaluate_workdir  # noqa: E402
 
@@ -56,11 +60,39 @@ def _install_kill(spec: dict) -> None:
     loop._TrainRun.__init__ = patched
 
 
+def _staging(prefix: str) -> None:
+    """Saved buffers staged for a re-layout (``relayout._staging``) on this run's mesh, with
+    rows that divide over all its devices and rows that do not, each read back by every process
+    (``relayout._gather``) and written (``relayout._scatter``): ``PREFIX<process>.json`` lists
+    per shape the staging mesh's shape and whether the rows read and written were right."""
+    mesh_cfg = MeshConfig(data_parallel=-1, rules="replicated")
+    out = []
+    with sharding.activate(sharding.make_mesh(mesh_cfg), mesh_cfg):
+        for shape in [(352, 3), (350, 8), (351,)]:
+            s = relayout._staging(shape)
+            full = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+            x = jax.make_array_from_callback(shape, s, lambda i, f=full: f[i], dtype=np.float32)
+            idx = np.array([0, 5, shape[0] - 1, -1, 200], np.int32)
+            want = full[idx]
+            want[3] = 0  # index -1: no row
+            read = bool(np.array_equal(relayout._gather(x, idx), want))
+            x = relayout._scatter(x, np.array([7, -1], np.int32), np.full((2, *shape[1:]), -1.0))
+            got = relayout._gather(x, np.array([7, 8], np.int32))
+            wrote = bool((got[0] == -1).all() and np.array_equal(got[1], full[8]))
+            out.append(
+                {"shape": list(shape), "mesh": dict(s.mesh.shape), "read": read, "wrote": wrote}
+            )
+    Path(f"{prefix}{jax.process_index()}.json").write_text(json.dumps(out))
+
+
 def main() -> None:
     jobs = json.loads(Path(sys.argv[1]).read_text())
     if os.environ.get("MP_KILL"):
         _install_kill(json.loads(os.environ["MP_KILL"]))
     for job in jobs:
+        if job["kind"] == "staging":
+            _staging(job["output"])
+            continue
         package = job["family"]
         importlib.import_module(f"{package}.presets")
         build_model = importlib.import_module(f"{package}.model").build_model

@@ -9,6 +9,8 @@ against the one-process run on the same 8-device mesh (this pytest process).
 - Checkpoints written by every process together (orbax's multi-process protocol) restore in one
   process and in a run with another process count; a process SIGKILLed mid-step takes the run
   down (the launcher stops the others) and the relaunch of all resumes bitwise.
+- A checkpoint resumed under another embedding layout is re-laid out by 1, 2 and 4 processes
+  alike; a multi-process checkpoint is re-laid out for another device count in one process.
 - Evaluating a checkpoint with 2 processes gives the one-process metrics: every example is
   counted once across the processes.
 
@@ -196,7 +198,11 @@ def runs(tmp_path_factory, shop) -> Path:
     Also: ``root/killed`` (DLRM row-wise with 2 processes, process 1 SIGKILLed after
     dispatching step 6; the checkpoint of step 4 precedes it) resumed with 2 processes in
     ``root/p2/resumed``, with 4 in ``root/p4/resumed`` and with 1 here in ``root/p1/resumed``;
-    and ``root/p2/eval.json``: 2 processes evaluating ``p2/dlrm_auto``'s last checkpoint.
+    ``root/p2/eval.json``: 2 processes evaluating ``p2/dlrm_auto``'s last checkpoint;
+    ``root/p{1,2,4}/relaid``: the 1-process ``dlrm_auto`` run's checkpoint of step 4 resumed
+    table-wise (its engine state re-laid out) by 1, 2 and 4 processes; and
+    ``root/p2/staging{0,1}.json``: what each of 2 processes read and wrote through re-layout
+    staging arrays (``multiprocess_child._staging``).
     """
     root = tmp_path_factory.mktemp("mp")
     killed = root / "killed"
@@ -214,21 +220,38 @@ def runs(tmp_path_factory, shop) -> Path:
     every = [(f"{f}_{s}", f, s, ()) for f, s in JOBS] + [shop_job]
     four = [(f"{f}_{s}", f, s, ()) for f, s in JOBS_4]
     resume = ("resumed", "dlrm", "row_wise", ())
+    relaid = ("relaid", "dlrm", "table_wise", ())
     for name, family, sharding, extra in [*every, *four, resume]:  # the 1-process references
         _train_here(_args(family, sharding, root / "p1" / name, *extra), family)
+    for n in (1, 2, 4):  # the auto run as killed after its checkpoint of step 4
+        _cut(root / "p1" / "dlrm_auto", root / f"p{n}" / "relaid", EVERY)
+    _train_here(_args("dlrm", "table_wise", root / "p1" / "relaid"), "dlrm")
     evaluate = {
         "kind": "evaluate",
         "family": "dlrm",
         "workdir": str(root / "p2" / "dlrm_auto"),
         "output": str(root / "p2" / "eval.json"),
     }
-    for n, jobs in ((2, [*every, resume]), (4, [*four, resume])):
+    staging = {"kind": "staging", "output": str(root / "p2" / "staging")}
+    for n, jobs in ((2, [*every, resume, relaid]), (4, [*four, resume, relaid])):
         spec = [
             {"kind": "train", "family": f, "args": _args(f, s, root / f"p{n}" / name, *extra)}
             for name, f, s, extra in jobs
         ]
-        _check(_launch(n, spec + ([evaluate] if n == 2 else []), root / f"launch{n}"))
+        _check(_launch(n, spec + ([evaluate, staging] if n == 2 else []), root / f"launch{n}"))
     return root
+
+
+def _cut(src: Path, dst: Path, step: int) -> None:
+    """``dst``: the run ``src`` as a kill after its checkpoint of ``step`` leaves it."""
+    shutil.copytree(src, dst)
+    for d in (dst / "checkpoints").iterdir():
+        if d.name.isdigit() and int(d.name) > step:
+            shutil.rmtree(d)
+    rows = [json.loads(r) for r in (dst / "metrics.jsonl").read_text().splitlines()]
+    (dst / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
+    )
 
 
 CASES = [(2, f, s) for f, s in JOBS] + [(4, f, s) for f, s in JOBS_4]
@@ -312,6 +335,62 @@ def test_checkpoint_of_two_processes_resumes_with_another_count(runs, processes)
         [got[k] for k in sorted(ref)], [ref[k] for k in sorted(ref)], rtol=RTOL, atol=ATOL
     )
     _assert_close(_final_state(resumed), _final_state(whole))
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_a_checkpoint_is_relaid_out_by_any_process_count(runs, processes):
+    """The one-process ``auto`` run's checkpoint of step 4 (a data-parallel and a row-wise
+    buffer) resumed table-wise, its engine state re-laid out (``relayout.restore_relaid``), by
+    one, two and four processes: each ends as the ``auto`` run that was never interrupted (to
+    rounding: bags now summed in one table-wise shard, gradients across processes), and the two-
+    and four-process runs in the state of the one-process resume."""
+    resumed = runs / f"p{processes}" / "relaid"
+    starts = json.loads((resumed / "run_info.json").read_text())["starts"]
+    assert [(s["process_count"], s["start_step"]) for s in starts] == [(1, 0), (processes, EVERY)]
+    assert json.loads((resumed / "config.json").read_text())["embeddings"]["sharding"] == (
+        "table_wise"
+    )
+    ref, got = _losses(runs / "p1" / "dlrm_auto"), _losses(resumed)
+    assert sorted(got) == sorted(ref)
+    np.testing.assert_allclose(
+        [got[k] for k in sorted(ref)], [ref[k] for k in sorted(ref)], rtol=RTOL, atol=ATOL
+    )
+    if processes > 1:
+        _assert_close(_final_state(resumed), _final_state(runs / "p1" / "relaid"))
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_a_multiprocess_checkpoint_is_relaid_out_for_fewer_devices(runs, processes):
+    """The last checkpoint of a 2- and a 4-process run (8 devices) evaluated by this one process
+    on 2 devices, its engine state re-laid out for them: the run's own final evaluation, to
+    float32 rounding (bags summed across other shards)."""
+    import dlrm.model  # noqa: PLC0415
+    from dlrm.config import DLRMConfig  # noqa: PLC0415
+
+    wd = runs / f"p{processes}" / ("dlrm_auto" if processes == 2 else "dlrm_column_wise")
+    rows = map(json.loads, (wd / "metrics.jsonl").read_text().splitlines())
+    want = [r for r in rows if r["split"] == "eval"][-1]
+    got = evaluate_workdir(
+        DLRMConfig, dlrm.model.build_model, EvalArgs(workdir=str(wd), num_devices=2)
+    )
+    assert got["step"] == want["step"] == STEPS and got["num_examples"] == want["num_examples"]
+    for k in ("auc", "logloss"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+
+
+def test_relayout_staging_serves_every_process(runs):
+    """A saved buffer is staged over as many devices as divide its rows: all 8 when they do;
+    when they do not, a copy in each of the 2 processes over as many of its own devices as
+    divide them (a staging array on process 0's devices alone could not be read back by
+    process 1). Every process read and wrote the right rows in each case."""
+    for i in range(2):
+        got = json.loads((runs / "p2" / f"staging{i}.json").read_text())
+        assert [g["mesh"] for g in got] == [
+            {"data": 8},
+            {"process": 2, "data": 2},
+            {"process": 2, "data": 1},
+        ], got
+        assert all(g["read"] and g["wrote"] for g in got), got
 
 
 def test_two_process_evaluation_counts_every_example_once(runs):
