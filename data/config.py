@@ -151,17 +151,28 @@ class DataConfig:
     Frappe and Criteo are read one of two ways. By default (``tfds_data_dir`` empty) the raw
     files are parsed into memory. With ``tfds_data_dir`` set, training reads a prepared tfds
     ``array_record`` dataset by random access instead (for sets larger than RAM, such as the full
-    Criteo Kaggle and Terabyte logs); it gives the same batches as the in-memory route for the
-    same files and settings. See ``tfds_data_dir`` for how the files map to tfds splits.
+    Criteo Kaggle log); it gives the same batches as the in-memory route for the same files and
+    settings. See ``tfds_data_dir`` for how the files map to tfds splits. Kind criteo trains on
+    one file, ``train_path``: Criteo Terabyte's 24 day files are read as kind tabular instead,
+    with a spec from ``python -m data.tabular.presets criteo --terabyte --train 'day_*.gz'
+    --out tb.yaml`` (``data/tabular/presets.py``); the tfds builder's own ``criteo_raw/terabyte``
+    config (``data/tfds_builders/criteo.py``) reads them too, but only through tfds directly.
+
+    ``train_path``, ``eval_path`` and ``tfds_data_dir`` name one kind's files (field metadata
+    ``kind_file``): a command line that switches ``kind`` away from its preset's (``dlrm/frappe
+    --data.kind tabular``) leaves them empty unless it sets them too
+    (``recscale.config.parse_preset_cli``).
     """
 
     kind: Literal["synthetic", "frappe", "criteo", "tabular"] = "synthetic"
     """Dataset family."""
-    train_path: str = field("", role=LOCATION)
-    """Training file (Frappe: ``train.csv``; Criteo: a raw TSV, optionally .gz). Unused for synthetic."""
-    eval_path: str = field("", role=RUNTIME)
+    train_path: str = field("", role=LOCATION, kind_file=True)
+    """Training file (Frappe: ``train.csv``; Criteo: a raw TSV, optionally .gz). Unused for
+    synthetic and tabular (the spec names its files)."""
+    eval_path: str = field("", role=RUNTIME, kind_file=True)
     """Evaluation file of the same format as ``train_path``. Unused for synthetic; with
-    ``tfds_data_dir`` it picks the eval split and may be empty (see there)."""
+    ``tfds_data_dir`` it picks the eval split and may be empty (see there); for tabular, a file
+    of the spec's columns read instead of the prepared ``tabular.eval_split``."""
     batch_size: int = field(256, plan_input="batch_size")
     """Global training batch size (split over hosts and the data-parallel mesh axis)."""
     eval_batch_size: int = field(4096, role=RUNTIME)
@@ -188,7 +199,7 @@ class DataConfig:
     ``id_policy`` ('hash' or 'modulo'; the hashing trick), counted in ``data_stats.json``
     (``ids.mapped``). The generator and its teacher are unchanged: only the model's capacity is
     (the sparse axis of ``sweeps.specs.study_grid``'s sparse/dense IsoFLOP grid)."""
-    tfds_data_dir: str = field("", role=LOCATION)
+    tfds_data_dir: str = field("", role=LOCATION, kind_file=True)
     """Non-empty (frappe, criteo): read a tfds array_record dataset kept under this data_dir.
 
     The folder of ``train_path`` is the tfds manual dir; the dataset is prepared from it on first

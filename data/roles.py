@@ -67,6 +67,7 @@ def field(
     role: Role = SEMANTIC,
     identity_default: Any = _NO_DEFAULT,
     plan_input: str = "",
+    kind_file: bool = False,
 ) -> Any:
     """A config field with a default and what it is for.
 
@@ -79,8 +80,10 @@ def field(
         move an identity.
       plan_input: the field is an input of the embedding plan, named so in
         ``recscale.embeddings.layout.EngineSpec`` and in checkpoints' layout records.
+      kind_file: a file of one data kind (``DataConfig.kind``): a command line switching the
+        kind empties it unless it sets it too (``recscale.config.parse_preset_cli``).
     """
-    meta = {"role": role, "plan_input": plan_input}
+    meta = {"role": role, "plan_input": plan_input, "kind_file": kind_file}
     if identity_default is not _NO_DEFAULT:
         meta["identity_default"] = to_dict(identity_default)
     return dataclasses.field(default=default, metadata=meta)

@@ -45,6 +45,7 @@ def build(
     path: str = "",
     error: type[Exception] = FieldError,
     str_as_list: bool = False,
+    checks: type[Exception] | None = None,
 ) -> T:
     """``cls`` built from plain data, checked field by field.
 
@@ -58,12 +59,14 @@ def build(
         are, since their messages name their fields already).
       str_as_list: a string where a ``tuple[X, ...]`` is expected is a list of that one string
         (a spec may give one file as ``train: d.csv``).
+      checks: a ``ValueError`` a class's own checks (``__post_init__``) raise is raised again as
+        this, with the path of the dataclass that raised it prefixed (None: it passes as is).
 
     Raises:
       error: an unknown or missing field, a value of the wrong type, a value outside its
         ``Literal``, or a fixed-length tuple of the wrong length, naming the field's path.
     """
-    return _Loader(error, str_as_list).dataclass(cls, data, path)
+    return _Loader(error, str_as_list, checks).dataclass(cls, data, path)
 
 
 @functools.cache
@@ -76,6 +79,7 @@ def field_types(cls: type) -> dict[str, Any]:
 class _Loader:
     error: type[Exception]
     str_as_list: bool
+    checks: type[Exception] | None = None
 
     def dataclass(self, cls: type, data: Any, path: str) -> Any:
         at = f"{path}: " if path else ""  # path '' is the top level
@@ -102,6 +106,10 @@ class _Loader:
             return cls(**kwargs)
         except self.error as e:
             raise self.error(f"{at}{e}") from None
+        except ValueError as e:
+            if self.checks is None:
+                raise
+            raise self.checks(f"{at}{e}") from None
 
     def value(self, tp: Any, value: Any, path: str) -> Any:
         origin = typing.get_origin(tp)

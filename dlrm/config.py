@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from recscale.config import ExperimentConfig
+from recscale.config import ConfigError, ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,16 @@ class DLRMModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.layer_norm and self.batch_norm:
             raise ValueError("choose layer_norm or batch_norm, not both")
+
+    def check_data(self, schema) -> None:
+        """Raises ``ConfigError`` naming the flag to set when this network cannot read data of
+        ``schema`` (dense features without a bottom MLP)."""
+        if schema.num_dense and not self.bottom_mlp:
+            raise ConfigError(
+                f"the data has {schema.num_dense} dense feature(s) ({', '.join(schema.dense_names)}"
+                f") but model.bottom_mlp is empty: set --model.bottom-mlp 64 {self.embed_dim} "
+                f"(any sizes ending in model.embed_dim = {self.embed_dim})"
+            )
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""

@@ -52,10 +52,9 @@ class DLRM(nnx.Module):
             rngs=rngs,
             engine=engine,
         )
+        cfg.check_data(schema)
         self.has_dense = schema.num_dense > 0
         if self.has_dense:
-            if not cfg.bottom_mlp:
-                raise ValueError("a dataset with dense features needs a bottom_mlp")
             self.bottom = MLP(schema.num_dense, cfg.bottom_mlp, final_relu=True, rngs=rngs)
         else:
             self.bottom = None

@@ -579,8 +579,9 @@ def get_preset(name: str) -> Any:
 
 def from_dict(cls: type[T], data: Any, *, path: str = "config") -> T:
     """Inverse of ``to_dict``; raises ``FieldError`` (a ``TypeError`` and a ``ValueError``)
-    naming the field path on an unknown, missing or ill-typed field."""
-    return strict.build(cls, data, path=path, error=FieldError)
+    naming the field path on an unknown, missing or ill-typed field, and ``ConfigError`` naming
+    the section on a value its own checks refuse."""
+    return strict.build(cls, data, path=path, error=FieldError, checks=ConfigError)
 
 
 def absolute_paths(cfg: T) -> T:
@@ -615,7 +616,12 @@ def save_json(cfg: Any, path: str | Path) -> None:
 
 
 def load_json(cls: type[T], path: str | Path) -> T:
-    return from_dict(cls, json.loads(Path(path).read_text()), path=str(path))
+    """The config ``save_json`` wrote to ``path``; errors name the file (see ``from_dict``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not a JSON config ({e})") from None
+    return from_dict(cls, data, path=str(path))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -646,7 +652,10 @@ def parse_preset_cli(
         if not names:
             raise SystemExit(f"no presets registered under {prefix!r}")
         name = argv[0]
-        default = load_json(type(get_preset(names[0])), argv[0])
+        try:
+            default = load_json(type(get_preset(names[0])), argv[0])
+        except (OSError, TypeError, ValueError) as e:  # messages name the file and the field
+            raise SystemExit(f"error: {e}") from None
     else:
         name = argv[0] if "/" in argv[0] else prefix + argv[0]
         if name not in names:
@@ -668,4 +677,38 @@ def parse_preset_cli(
         kw_only=True,
     )
     args = tyro.cli(args_cls, args=argv[1:], prog=f"{prog} {name}".strip())
-    return args.workdir, args.config
+    return args.workdir, _drop_other_kinds_files(default, args.config, argv[1:])
+
+
+def _flags_given(argv: list[str]) -> set[str]:
+    """Field paths set on a command line: ``--data.train-path x`` and ``--data.train_path=x``
+    both give ``data.train_path``."""
+    return {
+        a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--") and len(a) > 2
+    }
+
+
+def _drop_other_kinds_files(default: Any, cfg: Any, argv: list[str]) -> Any:
+    """``cfg`` without the preset's data files when the command line switched ``data.kind``.
+
+    A preset's paths belong to its kind (``dlrm/frappe``'s ``valid.csv``): kept under another
+    kind, ``--data.kind tabular`` would evaluate on Frappe's file. The ``DataConfig`` fields
+    marked ``kind_file`` are emptied unless the command line sets them as well.
+    """
+    before, after = getattr(default, "data", None), getattr(cfg, "data", None)
+    if not isinstance(after, DataConfig) or before.kind == after.kind:
+        return cfg
+    given = _flags_given(argv)
+    cleared = {
+        f.name: ""
+        for f in dataclasses.fields(DataConfig)
+        if f.metadata.get("kind_file") and f"data.{f.name}" not in given
+    }
+    try:
+        data = dataclasses.replace(after, **cleared)
+    except ValueError as e:
+        raise SystemExit(
+            f"error: {e} (the preset's {before.kind} files are not kept under "
+            f"--data.kind {after.kind})"
+        ) from None
+    return dataclasses.replace(cfg, data=data)

@@ -140,9 +140,8 @@ def dlrm_cost(
     d = cfg.embed_dim
     has_dense = schema.num_dense > 0
     params, parts = 0, []
+    cfg.check_data(schema)
     if has_dense:
-        if not cfg.bottom_mlp:
-            raise ValueError("a dataset with dense features needs a bottom_mlp")
         params += mlp_params(schema.num_dense, cfg.bottom_mlp)
         parts.append(("bottom_mlp", mlp_flops(schema.num_dense, cfg.bottom_mlp)))
     n = schema.num_sparse + int(has_dense)

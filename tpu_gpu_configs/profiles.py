@@ -2,9 +2,11 @@
 
 A literal table of vendor spec-sheet numbers (peak, per chip / GPU), except ``cpu-2core``, which
 is this repository's 2-core CI-class VM as measured (matmul and memory stream). Peaks are
-upper bounds: the planner's cost model is calibrated from measured lookup times
-(``recscale.embeddings.planner.CostModel.calibrated``) before its absolute numbers mean seconds;
-its *ranking* of plans only needs the ratios between these.
+upper bounds, so the planner's estimated times, computed from them with calibration factors of 1
+(``recscale.embeddings.planner.CostModel``), are optimistic and not measured seconds.
+``CostModel.calibrated`` can fit the lookup factor to measured lookup times, but no command
+calls it (only ``tests/recscale/test_planner.py`` does); the planner's *ranking* of plans only
+needs the ratios between these numbers.
 
 Sources: Google Cloud TPU system-architecture pages (v4, v5e, v5p, v6e/Trillium: HBM capacity
 and bandwidth, ICI bandwidth per chip, bf16 peak); NVIDIA A100/H100/H200 SXM datasheets (HBM,

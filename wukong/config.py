@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from recscale.config import ExperimentConfig
+from recscale.config import ConfigError, ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,10 +88,14 @@ class WukongModelConfig:
         if n == -1:
             return 1 if schema.num_dense else 0
         if n > 0 and not schema.num_dense:
-            raise ValueError(f"num_dense_embeddings={n} but the dataset has no dense features")
+            raise ConfigError(
+                f"model.num_dense_embeddings={n} but the data has no dense features: set "
+                "--model.num-dense-embeddings 0"
+            )
         if n == 0 and schema.num_dense:
-            raise ValueError(
-                f"num_dense_embeddings=0 would ignore the dataset's {schema.num_dense} dense features"
+            raise ConfigError(
+                f"model.num_dense_embeddings=0 would ignore the data's {schema.num_dense} dense "
+                "features: set --model.num-dense-embeddings 1 (or more)"
             )
         return n
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from recscale.config import ExperimentConfig
+from recscale.config import ConfigError, ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,15 @@ class DCNv2ModelConfig:
             raise ValueError(f"MLP sizes must be >= 1, got {self.deep_mlp}, {self.dense_mlp}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def check_data(self, schema) -> None:
+        """Raises ``ConfigError`` naming the flag to set when this network cannot read data of
+        ``schema`` (a dense MLP without dense features)."""
+        if self.dense_mlp and not schema.num_dense:
+            raise ConfigError(
+                f"model.dense_mlp={self.dense_mlp} but the data has no dense features: set "
+                "--model.dense-mlp with no sizes"
+            )
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""

@@ -26,9 +26,8 @@ def dcnv2_cost(
     d = cfg.embed_dim
     params, parts = 0, []
     num_dense = schema.num_dense
+    cfg.check_data(schema)
     if cfg.dense_mlp:
-        if not schema.num_dense:
-            raise ValueError(f"dense_mlp={cfg.dense_mlp} but the dataset has no dense features")
         params += mlp_params(schema.num_dense, cfg.dense_mlp)
         parts.append(("dense_mlp", mlp_flops(schema.num_dense, cfg.dense_mlp)))
         num_dense = cfg.dense_mlp[-1]

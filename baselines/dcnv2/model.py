@@ -80,9 +80,8 @@ class DCNv2(nnx.Module):
             rngs=rngs,
             engine=engine,
         )
+        cfg.check_data(schema)
         if cfg.dense_mlp:
-            if not schema.num_dense:
-                raise ValueError(f"dense_mlp={cfg.dense_mlp} but the dataset has no dense features")
             self.dense = MLP(schema.num_dense, cfg.dense_mlp, final_relu=False, rngs=rngs)
             num_dense = cfg.dense_mlp[-1]
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from recscale.config import ExperimentConfig
+from recscale.config import ConfigError, ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +94,20 @@ class FinalMLPModelConfig:
             ctx = getattr(self, name)
             if len(set(ctx)) != len(ctx):
                 raise ValueError(f"{name} names a feature twice: {ctx}")
+
+    def check_data(self, schema) -> None:
+        """Raises ``ConfigError`` naming the flag to set when this network cannot read data of
+        ``schema`` (a gate context naming a feature the data does not have)."""
+        if not self.use_fs:
+            return
+        names = [f.name for f in schema.features]
+        for field in ("fs1_context", "fs2_context"):
+            unknown = [c for c in getattr(self, field) if c not in names]
+            if unknown:
+                raise ConfigError(
+                    f"model.{field} names unknown features {unknown}; known: {names}: set "
+                    f"--model.{field.replace('_', '-')} to some of them (or none)"
+                )
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""

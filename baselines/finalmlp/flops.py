@@ -30,9 +30,6 @@ from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
 
 def _context_index(schema: Schema, context: tuple[str, ...]) -> list[int]:
     names = [f.name for f in schema.features]
-    unknown = [c for c in context if c not in names]
-    if unknown:
-        raise ValueError(f"gate context names unknown features {unknown}; known: {names}")
     return [names.index(c) for c in context]
 
 
@@ -46,6 +43,7 @@ def finalmlp_cost(
     """Costs of ``baselines.finalmlp.model.FinalMLP`` built from a ``FinalMLPModelConfig``
     ``cfg`` (or a whole ``FinalMLPConfig``, whose ``model`` is used) for ``schema``."""
     cfg = getattr(cfg, "model", cfg)
+    cfg.check_data(schema)
     d = cfg.embed_dim
     i = schema.num_dense + schema.num_sparse * d
     params, parts = 0, []

@@ -186,6 +186,7 @@ class FinalMLP(nnx.Module):
             engine=engine,
         )
         self.in_dim = schema.num_dense + schema.num_sparse * cfg.embed_dim
+        cfg.check_data(schema)
         if cfg.use_fs:
             self.fs1 = FeatureGate(
                 self.in_dim, schema, cfg.fs1_context, cfg, engine=engine, rngs=rngs

@@ -9,9 +9,21 @@ the paper's embedding size.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
-from recscale.config import ExperimentConfig
+from recscale.config import ConfigError, ExperimentConfig
+
+
+def aggregation_width(masked_dim: int, reduction_ratio: float) -> int:
+    """A = int(r · Z), FuxiCTR's rounding; an error when it leaves no units."""
+    width = int(masked_dim * reduction_ratio)
+    if width < 1:
+        raise ValueError(
+            f"reduction_ratio={reduction_ratio} leaves int({masked_dim} * {reduction_ratio}) = "
+            f"{width} units in the mask's aggregation layer"
+        )
+    return width
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +83,25 @@ class MaskNetModelConfig:
             raise ValueError(f"reduction_ratio must be > 0, got {self.reduction_ratio}")
         if not 0.0 <= self.net_dropout < 1.0:
             raise ValueError(f"net_dropout must be in [0, 1), got {self.net_dropout}")
+
+    def masked_dims(self, schema) -> tuple[int, ...]:
+        """Z of each MaskBlock: the width of the layer it masks (the feature embeddings, F · D,
+        or in a serial MaskNet the block before)."""
+        in_dim = (schema.num_sparse + schema.num_dense) * self.embed_dim
+        if self.model_type == "serial":
+            return (in_dim, *self.dnn_hidden_units[:-1])
+        return (in_dim,) * self.parallel_num_blocks
+
+    def check_data(self, schema) -> None:
+        """Raises ``ConfigError`` naming the flag to set when this network cannot be built for
+        ``schema`` (a reduction ratio that leaves a mask no units)."""
+        z = min(self.masked_dims(schema))
+        if int(z * self.reduction_ratio) < 1:
+            raise ConfigError(
+                f"model.reduction_ratio={self.reduction_ratio} leaves int({z} * "
+                f"{self.reduction_ratio}) = 0 units in a mask's aggregation layer: set "
+                f"--model.reduction-ratio {math.ceil(1e4 / z) / 1e4:g} or more"
+            )
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""

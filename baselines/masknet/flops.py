@@ -12,24 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from baselines.masknet.config import aggregation_width
 from data.batch import Schema
 from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
 
 
-def _aggregation_width(masked_dim: int, reduction_ratio: float) -> int:
-    # Mirrors baselines.masknet.model.aggregation_width (which needs jax to import).
-    width = int(masked_dim * reduction_ratio)
-    if width < 1:
-        raise ValueError(
-            f"reduction_ratio={reduction_ratio} leaves int({masked_dim} * {reduction_ratio}) = "
-            f"{width} units in the mask's aggregation layer"
-        )
-    return width
-
-
 def _mask_block(in_dim: int, masked_dim: int, out_dim: int, cfg: Any) -> tuple[int, float, float]:
     """(params, mask FLOPs, masked-linear FLOPs) of one MaskBlock per example."""
-    a = _aggregation_width(masked_dim, cfg.reduction_ratio)
+    a = aggregation_width(masked_dim, cfg.reduction_ratio)
     params = mlp_params(in_dim, (a, masked_dim))  # W_1, b_1, W_2, b_2
     params += masked_dim * out_dim  # the bias-free W
     if cfg.net_layernorm:
@@ -45,6 +35,7 @@ def masknet_cost(
     bytes_per_param: int = 4,
 ) -> ModelCost:
     """Costs of ``baselines.masknet.model.MaskNet`` built from a ``MaskNetModelConfig`` ``cfg``."""
+    cfg.check_data(schema)
     d = cfg.embed_dim
     f = schema.num_sparse + schema.num_dense
     i = f * d

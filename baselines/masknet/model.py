@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from baselines.masknet.config import MaskNetModelConfig
+from baselines.masknet.config import MaskNetModelConfig, aggregation_width
 from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings import EmbeddingCollection
@@ -37,17 +37,6 @@ from recscale.nn import MLP, LayerNorm, Linear, dropout
 
 def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, i)
-
-
-def aggregation_width(masked_dim: int, reduction_ratio: float) -> int:
-    """A = int(r · Z), FuxiCTR's rounding; an error when it leaves no units."""
-    width = int(masked_dim * reduction_ratio)
-    if width < 1:
-        raise ValueError(
-            f"reduction_ratio={reduction_ratio} leaves int({masked_dim} * {reduction_ratio}) = "
-            f"{width} units in the mask's aggregation layer"
-        )
-    return width
 
 
 class InstanceGuidedMask(nnx.Module):
@@ -131,6 +120,7 @@ class MaskNet(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.cfg = nnx.static(cfg)
+        cfg.check_data(schema)
         d = cfg.embed_dim
         self.embeddings = EmbeddingCollection.one_table_per_feature(
             schema,

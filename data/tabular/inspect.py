@@ -268,8 +268,10 @@ def _format(how: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m data.tabular.inspect", description=__doc__.split("\n")[2]
+    ap = argparse.ArgumentParser(  # the module docstring after its usage line, as written
+        prog="python -m data.tabular.inspect",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("files", nargs="+", help="interactions file, then side tables")
     ap.add_argument("--rows", type=int, default=100_000, help="sample rows per file")

@@ -1,7 +1,9 @@
-"""Load and run a recscale serving artifact with only numpy and jax (issue 20).
+"""Load and run a recscale serving artifact with only jax and flatbuffers (issue 20).
 
 This file is copied into every artifact as ``recscale_model.py``; it imports nothing from
-recscale, so a machine with jax installed runs an exported model without the project::
+recscale, so a machine with ``pip install jax flatbuffers`` (jax brings jaxlib and numpy;
+``jax.export`` reads the compiled forward pass with flatbuffers, which jax does not install)
+runs an exported model without the project (Parquet input files also need pyarrow)::
 
     from recscale_model import Model          # or: from recscale.serving.runtime import Model
     model = Model.load("MODEL")
@@ -116,6 +118,13 @@ class Model:
                         f"{path / WEIGHTS}: weight {name!r} has shape "
                         f"{list(a.shape)}, the manifest says {meta['shape']}"
                     )
+        try:
+            import flatbuffers  # noqa: F401, PLC0415
+        except ImportError:
+            raise ArtifactError(
+                f"reading {path / FORWARD} needs the flatbuffers package (jax.export's format; "
+                "jax does not install it): pip install flatbuffers"
+            ) from None
         try:
             exported = jax.export.deserialize(bytearray((path / FORWARD).read_bytes()))
         except Exception as e:  # noqa: BLE001 - flatbuffers and jax raise many kinds

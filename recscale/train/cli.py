@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 import traceback
+from collections.abc import Iterator
 
 import tyro
 
@@ -19,7 +22,41 @@ from recscale.train.loop import train
 def _input_errors() -> tuple[type[BaseException], ...]:
     from data.tabular import SpecError, TabularFormatError  # noqa: PLC0415
 
-    return (SpecError, TabularFormatError, config_lib.ConfigError)
+    return (SpecError, TabularFormatError, config_lib.ConfigError, FileNotFoundError)
+
+
+def _raised_by_a_config_check(e: BaseException) -> bool:
+    """Whether ``e`` was raised by a dataclass's own ``__post_init__`` (a config refusing a
+    value, e.g. one derived for evaluation), not from deeper in the code."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame
+    return frame.f_code.co_name == "__post_init__" and dataclasses.is_dataclass(
+        frame.f_locals.get("self")
+    )
+
+
+@contextlib.contextmanager
+def _one_line_errors(*, every_value_error: bool = False) -> Iterator[None]:
+    """What the user's input got wrong is printed as one line, ``error: ...``, without a
+    traceback: bad data or a bad spec (the message names file, line and column), a config that
+    contradicts itself or the data (``ConfigError``, naming the flag that fixes it; the model
+    families raise it when their network cannot read the data), a missing file, and a
+    ``ValueError`` from a config's own checks (``every_value_error``: any ``ValueError``, as
+    the exporter raises for what it refuses). Anything else keeps its traceback."""
+    try:
+        yield
+    except ValueError as e:
+        if not (
+            every_value_error or isinstance(e, _input_errors()) or _raised_by_a_config_check(e)
+        ):
+            raise
+        raise SystemExit(f"error: {e}") from None
+    except _input_errors() as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _start_distributed() -> None:
@@ -53,12 +90,11 @@ def train_main(
     _start_distributed()
     with exit_at_once_on_error():
         try:
-            result = train(cfg, build_model, workdir, argv=["-m", module, *args])
+            with _one_line_errors():
+                result = train(cfg, build_model, workdir, argv=["-m", module, *args])
         except FloatingPointError:
             traceback.print_exc()
             raise SystemExit(DIVERGED_EXIT_CODE) from None
-        except _input_errors() as e:  # bad data or spec: one line naming file, line and column
-            raise SystemExit(f"error: {e}") from None
         _print_result(result)
     return result
 
@@ -78,10 +114,8 @@ def evaluate_main(
     args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {package or family}.evaluate")
     _start_distributed()
     with exit_at_once_on_error():
-        try:
+        with _one_line_errors():
             result = evaluate_workdir(config_cls, build_model, args)
-        except _input_errors() as e:
-            raise SystemExit(f"error: {e}") from None
         _print_result(result)
     return result
 
@@ -100,10 +134,8 @@ def export_main(
 
     args = tyro.cli(ExportArgs, args=argv, prog=f"python -m {package or family}.export")
     with exit_at_once_on_error():
-        try:
+        with _one_line_errors(every_value_error=True):
             manifest = export_workdir(config_cls, build_model, args, family=package or family)
-        except (*_input_errors(), ValueError, FileNotFoundError) as e:
-            raise SystemExit(f"error: {e}") from None
         summary = {
             k: manifest[k] for k in ("format", "family", "platforms", "table_bytes", "seconds")
         }

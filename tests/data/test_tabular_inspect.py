@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from data.tabular import example, inspect, prepare
@@ -39,3 +40,12 @@ def test_inspect_reports_a_file_without_a_label(tmp_path, capsys):
     path.write_text("a,b\n1,x\n2,y\n3,z\n")
     assert inspect.main([str(path)]) == 2
     assert "no label column" in capsys.readouterr().err
+
+
+def test_help_gives_the_whole_description(capsys):
+    with pytest.raises(SystemExit) as e:
+        inspect.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "proposes a feature spec to edit:" in out
+    assert "so check cardinalities and the split." in out

@@ -102,3 +102,74 @@ def test_family_trains_and_evaluates_on_a_feature_spec(family, shop, tmp_path, c
     never = sum(u not in seen for u in new_users)  # OOV for sure (others if only in valid)
     assert never > 0 and got["eval_data"]["oov"]["user_id"] >= never
     assert got["eval_data"]["rows"] == len(new_users)
+
+
+def test_a_frappe_preset_switched_to_a_spec_reads_only_the_specs_files(shop, tmp_path):
+    """``dlrm/frappe --data.kind tabular``: the preset's Frappe files are dropped (evaluation
+    reads the spec's valid split), and a network that cannot read the spec's dense columns is a
+    one-line error naming the flag that fixes it."""
+    from dlrm import train as dlrm_train
+
+    argv = [
+        "frappe",
+        *("--data.kind", "tabular", "--data.tabular.spec", str(shop / "spec.yaml")),
+        *("--data.tabular.prepared-dir", str(shop / "prep")),
+        *("--data.batch-size", "64", "--data.eval-batch-size", "256", "--train.num-steps", "2"),
+        *("--model.top-mlp", "16", "1"),
+    ]
+    with pytest.raises(SystemExit, match=r"^error: .*\(age, price.*set --model.bottom-mlp 64 10 "):
+        dlrm_train.main([*argv, "--workdir", str(tmp_path / "a")])
+    wd = tmp_path / "b"
+    result = dlrm_train.main([*argv, "--workdir", str(wd), "--model.bottom-mlp", "64", "10"])
+    saved = json.loads((wd / "config.json").read_text())["data"]
+    assert (saved["train_path"], saved["eval_path"]) == ("", "")
+    stats = json.loads((wd / "data_stats.json").read_text())
+    assert stats["eval"] == {"split": "valid"}
+    assert result["step"] == 2 and result["num_examples"] == stats["rows"]["valid"]
+
+
+@pytest.mark.parametrize(
+    ("family", "dense", "change", "flag"),
+    [
+        ("dlrm", True, {"bottom_mlp": ()}, "--model.bottom-mlp 64 8 "),
+        ("wukong", False, {"num_dense_embeddings": 2}, "--model.num-dense-embeddings 0"),
+        ("wukong", True, {"num_dense_embeddings": 0}, "--model.num-dense-embeddings 1"),
+        ("dcnv2", False, {"dense_mlp": (8,)}, "--model.dense-mlp with no sizes"),
+        (
+            "finalmlp",
+            True,
+            {"fs2_context": ("f0", "nope")},
+            r"unknown features \['nope'\].*--model.fs2-context to some",
+        ),
+        (
+            "masknet",
+            True,
+            {"model_type": "serial", "dnn_hidden_units": (16, 8), "reduction_ratio": 0.01},
+            "--model.reduction-ratio 0.0625 or more",  # masks of Z = 5 * 8 and 16 units
+        ),
+    ],
+)
+def test_a_network_that_cannot_read_the_data_names_the_flag(family, dense, change, flag):
+    """What train, evaluate and export print as one line (``ConfigError``), from the model and
+    from its cost model alike."""
+    from flax import nnx
+
+    from data.batch import FeatureInfo, Schema
+    from recscale.config import ConfigError
+
+    package = FAMILIES[family]
+    importlib.import_module(f"{package}.presets")
+    cfg = get_preset(f"{family}/tiny")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **change))
+    schema = Schema(
+        dense_names=("a", "b") if dense else (),
+        features=tuple(FeatureInfo(name=f"f{i}", vocab_size=20, max_hotness=1) for i in range(3)),
+    )
+    build_model = importlib.import_module(f"{package}.model").build_model
+    with pytest.raises(ConfigError, match=flag):
+        build_model(cfg, schema, nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=flag):
+        cfg.model.cost(schema)
+    if family == "masknet":  # the ratio named is enough for every mask
+        fixed = dataclasses.replace(cfg.model, reduction_ratio=0.0625)
+        build_model(dataclasses.replace(cfg, model=fixed), schema, nnx.Rngs(0))

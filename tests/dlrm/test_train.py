@@ -236,9 +236,10 @@ def test_evaluate_round_trip_from_workdir(tmp_path, capsys):
     np.testing.assert_allclose(int8["auc"], got["auc"], atol=1e-2)
     earlier = dlrm_evaluate.main(["--workdir", str(wd), "--step", "3"])
     assert earlier["step"] == 3 and earlier["auc"] != got["auc"]
-    with pytest.raises(FileNotFoundError, match="step 5"):
+    # A missing checkpoint or run is one line naming it (the CLI prints it, no traceback).
+    with pytest.raises(SystemExit, match=r"^error: no checkpoint for step 5 .*available steps"):
         dlrm_evaluate.main(["--workdir", str(wd), "--step", "5"])
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(SystemExit, match=r"^error: .*nope/config\.json not found"):
         dlrm_evaluate.main(["--workdir", str(tmp_path / "nope")])
 
 
@@ -429,3 +430,21 @@ def test_early_stopping_never_takes_a_nonfinite_evaluation_as_best():
     assert es.observe(2, {"auc": 0.7}) and es.best_step == 2
     assert not es.observe(3, {"auc": float("nan")}) and es.best_step == 2
     assert es.observe(4, {"auc": 0.8}) and es.best_step == 4 and not es.stopped
+
+
+def test_entry_points_print_config_errors_as_one_line(tmp_path):
+    wd = tmp_path / "run"
+    wd.mkdir()
+    d = config_lib.to_dict(get_preset("dlrm/tiny"))
+    d["model"]["top_mlp"] = [16, 2]
+    (wd / "config.json").write_text(json.dumps(d))
+    with pytest.raises(SystemExit, match=r"^error: .*config\.json\.model: top_mlp must end in 1"):
+        dlrm_evaluate.main(["--workdir", str(wd)])
+    # A config's own check raised while a run is set up is one line; any other ValueError (a
+    # bug) keeps its traceback.
+    from recscale.train.cli import _one_line_errors
+
+    with pytest.raises(SystemExit, match=r"^error: top_mlp must end in 1"), _one_line_errors():
+        dataclasses.replace(get_preset("dlrm/tiny").model, top_mlp=(16, 2))
+    with pytest.raises(ValueError, match="^not a config check$"), _one_line_errors():
+        raise ValueError("not a config check")

@@ -91,6 +91,34 @@ def test_cli_rejects_unknown_preset_and_flag():
         parse_preset_cli("dlrm/", ["tiny", "--workdir", "/tmp/x", "--train.num-stepz", "3"])
 
 
+def test_cli_switching_data_kind_drops_the_presets_files():
+    frappe = get_preset("dlrm/frappe").data
+    assert frappe.train_path and frappe.eval_path  # what must not leak into another kind
+    argv = ["frappe", "--workdir", "/tmp/x", "--data.kind", "tabular"]
+    _, cfg = parse_preset_cli("dlrm/", [*argv, "--data.tabular.spec", "s.yaml"])
+    assert cfg.data.kind == "tabular" and cfg.data.tabular.spec == "s.yaml"
+    assert (cfg.data.train_path, cfg.data.eval_path, cfg.data.tfds_data_dir) == ("", "", "")
+    # A file given with the switch is kept (either spelling of the flag).
+    for flag in (["--data.eval-path", "new.csv"], ["--data.eval_path=new.csv"]):
+        _, cfg = parse_preset_cli("dlrm/", [*argv, "--data.tabular.spec", "s.yaml", *flag])
+        assert (cfg.data.train_path, cfg.data.eval_path) == ("", "new.csv")
+    # The same kind keeps the preset's files; another kind that needs files says so.
+    _, cfg = parse_preset_cli("dlrm/", ["frappe", "--workdir", "/tmp/x", "--data.kind", "frappe"])
+    assert cfg.data == frappe
+    with pytest.raises(SystemExit, match=r"^error: .*needs data.train_path.*frappe files"):
+        parse_preset_cli("dlrm/", ["frappe", "--workdir", "/tmp/x", "--data.kind", "criteo"])
+
+
+def test_cli_config_file_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": {"top_mlp": [3]}}))
+    with pytest.raises(SystemExit, match=r"^error: .*bad\.json\.model: top_mlp must end in 1"):
+        parse_preset_cli("dlrm/", [str(bad), "--workdir", "/tmp/x"])
+    bad.write_text('{"model": ')
+    with pytest.raises(SystemExit, match=r"^error: .*bad\.json: not a JSON config"):
+        parse_preset_cli("dlrm/", [str(bad), "--workdir", "/tmp/x"])
+
+
 def test_config_modules_do_not_import_jax():
     code = (
         "import sys, json; import recscale.config, dlrm.config, dlrm.presets, data.config; "

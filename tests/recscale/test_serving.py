@@ -418,6 +418,20 @@ def test_an_artifact_with_an_unknown_encoding_is_refused(artifact, tmp_path):
         Model.load(out)
 
 
+def test_the_loader_names_the_package_jax_export_needs(artifact, tmp_path, monkeypatch, capsys):
+    from recscale.serving import runtime
+
+    monkeypatch.setitem(sys.modules, "flatbuffers", None)  # as where it is not installed
+    with pytest.raises(ArtifactError, match=r"forward\.jax needs .*: pip install flatbuffers$"):
+        Model.load(artifact)
+    rows = tmp_path / "rows.csv"
+    rows.write_text("x\n1\n")
+    capsys.readouterr()
+    assert runtime.main([str(artifact), str(rows)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "pip install flatbuffers" in err[0]
+
+
 def test_auto_precision_keeps_the_auc_budget(run_dir, tmp_path):
     loose = export_workdir(
         DLRMConfig,
