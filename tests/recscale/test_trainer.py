@@ -137,7 +137,9 @@ def test_a_run_off_a_terminal_prints_a_progress_line_per_log_interval(
     found = [m for m in map(line.fullmatch, err.splitlines()) if m]
     assert [int(m[1]) for m in found] == [2, 4, 6], err
     assert found[-1][2] == "0"  # nothing left after the last step
-    assert "━" not in out and "━" not in err
+    # no progress bar (the embedding plan's table borders are drawn with the same character)
+    bars = [x for x in (out + err).splitlines() if "━" in x and x.lstrip()[:1] not in "┏┡"]
+    assert not bars, bars
     loop.train(_tiny(num_steps=6, log_every=2, progress=False), build_model, tmp_path / "b")
     assert not any(map(line.fullmatch, capsys.readouterr().err.splitlines()))
 
