@@ -654,14 +654,6 @@ def load_json(cls: type[T], path: str | Path) -> T:
 # CLI: ``python -m dlrm.train PRESET --workdir DIR [--train.num-steps 100 ...]``.
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunArgs:
-    """Arguments every entry point takes besides the config."""
-
-    workdir: str
-    """Directory of this run: config.json, command.txt, checkpoints, metrics.jsonl."""
-
-
 def parse_preset_cli(
     prefix: str, argv: list[str] | None = None, *, prog: str = ""
 ) -> tuple[str, Any]:

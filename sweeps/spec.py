@@ -109,14 +109,6 @@ def dlrm_ladder(rows: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], 
     )
 
 
-def dcnv2_ladder(rows: tuple[tuple[int, int, tuple[int, ...]], ...], prefix: str = "c"):
-    """DCNv2 rungs from ``(cross layers, cross rank, deep MLP)`` rows (cross depth and MLP)."""
-    return tuple(
-        Rung(f"{prefix}{i + 1}", dict(num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
-        for i, (n, r, mlp) in enumerate(rows)
-    )
-
-
 # The paper's Table 5 (arXiv 2403.02545v4; rows kept in wukong/presets.py), for accelerator
 # sweeps on Criteo-scale data.
 WUKONG_TABLE5_LADDER = wukong_ladder(TABLE5, prefix="table5-")

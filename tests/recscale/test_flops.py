@@ -15,8 +15,8 @@ from dlrm.config import DLRMModelConfig
 from dlrm.model import DLRM
 from recscale import flops
 from recscale.config import get_preset
-from recscale.cost_analysis import xla_forward_flops
 from recscale.embeddings.collection import EmbeddingTable
+from tests.cost_analysis import xla_forward_flops
 from wukong.config import WukongModelConfig
 from wukong.model import Wukong
 
