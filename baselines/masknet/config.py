@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from baselines.masknet.flops import masknet_cost
 from recscale.config import ExperimentConfig
 
 
@@ -74,8 +75,6 @@ class MaskNetModelConfig:
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        from baselines.masknet.flops import masknet_cost
-
         return masknet_cost(
             self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
         )
