@@ -1,4 +1,5 @@
-"""The bodies of every family's ``train`` and ``evaluate`` entry points (only these touch argv)."""
+"""The bodies of every family's ``train`` and ``evaluate`` entry points (only these touch argv;
+``export`` is ``recscale.export``'s)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import tyro
 
 from recscale import config as config_lib
 from recscale.config import parse_preset_cli
+from recscale.families import Family
 from recscale.launch import exit_at_once_on_error, initialize_from_env
 from recscale.train import DIVERGED_EXIT_CODE
 from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
-from recscale.train.loop import BuildModel, train
+from recscale.train.loop import train
 
 
-def _input_errors() -> tuple[type[BaseException], ...]:
+def input_errors() -> tuple[type[BaseException], ...]:
+    """The errors of bad input (data, spec, config) that the CLIs print as one line."""
     from data.tabular import SpecError, TabularFormatError  # noqa: PLC0415
 
     return (SpecError, TabularFormatError, config_lib.ConfigError)
@@ -29,7 +32,7 @@ def _start_distributed() -> None:
         raise SystemExit(f"error: {e}") from None
 
 
-def _print_result(result: dict) -> None:
+def print_result(result: dict) -> None:
     """The result's JSON line, from process 0 only (every process computes the same result;
     the last line of stdout is the contract sweeps read)."""
     import jax  # noqa: PLC0415
@@ -38,78 +41,39 @@ def _print_result(result: dict) -> None:
         print(json_line(result))
 
 
-def train_main(
-    family: str, build_model: BuildModel, argv: list[str] | None = None, *, package: str = ""
-) -> dict:
+def train_main(family: Family, argv: list[str] | None = None) -> dict:
     """``python -m PACKAGE.train PRESET --workdir DIR [--field.sub value ...]``; prints the result.
 
-    ``family`` is the preset prefix (``dcnv2`` for ``dcnv2/tiny``); ``package`` the module path
-    of the family's package when it differs (``baselines.dcnv2``).
+    ``family`` (``recscale.families``) names the presets (``dcnv2/...``) and the package whose
+    ``train`` module the run's ``command.txt`` records (``baselines.dcnv2.train``).
     """
-    module = f"{package or family}.train"
+    module = family.module("train")
     args = sys.argv[1:] if argv is None else argv
-    workdir, cfg = parse_preset_cli(f"{family}/", args, prog=f"python -m {module}")
+    workdir, cfg = parse_preset_cli(f"{family.name}/", args, prog=f"python -m {module}")
     _start_distributed()
     with exit_at_once_on_error():
         try:
-            result = train(cfg, build_model, workdir, argv=["-m", module, *args])
+            result = train(cfg, family.build_model, workdir, argv=["-m", module, *args])
         except FloatingPointError:
             traceback.print_exc()
             raise SystemExit(DIVERGED_EXIT_CODE) from None
-        except _input_errors() as e:  # bad data or spec: one line naming file, line and column
+        except input_errors() as e:  # bad data or spec: one line naming file, line and column
             raise SystemExit(f"error: {e}") from None
-        _print_result(result)
+        print_result(result)
     return result
 
 
-def evaluate_main(
-    family: str,
-    config_cls: type,
-    build_model: BuildModel,
-    argv: list[str] | None = None,
-    *,
-    package: str = "",
-) -> dict:
+def evaluate_main(family: Family, argv: list[str] | None = None) -> dict:
     """``python -m PACKAGE.evaluate --workdir DIR [--step N] [--data-path F] [--output F]``.
 
     Prints one JSON object on the last line of stdout (the contract later tooling reads).
     """
-    args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {package or family}.evaluate")
+    args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {family.module('evaluate')}")
     _start_distributed()
     with exit_at_once_on_error():
         try:
-            result = evaluate_workdir(config_cls, build_model, args)
-        except _input_errors() as e:
+            result = evaluate_workdir(family.config_cls, family.build_model, args)
+        except input_errors() as e:
             raise SystemExit(f"error: {e}") from None
-        _print_result(result)
+        print_result(result)
     return result
-
-
-def export_main(
-    family: str,
-    config_cls: type | None,
-    build_model: BuildModel | None,
-    argv: list[str] | None = None,
-    *,
-    package: str = "",
-) -> dict:
-    """``python -m PACKAGE.export --workdir DIR --out MODEL [...]``: the run as a serving
-    artifact (``recscale.serving.export``); prints the manifest's summary as one JSON line."""
-    from recscale.serving.export import ExportArgs, export_workdir  # noqa: PLC0415
-
-    args = tyro.cli(ExportArgs, args=argv, prog=f"python -m {package or family}.export")
-    with exit_at_once_on_error():
-        try:
-            manifest = export_workdir(config_cls, build_model, args, family=package or family)
-        except (*_input_errors(), ValueError, FileNotFoundError) as e:
-            raise SystemExit(f"error: {e}") from None
-        summary = {
-            k: manifest[k] for k in ("format", "family", "platforms", "table_bytes", "seconds")
-        }
-        summary.update(
-            out=args.out,
-            step=manifest["source"]["step"],
-            precisions={k: v["precision"] for k, v in manifest["tables"].items()},
-        )
-        _print_result(summary)
-    return manifest

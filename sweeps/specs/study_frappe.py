@@ -28,7 +28,6 @@ from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder
 
 WUKONG = FamilySpec(
     family="wukong",
-    package="wukong",
     preset="wukong/frappe",
     # (d, layers, n_F = n_L, k, FMB MLP depth, width, top MLP)
     ladder=tuple(
@@ -58,7 +57,6 @@ WUKONG = FamilySpec(
 )
 DLRM = FamilySpec(
     family="dlrm",
-    package="dlrm",
     preset="dlrm/frappe",
     # (d, bottom MLP (Frappe has no dense features), top MLP)
     ladder=dlrm_ladder(
@@ -73,7 +71,6 @@ DLRM = FamilySpec(
 )
 DCNV2 = FamilySpec(
     family="dcnv2",
-    package="baselines.dcnv2",
     preset="dcnv2/frappe",
     # (d, cross layers, cross rank (0: full), deep MLP)
     ladder=tuple(
@@ -91,7 +88,6 @@ DCNV2 = FamilySpec(
 )
 FINALMLP = FamilySpec(
     family="finalmlp",
-    package="baselines.finalmlp",
     preset="finalmlp/frappe",
     # (d, stream-1 MLP, stream-2 MLP, gate hidden units, fusion heads)
     ladder=tuple(

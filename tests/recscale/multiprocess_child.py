@@ -13,7 +13,6 @@ flight on every process.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -28,11 +27,10 @@ initialize_from_env()
 
 import jax  # noqa: E402
 
+from recscale import families  # noqa: E402
 from recscale.config import parse_preset_cli  # noqa: E402
 from recscale.train import loop  # noqa: E402
 from recscale.train.evaluation import EvalArgs, evaluate_workdir  # noqa: E402
-
-CONFIGS = {"dlrm": "DLRMConfig", "wukong": "WukongConfig"}
 
 
 def _install_kill(spec: dict) -> None:
@@ -61,16 +59,15 @@ def main() -> None:
     if os.environ.get("MP_KILL"):
         _install_kill(json.loads(os.environ["MP_KILL"]))
     for job in jobs:
-        package = job["family"]
-        importlib.import_module(f"{package}.presets")
-        build_model = importlib.import_module(f"{package}.model").build_model
+        family = families.load(job["family"])  # checked against the registry
         if job["kind"] == "train":
-            workdir, cfg = parse_preset_cli(f"{job['family']}/", job["args"], prog="child")
-            loop.train(cfg, build_model, workdir)
+            workdir, cfg = parse_preset_cli(f"{family.name}/", job["args"], prog="child")
+            loop.train(cfg, family.build_model, workdir)
         else:
-            config_cls = getattr(importlib.import_module(f"{package}.config"), CONFIGS[package])
             evaluate_workdir(
-                config_cls, build_model, EvalArgs(workdir=job["workdir"], output=job["output"])
+                family.config_cls,
+                family.build_model,
+                EvalArgs(workdir=job["workdir"], output=job["output"]),
             )
 
 
