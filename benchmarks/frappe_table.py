@@ -22,7 +22,6 @@ whose workdir already holds its final evaluation is not run again, so the script
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import subprocess
@@ -32,19 +31,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# family -> (package, published test AUC / logloss: Wukong paper Table 2; BARS Frappe_x1).
+# family (recscale.families) -> published test AUC / logloss: Wukong paper Table 2; BARS
+# Frappe_x1.
 MODELS = {
-    "wukong": ("wukong", "0.9868 / 0.1757", "—"),
-    "dlrm": ("dlrm", "0.9846 / 0.1465", "0.9840"),
-    "dcnv2": ("baselines.dcnv2", "0.9774 / 0.2325", "0.9845"),
-    "finalmlp": ("baselines.finalmlp", "0.9868 / 0.1280", "0.9861"),
-    "masknet": ("baselines.masknet", "0.9816 / 0.1701", "0.9837"),
+    "wukong": ("0.9868 / 0.1757", "—"),
+    "dlrm": ("0.9846 / 0.1465", "0.9840"),
+    "dcnv2": ("0.9774 / 0.2325", "0.9845"),
+    "finalmlp": ("0.9868 / 0.1280", "0.9861"),
+    "masknet": ("0.9816 / 0.1701", "0.9837"),
 }
 
 
 def run(family: str, seed: int, root: Path, data_dir: str | None, extra: list[str]) -> dict:
     """Trains one (family, seed) unless done; returns its final eval row and wall time."""
-    package = MODELS[family][0]
+    from recscale import families
+
     workdir = root / f"{family}_s{seed}"
     done = workdir / "result.json"
     if done.is_file():
@@ -52,7 +53,7 @@ def run(family: str, seed: int, root: Path, data_dir: str | None, extra: list[st
     cmd = [
         sys.executable,
         "-m",
-        f"{package}.train",
+        families.load(family).module("train"),
         f"{family}/frappe",
         "--workdir",
         str(workdir),
@@ -78,19 +79,11 @@ def run(family: str, seed: int, root: Path, data_dir: str | None, extra: list[st
 
 def cost(family: str, workdir: Path):
     """The model's cost on the run's real schema (vocabularies read from its training file)."""
-    package = MODELS[family][0]
-    importlib.import_module(f"{package}.presets")
     from data.sources import make_source
+    from recscale import families
     from recscale.config import load_json
 
-    config_cls = {
-        "wukong": ("wukong.config", "WukongConfig"),
-        "dlrm": ("dlrm.config", "DLRMConfig"),
-        "dcnv2": ("baselines.dcnv2.config", "DCNv2Config"),
-        "finalmlp": ("baselines.finalmlp.config", "FinalMLPConfig"),
-        "masknet": ("baselines.masknet.config", "MaskNetConfig"),
-    }[family]
-    cls = getattr(importlib.import_module(config_cls[0]), config_cls[1])
+    cls = families.load(family).config_cls
     cfg = load_json(cls, workdir / "config.json")
     schema = make_source(cfg.data, process_index=0, process_count=1, eval_only=True).schema
     return cfg.model.cost(schema), cfg
@@ -144,7 +137,7 @@ def main() -> None:
         if args.early_stopping:
             steps = " ".join(f"{r['best_step']}/{r['step']}" for r in results)
         c, cfg = cost(family, root / f"{family}_s{args.seeds[0]}")
-        _, paper, bars = MODELS[family]
+        paper, bars = MODELS[family]
         rows.append(
             f"| {family}/frappe | {fmt([r['auc'] for r in results], 4)} | "
             f"{fmt([r['logloss'] for r in results], 4)} | {steps} | "

@@ -14,7 +14,6 @@ the precision chosen per table. Results go to ``OUT/results.json``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -26,23 +25,14 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 
-def _eval_set(package: str, workdir: str):
+def _eval_set(family, workdir: str):
     """The run's validation examples (dense, ids, labels, weights) as its evaluation reads them."""
     from recscale.train.evaluation import restored
 
-    fam_eval = importlib.import_module(f"{package}.export")
-    config_cls, build_model = _family(fam_eval)
-    with restored(config_cls, build_model, workdir, num_devices=1) as r:
+    with restored(family.config_cls, family.build_model, workdir, num_devices=1) as r:
         batches = list(r.exp.source.eval_batches())
     cat = lambda k: np.concatenate([getattr(b, k) for b in batches])  # noqa: E731
     return cat("dense_bn"), cat("ids_bfh"), cat("labels_b"), cat("weights_b")
-
-
-def _family(module):
-    """``(config class, build_model)`` a family's export module calls ``export_main`` with."""
-    names = vars(module)
-    cls = next(v for k, v in names.items() if k.endswith("Config") and isinstance(v, type))
-    return cls, names["build_model"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,23 +47,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="runs/bench_precision")
     args = ap.parse_args(argv)
     from recscale import metrics
-    from recscale.export import family_of
+    from recscale.export import export_main, family_of
     from recscale.serving.runtime import Model
 
     console = Console(width=160)
     out = Path(args.out)
     results = {}
     for wd in args.workdirs:
-        package = family_of(wd)
-        fam = importlib.import_module(f"{package}.export")
-        dense, ids, labels, weights = _eval_set(package, wd)
+        family = family_of(wd)
+        dense, ids, labels, weights = _eval_set(family, wd)
         logit = lambda p: np.log(np.clip(p, 1e-7, 1 - 1e-7) / np.clip(1 - p, 1e-7, 1))  # noqa: E731
         rows = {}
         for p in args.precisions:
             art = out / str(Path(wd)).strip("/").replace("/", "__") / p  # unique per run
             if not (art / "manifest.json").is_file():
                 extra = ["--auc-budget", str(args.auc_budget)] if p == "auto" else []
-                fam.main(["--workdir", wd, "--out", str(art), "--precision", p, *extra])
+                export_main(family, ["--workdir", wd, "--out", str(art), "--precision", p, *extra])
             man = json.loads((art / "manifest.json").read_text())
             probs = Model.load(art).predict(dense, ids)
             weight_bytes = sum(
@@ -91,7 +80,9 @@ def main(argv: list[str] | None = None) -> dict:
             console.print(f"{wd} {p}: AUC {rows[p]['auc']:.5f}")
         results[wd] = rows
         base = rows.get("float32")
-        table = Table(title=f"{wd} ({package}), {int((weights > 0).sum())} validation examples")
+        table = Table(
+            title=f"{wd} ({family.package}), {int((weights > 0).sum())} validation examples"
+        )
         for col in (
             "precision",
             "table MiB",

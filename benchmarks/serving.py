@@ -272,21 +272,19 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--out", default="runs/bench_serving")
     args = ap.parse_args(argv)
-    from recscale.export import family_of
+    from recscale.export import export_main, family_of
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=150)
-    import importlib
-
-    fam = importlib.import_module(f"{family_of(args.workdir)}.export")
+    family = family_of(args.workdir)
     sizes = {}
     for p in dict.fromkeys(["float32", *args.precisions]):  # float32: the baseline's
         art = out / f"model_{p}"
         man = art / "manifest.json"
         src = json.loads(man.read_text())["source"]["workdir"] if man.is_file() else None
         if src != str(Path(args.workdir).resolve()):  # none yet, or another run's
-            fam.main(["--workdir", args.workdir, "--out", str(art), "--precision", p])
+            export_main(family, ["--workdir", args.workdir, "--out", str(art), "--precision", p])
         sizes[p] = json.loads(man.read_text())["table_bytes"]
     configs = [("float32", "1:0", "t1")]  # the baseline first
     configs += [

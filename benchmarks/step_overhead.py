@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
 import re
 import sys
@@ -37,7 +36,11 @@ import optax  # noqa: E402
 
 from data.batch import Batch  # noqa: E402
 from recscale import config as config_lib  # noqa: E402
-from recscale import optim, sharding  # noqa: E402
+from recscale import (  # noqa: E402
+    families,  # noqa: E402
+    optim,
+    sharding,
+)
 from recscale.train import experiment  # noqa: E402
 from recscale.train.steps import make_train_step  # noqa: E402
 from sweeps.spec import resolve  # noqa: E402
@@ -112,12 +115,9 @@ def main() -> None:
     print(f"batch {args.batch}; ms per step (compile excluded), us per example, ratio to single")
     for rung in args.rungs:
         t = trials[rung]
-        build_model = importlib.import_module(f"{t.package}.model").build_model
-        importlib.import_module(f"{t.package}.presets")
-        base = config_lib.get_preset(
-            next(f.preset for f in study.SPEC.families if f.family == t.family)
-        )
-        cfg = config_lib.from_dict(type(base), json.loads(json.dumps(t.config)))
+        family = families.by_package(t.package)
+        build_model = family.build_model
+        cfg = config_lib.from_dict(family.config_cls, json.loads(json.dumps(t.config)))
         mesh = sharding.make_mesh(cfg.mesh)
         with sharding.activate(mesh, cfg.mesh):
             exp = experiment.Experiment.build(cfg, build_model)

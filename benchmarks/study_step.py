@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import tempfile
 from pathlib import Path
 
+from recscale import families
+from recscale.train.cli import train_main
 from sweeps.spec import resolve
 from sweeps.specs import study
 
@@ -52,8 +53,9 @@ def main() -> None:
             cfg["embeddings"]["sharding"] = mode
             with tempfile.TemporaryDirectory() as wd:
                 (Path(wd) / "config.json").write_text(json.dumps(cfg))
-                importlib.import_module(f"{t.package}.train").main(
-                    [f"{wd}/config.json", "--workdir", wd, "--train.no-progress"]
+                train_main(
+                    families.by_package(t.package),
+                    [f"{wd}/config.json", "--workdir", wd, "--train.no-progress"],
                 )
                 row = json.loads((Path(wd) / "timings.jsonl").read_text().splitlines()[-1])
             tr, data = row["phases"]["train"], row["phases"]["data"]

@@ -17,8 +17,8 @@ uses seed ``seed + epoch``) and is deterministic, but (a) it permutes one record
 Python: measured ~45 ms per 4096-example batch, against ~0.1 ms here (plus one ~4 ms
 permutation per 202k-row epoch, cached); and (b) ``seed + epoch`` aliases runs: seed 1's epoch
 0 is seed 0's epoch 1, so a seed sweep would not see independent orders. We keep grain's
-``MapDataset`` as the container (``range(...).map(...)``: random access, slicing for resume,
-``to_iter_dataset`` for prefetching) with a vectorised per-batch index function.
+``MapDataset`` as the container (``range(...).map(...)``: random access, slicing for resume)
+with a vectorised per-batch index function.
 
 Permutations come from numpy's ``Generator.permutation``: identical across runs and machines for
 a given numpy version (numpy may change Generator streams between versions).
@@ -183,15 +183,3 @@ def pad_weights(batch: Batch, num_valid: int) -> Batch:
     weights = batch.weights_b.copy()
     weights[num_valid:] = 0.0
     return batch._replace(weights_b=weights)
-
-
-def prefetch(ds: grain.MapDataset, *, num_threads: int = 2, buffer_size: int = 4) -> Iterator:
-    """Iterates ``ds`` in order with background reader threads (grain ``to_iter_dataset``).
-
-    E.g. ``prefetch(train_dataset(...)[start_step:].map(lambda i: gather(rows, i)))``.
-    """
-    return iter(
-        ds.to_iter_dataset(
-            grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=buffer_size)
-        )
-    )

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from recscale.config import ConfigError, ExperimentConfig
+from recscale.flops import dlrm_cost
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,8 +66,6 @@ class DLRMModelConfig:
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        from recscale.flops import dlrm_cost
-
         return dlrm_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
 
 

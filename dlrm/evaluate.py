@@ -6,13 +6,12 @@ of stdout.
 
 from __future__ import annotations
 
-from dlrm.config import DLRMConfig
-from dlrm.model import build_model
+from dlrm import FAMILY
 from recscale.train.cli import evaluate_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return evaluate_main("dlrm", DLRMConfig, build_model, argv)
+    return evaluate_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

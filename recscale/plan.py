@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -43,7 +42,7 @@ import numpy as np
 import tpu_gpu_configs
 from data.schemas import schema_of
 from recscale import config as config_lib
-from recscale import optim, sharding
+from recscale import families, optim, sharding
 from recscale.embeddings import EmbeddingTable, engine, plan_inputs
 from recscale.embeddings.planner import OPTIMIZER_STATE_BYTES
 from recscale.kernels import common
@@ -79,20 +78,6 @@ _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _OP = re.compile(
     r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start|-done)?\("
 )
-
-
-def family_package(preset: str) -> str:
-    """The package of a preset's family: ``dlrm/tiny`` -> ``dlrm``, ``dcnv2/x`` ->
-    ``baselines.dcnv2``."""
-    family = preset.split("/", 1)[0]
-    for package in (family, f"baselines.{family}"):
-        try:
-            importlib.import_module(f"{package}.presets")
-            return package
-        except ModuleNotFoundError as e:
-            if e.name not in (package, f"{package}.presets", "baselines"):
-                raise
-    raise SystemExit(f"unknown model family {family!r} (preset {preset!r})")
 
 
 def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
@@ -531,13 +516,13 @@ def main(argv: list[str] | None = None) -> None:
         hw = tpu_gpu_configs.get(own["hardware"])
     except KeyError as e:
         raise SystemExit(str(e.args[0])) from None
-    package = family_package(preset)
+    try:
+        family = families.of_preset(preset)
+    except families.UnknownFamilyError as e:
+        raise SystemExit(f"error: preset {preset!r}: {e}") from None
     _, cfg = config_lib.parse_preset_cli(
-        preset.split("/")[0] + "/",
-        [preset, "--workdir", "-", *overrides],
-        prog="python -m recscale.plan",
+        f"{family.name}/", [preset, "--workdir", "-", *overrides], prog="python -m recscale.plan"
     )
-    build_model = importlib.import_module(f"{package}.model").build_model
     try:
         batch = int(own.get("global-batch", 0))
     except ValueError:
@@ -560,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: {e}") from None
         return
     report = plan_step(
-        cfg, build_model, hw, preset=preset, compile="compile" in own, global_batch=batch
+        cfg, family.build_model, hw, preset=preset, compile="compile" in own, global_batch=batch
     )
     print(render(report))
     if "json" in own:

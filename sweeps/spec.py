@@ -43,7 +43,7 @@ from typing import Any, Literal
 import tpu_gpu_configs
 from data import roles
 from data.config import DataConfig
-from recscale import __version__
+from recscale import __version__, families
 from recscale import config as config_lib
 from wukong.presets import TABLE5
 
@@ -109,14 +109,6 @@ def dlrm_ladder(rows: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], 
     )
 
 
-def dcnv2_ladder(rows: tuple[tuple[int, int, tuple[int, ...]], ...], prefix: str = "c"):
-    """DCNv2 rungs from ``(cross layers, cross rank, deep MLP)`` rows (cross depth and MLP)."""
-    return tuple(
-        Rung(f"{prefix}{i + 1}", dict(num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
-        for i, (n, r, mlp) in enumerate(rows)
-    )
-
-
 # The paper's Table 5 (arXiv 2403.02545v4; rows kept in wukong/presets.py), for accelerator
 # sweeps on Criteo-scale data.
 WUKONG_TABLE5_LADDER = wukong_ladder(TABLE5, prefix="table5-")
@@ -161,11 +153,11 @@ class FamilySpec:
     """One model family of a sweep."""
 
     family: str
-    """Preset prefix, e.g. ``wukong``."""
-    package: str
-    """Module path of the family's package (its ``train``/``evaluate`` entry points)."""
+    """The family's name in this sweep, e.g. ``wukong`` (or ``wukong@lr2`` for a variant)."""
     preset: str
-    """Base preset: data, optimizers and every model field a rung does not set."""
+    """Base preset: data, optimizers and every model field a rung does not set. Its prefix
+    (``wukong`` of ``wukong/frappe``) names the model family (``recscale.families``), whose
+    train entry point runs the trials."""
     ladder: tuple[Rung, ...]
     """Model sizes, smallest first."""
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -356,7 +348,10 @@ def resolve(spec: SweepSpec) -> Resolution:
     fingerprints: dict[str, str] = {}
     schemas: dict[str, Any] = {}
     for fam in spec.families:
-        importlib.import_module(f"{fam.package}.presets")  # registers the family's presets
+        try:
+            model_family = families.of_preset(fam.preset)  # registers its presets
+        except families.UnknownFamilyError as e:
+            raise ValueError(f"family {fam.family}: preset {fam.preset!r}: {e}") from None
         base = _override(config_lib.get_preset(fam.preset), fam.overrides, fam.family)
         data = spec.data if spec.data is not None else base.data
         hw = tpu_gpu_configs.get(spec.hardware)
@@ -442,7 +437,7 @@ def resolve(spec: SweepSpec) -> Resolution:
                         t = Trial(
                             trial_id=tid,
                             family=fam.family,
-                            package=fam.package,
+                            package=model_family.package,
                             rung=rung.name,
                             rung_index=ri,
                             budget=float(budget),

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Literal
 
 from recscale.config import ConfigError, ExperimentConfig
+from recscale.flops import wukong_cost
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,8 +102,6 @@ class WukongModelConfig:
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        from recscale.flops import wukong_cost
-
         return wukong_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
 
 

@@ -7,12 +7,11 @@ of stdout.
 from __future__ import annotations
 
 from recscale.train.cli import evaluate_main
-from wukong.config import WukongConfig
-from wukong.model import build_model
+from wukong import FAMILY
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return evaluate_main("wukong", WukongConfig, build_model, argv)
+    return evaluate_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,12 @@ trained run as a serving artifact (``recscale.serving.export``)."""
 
 from __future__ import annotations
 
-from recscale.train.cli import export_main
-from wukong.config import WukongConfig
-from wukong.model import build_model
+from recscale.export import export_main
+from wukong import FAMILY
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return export_main("wukong", WukongConfig, build_model, argv)
+    return export_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import wukong.presets  # noqa: F401  (registers the presets)
 from recscale.train.cli import train_main
-from wukong.model import build_model
+from wukong import FAMILY
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return train_main("wukong", build_model, argv)
+    return train_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from baselines.dcnv2.flops import dcnv2_cost
 from recscale.config import ConfigError, ExperimentConfig
 
 
@@ -67,8 +68,6 @@ class DCNv2ModelConfig:
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        from baselines.dcnv2.flops import dcnv2_cost
-
         return dcnv2_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
 
 

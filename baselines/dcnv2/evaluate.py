@@ -6,13 +6,12 @@ of stdout.
 
 from __future__ import annotations
 
-from baselines.dcnv2.config import DCNv2Config
-from baselines.dcnv2.model import build_model
+from baselines.dcnv2 import FAMILY
 from recscale.train.cli import evaluate_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return evaluate_main("dcnv2", DCNv2Config, build_model, argv, package="baselines.dcnv2")
+    return evaluate_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,12 @@ trained run as a serving artifact (``recscale.serving.export``)."""
 
 from __future__ import annotations
 
-from baselines.dcnv2.config import DCNv2Config
-from baselines.dcnv2.model import build_model
-from recscale.train.cli import export_main
+from baselines.dcnv2 import FAMILY
+from recscale.export import export_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return export_main("dcnv2", DCNv2Config, build_model, argv, package="baselines.dcnv2")
+    return export_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

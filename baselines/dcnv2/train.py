@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import baselines.dcnv2.presets  # noqa: F401  (registers the presets)
-from baselines.dcnv2.model import build_model
+from baselines.dcnv2 import FAMILY
 from recscale.train.cli import train_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return train_main("dcnv2", build_model, argv, package="baselines.dcnv2")
+    return train_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

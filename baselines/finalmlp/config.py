@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from baselines.finalmlp.flops import finalmlp_cost
 from recscale.config import ConfigError, ExperimentConfig
 
 
@@ -111,8 +112,6 @@ class FinalMLPModelConfig:
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        from baselines.finalmlp.flops import finalmlp_cost
-
         return finalmlp_cost(
             self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
         )

@@ -6,15 +6,12 @@ of stdout.
 
 from __future__ import annotations
 
-from baselines.finalmlp.config import FinalMLPConfig
-from baselines.finalmlp.model import build_model
+from baselines.finalmlp import FAMILY
 from recscale.train.cli import evaluate_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return evaluate_main(
-        "finalmlp", FinalMLPConfig, build_model, argv, package="baselines.finalmlp"
-    )
+    return evaluate_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from baselines.masknet.flops import masknet_cost
 from recscale.config import ConfigError, ExperimentConfig
-
-
-def aggregation_width(masked_dim: int, reduction_ratio: float) -> int:
-    """A = int(r · Z), FuxiCTR's rounding; an error when it leaves no units."""
-    width = int(masked_dim * reduction_ratio)
-    if width < 1:
-        raise ValueError(
-            f"reduction_ratio={reduction_ratio} leaves int({masked_dim} * {reduction_ratio}) = "
-            f"{width} units in the mask's aggregation layer"
-        )
-    return width
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,8 +95,6 @@ class MaskNetModelConfig:
 
     def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
         """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        from baselines.masknet.flops import masknet_cost
-
         return masknet_cost(
             self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
         )

@@ -6,13 +6,12 @@ of stdout.
 
 from __future__ import annotations
 
-from baselines.masknet.config import MaskNetConfig
-from baselines.masknet.model import build_model
+from baselines.masknet import FAMILY
 from recscale.train.cli import evaluate_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return evaluate_main("masknet", MaskNetConfig, build_model, argv, package="baselines.masknet")
+    return evaluate_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,12 @@ trained run as a serving artifact (``recscale.serving.export``)."""
 
 from __future__ import annotations
 
-from baselines.masknet.config import MaskNetConfig
-from baselines.masknet.model import build_model
-from recscale.train.cli import export_main
+from baselines.masknet import FAMILY
+from recscale.export import export_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return export_main("masknet", MaskNetConfig, build_model, argv, package="baselines.masknet")
+    return export_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from baselines.masknet.config import aggregation_width
 from data.batch import Schema
 from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
+
+
+def aggregation_width(masked_dim: int, reduction_ratio: float) -> int:
+    """A = int(r · Z), FuxiCTR's rounding; an error when it leaves no units."""
+    width = int(masked_dim * reduction_ratio)
+    if width < 1:
+        raise ValueError(
+            f"reduction_ratio={reduction_ratio} leaves int({masked_dim} * {reduction_ratio}) = "
+            f"{width} units in the mask's aggregation layer"
+        )
+    return width
 
 
 def _mask_block(in_dim: int, masked_dim: int, out_dim: int, cfg: Any) -> tuple[int, float, float]:

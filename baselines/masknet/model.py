@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from baselines.masknet.config import MaskNetModelConfig, aggregation_width
+from baselines.masknet.config import MaskNetModelConfig
+from baselines.masknet.flops import aggregation_width
 from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings import EmbeddingCollection

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import baselines.masknet.presets  # noqa: F401  (registers the presets)
-from baselines.masknet.model import build_model
+from baselines.masknet import FAMILY
 from recscale.train.cli import train_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return train_main("masknet", build_model, argv, package="baselines.masknet")
+    return train_main(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ trainer's ``--data.kind tabular``) reads the spec's files in two passes:
 2. **encode**: every row to fixed-width records (label, weight, dense values, ids), written to
    ``array_record`` shards per split (``shards/<split>/f<file>-c<piece>-p<part>.array_record``,
    one record per example, read by random access through
-   :class:`data.sources.ArrayRecordFiles`, a grain data source).
+   :class:`data.record_files.ArrayRecordFiles`, a grain data source).
 
 Work is cut into *parts*: ``rows_per_shard`` consecutive rows of one file. Each finished part
 leaves a marker (its counts, or its shards' row counts and reject tally), written after its
@@ -43,8 +43,17 @@ import numpy as np
 import pyarrow as pa
 
 from data.batch import Batch, FeatureInfo, Schema
+from data.record_files import ArrayRecordFiles
 from data.tabular import encode as enc
-from data.tabular.read import Chunk, Reject, TabularFormatError, iter_chunks, pieces, read_whole
+from data.tabular.read import (
+    Chunk,
+    Reject,
+    TabularFormatError,
+    file_columns,
+    iter_chunks,
+    pieces,
+    read_whole,
+)
 from data.tabular.spec import TabularSpec, load_spec, spec_digest, spec_from_dict
 
 DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "recscale", "tabular")
@@ -160,8 +169,6 @@ def interaction_columns(
     if clash:
         raise TabularFormatError(f"side tables supply join key column {clash[0]!r}")
     if first_file is not None:
-        from data.tabular.read import file_columns
-
         both = sorted(set(supplied) & set(file_columns(first_file, spec.format)) - keys)
         if both:
             raise TabularFormatError(
@@ -398,8 +405,6 @@ class Prepared:
 
     def records(self, split: str):
         """The split's records for random access (a grain data source over its shards)."""
-        from data.sources import ArrayRecordFiles
-
         shards = [(p, n) for p, n in self.shards.get(split, []) if n]
         if not shards:
             raise ValueError(f"prepared dataset {self.folder} has no {split} rows")
@@ -448,7 +453,6 @@ class Prepared:
         """The encoding as a serving artifact stores it (``data/tabular/serving.py``); reads
         the side tables again, and the first training file's column names (where it is gone,
         a request may carry only the columns the spec names)."""
-        from data.tabular.read import file_columns
         from data.tabular.serving import serving_encoding
 
         spec = self.spec

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import sys
 
-from data.config import CRITEO_KAGGLE_VOCAB_SIZES
+from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CRITEO_TERABYTE_VOCAB_SIZES
 from data.tabular.spec import Feature, FileFormat, Label, Split, TabularSpec
 
 FRAPPE_FIELDS = (
@@ -123,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not args.train:
             ap.error("criteo needs --train")
-        from data.config import CRITEO_TERABYTE_VOCAB_SIZES
-
         sizes = CRITEO_TERABYTE_VOCAB_SIZES if args.terabyte else CRITEO_KAGGLE_VOCAB_SIZES
         spec = criteo_spec(
             tuple(os.path.abspath(p) for p in args.train),

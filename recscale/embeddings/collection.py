@@ -28,6 +28,7 @@ from recscale.embeddings import lookup as lookup_lib
 from recscale.embeddings.spec import FeatureSpec, TableSpec, one_table_per_feature
 from recscale.kernels.embedding_bag import api as bag_api
 from recscale.kernels.quantized_embedding_bag import api as q_api
+from recscale.kernels.quantized_embedding_bag import precision as prec
 
 
 @dataclasses.dataclass
@@ -234,11 +235,9 @@ class EmbeddingCollection(nnx.Module):
 
     def to_serving(self, tables: dict[str, Any], precisions: dict[str, str]) -> None:
         """Replaces the tables by ``tables`` ``{name: [V, D] float}`` stored in ``precisions``
-        ``{name: precision}`` (``recscale.serving.precision``), looked up by its dequantising
-        pooled lookup: the serving model. Inference only; one array per table (the engine's
+        ``{name: precision}`` (``recscale.kernels.quantized_embedding_bag.precision``), looked up
+        by its dequantising pooled lookup: the serving model. Inference only; one array per table (the engine's
         buffers are exported to tables first: ``engine.export_tables``)."""
-        from recscale.serving import precision as prec  # noqa: PLC0415
-
         if self.int8 or self.serving is not None:
             raise ValueError("this embedding collection is already quantized")
         names = [t.name for t in self.table_specs]
@@ -280,8 +279,6 @@ class EmbeddingCollection(nnx.Module):
                 f"ids must be [B, F={len(self.feature_specs)}, H], got shape {ids_bfh.shape}"
             )
         if self.serving is not None:
-            from recscale.serving import precision as prec  # noqa: PLC0415
-
             precisions = dict(self.serving)
             dims = {t.name: t.dim for t in self.table_specs}
             return _probed(

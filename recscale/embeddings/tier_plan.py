@@ -379,11 +379,6 @@ class TierAssignment:
     dram_bytes: int
     ssd_bytes: int
 
-    @property
-    def misses_per_step(self) -> float:
-        """Rows read from the backing tier per step."""
-        return (1.0 - self.hit_rate) * self.distinct_per_step
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TierPlan:

@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 from data.batch import PAD_ID, Batch, Schema
 from recscale import sharding
 from recscale.config import ConfigError
+from recscale.embeddings import engine
 from recscale.embeddings.planner import OPTIMIZER_STATE_BYTES
 
 Tier = Literal["dram", "ssd"]
@@ -524,8 +525,6 @@ class TieredTables:
         policy: Policy = "lru",
         state_sharding: Any = None,
     ):
-        from recscale.embeddings import engine  # noqa: PLC0415  (engine imports this module)
-
         self.dir, self.optimizer, self.seed, self.mesh = Path(directory), optimizer, seed, mesh
         self.initial_accumulator = initial_accumulator
         colls = engine.engine_collections(model)

@@ -1,2 +1,3 @@
-"""Inference (issue 20): tables in serving precisions (``precision``), the exported artifact
-(``export``) and its jax-only loader (``runtime``)."""
+"""Inference (issue 20): the exported artifact (``export``; its tables in the serving precisions
+of ``recscale.kernels.quantized_embedding_bag.precision``) and its jax-only loader
+(``runtime``)."""

@@ -8,7 +8,7 @@
   for each of ``platforms`` from this host (a GPU or TPU needs no recscale and no model code to
   run it, only jax);
 * ``weights.npz``: every weight by name; the tables in their serving precision
-  (``recscale.serving.precision``: float32, bfloat16, float16, int8 or int4 row-wise with a
+  (``recscale.kernels.quantized_embedding_bag.precision``: float32, bfloat16, float16, int8 or int4 row-wise with a
   scale and bias per row; bfloat16 stored as its uint16 bits);
 * ``manifest.json``: the format version, the run and checkpoint it came from, the inputs' names
   and shapes (dense feature names; per sparse feature its table, vocabulary size and bag size;
@@ -43,8 +43,9 @@ import numpy as np
 from flax import nnx
 
 from recscale.config import KernelConfig
-from recscale.embeddings import EmbeddingCollection, engine
-from recscale.serving import precision as prec
+from recscale.embeddings import EmbeddingCollection, collection, engine
+from recscale.kernels.quantized_embedding_bag import precision as prec
+from recscale.metrics import EvalAccumulator
 from recscale.serving import runtime
 from recscale.train.evaluation import restored
 from recscale.train.experiment import BuildModel
@@ -212,8 +213,6 @@ class _ProbeEvaluator:
     (which collection looked a probe key up is recorded by tracing the model once)."""
 
     def __init__(self, exp: Any, graphdef, params, batch_stats):
-        from recscale.embeddings import collection  # noqa: PLC0415
-
         model = nnx.merge(graphdef, params, batch_stats)
         colls = _collections(model)
         self.exp = exp
@@ -243,8 +242,6 @@ class _ProbeEvaluator:
     def _lookups(self, graphdef) -> dict[str, tuple[int, Any]]:
         """``{probe key: (collection index, feature spec)}`` of every lookup the forward
         makes, from one abstract trace of it."""
-        from recscale.embeddings import collection  # noqa: PLC0415
-
         found: dict[str, tuple[int, Any]] = {}
         batch = self.exp.device_batch(next(iter(self.exp.source.eval_batches())))
 
@@ -285,8 +282,6 @@ class _ProbeEvaluator:
         return lambda ids: fn(q, f32, ids)
 
     def auc(self, precisions: dict[str, str]) -> float:
-        from recscale.metrics import EvalAccumulator  # noqa: PLC0415
-
         acc = EvalAccumulator()
         low = [self._delta(t, p) for t, p in precisions.items() if p != "float32"]
         for host in self.exp.source.eval_batches():

@@ -1,4 +1,5 @@
-"""The bodies of every family's ``train`` and ``evaluate`` entry points (only these touch argv)."""
+"""The bodies of every family's ``train`` and ``evaluate`` entry points (only these touch argv;
+``export`` is ``recscale.export``'s)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import tyro
 
 from recscale import config as config_lib
 from recscale.config import parse_preset_cli
+from recscale.families import Family
 from recscale.launch import exit_at_once_on_error, initialize_from_env
 from recscale.train import DIVERGED_EXIT_CODE
 from recscale.train.evaluation import EvalArgs, evaluate_workdir, json_line
-from recscale.train.experiment import BuildModel
 from recscale.train.loop import train
 
 
-def _input_errors() -> tuple[type[BaseException], ...]:
+def input_errors() -> tuple[type[BaseException], ...]:
+    """The errors of bad input (data, spec, config, a missing file) that the CLIs print as one
+    line."""
     from data.tabular import SpecError, TabularFormatError  # noqa: PLC0415
 
     return (SpecError, TabularFormatError, config_lib.ConfigError, FileNotFoundError)
@@ -40,7 +43,7 @@ def _raised_by_a_config_check(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _one_line_errors(*, every_value_error: bool = False) -> Iterator[None]:
+def one_line_errors(*, every_value_error: bool = False) -> Iterator[None]:
     """What the user's input got wrong is printed as one line, ``error: ...``, without a
     traceback: bad data or a bad spec (the message names file, line and column), a config that
     contradicts itself or the data (``ConfigError``, naming the flag that fixes it; the model
@@ -50,12 +53,10 @@ def _one_line_errors(*, every_value_error: bool = False) -> Iterator[None]:
     try:
         yield
     except ValueError as e:
-        if not (
-            every_value_error or isinstance(e, _input_errors()) or _raised_by_a_config_check(e)
-        ):
+        if not (every_value_error or isinstance(e, input_errors()) or _raised_by_a_config_check(e)):
             raise
         raise SystemExit(f"error: {e}") from None
-    except _input_errors() as e:
+    except input_errors() as e:
         raise SystemExit(f"error: {e}") from None
 
 
@@ -67,7 +68,7 @@ def _start_distributed() -> None:
         raise SystemExit(f"error: {e}") from None
 
 
-def _print_result(result: dict) -> None:
+def print_result(result: dict) -> None:
     """The result's JSON line, from process 0 only (every process computes the same result;
     the last line of stdout is the contract sweeps read)."""
     import jax  # noqa: PLC0415
@@ -76,73 +77,36 @@ def _print_result(result: dict) -> None:
         print(json_line(result))
 
 
-def train_main(
-    family: str, build_model: BuildModel, argv: list[str] | None = None, *, package: str = ""
-) -> dict:
+def train_main(family: Family, argv: list[str] | None = None) -> dict:
     """``python -m PACKAGE.train PRESET --workdir DIR [--field.sub value ...]``; prints the result.
 
-    ``family`` is the preset prefix (``dcnv2`` for ``dcnv2/tiny``); ``package`` the module path
-    of the family's package when it differs (``baselines.dcnv2``).
+    ``family`` (``recscale.families``) names the presets (``dcnv2/...``) and the package whose
+    ``train`` module the run's ``command.txt`` records (``baselines.dcnv2.train``).
     """
-    module = f"{package or family}.train"
+    module = family.module("train")
     args = sys.argv[1:] if argv is None else argv
-    workdir, cfg = parse_preset_cli(f"{family}/", args, prog=f"python -m {module}")
+    workdir, cfg = parse_preset_cli(f"{family.name}/", args, prog=f"python -m {module}")
     _start_distributed()
     with exit_at_once_on_error():
         try:
-            with _one_line_errors():
-                result = train(cfg, build_model, workdir, argv=["-m", module, *args])
+            with one_line_errors():
+                result = train(cfg, family.build_model, workdir, argv=["-m", module, *args])
         except FloatingPointError:
             traceback.print_exc()
             raise SystemExit(DIVERGED_EXIT_CODE) from None
-        _print_result(result)
+        print_result(result)
     return result
 
 
-def evaluate_main(
-    family: str,
-    config_cls: type,
-    build_model: BuildModel,
-    argv: list[str] | None = None,
-    *,
-    package: str = "",
-) -> dict:
+def evaluate_main(family: Family, argv: list[str] | None = None) -> dict:
     """``python -m PACKAGE.evaluate --workdir DIR [--step N] [--data-path F] [--output F]``.
 
     Prints one JSON object on the last line of stdout (the contract later tooling reads).
     """
-    args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {package or family}.evaluate")
+    args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {family.module('evaluate')}")
     _start_distributed()
     with exit_at_once_on_error():
-        with _one_line_errors():
-            result = evaluate_workdir(config_cls, build_model, args)
-        _print_result(result)
+        with one_line_errors():
+            result = evaluate_workdir(family.config_cls, family.build_model, args)
+        print_result(result)
     return result
-
-
-def export_main(
-    family: str,
-    config_cls: type | None,
-    build_model: BuildModel | None,
-    argv: list[str] | None = None,
-    *,
-    package: str = "",
-) -> dict:
-    """``python -m PACKAGE.export --workdir DIR --out MODEL [...]``: the run as a serving
-    artifact (``recscale.serving.export``); prints the manifest's summary as one JSON line."""
-    from recscale.serving.export import ExportArgs, export_workdir  # noqa: PLC0415
-
-    args = tyro.cli(ExportArgs, args=argv, prog=f"python -m {package or family}.export")
-    with exit_at_once_on_error():
-        with _one_line_errors(every_value_error=True):
-            manifest = export_workdir(config_cls, build_model, args, family=package or family)
-        summary = {
-            k: manifest[k] for k in ("format", "family", "platforms", "table_bytes", "seconds")
-        }
-        summary.update(
-            out=args.out,
-            step=manifest["source"]["step"],
-            precisions={k: v["precision"] for k, v in manifest["tables"].items()},
-        )
-        _print_result(summary)
-    return manifest

@@ -20,7 +20,7 @@ from flax import nnx
 from recscale import config as config_lib
 from recscale import sharding
 from recscale.analysis import comm_sensitivity, curvature
-from recscale.embeddings import EmbeddingTable, engine, relayout, tier_view
+from recscale.embeddings import EmbeddingCollection, EmbeddingTable, engine, relayout, tier_view
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.loop import BEST_DIR, BuildModel, Experiment
 from recscale.train.steps import weighted_bce
@@ -319,10 +319,6 @@ def quantize_embeddings_int8(graphdef, params, batch_stats):
     """``(graphdef, params, batch_stats)`` of the same model with every embedding collection's
     tables quantized to int8 row-wise (:meth:`EmbeddingCollection.quantize_int8`), laid out on
     the active mesh."""
-    from flax import nnx  # noqa: PLC0415
-
-    from recscale.embeddings import EmbeddingCollection  # noqa: PLC0415
-
     model = nnx.merge(graphdef, params, batch_stats)
     collections = [m for _, m in nnx.iter_modules(model) if isinstance(m, EmbeddingCollection)]
     if not collections:

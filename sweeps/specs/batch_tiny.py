@@ -13,7 +13,6 @@ from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder
 
 DLRM = FamilySpec(
     family="dlrm",
-    package="dlrm",
     preset="dlrm/tiny",
     ladder=dlrm_ladder(((8, (16, 8), (16, 1)),)),
     # The engine: CowClip and the noise scale's row gradients on the sparse path.

@@ -45,7 +45,6 @@ SCHEDULE = {
 
 WUKONG = FamilySpec(
     family="wukong",
-    package="wukong",
     preset="wukong/synthetic",
     overrides=SCHEDULE,
     # As the paper's Table 5 grows it: layers first, then n_F = n_L and k, then the FMB MLP;
@@ -60,7 +59,6 @@ WUKONG = FamilySpec(
 )
 DLRM = FamilySpec(
     family="dlrm",
-    package="dlrm",
     preset="dlrm/synthetic",
     overrides=SCHEDULE,
     # (embedding dim, bottom MLP, top MLP).
@@ -76,7 +74,6 @@ DLRM = FamilySpec(
 )
 DCNV2 = FamilySpec(
     family="dcnv2",
-    package="baselines.dcnv2",
     preset="dcnv2/synthetic",
     overrides=SCHEDULE,
     # (embedding dim, cross layers, cross rank, deep MLP): cross depth and MLP grow together.

@@ -107,7 +107,6 @@ SCHEDULE = {
 
 WUKONG = FamilySpec(
     family="wukong",
-    package="wukong",
     preset="wukong/synthetic",
     overrides=SCHEDULE,
     # (d, layers, n_F = n_L, k, FMB MLP depth, width, dense MLP, top MLP)
@@ -125,7 +124,6 @@ WUKONG = FamilySpec(
 )
 DLRM = FamilySpec(
     family="dlrm",
-    package="dlrm",
     preset="dlrm/synthetic",
     overrides=SCHEDULE,
     # (d, bottom MLP, top MLP)
@@ -145,7 +143,6 @@ DLRM = FamilySpec(
 )
 DCNV2 = FamilySpec(
     family="dcnv2",
-    package="baselines.dcnv2",
     preset="dcnv2/synthetic",
     overrides=SCHEDULE,
     # (d, cross layers, cross rank, deep MLP)
@@ -168,7 +165,6 @@ DCNV2 = FamilySpec(
 )
 FINALMLP = FamilySpec(
     family="finalmlp",
-    package="baselines.finalmlp",
     preset="finalmlp/tiny",
     overrides={
         **SCHEDULE,

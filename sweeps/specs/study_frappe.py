@@ -34,7 +34,6 @@ PER_TABLE = {"embeddings.sharding": "off"}
 WUKONG = FamilySpec(
     family="wukong",
     overrides=PER_TABLE,
-    package="wukong",
     preset="wukong/frappe",
     # (d, layers, n_F = n_L, k, FMB MLP depth, width, top MLP)
     ladder=tuple(
@@ -65,7 +64,6 @@ WUKONG = FamilySpec(
 DLRM = FamilySpec(
     family="dlrm",
     overrides=PER_TABLE,
-    package="dlrm",
     preset="dlrm/frappe",
     # (d, bottom MLP (Frappe has no dense features), top MLP)
     ladder=dlrm_ladder(
@@ -81,7 +79,6 @@ DLRM = FamilySpec(
 DCNV2 = FamilySpec(
     family="dcnv2",
     overrides=PER_TABLE,
-    package="baselines.dcnv2",
     preset="dcnv2/frappe",
     # (d, cross layers, cross rank (0: full), deep MLP)
     ladder=tuple(
@@ -100,7 +97,6 @@ DCNV2 = FamilySpec(
 FINALMLP = FamilySpec(
     family="finalmlp",
     overrides=PER_TABLE,
-    package="baselines.finalmlp",
     preset="finalmlp/frappe",
     # (d, stream-1 MLP, stream-2 MLP, gate hidden units, fusion heads)
     ladder=tuple(

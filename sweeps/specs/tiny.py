@@ -10,13 +10,11 @@ from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder, wukong_ladder
 
 DLRM = FamilySpec(
     family="dlrm",
-    package="dlrm",
     preset="dlrm/tiny",
     ladder=dlrm_ladder(((4, (8, 4), (8, 1)), (8, (16, 8), (16, 1)), (8, (32, 8), (32, 1)))),
 )
 WUKONG = FamilySpec(
     family="wukong",
-    package="wukong",
     preset="wukong/tiny",
     ladder=wukong_ladder(((1, 2, 2, 2, 1, 8), (2, 4, 4, 4, 1, 16), (2, 8, 8, 8, 1, 32))),
 )

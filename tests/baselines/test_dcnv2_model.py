@@ -221,7 +221,7 @@ def test_param_counts_match_the_model(name):
 @pytest.mark.parametrize("name", sorted(COST_CASES))
 def test_forward_flops_match_xla(name):
     from baselines.dcnv2.flops import dcnv2_cost
-    from recscale.cost_analysis import xla_forward_flops
+    from tests.cost_analysis import xla_forward_flops
 
     make_cfg, schema = COST_CASES[name]
     cfg = make_cfg()

@@ -22,9 +22,9 @@ from baselines.finalmlp.model import (
 from data.batch import FeatureInfo, Schema
 from data.frappe.reader import FRAPPE_FIELDS
 from recscale.config import from_dict, get_preset, preset_names, to_dict
-from recscale.cost_analysis import xla_forward_flops
 from recscale.embeddings.collection import EmbeddingTable
 from recscale.flops import mlp_flops
+from tests.cost_analysis import xla_forward_flops
 
 SCHEMA = Schema(
     dense_names=("a", "b", "c"),

@@ -15,8 +15,8 @@ from baselines.masknet.flops import masknet_cost
 from baselines.masknet.model import FieldLayerNorm, MaskBlock, MaskNet, build_model
 from data.batch import FeatureInfo, Schema
 from recscale.config import from_dict, get_preset, preset_names, to_dict
-from recscale.cost_analysis import xla_forward_flops
 from recscale.embeddings.collection import EmbeddingTable
+from tests.cost_analysis import xla_forward_flops
 
 SCHEMA = Schema(
     dense_names=("a", "b", "c"),

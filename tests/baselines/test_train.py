@@ -2,26 +2,32 @@
 workdir with the same metrics, and runs through its command-line entry points."""
 
 import dataclasses
-import importlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import baselines.dcnv2.evaluate
+import baselines.dcnv2.train
+import baselines.finalmlp.evaluate
+import baselines.finalmlp.train
+import baselines.masknet.evaluate
+import baselines.masknet.train
 from recscale import config as config_lib
+from recscale import families
 from recscale.config import get_preset
 from recscale.train.loop import train
 
 FAMILIES = ("dcnv2", "finalmlp", "masknet")
-
-
-def _module(family: str, name: str):
-    return importlib.import_module(f"baselines.{family}.{name}")
+ENTRY_POINTS = {  # family -> its train and evaluate modules (python -m baselines.FAMILY.train)
+    "dcnv2": (baselines.dcnv2.train, baselines.dcnv2.evaluate),
+    "finalmlp": (baselines.finalmlp.train, baselines.finalmlp.evaluate),
+    "masknet": (baselines.masknet.train, baselines.masknet.evaluate),
+}
 
 
 def _tiny(family: str, variant: str):
-    _module(family, "presets")  # registers the presets
     cfg = get_preset(f"{family}/tiny")
     if variant == "serial":  # MaskNet's other structure
         assert cfg.model.model_type == "parallel"
@@ -47,7 +53,7 @@ def trained_tiny(request, tmp_path_factory):
     family, variant = request.param
     cfg = _tiny(family, variant)
     wd = tmp_path_factory.mktemp(f"{family}{variant}") / "run"
-    return family, wd, cfg, train(cfg, _module(family, "model").build_model, wd)
+    return family, wd, cfg, train(cfg, families.load(family).build_model, wd)
 
 
 def test_tiny_trains_with_finite_loss(trained_tiny):
@@ -63,7 +69,7 @@ def test_evaluate_round_trip_from_workdir(trained_tiny, tmp_path, capsys):
     family, wd, _, final = trained_tiny
     capsys.readouterr()
     out_file = tmp_path / "eval.json"
-    got = _module(family, "evaluate").main(["--workdir", str(wd), "--output", str(out_file)])
+    got = ENTRY_POINTS[family][1].main(["--workdir", str(wd), "--output", str(out_file)])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == got == json.loads(out_file.read_text())
     for key in ("auc", "logloss", "ne", "calibration", "num_examples", "step"):
@@ -73,7 +79,7 @@ def test_evaluate_round_trip_from_workdir(trained_tiny, tmp_path, capsys):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_entry_point(family, tmp_path, capsys):
     wd = tmp_path / "cli"
-    entry = _module(family, "train")
+    entry = ENTRY_POINTS[family][0]
     argv = [f"{family}/tiny", "--workdir", str(wd), "--train.num-steps", "2", "--train.no-progress"]
     result = entry.main(argv)
     assert result["step"] == 2

@@ -317,7 +317,7 @@ def test_lenient_rejects_of_a_piece_with_no_good_line_are_counted(tmp_path):
 def test_array_record_files_keep_few_readers_open(tmp_path, monkeypatch):
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    from data.sources import ArrayRecordFiles
+    from data.record_files import ArrayRecordFiles
 
     files = []
     for i in range(12):

@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 
 import pytest
 
 from data.config import TabularConfig
 from data.tabular import example
+from recscale import families
 from recscale.config import get_preset
+from recscale.train.cli import evaluate_main
 from recscale.train.loop import train
 
-FAMILIES = {
-    "dlrm": "dlrm",
-    "wukong": "wukong",
-    "dcnv2": "baselines.dcnv2",
-    "finalmlp": "baselines.finalmlp",
-    "masknet": "baselines.masknet",
-}
+FAMILIES = ("dlrm", "wukong", "dcnv2", "finalmlp", "masknet")
 
 SPEC = """
 name: shop
@@ -51,8 +46,7 @@ def shop(tmp_path_factory):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_and_evaluates_on_a_feature_spec(family, shop, tmp_path, capsys):
-    package = FAMILIES[family]
-    importlib.import_module(f"{package}.presets")
+    fam = families.load(family)
     cfg = get_preset(f"{family}/tiny")
     data = dataclasses.replace(
         cfg.data,
@@ -74,7 +68,7 @@ def test_family_trains_and_evaluates_on_a_feature_spec(family, shop, tmp_path, c
             ),
         )
     wd = tmp_path / "run"
-    build_model = importlib.import_module(f"{package}.model").build_model
+    build_model = fam.build_model
     result = train(cfg, build_model, wd)
     assert result["step"] == 3 and 0.0 <= result["auc"] <= 1.0
     stats = json.loads((wd / "data_stats.json").read_text())
@@ -91,9 +85,8 @@ def test_family_trains_and_evaluates_on_a_feature_spec(family, shop, tmp_path, c
     assert len(tables) == len(schema.features) - 1
     # evaluate --data-path: a later file of the same spec, some of whose users never appear in
     # training (their id maps to the OOV row and is counted).
-    evaluate = importlib.import_module(f"{package}.evaluate")
     capsys.readouterr()
-    got = evaluate.main(["--workdir", str(wd), "--data-path", str(shop / "new.csv")])
+    got = evaluate_main(fam, ["--workdir", str(wd), "--data-path", str(shop / "new.csv")])
     assert got["num_examples"] == 10_000 and got["step"] == 3
     import pyarrow.csv as pacsv
 
@@ -157,15 +150,14 @@ def test_a_network_that_cannot_read_the_data_names_the_flag(family, dense, chang
     from data.batch import FeatureInfo, Schema
     from recscale.config import ConfigError
 
-    package = FAMILIES[family]
-    importlib.import_module(f"{package}.presets")
+    fam = families.load(family)
     cfg = get_preset(f"{family}/tiny")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **change))
     schema = Schema(
         dense_names=("a", "b") if dense else (),
         features=tuple(FeatureInfo(name=f"f{i}", vocab_size=20, max_hotness=1) for i in range(3)),
     )
-    build_model = importlib.import_module(f"{package}.model").build_model
+    build_model = fam.build_model
     with pytest.raises(ConfigError, match=flag):
         build_model(cfg, schema, nnx.Rngs(0))
     with pytest.raises(ConfigError, match=flag):

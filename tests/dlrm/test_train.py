@@ -442,9 +442,9 @@ def test_entry_points_print_config_errors_as_one_line(tmp_path):
         dlrm_evaluate.main(["--workdir", str(wd)])
     # A config's own check raised while a run is set up is one line; any other ValueError (a
     # bug) keeps its traceback.
-    from recscale.train.cli import _one_line_errors
+    from recscale.train.cli import one_line_errors
 
-    with pytest.raises(SystemExit, match=r"^error: top_mlp must end in 1"), _one_line_errors():
+    with pytest.raises(SystemExit, match=r"^error: top_mlp must end in 1"), one_line_errors():
         dataclasses.replace(get_preset("dlrm/tiny").model, top_mlp=(16, 2))
-    with pytest.raises(ValueError, match="^not a config check$"), _one_line_errors():
+    with pytest.raises(ValueError, match="^not a config check$"), one_line_errors():
         raise ValueError("not a config check")

@@ -14,7 +14,6 @@ flight on every process.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -30,13 +29,11 @@ initialize_from_env()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from recscale import sharding  # noqa: E402
+from recscale import families, sharding  # noqa: E402
 from recscale.config import MeshConfig, parse_preset_cli  # noqa: E402
 from recscale.embeddings import relayout  # noqa: E402
 from recscale.train import loop  # noqa: E402
 from recscale.train.evaluation import EvalArgs, evaluate_workdir  # noqa: E402
-
-CONFIGS = {"dlrm": "DLRMConfig", "wukong": "WukongConfig"}
 
 
 def _install_kill(spec: dict) -> None:
@@ -93,16 +90,15 @@ def main() -> None:
         if job["kind"] == "staging":
             _staging(job["output"])
             continue
-        package = job["family"]
-        importlib.import_module(f"{package}.presets")
-        build_model = importlib.import_module(f"{package}.model").build_model
+        family = families.load(job["family"])  # checked against the registry
         if job["kind"] == "train":
-            workdir, cfg = parse_preset_cli(f"{job['family']}/", job["args"], prog="child")
-            loop.train(cfg, build_model, workdir)
+            workdir, cfg = parse_preset_cli(f"{family.name}/", job["args"], prog="child")
+            loop.train(cfg, family.build_model, workdir)
         else:
-            config_cls = getattr(importlib.import_module(f"{package}.config"), CONFIGS[package])
             evaluate_workdir(
-                config_cls, build_model, EvalArgs(workdir=job["workdir"], output=job["output"])
+                family.config_cls,
+                family.build_model,
+                EvalArgs(workdir=job["workdir"], output=job["output"]),
             )
 
 

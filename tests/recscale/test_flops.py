@@ -9,14 +9,17 @@ from flax import nnx
 
 import dlrm.presets  # noqa: F401
 import wukong.presets  # noqa: F401
+from baselines.dcnv2.flops import dcnv2_cost
+from baselines.finalmlp.flops import finalmlp_cost
+from baselines.masknet.flops import masknet_cost
 from data.batch import FeatureInfo, Schema
 from data.criteo.reader import criteo_schema
 from dlrm.config import DLRMModelConfig
 from dlrm.model import DLRM
-from recscale import flops
+from recscale import families, flops
 from recscale.config import get_preset
-from recscale.cost_analysis import xla_forward_flops
 from recscale.embeddings.collection import EmbeddingTable
+from tests.cost_analysis import xla_forward_flops
 from wukong.config import WukongModelConfig
 from wukong.model import Wukong
 
@@ -180,10 +183,8 @@ def test_model_cost_dispatches_on_the_model_config():
 
 @pytest.mark.parametrize("family", ["dcnv2", "finalmlp", "masknet"])
 def test_model_cost_reaches_the_baselines(family):
-    import importlib
-
-    importlib.import_module(f"baselines.{family}.presets")
-    fn = getattr(importlib.import_module(f"baselines.{family}.flops"), f"{family}_cost")
+    families.load(family)  # registers the presets
+    fn = {"dcnv2": dcnv2_cost, "finalmlp": finalmlp_cost, "masknet": masknet_cost}[family]
     cfg = get_preset(f"{family}/tiny")
     assert flops.model_cost(cfg, SCHEMA) == fn(cfg.model, SCHEMA)
 

@@ -6,7 +6,6 @@ with the embedding engine, and checkpoints reshard between the layouts.
 
 from __future__ import annotations
 
-import importlib
 import shutil
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from recscale import sharding
+from recscale import families, sharding
 from recscale.config import parse_preset_cli
 from recscale.train.experiment import Experiment
 from recscale.train.loop import train
@@ -65,13 +64,13 @@ def _args(family: str, engine: str, layout: str, workdir: Path) -> list[str]:
 
 
 def _parse(args: list[str], family: str):
-    importlib.import_module(f"{family}.presets")
+    families.load(family)  # registers the presets
     return parse_preset_cli(f"{family}/", args, prog="test")
 
 
 def _train(args: list[str], family: str) -> dict:
     workdir, cfg = _parse(args, family)
-    return train(cfg, importlib.import_module(f"{family}.model").build_model, workdir)
+    return train(cfg, families.load(family).build_model, workdir)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +147,7 @@ def test_the_config_shards_the_dense_state(tmp_path, family, engine):
     mesh = sharding.make_mesh(cfg.mesh)
     assert dict(mesh.shape) == {"data": 4, "model": 2}
     with sharding.activate(mesh, cfg.mesh):
-        exp = Experiment.build(cfg, importlib.import_module(f"{family}.model").build_model)
+        exp = Experiment.build(cfg, families.load(family).build_model)
     flat = jax.tree_util.tree_flatten_with_path(exp.abstract_state.params)[0]
     arrays = {jax.tree_util.keystr(k): (v.shape, v.sharding.spec) for k, v in flat}
     kernels = {k: v for k, v in arrays.items() if "['kernel']" in k}

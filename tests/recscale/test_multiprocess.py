@@ -20,7 +20,6 @@ Every launch pays seconds of JAX start-up per process, so one launch trains seve
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ import numpy as np
 import pytest
 
 from data.tabular import example
+from recscale import families
 from recscale.config import parse_preset_cli
 from recscale.train.evaluation import EvalArgs, evaluate_workdir
 from recscale.train.loop import train
@@ -142,9 +142,9 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 
 def _train_here(args: list[str], family: str) -> dict:
-    importlib.import_module(f"{family}.presets")
+    families.load(family)  # registers the presets
     workdir, cfg = parse_preset_cli(f"{family}/", args, prog="test")
-    return train(cfg, importlib.import_module(f"{family}.model").build_model, workdir)
+    return train(cfg, families.load(family).build_model, workdir)
 
 
 def _losses(workdir: Path) -> dict[int, float]:

@@ -19,7 +19,7 @@ import dlrm.presets  # noqa: F401
 from dlrm.config import DLRMConfig
 from dlrm.model import build_model
 from recscale.config import EmbeddingShardingConfig, get_preset
-from recscale.serving import precision as prec
+from recscale.kernels.quantized_embedding_bag import precision as prec
 from recscale.serving.export import ExportArgs, choose_precisions, export_workdir
 from recscale.serving.runtime import ArtifactError, Model
 from recscale.train.evaluation import restored

@@ -34,7 +34,6 @@ def test_presets_are_consistent():
 def test_hardware_sets_the_global_batch_and_mesh():
     fam = FamilySpec(
         family="dlrm",
-        package="dlrm",
         preset="dlrm/tiny",
         ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
     )
@@ -98,7 +97,6 @@ def test_a_preset_plans_the_engine_for_its_machine():
     (95 GB) that the TPU backend's default would give; an engine-off trial is unchanged."""
     fam = FamilySpec(
         family="dlrm",
-        package="dlrm",
         preset="dlrm/tiny",
         ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
         overrides={"embeddings.sharding": "auto"},

@@ -42,7 +42,7 @@ def write_spec(
                 name={name!r},
                 families=(
                     FamilySpec(
-                        family="dlrm", package="dlrm", preset="dlrm/tiny",
+                        family="dlrm", preset="dlrm/tiny",
                         ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
                         overrides={overrides or {}!r},
                     ),

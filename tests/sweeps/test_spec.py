@@ -14,7 +14,6 @@ from sweeps.spec import BatchRule, FamilySpec, SweepSpec, dlrm_ladder, resolve, 
 
 DLRM = FamilySpec(
     family="dlrm",
-    package="dlrm",
     preset="dlrm/tiny",
     ladder=dlrm_ladder(((4, (8, 4), (8, 1)), (8, (16, 8), (16, 1)), (8, (32, 8), (32, 1)))),
 )
@@ -208,7 +207,6 @@ def test_tabular_identity_is_the_spec_and_files_not_their_paths(tmp_path):
 def test_overrides_and_wukong_ladder():
     fam = FamilySpec(
         family="wukong",
-        package="wukong",
         preset="wukong/tiny",
         ladder=wukong_ladder(((1, 2, 2, 2, 1, 8), (2, 4, 4, 4, 1, 16))),
         overrides={"model.top_mlp": (8, 1), "dense_optim.decay": "cosine"},
@@ -219,6 +217,18 @@ def test_overrides_and_wukong_ladder():
     assert res.trials[1].config["model"]["num_layers"] == 2
     bad = dataclasses.replace(fam, overrides={"model.no_such_field": 1})
     with pytest.raises(ValueError, match="no_such_field"):
+        resolve(make_spec(families=(bad,)))
+
+
+def test_the_model_family_comes_from_the_preset_through_the_registry():
+    """A family's trials run its registered train entry point (``recscale.families``), whatever
+    the sweep calls the family; a preset of no known family is refused by name."""
+    variant = dataclasses.replace(DLRM, family="dlrm@lr2")
+    (t, *_) = resolve(make_spec(families=(variant,), budgets=(2e8,))).trials
+    assert t.family == "dlrm@lr2" and t.package == "dlrm"
+    assert t.train_command("c.json", "wd")[:2] == ["-m", "dlrm.train"]
+    bad = dataclasses.replace(DLRM, family="x", preset="nosuch/tiny")
+    with pytest.raises(ValueError, match="family x: preset 'nosuch/tiny': unknown model family"):
         resolve(make_spec(families=(bad,)))
 
 
@@ -255,7 +265,7 @@ def test_rung_overrides_set_the_schema_and_a_field_added_at_default_keeps_identi
             "capped", dict(embed_dim=8), {"data.max_table_rows": 500, "data.id_policy": "hash"}
         ),
     )
-    fam = FamilySpec(family="dlrm", package="dlrm", preset="dlrm/tiny", ladder=ladder)
+    fam = FamilySpec(family="dlrm", preset="dlrm/tiny", ladder=ladder)
     sweep = SweepSpec(name="t", families=(fam,), budgets=(1e9,), data=data, min_steps=1)
     full, cap = resolve(sweep).trials
     assert cap.config["data"]["max_table_rows"] == 500

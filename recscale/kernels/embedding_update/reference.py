@@ -120,15 +120,6 @@ def batched_distinct_rows(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array,
     return uids, inv
 
 
-def distinct_rows(keys_p: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
-    """Distinct rows of ``keys [P]`` (``V`` = padding): ``uids [P]`` (in order of first
-    occurrence, then ``V``) and ``inv [P]`` (each pair's index into ``uids``; ``P`` for padding,
-    so a scatter with ``mode="drop"`` skips it). :func:`batched_distinct_rows` of one row."""
-    (p,) = keys_p.shape
-    uids, inv = batched_distinct_rows(keys_p[None].astype(jnp.int32), num_rows)
-    return uids[0], jnp.where(keys_p < num_rows, inv[0], p)
-
-
 def batched_row_gradients(keys_snh: jax.Array, g_snd: jax.Array, sentinel: int):
     """The touched rows and their gradients, per row ``s`` of a batch of independent problems
     (the engine's slots): ``keys [S, N, H]`` the rows each (bag, slot) read (``sentinel`` =

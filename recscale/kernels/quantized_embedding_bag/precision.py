@@ -1,4 +1,6 @@
-"""Embedding tables in serving precisions, and their pooled lookup (issue 20).
+"""Embedding tables in serving precisions, and their pooled lookup (issue 20): the lookup an
+exported model runs (``recscale.serving.export``), kept with the kernels so that the embedding
+collection (``EmbeddingCollection.to_serving``) uses it from below the serving code.
 
 A table ``[V, D]`` is stored as a small dict of arrays per precision:
 

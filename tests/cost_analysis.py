@@ -1,4 +1,5 @@
-"""XLA's own count of a model's forward FLOPs, to check the analytic ones of ``recscale.flops``.
+"""XLA's own count of a model's forward FLOPs, to check the analytic ones of ``recscale.flops``
+(a test helper: ``tests/recscale/test_flops.py`` and the baselines' model tests).
 
 ``recscale.flops`` is pure Python (sweeps size runs without jax); this module compiles the real
 model and asks XLA (``Compiled.cost_analysis()``), which counts every operation, matmuls and
