@@ -8,7 +8,8 @@ donated; ``mode="drop"`` skips the padding slots): SGD, row-wise Adagrad (FBGEMM
 column shards with a ``psum``, so it equals the unsharded update) and lazy Adam (moments and
 rows of touched rows only, bias correction by the global step, as TF's LazyAdam). SGD and
 row-wise Adagrad of whole rows run in the configured update kernel
-(``recscale.kernels.embedding_update``); the row math is that package's reference, shared.
+(``recscale.kernels.embedding_update``), CowClip and the rows' L2 included; the row math is that
+package's reference, shared.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def apply_update(
     groups = 0 if bl.replicated else layout.num_cw_groups
     split = groups and bool((bl.arr("cw_group") < groups).any())
     # SGD and row-wise Adagrad of whole rows run in the update kernel (recscale.kernels
-    # .embedding_update); a column-split table's row statistic needs a psum across its column
-    # shards, and lazy Adam keeps per-column moments, so those stay here.
-    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split and rule.clip is None
+    # .embedding_update), with the clip; a column-split table's row statistics (Adagrad's and
+    # CowClip's norms) need a psum across its column shards, and lazy Adam keeps per-column
+    # moments, so those stay here.
+    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split
     impl = layout.update_kernel
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
@@ -97,6 +99,7 @@ def apply_update(
                 lr,
                 optimizer=rule.optimizer,
                 eps=rule.eps,
+                clip=rule.clip,
                 impl=impl,
             )
             new_st = {"acc": acc} if "acc" in st else {}
