@@ -58,6 +58,49 @@ void RadixSortByRow(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp, int bi
   }
 }
 
+// Sum of squares of a row in 8 independent partial sums: one chain of dependent float adds (the
+// kernel is built without -ffast-math, so the compiler may not reorder it) costs ~4 cycles an
+// element, which the clip's extra reductions per row would pay several times over.
+inline float SumSquares(const float* x, int64_t w) {
+  float p[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t d = 0;
+  for (; d + 8 <= w; d += 8) {
+    for (int j = 0; j < 8; ++j) p[j] += x[d + j] * x[d + j];
+  }
+  for (; d < w; ++d) p[d % 8] += x[d] * x[d];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+inline bool AnyNonzero(const float* x, int64_t w) {
+  int any = 0;  // an int OR reduction: the compiler vectorizes it (a bool one it does not)
+  for (int64_t d = 0; d < w; ++d) any |= x[d] != 0.0f ? 1 : 0;
+  return any != 0;
+}
+
+// One pass over a row gradient g and its row t for the row's L2 and CowClip: g += l2 * t
+// (l2 may be 0), and returns sum(g^2) after it and sum(t^2), each in 8 partial sums.
+inline void AddL2AndSumSquares(float* g, const float* t, int64_t w, float l2, float* g2,
+                               float* t2) {
+  float pg[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float pt[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t d = 0;
+  for (; d + 8 <= w; d += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float x = g[d + j] + l2 * t[d + j];
+      g[d + j] = x;
+      pg[j] += x * x;
+      pt[j] += t[d + j] * t[d + j];
+    }
+  }
+  for (; d < w; ++d) {
+    g[d] += l2 * t[d];
+    pg[d % 8] += g[d] * g[d];
+    pt[d % 8] += t[d] * t[d];
+  }
+  *g2 = ((pg[0] + pg[1]) + (pg[2] + pg[3])) + ((pg[4] + pg[5]) + (pg[6] + pg[7]));
+  *t2 = ((pt[0] + pt[1]) + (pt[2] + pt[3])) + ((pt[4] + pt[5]) + (pt[6] + pt[7]));
+}
+
 ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
                       ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> grad,
                       ffi::Buffer<ffi::F32> lr_buf, ffi::Buffer<ffi::S32> table_dim,
@@ -84,7 +127,7 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
   const float* g = grad.typed_data();
   const int32_t* tdim = table_dim.typed_data();
   const float lr = lr_buf.typed_data()[0];
-  const bool clips = clip_ratio > 0.0f, row_terms = clips || row_l2 != 0.0f;
+  const bool clips = clip_ratio > 0.0f;
   UseHugePages(table, rows * w * sizeof(float));
   if (adagrad) UseHugePages(accum, rows * sizeof(float));
 
@@ -138,39 +181,29 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
         const float* src = g + static_cast<int64_t>(e[i] & 0xffffffffu) * w;
         for (int64_t d = 0; d < w; ++d) gr[d] += src[d];
       }
-      float sq = 0.0f;
-      bool touched = false;
-      for (int64_t d = 0; d < w; ++d) {
-        sq += gr[d] * gr[d];
-        touched |= gr[d] != 0.0f;
-      }
+      float sq = SumSquares(gr.data(), w);
       gsq += sq;  // the statistic is the row gradient's, before the L2 and the clip
+      bool touched = AnyNonzero(gr.data(), w);
       float* row = table + static_cast<int64_t>(r) * w;
-      if (row_terms) {
-        // g += row_l2 * t; g *= min(1, c * max(ratio * |t|, min_norm) / |g|), c the row's pairs
-        // (reference.clip_rows; recscale.optim.cowclip)
-        if (row_l2 != 0.0f) {
-          for (int64_t d = 0; d < w; ++d) gr[d] += row_l2 * row[d];
+      if (clips) {
+        // g += row_l2 * t, then g *= min(1, c * max(ratio * |t|, min_norm) / |g|), c the row's
+        // pairs (reference.clip_rows)
+        float t2 = 0.0f;
+        AddL2AndSumSquares(gr.data(), row, w, row_l2, &sq, &t2);
+        const float count = static_cast<float>(i - first);
+        const float limit = count * std::max(clip_ratio * std::sqrt(t2), clip_min_norm);
+        const float norm = std::sqrt(sq);
+        if (norm > limit) {
+          const float s = limit / norm;
+          for (int64_t d = 0; d < w; ++d) gr[d] *= s;
+          if (adagrad) sq = SumSquares(gr.data(), w);
         }
-        if (clips) {
-          float wsq = 0.0f, g2 = 0.0f;
-          for (int64_t d = 0; d < w; ++d) {
-            wsq += row[d] * row[d];
-            g2 += gr[d] * gr[d];
-          }
-          const float count = static_cast<float>(i - first);
-          const float limit = count * std::max(clip_ratio * std::sqrt(wsq), clip_min_norm);
-          const float norm = std::sqrt(g2);
-          if (norm > limit) {
-            const float s = limit / norm;
-            for (int64_t d = 0; d < w; ++d) gr[d] *= s;
-          }
-        }
-        sq = 0.0f;
-        touched = false;
-        for (int64_t d = 0; d < w; ++d) {
-          sq += gr[d] * gr[d];
-          touched |= gr[d] != 0.0f;
+        if (adagrad) touched = AnyNonzero(gr.data(), w);
+      } else if (row_l2 != 0.0f) {  // g += row_l2 * t alone
+        for (int64_t d = 0; d < w; ++d) gr[d] += row_l2 * row[d];
+        if (adagrad) {
+          sq = SumSquares(gr.data(), w);
+          touched = AnyNonzero(gr.data(), w);
         }
       }
       float scale = -lr;
