@@ -35,7 +35,9 @@ import jax.numpy as jnp
 from recscale.kernels import common
 from recscale.kernels.dot_interaction import api as dot_api
 from recscale.kernels.embedding_bag import api as bag_api
+from recscale.kernels.embedding_bag import cpu_ffi as bag_ffi
 from recscale.kernels.embedding_update import api as update_api
+from recscale.kernels.embedding_update import cpu_ffi as update_ffi
 from recscale.kernels.fm_interaction import api as fm_api
 from recscale.kernels.quantized_embedding_bag import api as q_api
 from tpu_gpu_configs.profiles import get_profile
@@ -104,11 +106,8 @@ def kernel_impl(op: str, named: str | None = None) -> str | None:
     backend = jax.default_backend()
     if backend in ("gpu", "tpu"):
         return f"pallas_{backend}"
-    if op in ("embedding_bag", "embedding_update"):
-        from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415
-
-        return "cpu_ffi" if cpu_ffi.available() else None
-    return None
+    cpu_ffi = {"embedding_bag": bag_ffi, "embedding_update": update_ffi}.get(op)
+    return "cpu_ffi" if cpu_ffi is not None and cpu_ffi.available() else None
 
 
 def cases(op: str, batches: list[int]):

@@ -52,8 +52,8 @@ def build_library(
     """``source`` compiled into a shared library, cached, or None (with a warning) if it fails.
 
     The one build path of recscale's C/C++ kernels (this generator's and the embedding
-    engine's, ``recscale/kernels/embedding_bag/cpu_ffi.py``; it lives here, in the lowest
-    layer, so that both can use it). The library is cached as
+    engine's, ``recscale/kernels/native.py``; it lives here, in the lowest layer, so that both
+    can use it). The library is cached as
     ``$RECSCALE_CACHE/<subdir>/<stem>_<tag>.so`` (default root ``~/.cache/recscale``), the tag
     hashing the source and ``key`` (compiler, flags, anything else the binary depends on), and
     is built in a temporary file renamed into place, so concurrent builders never load a

@@ -8,7 +8,8 @@ donated; ``mode="drop"`` skips the padding slots): SGD, row-wise Adagrad (FBGEMM
 column shards with a ``psum``, so it equals the unsharded update) and lazy Adam (moments and
 rows of touched rows only, bias correction by the global step, as TF's LazyAdam). SGD and
 row-wise Adagrad of whole rows run in the configured update kernel
-(``recscale.kernels.embedding_update``); the row math is that package's reference, shared.
+(``recscale.kernels.embedding_update``), CowClip and the rows' L2 included; the row math is that
+package's reference, shared.
 """
 
 from __future__ import annotations
@@ -92,16 +93,12 @@ def apply_update(
     groups = 0 if bl.replicated else layout.num_cw_groups
     split = groups and bool((bl.arr("cw_group") < groups).any())
     # SGD and row-wise Adagrad of whole rows run in the update kernel (recscale.kernels
-    # .embedding_update); a column-split table's row statistic needs a psum across its column
-    # shards, and lazy Adam keeps per-column moments, so those stay here.
+    # .embedding_update), with the clip; a column-split table's row statistics (Adagrad's and
+    # CowClip's norms) need a psum across its column shards, lazy Adam keeps per-column
+    # moments, and coupled L2 updates every row of a (data-parallel) buffer, so those stay here.
     if rule.l2 and not bl.replicated:
         raise AssertionError(f"coupled L2 needs data-parallel tables; {bl.key} is sharded")
-    kernel = (
-        rule.optimizer in ("sgd", "rowwise_adagrad")
-        and not split
-        and rule.clip is None
-        and not rule.l2
-    )
+    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split and not rule.l2
     impl = layout.update_kernel
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
@@ -116,6 +113,7 @@ def apply_update(
                 lr,
                 optimizer=rule.optimizer,
                 eps=rule.eps,
+                clip=rule.clip,
                 impl=impl,
             )
             new_st = {"acc": acc} if "acc" in st else {}

@@ -45,7 +45,9 @@ HARDWARE_VERIFIED: frozenset[tuple[str, str]] = frozenset(
 ``auto`` picks only these on GPU and TPU (except :data:`AUTO_KEEPS_XLA`) and keeps the XLA
 reference otherwise; any kernel runs when named (``--kernels.dot-interaction pallas_gpu``).
 GPU: all five passed on an NVIDIA H200 (jax 0.11.2, CUDA 13), 2026-11-26 (BENCHMARKS.md). TPU:
-none yet (lowering and interpret-mode checks only)."""
+none yet (lowering and interpret-mode checks only). An op's ``api`` may plan ``xla`` under
+``auto`` before this is asked, where its kernel measured slower on some shapes (the embedding
+bag's one-id narrow bags: ``embedding_bag.api.auto_choice``)."""
 
 AUTO_KEEPS_XLA: dict[tuple[str, str], frozenset[str]] = {
     ("dot_interaction", "pallas_gpu"): frozenset({"float32"}),

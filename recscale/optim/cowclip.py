@@ -16,12 +16,14 @@ scaling rule for a batch ``s`` times the base one (:func:`scale_hparams`): embed
 rate unchanged, dense learning rate times ``sqrt(s)``, embedding L2 times ``s``, and a linear
 warmup of the dense learning rate.
 
-The one copy of the row math (:func:`clip_scale`) serves the per-table path (whole-table
-gradients, ``recscale.train.steps``) and the engine's sparse update
-(``recscale.embeddings.update``, rows of column-split tables with their statistics summed over
-the shards first). Both apply it to the gradient of the batch-mean loss, before the embedding
-optimizer, with the optional L2 of touched rows (``row_l2``) added first, as the L2 term of
-the loss is part of the gradient the reference implementation clips.
+The one copy of the row math (:func:`clip_scale`, which lives with the embedding-update
+kernels' reference, ``recscale.kernels.embedding_update.reference``, as their row-wise Adagrad
+does) serves the per-table path (whole-table gradients, ``recscale.train.steps``), the engine's
+sparse update (``recscale.embeddings.update``, rows of column-split tables with their
+statistics summed over the shards first) and the update kernels, which clip whole rows. All
+apply it to the gradient of the batch-mean loss, before the embedding optimizer, with the
+optional L2 of touched rows (``row_l2``) added first, as the L2 term of the loss is part of the
+gradient the reference implementation clips.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from recscale.kernels.embedding_update.reference import clip_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +56,6 @@ def from_config(cfg) -> CowClip | None:
     if cfg.cowclip_ratio == 0 and cfg.row_l2 == 0:
         return None
     return CowClip(ratio=cfg.cowclip_ratio, min_norm=cfg.cowclip_min_norm, row_l2=cfg.row_l2)
-
-
-def clip_scale(
-    g_sq: jax.Array, w_sq: jax.Array, count: jax.Array, ratio: float, min_norm: float
-) -> jax.Array:
-    """Per-row factor ``min(1, cnt · max(r·||w||, ζ) / ||g||)`` (1 where ``g`` is zero) from
-    each row's squared gradient norm ``g_sq``, squared weight norm ``w_sq`` and count in the
-    batch (float32, any equal shapes)."""
-    g_sq, w_sq = g_sq.astype(jnp.float32), w_sq.astype(jnp.float32)
-    clip = count.astype(jnp.float32) * jnp.maximum(ratio * jnp.sqrt(w_sq), min_norm)
-    g_norm = jnp.sqrt(g_sq)
-    return jnp.where(g_norm > clip, clip / jnp.where(g_norm > 0, g_norm, 1.0), 1.0)
 
 
 def clip_table(g_vd: jax.Array, w_vd: jax.Array, count_v: jax.Array, cfg: CowClip) -> jax.Array:

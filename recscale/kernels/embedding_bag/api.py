@@ -8,8 +8,11 @@
   more slots (one-id bags are a single gather, where XLA is as fast), built on first use;
 - ``pallas_gpu``: :mod:`.pallas_gpu` (Triton: masked vector gathers summed in registers);
 - ``pallas_tpu``: :mod:`.pallas_tpu` (Mosaic: rows DMA'd from HBM into VMEM, summed there);
-- ``auto``: on CPU ``cpu_ffi`` where it supports the call, else ``xla``; on GPU/TPU that
-  backend's Pallas kernel once it is verified on that hardware (``common.HARDWARE_VERIFIED``), else ``xla``.
+- ``auto``: by backend, bag hotness and width (:func:`auto_choice`): on CPU ``cpu_ffi`` for
+  multi-id bags where it supports the call, else ``xla``; on GPU ``xla`` for one-id bags up to
+  :data:`ONE_ID_XLA_MAX_WIDTH` wide and that backend's Pallas kernel otherwise, on TPU its
+  Pallas kernel, each once verified on that hardware (``common.HARDWARE_VERIFIED``), else
+  ``xla``.
 
 Every implementation is differentiable w.r.t. the table through one ``jax.custom_vjp`` whose
 backward is the reference's scatter-add (:func:`.reference.pool_bwd`): a dense table-shaped
@@ -30,6 +33,37 @@ from recscale.kernels.embedding_bag import pallas_gpu, pallas_tpu, reference
 
 OP = "embedding_bag"
 TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+ONE_ID_XLA_MAX_WIDTH = 128
+"""The widest one-id bags ``auto`` keeps on XLA on a GPU (the widths measured; wider one-id bags
+were not, and keep the kernel)."""
+
+
+def auto_choice(backend: str, hotness: int, width: int) -> str:
+    """The implementation ``auto`` plans for bags of ``hotness`` id slots over a table
+    ``width`` columns wide on ``backend`` (``cpu``, ``gpu``/``cuda``, ``tpu``), before asking
+    whether that kernel supports the call and is verified on the hardware.
+
+    - CPU: ``cpu_ffi`` for multi-id bags, ``xla`` for one-id bags (a single gather, where XLA
+      is as fast: BENCHMARKS.md, "On this CPU", 0.99x at H = 1 against 1.31x at H = 20).
+    - GPU: ``xla`` for one-id bags up to :data:`ONE_ID_XLA_MAX_WIDTH` wide, ``pallas_gpu``
+      otherwise. Measured on an NVIDIA H200 (BENCHMARKS.md, 2026-11-26): one-id bags have
+      nothing to fuse and the kernel never gained on them: 1.00-1.01x XLA at width 128 (the
+      lookup alone), and DLRM config A (26 one-id tables of width 16) ran 12% slower in
+      training and 27% slower in inference with the kernels (inference: the lookup is its
+      only embedding kernel). Multi-id bags gained: 2.67-2.72x XLA at H = 20, width 128 (the
+      lookup alone), and configs C and B (20 and 100 ids, width 64) trained 1.58x and 1.76x
+      and inferred 2.0-5.5x faster.
+    - TPU: ``pallas_tpu`` (not measured on hardware yet, so ``common.HARDWARE_VERIFIED`` keeps
+      it off under ``auto``).
+    """
+    if backend == "cpu":
+        return "cpu_ffi" if hotness >= 2 else "xla"
+    if backend in ("gpu", "cuda"):
+        return "xla" if hotness <= 1 and width <= ONE_ID_XLA_MAX_WIDTH else "pallas_gpu"
+    if backend == "tpu":
+        return "pallas_tpu"
+    return "xla"
 
 
 def check_ids(op: str, ids: jax.Array, pooling: str) -> None:
@@ -73,6 +107,8 @@ def _cpu_ffi_unsupported(table: jax.Array, ids: jax.Array) -> str | None:
 def _choose(table: jax.Array, ids: jax.Array, impl: str) -> str:
     """The implementation :func:`pool` runs for this call (``impl`` resolved, or ``xla``)."""
     n, h = ids.shape
+    if impl == "auto" and auto_choice(common.default_backend(), h, table.shape[1]) == "xla":
+        return "xla"  # a plan, not a fallback
     tables = (jax.ShapeDtypeStruct(table.shape, table.dtype),)
     unsupported: dict[str, str | None] = {
         "pallas_gpu": pallas_gpu.unsupported(n, h, table.shape[1]),

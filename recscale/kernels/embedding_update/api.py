@@ -2,11 +2,13 @@
 engine calls, and the choice of its implementation.
 
 Implementations: ``xla`` (:mod:`.reference`: distinct rows + scatter-add, the production
-fallback), ``cpu_ffi`` (the engine's C++ XLA-FFI kernel ``recscale_update``; float32 storage),
-``pallas_gpu`` (Triton) and ``pallas_tpu`` (Mosaic TPU), both FBGEMM's sorted-segment design.
-``auto`` means ``pallas_gpu`` on GPU, ``pallas_tpu`` on TPU (once verified on that hardware (``common.HARDWARE_VERIFIED``), else ``xla``), and on CPU ``cpu_ffi`` where it
-is built and the bags have two ids or more (one-id bags stay in XLA, as in the engine), else
-``xla``.
+fallback), ``cpu_ffi`` (the engine's C++ XLA-FFI kernel ``recscale_update``, :mod:`.cpu_ffi`;
+float32 storage), ``pallas_gpu`` (Triton) and ``pallas_tpu`` (Mosaic TPU), both FBGEMM's
+sorted-segment design. ``auto`` means ``pallas_gpu`` on GPU, ``pallas_tpu`` on TPU (once
+verified on that hardware (``common.HARDWARE_VERIFIED``), else ``xla``), and on CPU ``cpu_ffi``
+where it is built and the bags have two ids or more (one-id bags stay in XLA, as in the
+engine), else ``xla``. Every implementation applies CowClip and the touched rows' L2
+(``clip``) to the whole row gradients it forms, before the optimizer.
 
 There is no VJP: this op *is* the backward pass (it consumes the pooled outputs' gradient and
 writes the table). Callers ``jit`` it with the table and accumulator donated; every
@@ -53,7 +55,7 @@ def _unsupported(table: jax.Array, ids: jax.Array, need_cpu_ffi: bool) -> dict[s
     elif not need_cpu_ffi:
         cpu = None  # not asked for: do not build the library just to say so
     else:
-        from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415 (builds on first use)
+        from recscale.kernels.embedding_update import cpu_ffi  # noqa: PLC0415 (builds on first use)
 
         cpu = None if cpu_ffi.available() else "the C++ kernels are not built (no compiler?)"
     return {"pallas_gpu": gpu, "pallas_tpu": tpu, "cpu_ffi": cpu}
@@ -69,6 +71,7 @@ def update(
     optimizer: str = "rowwise_adagrad",
     eps: float = 1e-8,
     pooling: str = "sum",
+    clip: Any = None,
     impl: str = "auto",
     interpret: Any = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
@@ -83,15 +86,22 @@ def update(
     valid ids of bag ``n``): repeats are combined before the optimizer. SGD: ``t_r -= lr·g_r``.
     Row-wise Adagrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``): ``acc_r += mean_d(g_r²)``, ``t_r -=
     lr·g_r / (sqrt(acc_r) + eps)`` for rows with a nonzero gradient. Float32 arithmetic, the
-    table stored back in its dtype; rows no id touches are left bit-identical.
+    table stored back in its dtype; rows no id touches are left bit-identical. The statistics'
+    row gradients are the combined ones, before any ``clip``.
 
     Args:
+        clip: CowClip and the touched rows' L2 before the optimizer (anything with ``ratio``,
+            ``min_norm`` and ``row_l2``: a ``recscale.optim.cowclip.CowClip`` or a
+            :class:`.reference.RowClip`; None: neither): ``g_r += row_l2·t_r``, then ``g_r``
+            scaled to at most ``c_r·max(ratio·‖t_r‖, min_norm)``, ``c_r`` the pairs that read
+            row ``r`` (ratio 0: no clipping).
         impl: ``auto``, ``xla``, ``cpu_ffi``, ``pallas_gpu`` or ``pallas_tpu``; an
             implementation that does not support the call falls back to ``xla`` (counted in
             ``common.FALLBACKS``).
         interpret: the Pallas kernels' ``interpret=`` (None: ``common.interpret_for(impl)``).
     """
-    reference.check_args(table, acc, ids, grad, optimizer, pooling)
+    clip = reference.RowClip.of(clip)
+    reference.check_args(table, acc, ids, grad, optimizer, pooling, clip)
     ids = jnp.asarray(ids, jnp.int32)
     adagrad = optimizer == "rowwise_adagrad"
     # The engine's rule on CPU: the C++ kernel for multi-id bags, XLA for one-id bags (as fast).
@@ -101,7 +111,7 @@ def update(
     chosen = common.resolve(OP, impl, unsupported, cpu_auto=cpu_auto)
     if chosen == "xla":
         return reference.update(
-            table, acc, ids, grad, lr, optimizer=optimizer, eps=eps, pooling=pooling
+            table, acc, ids, grad, lr, optimizer=optimizer, eps=eps, pooling=pooling, clip=clip
         )
 
     v, d = table.shape
@@ -110,7 +120,7 @@ def update(
     g_nd = reference.weighted_grad(ids, grad, v, pooling)
     acc_in = acc if adagrad else None
     if chosen == "cpu_ffi":
-        from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415
+        from recscale.kernels.embedding_update import cpu_ffi  # noqa: PLC0415
 
         new_table, new_acc, stats = cpu_ffi.update(
             table,
@@ -121,6 +131,7 @@ def update(
             jnp.full((1,), d, jnp.int32),
             eps=eps,
             adagrad=adagrad,
+            clip=clip,
         )
         return new_table, (new_acc if adagrad else acc), stats
     if interpret is None:
@@ -128,13 +139,13 @@ def update(
     if chosen == "pallas_gpu":
         seg = reference.sorted_segments(keys_nh, v, row_block=pallas_gpu.block_rows(d))
         new_table, new_acc, stats_g2 = pallas_gpu.update(
-            table, acc_in, seg, g_nd, lr, eps=eps, interpret=interpret
+            table, acc_in, seg, g_nd, lr, eps=eps, clip=clip, interpret=interpret
         )
     else:
         seg = reference.sorted_segments(
             keys_nh, v, row_block=pallas_tpu.BLOCK_ROWS, pair_pad=pallas_tpu.CHUNK_PAIRS
         )
         new_table, new_acc, stats_g2 = pallas_tpu.update(
-            table, acc_in, seg, g_nd, lr, eps=eps, interpret=interpret
+            table, acc_in, seg, g_nd, lr, eps=eps, clip=clip, interpret=interpret
         )
     return new_table, (new_acc if adagrad else acc), jnp.sum(stats_g2, axis=0)

@@ -9,9 +9,10 @@ pairs (a ``fori_loop`` with a traced trip count, i.e. an ``scf.while``): it load
 bags and segment indices, gathers the ``[BP, Dp]`` bags' gradient rows (masked loads; ``Dp``:
 ``D`` rounded up to a power of two, the columns past ``D`` masked) and adds them to the block's
 ``[BU, Dp]`` float32 row gradients through a one-hot ``[BU, BP]`` matrix product (IEEE float32,
-exact: each product is 0 or the gradient). Then, still in registers, it computes the row-wise
-Adagrad (or SGD) step, reads and writes the block's table rows (storage dtype, float32
-arithmetic) and accumulators in place (both aliased to the outputs), and writes its two partial
+exact: each product is 0 or the gradient). Then, still in registers, it reads the block's table
+rows (storage dtype, float32 arithmetic), applies the row L2 and CowClip where asked (a row's
+count is its segment's length), computes the row-wise Adagrad (or SGD) step, writes the rows
+and accumulators in place (both aliased to the outputs), and writes its two partial
 statistics to a ``[G, 2]`` output that XLA sums.
 
 Fused: the row-gradient scatter-add, its ``[U, D]`` HBM round trip, the gather of the touched
@@ -34,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from recscale.kernels import common
-from recscale.kernels.embedding_update.reference import Segments
+from recscale.kernels.embedding_update.reference import RowClip, Segments, clip_scale
 
 MAX_DIM = 1024
 
@@ -57,6 +58,7 @@ def _kernel(
     *refs,
     adagrad: bool,
     eps: float,
+    clip: RowClip | None,
     dim: int,
     bu: int,
     bp: int,
@@ -100,6 +102,17 @@ def _kernel(
     t_bc = plgpu.load(table_ref.at[t_idx], mask=mask_bc, other=0).astype(jnp.float32)
     lr = lr_ref[0]
     sq_b = jnp.sum(g_bc * g_bc, axis=1)
+    gsq = jnp.sum(sq_b)  # the statistic: the row gradients before the L2 and the clip
+    if clip is not None:  # reference.clip_rows; every valid row of the block is touched
+        if clip.row_l2:
+            g_bc = g_bc + clip.row_l2 * t_bc  # zero for unused rows and padded columns
+        sq_b = jnp.sum(g_bc * g_bc, axis=1)
+        if clip.ratio > 0:
+            count_b = end_ref[u_b] - start_ref[u_b]  # the row's pairs (0 for unused rows)
+            w_sq_b = jnp.sum(t_bc * t_bc, axis=1)
+            scale_b = clip_scale(sq_b, w_sq_b, count_b, clip.ratio, clip.min_norm)
+            g_bc = g_bc * scale_b[:, None]
+            sq_b = jnp.sum(g_bc * g_bc, axis=1)
     if adagrad:
         a_b = plgpu.load(acc_ref.at[row_b], mask=valid_b, other=0.0)
         a_b = a_b + sq_b / jnp.float32(dim)
@@ -111,7 +124,7 @@ def _kernel(
         upd_bc = g_bc * -lr
     plgpu.store(table_out.at[t_idx], (t_bc + upd_bc).astype(table_out.dtype), mask=mask_bc)
     two = jnp.arange(2, dtype=jnp.int32)
-    stats_ref[pid, two] = jnp.where(two == 0, jnp.sum(upd_bc * upd_bc), jnp.sum(sq_b))
+    stats_ref[pid, two] = jnp.where(two == 0, jnp.sum(upd_bc * upd_bc), gsq)
 
 
 def update(
@@ -123,13 +136,15 @@ def update(
     *,
     eps: float,
     interpret: bool,
+    clip: RowClip | None = None,
     block_pairs: int = 32,
     num_warps: int | None = None,
     num_stages: int = 1,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Updates the rows of ``table [V, D]`` (and ``acc [V]``; None: SGD) that the sorted pairs
     ``seg`` touch, with the float32 bag gradients ``g [N, D]``; returns ``(table, acc, stats
-    [G, 2])``. ``seg`` must come from ``sorted_segments(..., row_block=block_rows(D))``."""
+    [G, 2])``, the row gradients clipped first by ``clip`` (None: not). ``seg`` must come from
+    ``sorted_segments(..., row_block=block_rows(D))``."""
     v, d = table.shape
     bu = block_rows(d)
     dp = max(16, common.next_pow2(d))
@@ -158,7 +173,7 @@ def update(
         aliases[8] = 1
     out_shape.append(jax.ShapeDtypeStruct((grid, 2), jnp.float32))
     kernel = functools.partial(
-        _kernel, adagrad=adagrad, eps=eps, dim=d, bu=bu, bp=block_pairs, dp=dp
+        _kernel, adagrad=adagrad, eps=eps, clip=clip, dim=d, bu=bu, bp=block_pairs, dp=dp
     )
     outs = pl.pallas_call(
         kernel,

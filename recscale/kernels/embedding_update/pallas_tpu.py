@@ -18,8 +18,8 @@ Per block: (1) start DMAs of its ``BU`` table rows (storage dtype) and accumulat
 ``C``: a chunk's bag / segment indices are copied to SMEM, then ``C`` row DMAs gather the bags'
 gradient rows into VMEM, double-buffered (chunk ``c + 1``'s gathers are in flight while chunk
 ``c`` is summed), each row added in float32 to its distinct row's accumulator in VMEM;
-(3) per row, the row-wise Adagrad (or SGD) step in float32, the row and accumulator written back
-by DMA. The ``[U, D]`` row gradients never leave VMEM; per-block partial statistics go to a
+(3) per row, the row L2 and CowClip where asked (the row's count is its segment's length), the
+row-wise Adagrad (or SGD) step in float32, the row and accumulator written back by DMA. The ``[U, D]`` row gradients never leave VMEM; per-block partial statistics go to a
 ``[G, 2]`` SMEM-blocked output that XLA sums.
 
 VMEM rows are kept as ``[X, 1, D]`` arrays so every dynamic index is on an untiled leading
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from recscale.kernels.embedding_update.reference import Segments
+from recscale.kernels.embedding_update.reference import RowClip, Segments, clip_scale
 
 BLOCK_ROWS = 64
 """``BU``: distinct rows per grid step."""
@@ -62,6 +62,7 @@ def _kernel(
     *refs,
     adagrad: bool,
     eps: float,
+    clip: RowClip | None,
     dim: int,
     bu: int,
     chunk: int,
@@ -165,6 +166,17 @@ def _kernel(
             g_1d = g_b1d[j]
             t_1d = rows_b1d[j].astype(jnp.float32)
             sq_11 = jnp.sum(g_1d * g_1d, axis=1, keepdims=True)
+            gsq_11 = gsq_11 + sq_11  # the statistic: before the L2 and the clip
+            if clip is not None:  # reference.clip_rows (every row here is touched)
+                if clip.row_l2:
+                    g_1d = g_1d + clip.row_l2 * t_1d
+                sq_11 = jnp.sum(g_1d * g_1d, axis=1, keepdims=True)
+                if clip.ratio > 0:
+                    count_11 = jnp.full((1, 1), end_ref[j] - start_ref[j], jnp.int32)
+                    w_sq_11 = jnp.sum(t_1d * t_1d, axis=1, keepdims=True)
+                    scale_11 = clip_scale(sq_11, w_sq_11, count_11, clip.ratio, clip.min_norm)
+                    g_1d = g_1d * scale_11
+                    sq_11 = jnp.sum(g_1d * g_1d, axis=1, keepdims=True)
             if adagrad:
                 a_11 = jnp.full((1, 1), acc_b[j], jnp.float32) + sq_11 / jnp.float32(dim)
                 touched_11 = jnp.max(jnp.abs(g_1d), axis=1, keepdims=True) > 0
@@ -176,7 +188,7 @@ def _kernel(
                 upd_1d = -(g_1d * lr)
             rows_b1d[j] = (t_1d + upd_1d).astype(rows_b1d.dtype)
             row_copy(j, False).start()
-            return usq_11 + jnp.sum(upd_1d * upd_1d, axis=1, keepdims=True), gsq_11 + sq_11
+            return usq_11 + jnp.sum(upd_1d * upd_1d, axis=1, keepdims=True), gsq_11
 
         zero_11 = jnp.zeros((1, 1), jnp.float32)
         usq_11, gsq_11 = jax.lax.fori_loop(0, nrows, step, (zero_11, zero_11))
@@ -196,11 +208,13 @@ def update(
     *,
     eps: float,
     interpret: Any,
+    clip: RowClip | None = None,
     chunk_pairs: int = CHUNK_PAIRS,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Updates the rows of ``table [V, D]`` (and ``acc [V]``; None: SGD) that the sorted pairs
     ``seg`` touch, with the float32 bag gradients ``g [N, D]``; returns ``(table, acc, stats
-    [G, 2])``. ``seg`` must come from ``sorted_segments(..., row_block=BLOCK_ROWS,
+    [G, 2])``, the row gradients clipped first by ``clip`` (None: not). ``seg`` must come from
+    ``sorted_segments(..., row_block=BLOCK_ROWS,
     pair_pad=chunk_pairs)`` (chunks read up to ``C`` pairs past the last)."""
     v, d = table.shape
     bu = BLOCK_ROWS
@@ -251,7 +265,9 @@ def update(
         pltpu.SMEM((2, chunk_pairs), jnp.int32),  # their distinct rows
         pltpu.SemaphoreType.DMA((_NUM_SEMS,)),
     ]
-    kernel = functools.partial(_kernel, adagrad=adagrad, eps=eps, dim=d, bu=bu, chunk=chunk_pairs)
+    kernel = functools.partial(
+        _kernel, adagrad=adagrad, eps=eps, clip=clip, dim=d, bu=bu, chunk=chunk_pairs
+    )
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,

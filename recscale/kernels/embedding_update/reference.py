@@ -6,9 +6,10 @@ Dimension glossary: ``V`` table rows, ``D`` embedding width, ``N`` bags (example
 slots (ids per bag), ``P = N·H`` (row, bag) pairs, ``U`` distinct-row bound (``U = P``).
 
 The row math here (:func:`batched_distinct_rows`, :func:`batched_row_gradients`,
-:func:`rowwise_adagrad_rows`) is the only copy: the sharded engine's update
-(``recscale.embeddings.update``) runs it on every slot of a device at once, and the dense optax
-row-wise Adagrad (``recscale.optim.embedding``) calls :func:`rowwise_adagrad_rows`.
+:func:`rowwise_adagrad_rows`, :func:`clip_scale`) is the only copy: the sharded engine's update
+(``recscale.embeddings.update``) runs it on every slot of a device at once, the dense optax
+row-wise Adagrad (``recscale.optim.embedding``) calls :func:`rowwise_adagrad_rows`, and CowClip
+(``recscale.optim.cowclip``) is :func:`clip_scale`.
 
 Equations (the engine's update of one slot of a table that is not column-split)::
 
@@ -16,10 +17,14 @@ Equations (the engine's update of one slot of a table that is not column-split):
     c_n         = #{h : valid(n, h)}
     w_n         = 1 (sum pooling) | 1 / max(c_n, 1) (mean pooling)
     g_r         = Σ_{(n, h): ids[n, h] = r} w_n · grad[n]      (repeats combined first)
+    c_r         = #{(n, h) : ids[n, h] = r}                  (the row's pairs in the batch)
+    row L2:            g_r <- g_r + row_l2 · t_r                    (optional, touched rows)
+    CowClip:           g_r <- g_r · min(1, c_r · max(ratio · ‖t_r‖, min_norm) / ‖g_r‖)
+                                                          (optional, ratio > 0; 1 where g_r = 0)
     SGD:               t_r <- t_r - lr · g_r
     row-wise Adagrad:  acc_r <- acc_r + mean_d(g_r²)            (FBGEMM EXACT_ROWWISE_ADAGRAD)
                        t_r <- t_r - lr · g_r / (sqrt(acc_r) + eps)     (rows with g_r != 0)
-    stats       = [Σ_r ‖Δt_r‖², Σ_r ‖g_r‖²]
+    stats       = [Σ_r ‖Δt_r‖², Σ_r ‖g_r‖²]     (g_r before the row L2 and the clip)
 
 Update arithmetic is float32; the table is stored back in its own dtype, the rows no id touches
 stay bit-identical. No ``[V, D]`` temporary: the touched rows are found as distinct ids (a
@@ -42,6 +47,26 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
 
 
+class RowClip(NamedTuple):
+    """CowClip on each touched row's gradient, with the row's L2 added first (Zheng et al.,
+    AAAI 2023; ``recscale.optim.cowclip``): ``g_r += row_l2 · t_r``, then ``g_r`` scaled to at
+    most ``c_r · max(ratio · ‖t_r‖, min_norm)``, ``c_r`` the row's pairs in the batch. ``ratio``
+    0: no clipping (the L2 may stay); all 0: nothing."""
+
+    ratio: float = 0.0
+    min_norm: float = 0.0
+    row_l2: float = 0.0
+
+    @classmethod
+    def of(cls, clip) -> RowClip | None:
+        """``clip`` (anything with ``ratio``, ``min_norm`` and ``row_l2``, e.g. a ``CowClip``)
+        as plain floats; None for None or a clip that does nothing."""
+        if clip is None:
+            return None
+        out = cls(float(clip.ratio), float(clip.min_norm), float(clip.row_l2))
+        return None if out.ratio == 0 and out.row_l2 == 0 else out
+
+
 def check_args(
     table: jax.Array,
     acc: jax.Array | None,
@@ -49,8 +74,11 @@ def check_args(
     grad: jax.Array,
     optimizer: str,
     pooling: str,
+    clip: RowClip | None = None,
 ) -> None:
     """Raises a ValueError naming what is wrong with the call's shapes or options."""
+    if clip is not None and min(clip) < 0:
+        raise ValueError(f"embedding_update: clip {clip} must not be negative")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"embedding_update: optimizer {optimizer!r} is not one of {OPTIMIZERS}")
     if pooling not in POOLINGS:
@@ -120,13 +148,16 @@ def batched_distinct_rows(keys_sn: jax.Array, sentinel: int) -> tuple[jax.Array,
     return uids, inv
 
 
-def batched_row_gradients(keys_snh: jax.Array, g_snd: jax.Array, sentinel: int):
+def batched_row_gradients(
+    keys_snh: jax.Array, g_snd: jax.Array, sentinel: int, *, counts: bool = False
+):
     """The touched rows and their gradients, per row ``s`` of a batch of independent problems
     (the engine's slots): ``keys [S, N, H]`` the rows each (bag, slot) read (``sentinel`` =
     padding), ``g [S, N, D]`` the bags' gradients. A sum-pooled bag's gradient reaches each of
     its rows whole, so a row's gradient is the sum of the gradients of the bags that read it
     (repeats included). Returns ``uids [S, U]`` (``U = N·H``; ``sentinel`` in unused entries)
-    and ``grad [S, U, D]`` float32 (zero rows there).
+    and ``grad [S, U, D]`` float32 (zero rows there), and with ``counts`` each row's pairs
+    ``[S, U]`` float32 (CowClip's ``c_r``; zero there).
 
     One scatter-add of ``g`` per bag slot (a ``fori_loop`` over ``H``): a single scatter of all
     slots would first materialise the ``[S, N, H, D]`` repeated gradients.
@@ -147,14 +178,20 @@ def batched_row_gradients(keys_snh: jax.Array, g_snd: jax.Array, sentinel: int):
     grad = add(0, jnp.zeros((s * u, d), jnp.float32))
     if h > 1:
         grad = jax.lax.fori_loop(1, h, add, grad)
-    return uids, grad.reshape(s, u, d)
+    if not counts:
+        return uids, grad.reshape(s, u, d)
+    count = jnp.zeros((s * u,), jnp.float32).at[flat.reshape(-1)].add(1.0, mode="drop")
+    return uids, grad.reshape(s, u, d), count.reshape(s, u)
 
 
-def row_gradients(keys_nh: jax.Array, g_nd: jax.Array, num_rows: int):
+def row_gradients(keys_nh: jax.Array, g_nd: jax.Array, num_rows: int, *, counts: bool = False):
     """``uids [U]`` and the row gradients ``[U, D]`` float32 (``U = N·H``; zero rows at the
-    ``V`` entries of ``uids``): :func:`batched_row_gradients` of one problem."""
-    uids, grad = batched_row_gradients(keys_nh[None].astype(jnp.int32), g_nd[None], num_rows)
-    return uids[0], grad[0]
+    ``V`` entries of ``uids``), and with ``counts`` each row's pairs ``[U]``:
+    :func:`batched_row_gradients` of one problem."""
+    out = batched_row_gradients(
+        keys_nh[None].astype(jnp.int32), g_nd[None], num_rows, counts=counts
+    )
+    return tuple(x[0] for x in out)
 
 
 def rowwise_adagrad_rows(
@@ -174,6 +211,32 @@ def rowwise_adagrad_rows(
     acc = acc + row_sq / jnp.asarray(dim, jnp.float32)
     denom = jnp.where(touched, jnp.sqrt(acc) + jnp.float32(eps), 1.0)
     return jnp.where(touched[..., None], g / denom[..., None], 0.0), acc
+
+
+def clip_scale(
+    g_sq: jax.Array, w_sq: jax.Array, count: jax.Array, ratio: float, min_norm: float
+) -> jax.Array:
+    """Per-row factor ``min(1, cnt · max(r·||w||, ζ) / ||g||)`` (1 where ``g`` is zero) from
+    each row's squared gradient norm ``g_sq``, squared weight norm ``w_sq`` and count in the
+    batch (float32, any equal shapes): CowClip's one copy (``recscale.optim.cowclip``)."""
+    g_sq, w_sq = g_sq.astype(jnp.float32), w_sq.astype(jnp.float32)
+    clip = count.astype(jnp.float32) * jnp.maximum(ratio * jnp.sqrt(w_sq), min_norm)
+    g_norm = jnp.sqrt(g_sq)
+    return jnp.where(g_norm > clip, clip / jnp.where(g_norm > 0, g_norm, 1.0), 1.0)
+
+
+def clip_rows(g_ud: jax.Array, t_ud: jax.Array, count_u: jax.Array, clip: RowClip) -> jax.Array:
+    """:class:`RowClip` on whole rows: row gradients ``g [U, D]`` and rows ``t [U, D]`` (both
+    float32), each row's pairs ``count [U]``; rows with no pair keep their gradient."""
+    touched = (count_u > 0)[:, None]
+    if clip.row_l2:
+        g_ud = g_ud + jnp.where(touched, clip.row_l2 * t_ud, 0.0)
+    if clip.ratio > 0:
+        s_u = clip_scale(
+            jnp.sum(g_ud * g_ud, -1), jnp.sum(t_ud * t_ud, -1), count_u, clip.ratio, clip.min_norm
+        )
+        g_ud = jnp.where(touched, g_ud * s_u[:, None], g_ud)
+    return g_ud
 
 
 def row_step(g_ud: jax.Array, acc_u: jax.Array | None, lr: jax.Array, eps: float, width: int):
@@ -197,29 +260,34 @@ def update(
     optimizer: str = "rowwise_adagrad",
     eps: float = 1e-8,
     pooling: str = "sum",
+    clip: RowClip | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """The XLA implementation; see :func:`recscale.kernels.embedding_update.api.update`.
 
-    Distinct rows + scatter-added row gradients ``[U, D]``, then a gather of those rows, the
+    Distinct rows + scatter-added row gradients ``[U, D]`` (and, with ``clip``, each row's pair
+    count), then a gather of those rows, the clip, the
     float32 step, and a scatter of the new rows (``mode="drop"`` skips the ``V`` padding
     entries). Under ``jit`` with the table and accumulator donated, XLA updates both in place.
     """
-    check_args(table, acc, ids, grad, optimizer, pooling)
+    check_args(table, acc, ids, grad, optimizer, pooling, clip)
     v, d = table.shape
     if ids.size == 0:  # nothing read, nothing moves
         return table, acc, jnp.zeros((2,), jnp.float32)
     lr = jnp.asarray(lr, jnp.float32)
     keys_nh = pair_keys(ids, v)
     g_nd = weighted_grad(ids, grad, v, pooling)
-    uids_u, g_ud = row_gradients(keys_nh, g_nd, v)
+    uids_u, g_ud, *count_u = row_gradients(keys_nh, g_nd, v, counts=clip is not None)
     t_ud = table.at[uids_u].get(mode="fill", fill_value=0).astype(jnp.float32)
+    g_sq = jnp.sum(g_ud * g_ud)
+    if clip is not None:
+        g_ud = clip_rows(g_ud, t_ud, count_u[0], clip)
     acc_u = None
     if optimizer == "rowwise_adagrad":
         acc_u = acc.at[uids_u].get(mode="fill", fill_value=0)
     upd_ud, acc_u = row_step(g_ud, acc_u, lr, eps, d)
     new_table = table.at[uids_u].set((t_ud + upd_ud).astype(table.dtype), mode="drop")
     new_acc = acc if acc_u is None else acc.at[uids_u].set(acc_u, mode="drop")
-    stats = jnp.stack([jnp.sum(upd_ud * upd_ud), jnp.sum(g_ud * g_ud)])
+    stats = jnp.stack([jnp.sum(upd_ud * upd_ud), g_sq])
     return new_table, new_acc, stats
 
 

@@ -144,6 +144,48 @@ def test_auto_on_cpu_picks_the_cpu_kernel_where_it_applies():
 
 
 @pytest.mark.parametrize(
+    ("backend", "hotness", "width", "want"),
+    [
+        ("gpu", 1, 16, "xla"),  # DLRM config A on the H200: the kernels lost 12% / 27%
+        ("cuda", 1, 16, "xla"),
+        ("gpu", 1, 128, "xla"),  # the lookup alone: 1.00-1.01x, nothing gained
+        ("gpu", 1, 256, "pallas_gpu"),  # not measured: the kernel stays
+        ("gpu", 2, 16, "pallas_gpu"),
+        ("gpu", 20, 64, "pallas_gpu"),  # configs C (and B, 100 ids): 1.58x (1.76x) training
+        ("gpu", 20, 128, "pallas_gpu"),  # the lookup alone: 2.67-2.72x
+        ("cpu", 1, 128, "xla"),
+        ("cpu", 3, 16, "cpu_ffi"),
+        ("tpu", 1, 16, "pallas_tpu"),
+        ("tpu", 20, 128, "pallas_tpu"),
+    ],
+)
+def test_auto_plans_by_backend_hotness_and_width(backend, hotness, width, want):
+    assert api.auto_choice(backend, hotness, width) == want
+
+
+def test_auto_on_a_gpu_keeps_one_id_narrow_bags_on_xla(monkeypatch):
+    """The plan in the call: under ``target_backend("gpu")`` with the kernel verified, a one-id
+    16-wide lookup lowers without the Triton kernel and counts no fallback; a 3-id one and a
+    one-id 256-wide one lower with it."""
+    monkeypatch.setattr(common, "HARDWARE_VERIFIED", frozenset({(api.OP, "pallas_gpu")}))
+
+    def triton_calls(v, d, h):
+        args = (
+            jax.ShapeDtypeStruct((v, d), jnp.float32),
+            jax.ShapeDtypeStruct((64, h), jnp.int32),
+        )
+        f = jax.jit(lambda t, i: api.pool(t, i))
+        return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton")
+
+    before = dict(common.FALLBACKS)
+    with common.target_backend("gpu"):
+        assert triton_calls(1000, 16, 1) == 0
+        assert triton_calls(1000, 16, 3) == 1
+        assert triton_calls(1000, 256, 1) == 1
+    assert dict(common.FALLBACKS) == before
+
+
+@pytest.mark.parametrize(
     ("impl", "shape", "dtype", "reason"),
     [
         ("cpu_ffi", (37, 48, 5, 3), jnp.bfloat16, "float32"),

@@ -1,6 +1,7 @@
 """The fused embedding backward + sparse optimizer update: every implementation against a dense
-oracle written from the equations, fallbacks, bad input, aliasing, and GPU/TPU lowering at
-production shapes."""
+oracle written from the equations (with and without CowClip and the rows' L2), against the
+engine's own row path, fallbacks, bad input, aliasing, and GPU/TPU lowering at production
+shapes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from recscale.embeddings import update as engine_update
 from recscale.kernels import common
-from recscale.kernels.embedding_bag import cpu_ffi
-from recscale.kernels.embedding_update import api, pallas_gpu, reference
+from recscale.kernels.embedding_update import api, cpu_ffi, pallas_gpu, reference
+from recscale.optim.cowclip import CowClip
 
 V = 41
 LR = 0.05
@@ -57,11 +59,13 @@ def _needs(impl: str) -> None:
         pytest.skip("the C++ CPU kernels did not build here (no compiler?)")
 
 
-def _inputs(d: int, n: int, h: int, dtype, seed: int = 0):
+def _inputs(d: int, n: int, h: int, dtype, seed: int = 0, zero_rows=()):
     """Random rows with heavy repeats (id 3 fills bag 0 and recurs in many bags, id 7 in
-    every other bag) and padding (-1, V, V + 5)."""
+    every other bag) and padding (-1, V, V + 5); ``zero_rows`` set to zero (fresh rows, whose
+    CowClip threshold is the floor)."""
     rng = np.random.default_rng(seed)
     table = rng.standard_normal((V, d)).astype(np.float32)
+    table[list(zero_rows)] = 0.0
     acc = (rng.random(V) + 0.1).astype(np.float32)
     ids = rng.integers(0, V, (n, h))
     ids[rng.random((n, h)) < 0.3] = 3
@@ -80,10 +84,12 @@ def _inputs(d: int, n: int, h: int, dtype, seed: int = 0):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("lr", "optimizer", "pooling", "eps"))
-def _oracle(table, acc, ids, grad, lr, optimizer, pooling, eps):
+@functools.partial(jax.jit, static_argnames=("lr", "optimizer", "pooling", "eps", "clip"))
+def _oracle(table, acc, ids, grad, lr, optimizer, pooling, eps, clip):
     """Dense formulation at float32 HIGHEST: ``g = Aᵀ (w ⊙ grad)`` with ``A [N, V]`` the
-    number of times bag ``n`` reads row ``r``."""
+    number of times bag ``n`` reads row ``r``; with ``clip = (ratio, min_norm, row_l2)``,
+    CowClip as the paper writes it: ``g_r += row_l2·t_r``, then ``g_r·limit/‖g_r‖`` where
+    ``‖g_r‖ > limit = c_r·max(ratio·‖t_r‖, min_norm)``, ``c_r = Σ_n A[n, r]``."""
     t = jnp.asarray(table, jnp.float32)
     valid = (ids >= 0) & (ids < V)
     a_nv = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), V, dtype=jnp.float32), axis=1)
@@ -92,7 +98,18 @@ def _oracle(table, acc, ids, grad, lr, optimizer, pooling, eps):
         w_n = 1.0 / jnp.maximum(valid.sum(1), 1).astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
         g = a_nv.T @ (w_n[:, None] * grad.astype(jnp.float32))
-    touched = a_nv.sum(0) > 0
+    count = a_nv.sum(0)
+    touched = count > 0
+    g_sq = jnp.sum(g * g)
+    clipped = jnp.zeros_like(touched)
+    if clip is not None:
+        ratio, min_norm, row_l2 = clip
+        g = jnp.where(touched[:, None], g + row_l2 * t, g)
+        if ratio > 0:
+            limit = count * jnp.maximum(ratio * jnp.linalg.norm(t, axis=1), min_norm)
+            norm = jnp.linalg.norm(g, axis=1)
+            clipped = touched & (norm > limit)
+            g = jnp.where(clipped[:, None], g * (limit / jnp.where(clipped, norm, 1.0))[:, None], g)
     if optimizer == "sgd":
         upd, new_acc = -lr * g, acc
     else:
@@ -100,31 +117,90 @@ def _oracle(table, acc, ids, grad, lr, optimizer, pooling, eps):
         nz = jnp.any(g != 0, axis=1, keepdims=True)
         upd = jnp.where(nz, -lr * g / (jnp.sqrt(new_acc)[:, None] + eps), 0.0)
     new_t = jnp.where(touched[:, None], (t + upd).astype(table.dtype), table)
-    stats = jnp.stack([jnp.sum(upd * upd), jnp.sum(g * g)])
-    return new_t, new_acc, stats, touched
+    stats = jnp.stack([jnp.sum(upd * upd), g_sq])
+    return new_t, new_acc, stats, touched, clipped
 
 
-def oracle(table, acc, ids, grad, lr, optimizer, pooling, eps=1e-8):
-    new_t, new_acc, stats, touched = _oracle(
-        table, acc, ids, grad, lr=lr, optimizer=optimizer, pooling=pooling, eps=eps
+def oracle(table, acc, ids, grad, lr, optimizer, pooling, eps=1e-8, clip=None):
+    """``(table, acc, stats, touched rows)``, and with ``clip`` the clipped rows too."""
+    new_t, new_acc, stats, touched, clipped = _oracle(
+        table, acc, ids, grad, lr=lr, optimizer=optimizer, pooling=pooling, eps=eps, clip=clip
     )
-    return new_t, new_acc, stats, np.asarray(touched)
+    out = new_t, new_acc, stats, np.asarray(touched)
+    return out if clip is None else (*out, np.asarray(clipped))
 
 
 @pytest.mark.parametrize("impl,d,n,h,dtype,optimizer,pooling", _params())
 def test_update_matches_oracle(impl, d, n, h, dtype, optimizer, pooling):
     _needs(impl)
     table, acc, ids, grad = _inputs(d, n, h, dtype)
+    got = _update(impl, table, acc, ids, grad, optimizer, pooling)
+    want = oracle(table, acc, ids, grad, LR, optimizer, pooling)
+    _compare(got, want, table, acc, optimizer)
+
+
+# (D, N, H, storage dtype, optimizer, pooling, (ratio, min_norm, row_l2), Pallas too): CowClip
+# with the rows' L2, CowClip alone and the L2 alone, for both optimizers, sum and mean pooling,
+# one-id and multi-id bags, float32 and bfloat16 storage.
+CLIP_CASES = [
+    (48, 20, 4, jnp.float32, "sgd", "sum", (1.0, 0.5, 0.05), True),
+    (48, 20, 4, jnp.float32, "rowwise_adagrad", "sum", (1.0, 0.5, 0.05), True),
+    (8, 20, 1, jnp.float32, "rowwise_adagrad", "mean", (1.0, 0.5, 0.0), True),
+    (16, 20, 4, jnp.float32, "sgd", "mean", (0.0, 0.0, 0.1), True),
+    (48, 20, 4, jnp.bfloat16, "rowwise_adagrad", "sum", (1.0, 0.5, 0.05), True),
+    (128, 20, 4, jnp.float32, "rowwise_adagrad", "mean", (0.0, 0.0, 0.1), False),
+    (16, 20, 4, jnp.float32, "sgd", "sum", (1.0, 0.5, 0.0), False),
+]
+
+
+def _clip_params():
+    out = []
+    for impl in IMPLS:
+        for d, n, h, dtype, opt, pooling, clip, pallas in CLIP_CASES:
+            if (impl.startswith("pallas") and not pallas) or (
+                impl == "cpu_ffi" and dtype != jnp.float32
+            ):
+                continue
+            name = f"{impl}-{opt}-{pooling}-D{d}-H{h}-{jnp.dtype(dtype).name}-clip{clip}"
+            out.append(pytest.param(impl, d, n, h, dtype, opt, pooling, clip, id=name))
+    return out
+
+
+@pytest.mark.parametrize("impl,d,n,h,dtype,optimizer,pooling,clip", _clip_params())
+def test_update_with_cowclip_matches_oracle(impl, d, n, h, dtype, optimizer, pooling, clip):
+    """CowClip (threshold ``c_r·max(ratio·‖t_r‖, min_norm)``) and the touched rows' L2 inside
+    every implementation, on rows with repeats, padding and zero rows (the floor's case)."""
+    _needs(impl)
+    table, acc, ids, grad = _inputs(d, n, h, dtype, zero_rows=(3, 11))  # 3: hot
+    cow = CowClip(ratio=clip[0], min_norm=clip[1], row_l2=clip[2])
+    got = _update(impl, table, acc, ids, grad, optimizer, pooling, clip=cow)
+    *want, clipped = oracle(table, acc, ids, grad, LR, optimizer, pooling, clip=clip)
+    touched = want[3]
+    if cow.clips:  # both sides of the threshold, and the floor, are exercised
+        assert clipped.any() and (touched & ~clipped).any(), clipped
+        assert clipped[[3, 11]].any()
+    _compare(got, want, table, acc, optimizer)
+    plain = oracle(table, acc, ids, grad, LR, optimizer, pooling)  # the clip changes the step
+    assert not np.allclose(np.float32(got[0]), np.float32(plain[0]), **common.tolerance(dtype))
+
+
+def _update(impl, table, acc, ids, grad, optimizer, pooling, clip=None):
     acc_in = acc if optimizer == "rowwise_adagrad" else None
     before = dict(common.FALLBACKS)
     fn = jax.jit(
         lambda t, a, i, g, lr: api.update(
-            t, a, i, g, lr, optimizer=optimizer, pooling=pooling, impl=impl
+            t, a, i, g, lr, optimizer=optimizer, pooling=pooling, clip=clip, impl=impl
         )
     )
-    new_t, new_acc, stats = fn(table, acc_in, ids, grad, LR)
+    out = fn(table, acc_in, ids, grad, LR)
     assert dict(common.FALLBACKS) == before, "the implementation fell back"
-    want_t, want_acc, want_stats, touched = oracle(table, acc, ids, grad, LR, optimizer, pooling)
+    return out
+
+
+def _compare(got, want, table, acc, optimizer):
+    new_t, new_acc, stats = got
+    want_t, want_acc, want_stats, touched = want
+    dtype = table.dtype
     assert new_t.dtype == table.dtype and new_t.shape == table.shape
     tol = common.tolerance(dtype)
     np.testing.assert_allclose(np.float32(new_t), np.float32(want_t), **tol)
@@ -138,6 +214,89 @@ def test_update_matches_oracle(impl, d, n, h, dtype, optimizer, pooling):
         np.testing.assert_array_equal(np.asarray(new_acc)[~touched], np.asarray(acc)[~touched])
     else:
         assert new_acc is None
+
+
+@pytest.mark.parametrize(
+    "clip", [None, (0.3, 0.5, 0.05), (0.3, 0.5, 0.0), (0.0, 0.0, 0.05)], ids=lambda c: f"clip{c}"
+)
+@pytest.mark.parametrize("optimizer", reference.OPTIMIZERS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kernel_equals_the_engine_row_path(impl, optimizer, clip):
+    """The two branches of the engine's update (``recscale.embeddings.update.apply_update``) on
+    one device's slots: the update kernel on the ``[S·B, H]`` keys, and the row path it takes
+    for column-split tables and lazy Adam (distinct rows and their counts by one scatter, then
+    ``_clip_rows`` + ``_update_rows``), give the same buffer, accumulators and statistics."""
+    _needs(impl)
+    s, b, h, w, r = 3, 16, 4, 16, 90
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 10, (s, b, h)) + 30 * np.arange(s)[:, None, None]  # slots disjoint
+    keys[rng.random((s, b, h)) < 0.2] = r  # the engine's padding key
+    keys = jnp.asarray(keys, jnp.int32)
+    buf = rng.standard_normal((r, w)).astype(np.float32)
+    buf[[4, 35]] = 0.0
+    buf = jnp.asarray(buf)
+    acc = jnp.asarray(rng.random(r) + 0.1, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((s, b, w)), jnp.float32)
+    cow = None if clip is None else CowClip(ratio=clip[0], min_norm=clip[1], row_l2=clip[2])
+    rule = engine_update.UpdateRule(optimizer, clip=cow)
+    adagrad = optimizer == "rowwise_adagrad"
+
+    @jax.jit
+    def row_path(buf, acc, keys, g):
+        count = None
+        if cow is not None:
+            g = jnp.concatenate([g, jnp.ones((s, b, 1), jnp.float32)], axis=-1)
+        uids, grad = reference.batched_row_gradients(keys, g, r)
+        if cow is not None:
+            grad, count = grad[..., :-1], grad[..., -1]
+        new_buf, st, sq = engine_update._update_rows(
+            buf,
+            {"acc": acc} if adagrad else {},
+            uids,
+            grad,
+            jnp.zeros((s,), jnp.int32),
+            jnp.full((s,), w, jnp.int32),
+            LR,
+            jnp.zeros((), jnp.int32),
+            rule,
+            0,
+            count,
+        )
+        return new_buf, st.get("acc"), jnp.stack([sq, jnp.sum(grad * grad)])
+
+    before = dict(common.FALLBACKS)
+    got = jax.jit(
+        lambda buf, acc, keys, g: api.update(
+            buf,
+            acc if adagrad else None,
+            keys.reshape(s * b, h),
+            g.reshape(s * b, w),
+            LR,
+            optimizer=optimizer,
+            eps=rule.eps,
+            clip=rule.clip,
+            impl=impl,
+        )
+    )(buf, acc, keys, g)
+    assert dict(common.FALLBACKS) == before, "the implementation fell back"
+    want = row_path(buf, acc, keys, g)
+    f32 = common.tolerance(jnp.float32)
+    for name, a, e in zip(("buffer", "accumulators", "statistics"), got, want, strict=True):
+        if e is None:
+            assert a is None
+        else:
+            np.testing.assert_allclose(a, e, **f32, err_msg=name)
+    if cow is not None:  # the clip does something here
+        unclipped = api.update(
+            buf,
+            acc if adagrad else None,
+            keys.reshape(s * b, h),
+            g.reshape(s * b, w),
+            LR,
+            optimizer=optimizer,
+            impl="xla",
+        )
+        assert not np.allclose(got[0], unclipped[0], **f32)
 
 
 def test_sorted_segments_list_each_distinct_row_with_its_bags():
@@ -267,7 +426,7 @@ def _tpu_target():
     return jax.sharding.use_abstract_mesh(mesh)
 
 
-def _lower(impl: str, platform: str, h: int, dtype, optimizer: str) -> str:
+def _lower(impl: str, platform: str, h: int, dtype, optimizer: str, clip=None) -> str:
     adagrad = optimizer == "rowwise_adagrad"
     args = (
         jax.ShapeDtypeStruct((PROD_V, PROD_D), dtype),
@@ -278,7 +437,7 @@ def _lower(impl: str, platform: str, h: int, dtype, optimizer: str) -> str:
     )
     f = jax.jit(
         lambda t, a, i, g, lr: api.update(
-            t, a, i, g, lr, optimizer=optimizer, impl=impl, interpret=False
+            t, a, i, g, lr, optimizer=optimizer, clip=clip, impl=impl, interpret=False
         ),
         donate_argnums=(0, 1),
     )
@@ -297,18 +456,20 @@ def _lower(impl: str, platform: str, h: int, dtype, optimizer: str) -> str:
     [("pallas_gpu", "cuda", "__gpu$xla.gpu.triton"), ("pallas_tpu", "tpu", "tpu_custom_call")],
 )
 @pytest.mark.parametrize(
-    "h,dtype,optimizer",
+    "h,dtype,optimizer,clip",
     [
-        (1, jnp.float32, "rowwise_adagrad"),
-        (20, jnp.float32, "rowwise_adagrad"),
-        (20, jnp.bfloat16, "rowwise_adagrad"),
-        (1, jnp.bfloat16, "sgd"),
+        (1, jnp.float32, "rowwise_adagrad", None),
+        (20, jnp.float32, "rowwise_adagrad", None),
+        (20, jnp.bfloat16, "rowwise_adagrad", None),
+        (1, jnp.bfloat16, "sgd", None),
+        (20, jnp.float32, "rowwise_adagrad", CowClip(ratio=1.0, min_norm=1e-5, row_l2=1e-4)),
+        (1, jnp.bfloat16, "sgd", CowClip(ratio=1.0, min_norm=1e-5)),
     ],
 )
 def test_lowers_at_production_shapes_with_the_table_aliased(
-    impl, platform, target, h, dtype, optimizer
+    impl, platform, target, h, dtype, optimizer, clip
 ):
-    text = _lower(impl, platform, h, dtype, optimizer)
+    text = _lower(impl, platform, h, dtype, optimizer, clip)
     calls = [line for line in text.splitlines() if "custom_call" in line and target in line]
     assert len(calls) == 1, f"expected one {target} call"
     (call,) = calls

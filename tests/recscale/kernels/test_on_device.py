@@ -17,6 +17,7 @@ from recscale.kernels.embedding_bag import api as bag_api
 from recscale.kernels.embedding_update import api as update_api
 from recscale.kernels.fm_interaction import api as fm_api
 from recscale.kernels.quantized_embedding_bag import api as q_api
+from recscale.optim.cowclip import CowClip
 
 IMPLS = [
     pytest.param("pallas_gpu", marks=pytest.mark.gpu),
@@ -98,15 +99,19 @@ def test_embedding_bag(impl, dtype, h):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_embedding_update(impl, dtype, optimizer):
+@pytest.mark.parametrize(
+    "clip", [None, CowClip(ratio=0.5, min_norm=1e-3, row_l2=1e-2)], ids=["plain", "cowclip"]
+)
+def test_embedding_update(impl, dtype, optimizer, clip):
     key = jax.random.key(2)
     table = jax.random.normal(key, (V, D), jnp.float32).astype(dtype)
     acc = jax.random.uniform(key, (V,), jnp.float32) if optimizer == "rowwise_adagrad" else None
     ids = _ids(key, N, 20)
     grad = jax.random.normal(jax.random.key(3), (N, D), jnp.float32)
     before = dict(common.FALLBACKS)
-    got = update_api.update(table, acc, ids, grad, 0.05, optimizer=optimizer, impl=impl)
-    want = update_api.update(table, acc, ids, grad, 0.05, optimizer=optimizer, impl="xla")
+    kw = dict(optimizer=optimizer, clip=clip)
+    got = update_api.update(table, acc, ids, grad, 0.05, impl=impl, **kw)
+    want = update_api.update(table, acc, ids, grad, 0.05, impl="xla", **kw)
     _close(got[0], want[0], dtype)
     if acc is not None:
         _close(got[1], want[1], jnp.float32)

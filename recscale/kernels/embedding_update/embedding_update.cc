@@ -1,14 +1,17 @@
-// CPU kernels of the embedding engine (XLA FFI), beside their plain-JAX references in
-// recscale/embeddings/engine.py (`_pool`, `row_gradients` + `_update_rows`), which they match.
+// The C++ CPU kernel of the embedding backward fused with the sparse SGD / row-wise Adagrad
+// update (XLA FFI, built by recscale/kernels/native.py), beside its plain-JAX reference
+// (embedding_update/reference.py, and the engine's recscale/embeddings/update.py
+// `batched_row_gradients` + `_clip_rows` + `_update_rows`), which it matches.
 //
 // Why hand-written: on CPU, XLA materialises every per-step temporary as a fresh allocation
-// (large ones are mmapped, so each step page-faults them in again), does not fuse a gather into
-// the sum that consumes it, and scatters ~5x slower than a plain loop. These two kernels do the
-// embedding part of a training step in two passes over the touched rows and nothing else:
+// (large ones are mmapped, so each step page-faults them in again) and scatters ~5x slower than
+// a plain loop. This kernel does the embedding part of a training step's update in one pass over
+// the touched rows and nothing else:
 //
-//   recscale_pool:   out[s, b, :] = sum_h buf[keys[s, b, h], :]           (keys == R: padding)
 //   recscale_update: for every distinct row k of keys: g_k = sum of g[s, b, :] over the bags
-//                    (s, b) that read k (repeats counted), then SGD or row-wise Adagrad on row k
+//                    (s, b) that read k (repeats counted, c_k of them), then the row's L2 and
+//                    CowClip (g_k += row_l2 * buf[k]; g_k *= min(1, c_k * max(r * |buf[k]|,
+//                    zeta) / |g_k|) where r > 0), then SGD or row-wise Adagrad on row k
 //                    (acc[k] += mean(g_k^2); buf[k] -= lr * g_k / (sqrt(acc[k]) + eps)),
 //                    in place (buf and acc are aliased to the outputs).
 //
@@ -16,115 +19,21 @@
 // the result does not depend on scheduling. Each thread sorts its (row, bag) pairs by row with a
 // stable radix sort (as FBGEMM's CPU kernels do), so a row's repeats are summed in (s, b, h)
 // order and the rows are updated in address order. Tables of 8 MiB and more are backed by
-// transparent huge pages (UseHugePages below).
+// transparent huge pages (UseHugePages, native.h).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <mutex>
-#include <thread>
 #include <vector>
 
-#include <sys/mman.h>
-
+#include "native.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace recscale {
 namespace {
-
-int NumThreads() {
-  unsigned n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::max(1u, std::min(n, 64u)));
-}
-
-// Prefetches all cache lines of a row of `w` floats (rows are random reads: latency-bound).
-inline void PrefetchRow(const float* p, int64_t w, int rw) {
-  for (int64_t d = 0; d < w; d += 16) {
-    if (rw) {
-      __builtin_prefetch(p + d, 1);
-    } else {
-      __builtin_prefetch(p + d, 0);
-    }
-  }
-}
-
-// Backs a table with transparent huge pages, once per buffer: lookups and updates are random
-// row accesses over gigabytes, where 4 KiB pages make nearly every access a TLB miss and a page
-// walk. MADV_COLLAPSE (Linux >= 6.1) converts the existing pages synchronously; where it is not
-// supported this does nothing. Buffers are donated step to step, so the address stays the same.
-void UseHugePages(const void* data, int64_t bytes) {
-  constexpr int64_t kHuge = 2 << 20;
-  if (bytes < 4 * kHuge) return;
-  static std::mutex mu;
-  static std::vector<std::pair<uintptr_t, int64_t>> done;
-  std::lock_guard<std::mutex> lock(mu);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
-  for (const auto& d : done) {
-    if (d.first == p && d.second == bytes) return;
-  }
-  done.emplace_back(p, bytes);
-  const uintptr_t lo = (p + kHuge - 1) / kHuge * kHuge;
-  const uintptr_t hi = (p + bytes) / kHuge * kHuge;
-  if (hi <= lo) return;
-  void* start = reinterpret_cast<void*>(lo);
-  madvise(start, hi - lo, MADV_HUGEPAGE);
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25
-#endif
-  madvise(start, hi - lo, MADV_COLLAPSE);
-}
-
-template <typename F>
-void ParallelFor(int threads, F&& fn) {
-  if (threads == 1) {
-    fn(0);
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(fn, t);
-  fn(0);
-  for (auto& th : pool) th.join();
-}
-
-ffi::Error PoolImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::S32> keys,
-                    ffi::ResultBuffer<ffi::F32> out) {
-  const auto bd = buf.dimensions();
-  const auto kd = keys.dimensions();
-  if (bd.size() != 2 || kd.size() != 3) {
-    return ffi::Error::InvalidArgument("recscale_pool: buf must be [R, w], keys [S, B, H]");
-  }
-  const int64_t rows = bd[0], w = bd[1];
-  const int64_t bags = kd[0] * kd[1], h = kd[2];
-  const float* table = buf.typed_data();
-  const int32_t* k = keys.typed_data();
-  float* o = out->typed_data();
-  UseHugePages(table, rows * w * sizeof(float));
-  const int threads = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, bags / 64)));
-  ParallelFor(threads, [&](int t) {
-    const int64_t lo = bags * t / threads, hi = bags * (t + 1) / threads;
-    for (int64_t bag = lo; bag < hi; ++bag) {
-      float* dst = o + bag * w;
-      std::memset(dst, 0, sizeof(float) * w);
-      const int32_t* ids = k + bag * h;
-      if (bag + 1 < hi) {  // the next bag's rows are random reads: start fetching them now
-        const int32_t* next = k + (bag + 1) * h;
-        for (int64_t j = 0; j < h; ++j) {
-          if (next[j] >= 0 && next[j] < rows) PrefetchRow(table + next[j] * w, w, 0);
-        }
-      }
-      for (int64_t j = 0; j < h; ++j) {
-        const int32_t r = ids[j];
-        if (r < 0 || r >= rows) continue;
-        const float* src = table + static_cast<int64_t>(r) * w;
-        for (int64_t d = 0; d < w; ++d) dst[d] += src[d];
-      }
-    }
-  });
-  return ffi::Error::Success();
-}
 
 // Per-thread scratch, kept across calls so that no call page-faults fresh memory in.
 struct Workspace {
@@ -149,10 +58,54 @@ void RadixSortByRow(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp, int bi
   }
 }
 
+// Sum of squares of a row in 8 independent partial sums: one chain of dependent float adds (the
+// kernel is built without -ffast-math, so the compiler may not reorder it) costs ~4 cycles an
+// element, which the clip's extra reductions per row would pay several times over.
+inline float SumSquares(const float* x, int64_t w) {
+  float p[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t d = 0;
+  for (; d + 8 <= w; d += 8) {
+    for (int j = 0; j < 8; ++j) p[j] += x[d + j] * x[d + j];
+  }
+  for (; d < w; ++d) p[d % 8] += x[d] * x[d];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+inline bool AnyNonzero(const float* x, int64_t w) {
+  int any = 0;  // an int OR reduction: the compiler vectorizes it (a bool one it does not)
+  for (int64_t d = 0; d < w; ++d) any |= x[d] != 0.0f ? 1 : 0;
+  return any != 0;
+}
+
+// One pass over a row gradient g and its row t for the row's L2 and CowClip: g += l2 * t
+// (l2 may be 0), and returns sum(g^2) after it and sum(t^2), each in 8 partial sums.
+inline void AddL2AndSumSquares(float* g, const float* t, int64_t w, float l2, float* g2,
+                               float* t2) {
+  float pg[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float pt[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t d = 0;
+  for (; d + 8 <= w; d += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float x = g[d + j] + l2 * t[d + j];
+      g[d + j] = x;
+      pg[j] += x * x;
+      pt[j] += t[d + j] * t[d + j];
+    }
+  }
+  for (; d < w; ++d) {
+    g[d] += l2 * t[d];
+    pg[d % 8] += g[d] * g[d];
+    pt[d % 8] += t[d] * t[d];
+  }
+  *g2 = ((pg[0] + pg[1]) + (pg[2] + pg[3])) + ((pg[4] + pg[5]) + (pg[6] + pg[7]));
+  *t2 = ((pt[0] + pt[1]) + (pt[2] + pt[3])) + ((pt[4] + pt[5]) + (pt[6] + pt[7]));
+}
+
 ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
                       ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> grad,
                       ffi::Buffer<ffi::F32> lr_buf, ffi::Buffer<ffi::S32> table_dim,
-                      float eps, int32_t adagrad, ffi::ResultBuffer<ffi::F32> buf_out,
+                      float eps, int32_t adagrad, float clip_ratio, float clip_min_norm,
+                      float row_l2, ffi::ResultBuffer<ffi::F32> buf_out,
                       ffi::ResultBuffer<ffi::F32> acc_out, ffi::ResultBuffer<ffi::F32> stats) {
   const auto bd = buf.dimensions();
   const auto kd = keys.dimensions();
@@ -174,6 +127,7 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
   const float* g = grad.typed_data();
   const int32_t* tdim = table_dim.typed_data();
   const float lr = lr_buf.typed_data()[0];
+  const bool clips = clip_ratio > 0.0f;
   UseHugePages(table, rows * w * sizeof(float));
   if (adagrad) UseHugePages(accum, rows * sizeof(float));
 
@@ -211,10 +165,12 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
     std::vector<float>& gr = ws.row[t];
     gr.resize(w);
     double usq = 0.0, gsq = 0.0;
-    // 3. per row: the sum of the gradients of the bags that read it, then the optimizer
+    // 3. per row: the sum of the gradients of the bags that read it, the row's L2 and CowClip,
+    //    then the optimizer
     for (int64_t i = 0; i < n;) {
       const int32_t r = static_cast<int32_t>(e[i] >> 32);
       const int64_t first_bag = static_cast<int64_t>(e[i] & 0xffffffffu);
+      const int64_t first = i;
       std::fill(gr.begin(), gr.end(), 0.0f);
       for (; i < n && static_cast<int32_t>(e[i] >> 32) == r; ++i) {
         if (i + kAhead < n) {
@@ -225,13 +181,31 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
         const float* src = g + static_cast<int64_t>(e[i] & 0xffffffffu) * w;
         for (int64_t d = 0; d < w; ++d) gr[d] += src[d];
       }
-      float sq = 0.0f;
-      bool touched = false;
-      for (int64_t d = 0; d < w; ++d) {
-        sq += gr[d] * gr[d];
-        touched |= gr[d] != 0.0f;
+      float sq = SumSquares(gr.data(), w);
+      gsq += sq;  // the statistic is the row gradient's, before the L2 and the clip
+      bool touched = AnyNonzero(gr.data(), w);
+      float* row = table + static_cast<int64_t>(r) * w;
+      if (clips) {
+        // g += row_l2 * t, then g *= min(1, c * max(ratio * |t|, min_norm) / |g|), c the row's
+        // pairs (reference.clip_rows)
+        float t2 = 0.0f;
+        AddL2AndSumSquares(gr.data(), row, w, row_l2, &sq, &t2);
+        const float count = static_cast<float>(i - first);
+        const float limit = count * std::max(clip_ratio * std::sqrt(t2), clip_min_norm);
+        const float norm = std::sqrt(sq);
+        if (norm > limit) {
+          const float s = limit / norm;
+          for (int64_t d = 0; d < w; ++d) gr[d] *= s;
+          if (adagrad) sq = SumSquares(gr.data(), w);
+        }
+        if (adagrad) touched = AnyNonzero(gr.data(), w);
+      } else if (row_l2 != 0.0f) {  // g += row_l2 * t alone
+        for (int64_t d = 0; d < w; ++d) gr[d] += row_l2 * row[d];
+        if (adagrad) {
+          sq = SumSquares(gr.data(), w);
+          touched = AnyNonzero(gr.data(), w);
+        }
       }
-      gsq += sq;
       float scale = -lr;
       if (adagrad) {
         const float a = accum[r] + sq / static_cast<float>(tdim[first_bag / batch]);
@@ -239,7 +213,6 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
         if (!touched) continue;
         scale = -lr / (std::sqrt(a) + eps);
       }
-      float* row = table + static_cast<int64_t>(r) * w;
       for (int64_t d = 0; d < w; ++d) {
         const float up = scale * gr[d];
         row[d] += up;
@@ -260,14 +233,9 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
 }
 
 }  // namespace
+}  // namespace recscale
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RecscalePool, PoolImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RecscaleUpdate, UpdateImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RecscaleUpdate, recscale::UpdateImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -277,6 +245,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RecscaleUpdate, UpdateImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("eps")
                                   .Attr<int32_t>("adagrad")
+                                  .Attr<float>("clip_ratio")
+                                  .Attr<float>("clip_min_norm")
+                                  .Attr<float>("row_l2")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
