@@ -36,8 +36,10 @@ docs/study``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from data.config import DataConfig, SyntheticConfig
-from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder, wukong_rung
+from sweeps.spec import FamilySpec, Rung, SweepSpec, Trial, dlrm_ladder, resolve, wukong_rung
 
 VOCAB = (
     100000,
@@ -209,3 +211,18 @@ SPEC = SweepSpec(
     checkpoints_per_trial=2,
     code_version=CODE_VERSION,
 )
+
+
+def trial_per_rung(batch_size: int) -> dict[str, Trial]:
+    """One trial of every rung of every family at ``batch_size`` (seed 0, no budget window), by
+    rung name: what the benchmarks that time a study model's step train."""
+    spec = dataclasses.replace(
+        SPEC,
+        budgets=(1e12,),
+        sizes_per_budget=0,
+        min_steps=0,
+        extend_below=0,
+        seeds=(0,),
+        batch_size=batch_size,
+    )
+    return {t.rung: t for t in resolve(spec).trials}
