@@ -39,7 +39,8 @@ from __future__ import annotations
 import dataclasses
 
 from data.config import DataConfig, SyntheticConfig
-from sweeps.spec import FamilySpec, Rung, SweepSpec, Trial, dlrm_ladder, resolve, wukong_rung
+from sweeps.spec import FamilySpec, SweepSpec, Trial, dlrm_ladder, resolve, wukong_rung
+from sweeps.specs import dcnv2_ladder, finalmlp_ladder
 
 VOCAB = (
     100000,
@@ -148,20 +149,17 @@ DCNV2 = FamilySpec(
     preset="dcnv2/synthetic",
     overrides=SCHEDULE,
     # (d, cross layers, cross rank, deep MLP)
-    ladder=tuple(
-        Rung(f"c{i + 1}", dict(embed_dim=d, num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
-        for i, (d, n, r, mlp) in enumerate(
-            (
-                (4, 1, 4, (16,)),
-                (8, 1, 4, (16,)),
-                (8, 1, 8, (64,)),
-                (8, 2, 8, (64, 32)),
-                (16, 2, 8, (96, 48)),
-                (16, 2, 32, (256, 128)),
-                (16, 3, 32, (512, 256)),
-                (32, 3, 32, (512, 256)),
-                (32, 3, 64, (1024, 512)),
-            )
+    ladder=dcnv2_ladder(
+        (
+            (4, 1, 4, (16,)),
+            (8, 1, 4, (16,)),
+            (8, 1, 8, (64,)),
+            (8, 2, 8, (64, 32)),
+            (16, 2, 8, (96, 48)),
+            (16, 2, 32, (256, 128)),
+            (16, 3, 32, (512, 256)),
+            (32, 3, 32, (512, 256)),
+            (32, 3, 64, (1024, 512)),
         )
     ),
 )
@@ -176,20 +174,17 @@ FINALMLP = FamilySpec(
         "model.fs2_context": (),
     },
     # (d, stream-1 MLP, stream-2 MLP, gate hidden units, fusion heads)
-    ladder=tuple(
-        Rung(f"f{i + 1}", dict(embed_dim=d, mlp1=m1, mlp2=m2, fs_hidden_units=fs, num_heads=h))
-        for i, (d, m1, m2, fs, h) in enumerate(
-            (
-                (4, (16,), (8,), (8,), 1),
-                (4, (32,), (16,), (16,), 1),
-                (8, (64,), (32,), (16,), 1),
-                (8, (64,), (48,), (24,), 1),
-                (16, (96, 48), (48,), (32,), 2),
-                (16, (256, 128), (128,), (64,), 2),
-                (16, (512, 256), (256,), (128,), 4),
-                (32, (512, 256), (256, 128), (128,), 4),
-                (32, (1024, 512), (512, 256), (256,), 4),
-            )
+    ladder=finalmlp_ladder(
+        (
+            (4, (16,), (8,), (8,), 1),
+            (4, (32,), (16,), (16,), 1),
+            (8, (64,), (32,), (16,), 1),
+            (8, (64,), (48,), (24,), 1),
+            (16, (96, 48), (48,), (32,), 2),
+            (16, (256, 128), (128,), (64,), 2),
+            (16, (512, 256), (256,), (128,), 4),
+            (32, (512, 256), (256, 128), (128,), 4),
+            (32, (1024, 512), (512, 256), (256,), 4),
         )
     ),
 )
