@@ -64,9 +64,9 @@ class DLRMModelConfig:
                 f"(any sizes ending in model.embed_dim = {self.embed_dim})"
             )
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return dlrm_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+    cost = dlrm_cost
+    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
+    bytes per example (``recscale.flops`` conventions)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -100,9 +100,9 @@ class WukongModelConfig:
             )
         return n
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return wukong_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+    cost = wukong_cost
+    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
+    bytes per example (``recscale.flops`` conventions)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

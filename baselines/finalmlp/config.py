@@ -110,11 +110,9 @@ class FinalMLPModelConfig:
                     f"--model.{field.replace('_', '-')} to some of them (or none)"
                 )
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return finalmlp_cost(
-            self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
-        )
+    cost = finalmlp_cost
+    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
+    bytes per example (``recscale.flops`` conventions)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

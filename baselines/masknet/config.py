@@ -93,11 +93,9 @@ class MaskNetModelConfig:
                 f"--model.reduction-ratio {math.ceil(1e4 / z) / 1e4:g} or more"
             )
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return masknet_cost(
-            self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
-        )
+    cost = masknet_cost
+    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
+    bytes per example (``recscale.flops`` conventions)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
