@@ -64,9 +64,7 @@ class DLRMModelConfig:
                 f"(any sizes ending in model.embed_dim = {self.embed_dim})"
             )
 
-    cost = dlrm_cost
-    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
-    bytes per example (``recscale.flops`` conventions)."""
+    cost = dlrm_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -100,9 +100,7 @@ class WukongModelConfig:
             )
         return n
 
-    cost = wukong_cost
-    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
-    bytes per example (``recscale.flops`` conventions)."""
+    cost = wukong_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

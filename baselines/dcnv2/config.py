@@ -66,9 +66,7 @@ class DCNv2ModelConfig:
                 "--model.dense-mlp with no sizes"
             )
 
-    cost = dcnv2_cost
-    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
-    bytes per example (``recscale.flops`` conventions)."""
+    cost = dcnv2_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -110,9 +110,7 @@ class FinalMLPModelConfig:
                     f"--model.{field.replace('_', '-')} to some of them (or none)"
                 )
 
-    cost = finalmlp_cost
-    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
-    bytes per example (``recscale.flops`` conventions)."""
+    cost = finalmlp_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -93,9 +93,7 @@ class MaskNetModelConfig:
                 f"--model.reduction-ratio {math.ceil(1e4 / z) / 1e4:g} or more"
             )
 
-    cost = masknet_cost
-    """``cost(schema, *, mean_hotness=None, bytes_per_param=4)``: parameters, FLOPs and embedding
-    bytes per example (``recscale.flops`` conventions)."""
+    cost = masknet_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
