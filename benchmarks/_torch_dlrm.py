@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
+import _torch_timing
 import torch
 from torch import nn
 
@@ -100,38 +100,7 @@ def main() -> None:
             rowwise_adagrad_(t, acc, a["emb_lr"])
         return loss
 
-    for i in range(a["warmup"]):
-        step(i)
-    sync()
-    train_s = float("inf")
-    for _ in range(a.get("windows", 1)):
-        t0 = time.perf_counter()
-        for i in range(a["steps"]):
-            loss = step(i)
-        sync()
-        train_s = min(train_s, time.perf_counter() - t0)
-    with torch.no_grad():
-        for i in range(a["warmup"]):
-            model(*batches[i % len(batches)][:2])
-        sync()
-        infer_s = float("inf")
-        for _ in range(a.get("windows", 1)):
-            t0 = time.perf_counter()
-            for i in range(a["steps"]):
-                model(*batches[i % len(batches)][:2])
-            sync()
-            infer_s = min(infer_s, time.perf_counter() - t0)
-    print(
-        json.dumps(
-            {
-                "train_examples_per_s": a["steps"] * B / train_s,
-                "infer_examples_per_s": a["steps"] * B / infer_s,
-                "final_loss": float(loss.detach()),
-                "torch": torch.__version__,
-                "device": str(device),
-            }
-        )
-    )
+    _torch_timing.report(step, model, batches, a, sync=sync, device=str(device))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
+import _torch_timing
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM
@@ -61,33 +61,7 @@ def main() -> None:
         opt.step()
         return loss
 
-    for i in range(a["warmup"]):
-        step(i)
-    train_s = float("inf")  # the best of `windows` timed windows (a noisy shared machine)
-    for _ in range(a.get("windows", 1)):
-        t0 = time.perf_counter()
-        for i in range(a["steps"]):
-            loss = step(i)
-        train_s = min(train_s, time.perf_counter() - t0)
-    with torch.no_grad():
-        for i in range(a["warmup"]):
-            model(*batches[i % len(batches)][:2])
-        infer_s = float("inf")
-        for _ in range(a.get("windows", 1)):
-            t0 = time.perf_counter()
-            for i in range(a["steps"]):
-                model(*batches[i % len(batches)][:2])
-            infer_s = min(infer_s, time.perf_counter() - t0)
-    print(
-        json.dumps(
-            {
-                "train_examples_per_s": a["steps"] * B / train_s,
-                "infer_examples_per_s": a["steps"] * B / infer_s,
-                "final_loss": float(loss.detach()),
-                "torch": torch.__version__,
-            }
-        )
-    )
+    _torch_timing.report(step, model, batches, a)
 
 
 if __name__ == "__main__":

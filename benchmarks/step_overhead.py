@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import re
 import sys
@@ -43,7 +42,6 @@ from recscale import (  # noqa: E402
 )
 from recscale.train import experiment  # noqa: E402
 from recscale.train.steps import make_train_step  # noqa: E402
-from sweeps.spec import resolve  # noqa: E402
 from sweeps.specs import study  # noqa: E402
 
 
@@ -102,16 +100,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--reps", type=int, default=40)
     args = ap.parse_args()
-    spec = dataclasses.replace(
-        study.SPEC,
-        budgets=(1e12,),
-        sizes_per_budget=0,
-        min_steps=0,
-        extend_below=0,
-        seeds=(0,),
-        batch_size=args.batch,
-    )
-    trials = {t.rung: t for t in resolve(spec).trials}
+    trials = study.trial_per_rung(args.batch)
     print(f"batch {args.batch}; ms per step (compile excluded), us per example, ratio to single")
     for rung in args.rungs:
         t = trials[rung]

@@ -12,14 +12,12 @@ the same updates: row-wise Adagrad leaves a row the batch does not touch unchang
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
 
 from recscale import families
 from recscale.train.cli import train_main
-from sweeps.spec import resolve
 from sweeps.specs import study
 
 
@@ -29,16 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=256)
     args = ap.parse_args()
-    spec = dataclasses.replace(
-        study.SPEC,
-        budgets=(1e12,),
-        sizes_per_budget=0,
-        min_steps=0,
-        extend_below=0,
-        seeds=(0,),
-        batch_size=args.batch,
-    )
-    trials = {t.rung: t for t in resolve(spec).trials}
+    trials = study.trial_per_rung(args.batch)
     print(
         f"batch {args.batch}, {args.steps} steps; ms per step (compile excluded) and data "
         "waits per step"

@@ -65,47 +65,16 @@ from recscale.train.steps import (
 ROOT = Path(__file__).resolve().parents[1]
 TORCHREC_PY = ROOT / ".venv-torchrec" / "bin" / "python"
 
+_KEYS = ("tables", "rows", "dim", "hotness", "dense", "bottom", "top", "batch")
 CONFIGS = {
-    "A128": dict(
-        tables=26,
-        rows=100_000,
-        dim=16,
-        hotness=1,
-        dense=13,
-        bottom=(512, 256, 64, 16),
-        top=(512, 256, 1),
-        batch=128,
-    ),
-    "A2048": dict(
-        tables=26,
-        rows=100_000,
-        dim=16,
-        hotness=1,
-        dense=13,
-        bottom=(512, 256, 64, 16),
-        top=(512, 256, 1),
-        batch=2048,
-    ),
-    "B": dict(
-        tables=8,
-        rows=1_000_000,
-        dim=64,
-        hotness=100,
-        dense=512,
-        bottom=(512, 64),
-        top=(1024, 1024, 1024, 1),
-        batch=2048,
-    ),
-    "C": dict(
-        tables=26,
-        rows=1_000_000,
-        dim=64,
-        hotness=20,
-        dense=13,
-        bottom=(256, 64),
-        top=(256, 1),
-        batch=4096,
-    ),
+    name: dict(zip(_KEYS, row, strict=True))
+    for name, row in {
+        # tables, rows per table, dim, hotness, dense features, bottom MLP, top MLP, batch
+        "A128": (26, 100_000, 16, 1, 13, (512, 256, 64, 16), (512, 256, 1), 128),
+        "A2048": (26, 100_000, 16, 1, 13, (512, 256, 64, 16), (512, 256, 1), 2048),
+        "B": (8, 1_000_000, 64, 100, 512, (512, 64), (1024, 1024, 1024, 1), 2048),
+        "C": (26, 1_000_000, 64, 20, 13, (256, 64), (256, 1), 4096),
+    }.items()
 }
 LR = 0.01
 

@@ -19,6 +19,12 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
+def command(*program: str) -> list[str]:
+    """The argv that runs ``program`` (its own argv) through this trampoline, killed when the
+    calling process dies."""
+    return [sys.executable, "-m", "data._child", str(os.getpid()), *program]
+
+
 def main() -> None:
     parent = int(sys.argv[1])  # the worker's pid, passed in: getppid() here could already be 1
     if sys.platform.startswith("linux"):

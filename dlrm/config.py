@@ -7,10 +7,11 @@ from typing import Literal
 
 from recscale.config import ConfigError, ExperimentConfig
 from recscale.flops import dlrm_cost
+from recscale.model_config import TablesConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DLRMModelConfig:
+class DLRMModelConfig(TablesConfig):
     """The DLRM network."""
 
     embed_dim: int = 16
@@ -27,12 +28,6 @@ class DLRMModelConfig:
     """What the dot products are concatenated with before the top MLP: ``dense`` = the bottom
     MLP's output (facebookresearch/dlrm); ``all`` = every interacting vector, flattened
     (FuxiCTR/BARS, whose published Frappe and Criteo DLRM numbers use it)."""
-    pooling: Literal["sum", "mean"] = "sum"
-    """Pooling of multi-hot bags."""
-    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
-    """Table init (see recscale.embeddings.TableSpec)."""
-    embedding_init_scale: float = 0.01
-    """Std of ``normal`` table init."""
     dropout: float = 0.0
     """Dropout rate after each hidden layer of the top MLP (training only)."""
     layer_norm: bool = False
@@ -64,9 +59,7 @@ class DLRMModelConfig:
                 f"(any sizes ending in model.embed_dim = {self.embed_dim})"
             )
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return dlrm_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+    cost = dlrm_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

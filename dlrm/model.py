@@ -43,15 +43,7 @@ class DLRM(nnx.Module):
     ):
         self.cfg = nnx.static(cfg)
         self.kernels = nnx.static(kernels or KernelConfig())
-        self.embeddings = EmbeddingCollection.one_table_per_feature(
-            schema,
-            cfg.embed_dim,
-            pooling=cfg.pooling,
-            init=cfg.embedding_init,
-            init_scale=cfg.embedding_init_scale,
-            rngs=rngs,
-            engine=engine,
-        )
+        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
         cfg.check_data(schema)
         self.has_dense = schema.num_dense > 0
         if self.has_dense:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from data import presets as data_presets
 from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CRITEO_TERABYTE_VOCAB_SIZES
 from dlrm.config import DLRMConfig, DLRMModelConfig
+from recscale import recipes
 from recscale.config import (
     DenseOptimConfig,
     EmbeddingOptimConfig,
@@ -22,10 +23,7 @@ def tiny() -> DLRMConfig:
     """
     return DLRMConfig(
         model=DLRMModelConfig(embed_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1)),
-        data=data_presets.tiny_synthetic(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
+        **recipes.tiny(),
     )
 
 
@@ -38,16 +36,7 @@ def synthetic() -> DLRMConfig:
     """
     return DLRMConfig(
         model=DLRMModelConfig(embed_dim=16, bottom_mlp=(64, 32, 16), top_mlp=(128, 64, 1)),
-        data=data_presets.synthetic(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(
-            num_steps=3000,
-            log_every=100,
-            eval_every=1000,
-            eval_max_batches=4,
-            checkpoint_every=1000,
-        ),
+        **recipes.synthetic(),
     )
 
 
@@ -74,12 +63,7 @@ def frappe() -> DLRMConfig:
             dropout=0.2,
             batch_norm=True,
         ),
-        data=data_presets.frappe(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(
-            name="adam", learning_rate=1e-2, decay="cosine", l2=0.02
-        ),
-        train=TrainConfig(num_steps=2000, log_every=50, eval_every=250, checkpoint_every=500),
+        **recipes.frappe(num_steps=2000),
     )
 
 

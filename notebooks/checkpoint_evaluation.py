@@ -51,7 +51,6 @@ FAMILY = "dlrm"
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import jax
@@ -64,7 +63,7 @@ import wukong.presets  # noqa: F401
 from dlrm.config import DLRMConfig
 from dlrm.model import build_model as build_dlrm
 from recscale import config as config_lib
-from recscale import sharding
+from recscale import notebook, sharding
 from recscale.metrics import EvalAccumulator
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.evaluation import EvalArgs, evaluate_workdir
@@ -79,13 +78,9 @@ from wukong.model import build_model as build_wukong
 FAMILIES = {"dlrm": (DLRMConfig, build_dlrm), "wukong": (WukongConfig, build_wukong)}
 config_cls, build_model = FAMILIES[FAMILY]
 
-# Default runs go to runs/notebooks/ at the repository root (ignored by git). The root is found
-# from the working directory, so the notebook works when started from the root or from
-# notebooks/; outside a checkout (Colab) it is ./runs/notebooks. RECSCALE_NOTEBOOK_RUNS overrides
-# the location (the tests point it at a temporary directory).
-HERE = Path.cwd()
-ROOT = next((p for p in (HERE, *HERE.parents) if (p / "recscale" / "__init__.py").is_file()), HERE)
-RUNS = Path(os.environ.get("RECSCALE_NOTEBOOK_RUNS") or ROOT / "runs" / "notebooks")
+# Default runs go to runs/notebooks/ at the repository root (ignored by git; see
+# recscale.notebook); RECSCALE_NOTEBOOK_RUNS overrides the location.
+ROOT, RUNS = notebook.repo_root(), notebook.runs_dir()
 if WORKDIR:
     workdir = ROOT / Path(WORKDIR).expanduser()  # an absolute WORKDIR replaces ROOT
 else:

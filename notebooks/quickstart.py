@@ -43,9 +43,7 @@ if "google.colab" in sys.modules:
 
 # %%
 import dataclasses
-import os
 import shutil
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -55,6 +53,7 @@ import wukong.presets  # noqa: F401
 from data.synthetic import synthetic_schema
 from dlrm.config import DLRMConfig
 from dlrm.model import build_model as build_dlrm
+from recscale import notebook
 from recscale.config import get_preset, parse_preset_cli, preset_names
 from recscale.flops import model_cost
 from recscale.train.evaluation import EvalArgs, evaluate_workdir
@@ -62,13 +61,9 @@ from recscale.train.loop import train
 from wukong.config import WukongConfig
 from wukong.model import build_model as build_wukong
 
-# Runs go to runs/notebooks/ at the repository root (ignored by git). The root is found from the
-# working directory, so the notebook works when started from the root or from notebooks/; outside
-# a checkout (Colab) it is ./runs/notebooks. RECSCALE_NOTEBOOK_RUNS overrides the location (the
-# tests point it at a temporary directory).
-HERE = Path.cwd()
-ROOT = next((p for p in (HERE, *HERE.parents) if (p / "recscale" / "__init__.py").is_file()), HERE)
-RUNS = Path(os.environ.get("RECSCALE_NOTEBOOK_RUNS") or ROOT / "runs" / "notebooks") / "quickstart"
+# Runs go to runs/notebooks/ at the repository root (ignored by git; see recscale.notebook);
+# RECSCALE_NOTEBOOK_RUNS overrides the location (the tests point it at a temporary directory).
+RUNS = notebook.runs_dir() / "quickstart"
 print("runs under", RUNS)
 print("presets:", ", ".join(preset_names("dlrm/") + preset_names("wukong/")))
 

@@ -44,21 +44,18 @@ if "google.colab" in sys.modules:
 
 # %%
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import numpy as np
 from IPython.display import Image, display
 
+from recscale import notebook
 from sweeps import analyze, fit
 from sweeps.spec import load_spec, resolve
 
-# Runs go to runs/notebooks/ at the repository root (see notebooks/README.md);
-# RECSCALE_NOTEBOOK_RUNS overrides the location (the tests use a temporary directory).
-HERE = Path.cwd()
-ROOT = next((p for p in (HERE, *HERE.parents) if (p / "recscale" / "__init__.py").is_file()), HERE)
-RUNS = Path(os.environ.get("RECSCALE_NOTEBOOK_RUNS") or ROOT / "runs" / "notebooks")
+# Runs go to runs/notebooks/ at the repository root (see notebooks/README.md and
+# recscale.notebook); RECSCALE_NOTEBOOK_RUNS overrides the location.
+ROOT, RUNS = notebook.repo_root(), notebook.runs_dir()
 SWEEP_DIR = RUNS / "scaling_sweep"
 print("sweep directory:", SWEEP_DIR)
 

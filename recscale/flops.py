@@ -31,7 +31,7 @@ Conventions (what is counted, and how):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from data.batch import Schema
@@ -129,13 +129,59 @@ def assemble_cost(
     )
 
 
-def dlrm_cost(
-    cfg: Any,
-    schema: Schema,
-    *,
-    mean_hotness: float | Sequence[float] | None = None,
-    bytes_per_param: int = 4,
-) -> ModelCost:
+@dataclasses.dataclass(frozen=True)
+class DenseCount:
+    """What a family's counting function adds up for one network on one schema."""
+
+    params: int
+    """Dense parameters (every parameter but the embedding tables)."""
+    components: list[tuple[str, float]]
+    """Forward FLOPs per example by part, ``(name, flops)``."""
+    dim: int
+    """The embedding dimension of its tables."""
+    reread: tuple[int, ...] = ()
+    """Features whose ids a second table of the model reads again (FinalMLP's gate contexts):
+    each adds a table of that feature's rows, its reads and its gradient scatter."""
+
+
+def family_cost(count: Callable[[Any, Schema], DenseCount]) -> Callable[..., ModelCost]:
+    """A family's cost function, ``(cfg, schema, *, mean_hotness=None, bytes_per_param=4) ->
+    ModelCost``, from ``count(cfg, schema)``, its network's dense parameters and FLOPs; the
+    embedding tables' share (``assemble_cost``) is added here, once for every family."""
+
+    def cost(
+        cfg: Any,
+        schema: Schema,
+        *,
+        mean_hotness: float | Sequence[float] | None = None,
+        bytes_per_param: int = 4,
+    ) -> ModelCost:
+        counted = count(cfg, schema)
+        if counted.reread:
+            extra = counted.reread
+            features = schema.features + tuple(
+                dataclasses.replace(schema.features[f], name=f"fs/{n}/{schema.features[f].name}")
+                for n, f in enumerate(extra)
+            )
+            if mean_hotness is not None and not isinstance(mean_hotness, (int, float)):
+                if len(mean_hotness) != schema.num_sparse:
+                    raise ValueError(
+                        f"mean_hotness has {len(mean_hotness)} entries for {schema.num_sparse} "
+                        "features"
+                    )
+                mean_hotness = [*mean_hotness, *(mean_hotness[f] for f in extra)]
+            schema = Schema(dense_names=schema.dense_names, features=features)
+        return assemble_cost(
+            counted.params, counted.components, schema, counted.dim, mean_hotness, bytes_per_param
+        )
+
+    cost.__name__, cost.__qualname__ = count.__name__, count.__qualname__
+    cost.__doc__, cost.__module__ = count.__doc__, count.__module__
+    return cost
+
+
+@family_cost
+def dlrm_cost(cfg: Any, schema: Schema) -> DenseCount:
     """Costs of ``dlrm.model.DLRM`` built from a ``DLRMModelConfig`` ``cfg`` for ``schema``."""
     d = cfg.embed_dim
     has_dense = schema.num_dense > 0
@@ -154,16 +200,11 @@ def dlrm_cost(
         top_in = pairs + (n * d if cfg.dot_concat == "all" else (d if has_dense else 0))
     params += mlp_params(top_in, cfg.top_mlp, layer_norm=cfg.layer_norm, batch_norm=cfg.batch_norm)
     parts.append(("top_mlp", mlp_flops(top_in, cfg.top_mlp)))
-    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return DenseCount(params, parts, d)
 
 
-def wukong_cost(
-    cfg: Any,
-    schema: Schema,
-    *,
-    mean_hotness: float | Sequence[float] | None = None,
-    bytes_per_param: int = 4,
-) -> ModelCost:
+@family_cost
+def wukong_cost(cfg: Any, schema: Schema) -> DenseCount:
     """Costs of ``wukong.model.Wukong`` built from a ``WukongModelConfig`` ``cfg`` for ``schema``."""
     d, k = cfg.embed_dim, cfg.fmb_rank
     m, c = cfg.n_fmb, cfg.n_lcb
@@ -200,7 +241,7 @@ def wukong_cost(
     parts += [("fmb_interaction", fm), ("fmb_mlp", mlp_), ("lcb", lcb), ("residual", res)]
     params += mlp_params(e * d, cfg.top_mlp, batch_norm=cfg.batch_norm)
     parts.append(("top_mlp", mlp_flops(e * d, cfg.top_mlp)))
-    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return DenseCount(params, parts, d)
 
 
 def model_cost(

@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from data import _child
 from recscale.train import DIVERGED_EXIT_CODE
 from sweeps.spec import FLOPS_CONVENTION, Trial
 from sweeps.store import SweepStore
@@ -93,16 +94,12 @@ class TrialServer:
         """Sends a trial; returns the process running it (what a kill must take down)."""
         if self.proc is None or self.proc.poll() is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [
-                sys.executable,
-                "-m",
-                "data._child",
-                str(os.getpid()),
+            cmd = _child.command(
                 sys.executable,
                 "-m",
                 "sweeps.trial_server",
                 str(self.log_path),
-            ]
+            )
             env = {**os.environ, **self.opts.env, "PYTHONUNBUFFERED": "1"}
             with open(self.log_path, "ab") as err:
                 self.proc = subprocess.Popen(
@@ -299,15 +296,7 @@ def run_trial(
         else:
             # The trampoline goes first, so a prefix (srun) is what dies with this worker.
             prefix = [sys.executable if a == "{python}" else a for a in opts.command_prefix]
-            cmd = [
-                sys.executable,
-                "-m",
-                "data._child",
-                str(os.getpid()),
-                *prefix,
-                sys.executable,
-                *argv,
-            ]
+            cmd = _child.command(*prefix, sys.executable, *argv)
             env = {**os.environ, **opts.env, "PYTHONUNBUFFERED": "1"}
             log.write(f"\n=== {owner} {time.ctime()}: {' '.join(cmd)}\n".encode())
             log.flush()

@@ -11,10 +11,11 @@ from typing import Literal
 
 from recscale.config import ConfigError, ExperimentConfig
 from recscale.flops import wukong_cost
+from recscale.model_config import TablesConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WukongModelConfig:
+class WukongModelConfig(TablesConfig):
     """The Wukong network: embedding layer, interaction stack of l Wukong layers, top MLP."""
 
     embed_dim: int = 16
@@ -55,12 +56,6 @@ class WukongModelConfig:
     batch_norm: bool = False
     """BatchNorm in each hidden layer of the FMB MLPs and the top MLP (Linear -> BatchNorm ->
     ReLU, as FuxiCTR's MLPs); the paper's LayerNorms are kept either way."""
-    pooling: Literal["sum", "mean"] = "sum"
-    """Pooling of multi-hot bags."""
-    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
-    """Table init (see recscale.embeddings.TableSpec)."""
-    embedding_init_scale: float = 0.01
-    """Std of ``normal`` table init."""
 
     def __post_init__(self):
         if not self.top_mlp or self.top_mlp[-1] != 1:
@@ -100,9 +95,7 @@ class WukongModelConfig:
             )
         return n
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return wukong_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+    cost = wukong_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,4 @@
-"""``python -m wukong.evaluate --workdir DIR [--step N] [--data-path FILE] [--output FILE]``.
-
-Prints one JSON object (auc, logloss, ne, calibration, num_examples, step, ...) on the last line
-of stdout.
-"""
+"""``python -m wukong.evaluate --workdir DIR [--step N] [--data-path FILE] [--output FILE]``."""
 
 from __future__ import annotations
 

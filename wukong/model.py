@@ -161,15 +161,7 @@ class Wukong(nnx.Module):
     ):
         self.cfg = nnx.static(cfg)
         kernels = kernels or KernelConfig()
-        self.embeddings = EmbeddingCollection.one_table_per_feature(
-            schema,
-            cfg.embed_dim,
-            pooling=cfg.pooling,
-            init=cfg.embedding_init,
-            init_scale=cfg.embedding_init_scale,
-            rngs=rngs,
-            engine=engine,
-        )
+        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
         self.num_dense_emb = cfg.dense_embeddings(schema)
         if self.num_dense_emb:
             self.dense = MLP(

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from data import presets as data_presets
-from data.config import CRITEO_TERABYTE_VOCAB_SIZES
-from recscale.config import (
-    DenseOptimConfig,
-    EmbeddingOptimConfig,
-    EmbeddingShardingConfig,
-    TrainConfig,
-    register,
-)
+from recscale import recipes
+from recscale.config import register
 from wukong.config import WukongConfig, WukongModelConfig
 
 
@@ -35,10 +28,7 @@ def tiny() -> WukongConfig:
             fmb_mlp_depth=1,
             top_mlp=(16, 1),
         ),
-        data=data_presets.tiny_synthetic(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
+        **recipes.tiny(),
     )
 
 
@@ -62,16 +52,7 @@ def synthetic() -> WukongConfig:
             fmb_mlp_depth=2,
             top_mlp=(128, 64, 1),
         ),
-        data=data_presets.synthetic(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(
-            num_steps=3000,
-            log_every=100,
-            eval_every=1000,
-            eval_max_batches=4,
-            checkpoint_every=1000,
-        ),
+        **recipes.synthetic(),
     )
 
 
@@ -107,19 +88,8 @@ def frappe() -> WukongConfig:
             fmb_dropout=0.3,
             batch_norm=True,
         ),
-        data=data_presets.frappe(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(
-            name="adam", learning_rate=1e-2, decay="cosine", l2=0.01
-        ),
-        train=TrainConfig(num_steps=1000, log_every=50, eval_every=250, checkpoint_every=500),
+        **recipes.frappe(num_steps=1000, embedding_l2=0.01),
     )
-
-
-# Criteo Terabyte: days 0-22 hold about 4.2B training examples; one epoch at batch 131,072 is
-# about 32,000 steps.
-_TB_BATCH = 131_072
-_TB_STEPS = 32_000
 
 
 @register("wukong/criteo-terabyte")
@@ -146,17 +116,7 @@ def criteo_terabyte() -> WukongConfig:
             fmb_mlp_depth=3,
             top_mlp=(1024, 512, 256, 1),
         ),
-        data=dataclasses.replace(
-            data_presets.criteo(CRITEO_TERABYTE_VOCAB_SIZES, batch_size=_TB_BATCH),
-            eval_batch_size=_TB_BATCH,
-        ),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=_TB_STEPS // 10),
-        embedding_optim=EmbeddingOptimConfig(
-            name="rowwise_adagrad", learning_rate=0.1, warmup_steps=_TB_STEPS // 10
-        ),
-        train=TrainConfig(num_steps=_TB_STEPS, log_every=500, eval_every=0, checkpoint_every=4000),
-        # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
-        embeddings=EmbeddingShardingConfig(sharding="auto"),
+        **recipes.criteo_terabyte(),
     )
 
 

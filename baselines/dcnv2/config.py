@@ -12,10 +12,11 @@ from typing import Literal
 
 from baselines.dcnv2.flops import dcnv2_cost
 from recscale.config import ConfigError, ExperimentConfig
+from recscale.model_config import TablesConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DCNv2ModelConfig:
+class DCNv2ModelConfig(TablesConfig):
     """The DCNv2 network: x_0 = [dense, flattened embeddings], cross network, deep MLP, logit."""
 
     embed_dim: int = 16
@@ -36,12 +37,6 @@ class DCNv2ModelConfig:
     """Dropout after each hidden layer of the deep network (training only)."""
     batch_norm: bool = False
     """BatchNorm in each hidden layer of the deep network (FuxiCTR's ``batch_norm``)."""
-    pooling: Literal["sum", "mean"] = "sum"
-    """Pooling of multi-hot bags."""
-    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
-    """Table init (see recscale.embeddings.TableSpec)."""
-    embedding_init_scale: float = 0.01
-    """Std of ``normal`` table init."""
 
     def __post_init__(self):
         if self.embed_dim < 1:
@@ -66,9 +61,7 @@ class DCNv2ModelConfig:
                 "--model.dense-mlp with no sizes"
             )
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return dcnv2_cost(self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+    cost = dcnv2_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -8,20 +8,14 @@ is element-wise and not counted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from data.batch import Schema
-from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
+from recscale.flops import DenseCount, family_cost, mlp_flops, mlp_params
 
 
-def dcnv2_cost(
-    cfg: Any,
-    schema: Schema,
-    *,
-    mean_hotness: float | Sequence[float] | None = None,
-    bytes_per_param: int = 4,
-) -> ModelCost:
+@family_cost
+def dcnv2_cost(cfg: Any, schema: Schema) -> DenseCount:
     """Costs of ``baselines.dcnv2.model.DCNv2`` built from a ``DCNv2ModelConfig`` ``cfg``."""
     d = cfg.embed_dim
     params, parts = 0, []
@@ -47,4 +41,4 @@ def dcnv2_cost(
         logit_in = (i if cfg.num_cross_layers else 0) + deep_out
     params += mlp_params(logit_in, (1,))
     parts.append(("logit", mlp_flops(logit_in, (1,))))
-    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return DenseCount(params, parts, d)

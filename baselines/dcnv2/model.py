@@ -71,15 +71,7 @@ class DCNv2(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.cfg = nnx.static(cfg)
-        self.embeddings = EmbeddingCollection.one_table_per_feature(
-            schema,
-            cfg.embed_dim,
-            pooling=cfg.pooling,
-            init=cfg.embedding_init,
-            init_scale=cfg.embedding_init_scale,
-            rngs=rngs,
-            engine=engine,
-        )
+        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
         cfg.check_data(schema)
         if cfg.dense_mlp:
             self.dense = MLP(schema.num_dense, cfg.dense_mlp, final_relu=False, rngs=rngs)

@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from baselines.dcnv2.config import DCNv2Config, DCNv2ModelConfig
-from data import presets as data_presets
-from data.config import CRITEO_TERABYTE_VOCAB_SIZES
-from recscale.config import (
-    DenseOptimConfig,
-    EmbeddingOptimConfig,
-    EmbeddingShardingConfig,
-    TrainConfig,
-    register,
-)
+from recscale import recipes
+from recscale.config import register
 
 
 @register("dcnv2/tiny")
@@ -32,10 +23,7 @@ def tiny() -> DCNv2Config:
             structure="parallel",
             deep_mlp=(16, 16),
         ),
-        data=data_presets.tiny_synthetic(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
+        **recipes.tiny(),
     )
 
 
@@ -56,16 +44,7 @@ def synthetic() -> DCNv2Config:
             structure="parallel",
             deep_mlp=(256, 128),
         ),
-        data=data_presets.synthetic(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=50),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(
-            num_steps=3000,
-            log_every=100,
-            eval_every=1000,
-            eval_max_batches=4,
-            checkpoint_every=1000,
-        ),
+        **recipes.synthetic(),
     )
 
 
@@ -94,12 +73,7 @@ def frappe() -> DCNv2Config:
             embedding_init="normal",
             embedding_init_scale=0.01,
         ),
-        data=data_presets.frappe(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(
-            name="adam", learning_rate=1e-2, decay="cosine", l2=0.02
-        ),
-        train=TrainConfig(num_steps=2000, log_every=50, eval_every=250, checkpoint_every=500),
+        **recipes.frappe(num_steps=2000),
     )
 
 
@@ -115,7 +89,6 @@ def criteo_terabyte() -> DCNv2Config:
     ``python -m baselines.dcnv2.train dcnv2/criteo-terabyte --workdir runs/dcnv2_tb
     --data.train-path ... --data.eval-path ...`` — needs accelerators and the raw day files.
     """
-    batch, steps = 131_072, 32_000  # one epoch of Criteo TB days 0-22 (as wukong/criteo-terabyte)
     return DCNv2Config(
         model=DCNv2ModelConfig(
             embed_dim=128,
@@ -125,15 +98,5 @@ def criteo_terabyte() -> DCNv2Config:
             structure="stacked",
             deep_mlp=(2048, 2048, 2048, 2048),
         ),
-        data=dataclasses.replace(
-            data_presets.criteo(CRITEO_TERABYTE_VOCAB_SIZES, batch_size=batch),
-            eval_batch_size=batch,
-        ),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, warmup_steps=steps // 10),
-        embedding_optim=EmbeddingOptimConfig(
-            name="rowwise_adagrad", learning_rate=0.1, warmup_steps=steps // 10
-        ),
-        train=TrainConfig(num_steps=steps, log_every=500, eval_every=0, checkpoint_every=4000),
-        # Criteo's tables (up to 40M rows) need the sharded engine's sparse updates.
-        embeddings=EmbeddingShardingConfig(sharding="auto"),
+        **recipes.criteo_terabyte(),
     )

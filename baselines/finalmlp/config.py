@@ -9,14 +9,14 @@ Field names follow FuxiCTR's ``model_zoo/FinalMLP`` (the authors' reference impl
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 from baselines.finalmlp.flops import finalmlp_cost
 from recscale.config import ConfigError, ExperimentConfig
+from recscale.model_config import TablesConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FinalMLPModelConfig:
+class FinalMLPModelConfig(TablesConfig):
     """The FinalMLP network: two gated MLP streams over x = [dense, flattened embeddings], fused
     into one logit by multi-head bilinear aggregation."""
 
@@ -57,12 +57,6 @@ class FinalMLPModelConfig:
     num_heads: int = 1
     """Heads of the bilinear fusion: o_1 and o_2 are split into this many equal chunks, and the
     bilinear terms o_1hᵀ W_h o_2h are summed over heads; must divide both streams' widths."""
-    pooling: Literal["sum", "mean"] = "sum"
-    """Pooling of multi-hot bags."""
-    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
-    """Table init (see recscale.embeddings.TableSpec), for the main and the context tables."""
-    embedding_init_scale: float = 0.01
-    """Std of ``normal`` table init."""
 
     def __post_init__(self):
         if self.embed_dim < 1:
@@ -110,11 +104,7 @@ class FinalMLPModelConfig:
                     f"--model.{field.replace('_', '-')} to some of them (or none)"
                 )
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return finalmlp_cost(
-            self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
-        )
+    cost = finalmlp_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -20,12 +20,10 @@ parameters and the forward FLOPs against XLA's ``cost_analysis()``.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 from data.batch import Schema
-from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
+from recscale.flops import DenseCount, family_cost, mlp_flops, mlp_params
 
 
 def _context_index(schema: Schema, context: tuple[str, ...]) -> list[int]:
@@ -33,13 +31,8 @@ def _context_index(schema: Schema, context: tuple[str, ...]) -> list[int]:
     return [names.index(c) for c in context]
 
 
-def finalmlp_cost(
-    cfg: Any,
-    schema: Schema,
-    *,
-    mean_hotness: float | Sequence[float] | None = None,
-    bytes_per_param: int = 4,
-) -> ModelCost:
+@family_cost
+def finalmlp_cost(cfg: Any, schema: Schema) -> DenseCount:
     """Costs of ``baselines.finalmlp.model.FinalMLP`` built from a ``FinalMLPModelConfig``
     ``cfg`` (or a whole ``FinalMLPConfig``, whose ``model`` is used) for ``schema``."""
     cfg = getattr(cfg, "model", cfg)
@@ -76,17 +69,5 @@ def finalmlp_cost(
     params += (x + 1) + (y + 1) + h * (x // h) * (y // h)
     parts.append(("fusion", 2.0 * (x + y) + 2.0 * x * y / h + 2.0 * y))
 
-    if extra:
-        # The gates' tables read the same ids as the main tables of those features.
-        features = schema.features + tuple(
-            dataclasses.replace(schema.features[f], name=f"fs/{n}/{schema.features[f].name}")
-            for n, f in enumerate(extra)
-        )
-        if mean_hotness is not None and not isinstance(mean_hotness, (int, float)):
-            if len(mean_hotness) != schema.num_sparse:
-                raise ValueError(
-                    f"mean_hotness has {len(mean_hotness)} entries for {schema.num_sparse} features"
-                )
-            mean_hotness = [*mean_hotness, *(mean_hotness[f] for f in extra)]
-        schema = Schema(dense_names=schema.dense_names, features=features)
-    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    # The gates' tables read the same ids as the main tables of those features.
+    return DenseCount(params, parts, d, reread=tuple(extra))

@@ -98,15 +98,7 @@ class FeatureGate(nnx.Module):
         self.context_index = nnx.static(index)
         if context:
             sub = Schema(dense_names=(), features=tuple(schema.features[i] for i in index))
-            self.context = EmbeddingCollection.one_table_per_feature(
-                sub,
-                d,
-                pooling=cfg.pooling,
-                init=cfg.embedding_init,
-                init_scale=cfg.embedding_init_scale,
-                rngs=rngs,
-                engine=engine,
-            )
+            self.context = EmbeddingCollection.for_model(cfg, sub, rngs=rngs, engine=engine)
             self.context_vector = None
         else:
             self.context = None
@@ -176,15 +168,7 @@ class FinalMLP(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.cfg = nnx.static(cfg)
-        self.embeddings = EmbeddingCollection.one_table_per_feature(
-            schema,
-            cfg.embed_dim,
-            pooling=cfg.pooling,
-            init=cfg.embedding_init,
-            init_scale=cfg.embedding_init_scale,
-            rngs=rngs,
-            engine=engine,
-        )
+        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
         self.in_dim = schema.num_dense + schema.num_sparse * cfg.embed_dim
         cfg.check_data(schema)
         if cfg.use_fs:

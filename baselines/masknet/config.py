@@ -14,10 +14,11 @@ from typing import Literal
 
 from baselines.masknet.flops import masknet_cost
 from recscale.config import ConfigError, ExperimentConfig
+from recscale.model_config import TablesConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MaskNetModelConfig:
+class MaskNetModelConfig(TablesConfig):
     """The MaskNet network: field embeddings, MaskBlocks (serial or parallel), logit."""
 
     embed_dim: int = 10
@@ -47,12 +48,6 @@ class MaskNetModelConfig:
     net_dropout: float = 0.0
     """Dropout after every MaskBlock's ReLU and after each hidden layer of the parallel MLP
     (training only)."""
-    pooling: Literal["sum", "mean"] = "sum"
-    """Pooling of multi-hot bags."""
-    embedding_init: Literal["uniform_sqrt_rows", "normal"] = "uniform_sqrt_rows"
-    """Table init (see recscale.embeddings.TableSpec)."""
-    embedding_init_scale: float = 0.01
-    """Std of ``normal`` table init."""
 
     def __post_init__(self):
         if self.embed_dim < 1:
@@ -93,11 +88,7 @@ class MaskNetModelConfig:
                 f"--model.reduction-ratio {math.ceil(1e4 / z) / 1e4:g} or more"
             )
 
-    def cost(self, schema, *, mean_hotness=None, bytes_per_param: int = 4):
-        """Parameters, FLOPs and embedding bytes per example (``recscale.flops`` conventions)."""
-        return masknet_cost(
-            self, schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param
-        )
+    cost = masknet_cost  # its own docstring: the cost of this network on a schema
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,11 +9,10 @@ vectors w_j, the per-field embedding LayerNorms, and the MaskBlocks, MLP and log
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from data.batch import Schema
-from recscale.flops import ModelCost, assemble_cost, mlp_flops, mlp_params
+from recscale.flops import DenseCount, family_cost, mlp_flops, mlp_params
 
 
 def aggregation_width(masked_dim: int, reduction_ratio: float) -> int:
@@ -37,13 +36,8 @@ def _mask_block(in_dim: int, masked_dim: int, out_dim: int, cfg: Any) -> tuple[i
     return params, mlp_flops(in_dim, (a, masked_dim)), 2.0 * masked_dim * out_dim
 
 
-def masknet_cost(
-    cfg: Any,
-    schema: Schema,
-    *,
-    mean_hotness: float | Sequence[float] | None = None,
-    bytes_per_param: int = 4,
-) -> ModelCost:
+@family_cost
+def masknet_cost(cfg: Any, schema: Schema) -> DenseCount:
     """Costs of ``baselines.masknet.model.MaskNet`` built from a ``MaskNetModelConfig`` ``cfg``."""
     cfg.check_data(schema)
     d = cfg.embed_dim
@@ -73,4 +67,4 @@ def masknet_cost(
             logit_in = cfg.dnn_hidden_units[-1]
     params += mlp_params(logit_in, (1,))
     parts.append(("logit", mlp_flops(logit_in, (1,))))
-    return assemble_cost(params, parts, schema, d, mean_hotness, bytes_per_param)
+    return DenseCount(params, parts, d)

@@ -123,15 +123,7 @@ class MaskNet(nnx.Module):
         self.cfg = nnx.static(cfg)
         cfg.check_data(schema)
         d = cfg.embed_dim
-        self.embeddings = EmbeddingCollection.one_table_per_feature(
-            schema,
-            d,
-            pooling=cfg.pooling,
-            init=cfg.embedding_init,
-            init_scale=cfg.embedding_init_scale,
-            rngs=rngs,
-            engine=engine,
-        )
+        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
         # FuxiCTR's numeric embedding: dense feature j is the field x_j · w_j.
         self.dense_embed = (
             sharding.param(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from baselines.masknet.config import MaskNetConfig, MaskNetModelConfig
-from data import presets as data_presets
-from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, TrainConfig, register
+from recscale import recipes
+from recscale.config import register
 
 
 @register("masknet/tiny")
@@ -26,10 +26,7 @@ def tiny() -> MaskNetConfig:
             reduction_ratio=2.0,
             net_dropout=0.1,
         ),
-        data=data_presets.tiny_synthetic(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=3e-3),
-        embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=0.05),
-        train=TrainConfig(num_steps=20, log_every=5, max_checkpoints=2),
+        **recipes.tiny(),
     )
 
 
@@ -61,10 +58,5 @@ def frappe() -> MaskNetConfig:
             embedding_init="normal",
             embedding_init_scale=0.01,
         ),
-        data=data_presets.frappe(),
-        dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, decay="cosine"),
-        embedding_optim=EmbeddingOptimConfig(
-            name="adam", learning_rate=1e-2, decay="cosine", l2=0.02
-        ),
-        train=TrainConfig(num_steps=1500, log_every=50, eval_every=250, checkpoint_every=500),
+        **recipes.frappe(num_steps=1500),
     )

@@ -18,20 +18,8 @@ import os
 import sys
 
 from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CRITEO_TERABYTE_VOCAB_SIZES
+from data.frappe.reader import FRAPPE_FIELDS
 from data.tabular.spec import Feature, FileFormat, Label, Split, TabularSpec
-
-FRAPPE_FIELDS = (
-    "user",
-    "item",
-    "daytime",
-    "weekday",
-    "isweekend",
-    "homework",
-    "cost",
-    "weather",
-    "country",
-    "city",
-)
 
 
 def frappe_spec(directory: str, *, test: bool = False) -> TabularSpec:

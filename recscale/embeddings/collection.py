@@ -212,6 +212,28 @@ class EmbeddingCollection(nnx.Module):
             )
         return cls(tables, features, rngs=rngs, engine=engine)
 
+    @classmethod
+    def for_model(
+        cls,
+        cfg: Any,
+        schema: Schema,
+        *,
+        rngs: nnx.Rngs,
+        engine: layout_lib.EngineSpec | None = None,
+    ) -> EmbeddingCollection:
+        """:meth:`one_table_per_feature` as a model family builds it: ``cfg`` is the family's
+        model config, whose ``embed_dim``, ``pooling``, ``embedding_init`` and
+        ``embedding_init_scale`` size and initialise the tables."""
+        return cls.one_table_per_feature(
+            schema,
+            cfg.embed_dim,
+            pooling=cfg.pooling,
+            init=cfg.embedding_init,
+            init_scale=cfg.embedding_init_scale,
+            rngs=rngs,
+            engine=engine,
+        )
+
     def quantize_int8(self) -> None:
         """Replaces the float tables by int8 row-wise quantized ones (FBGEMM's format: per row
         a uint8 code and a float32 scale and bias, ``recscale.kernels.quantized_embedding_bag``),

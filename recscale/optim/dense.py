@@ -91,28 +91,19 @@ def dense_optimizer(
     mask = True if decay_mask is None else decay_mask
     if cfg.name == "adam":
         tx = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
-    elif cfg.name == "adamw":
-        tx = optax.adamw(
+    elif cfg.name in ("adamw", "lamb"):
+        tx = (optax.adamw if cfg.name == "adamw" else optax.lamb)(
             lr,
             b1=cfg.b1,
             b2=cfg.b2,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
-            mask=None if decay_mask is None else decay_mask,
+            mask=decay_mask,
         )
     elif cfg.name == "sgd":
         tx = optax.sgd(lr, momentum=cfg.b1 if cfg.b1 > 0 else None)
     elif cfg.name == "adagrad":
         tx = optax.adagrad(lr, eps=cfg.eps)
-    elif cfg.name == "lamb":
-        tx = optax.lamb(
-            lr,
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=None if decay_mask is None else decay_mask,
-        )
     elif cfg.name == "lars":
         tx = optax.lars(
             lr,

@@ -101,7 +101,8 @@ def train_main(family: Family, argv: list[str] | None = None) -> dict:
 def evaluate_main(family: Family, argv: list[str] | None = None) -> dict:
     """``python -m PACKAGE.evaluate --workdir DIR [--step N] [--data-path F] [--output F]``.
 
-    Prints one JSON object on the last line of stdout (the contract later tooling reads).
+    Prints one JSON object (auc, logloss, ne, calibration, num_examples, step, ...) on the last
+    line of stdout (the contract later tooling reads).
     """
     args = tyro.cli(EvalArgs, args=argv, prog=f"python -m {family.module('evaluate')}")
     _start_distributed()

@@ -17,7 +17,8 @@ budget) is what the scaling law is fitted to.
 from __future__ import annotations
 
 from data.config import DataConfig, SyntheticConfig
-from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder, wukong_rung
+from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder, wukong_rung
+from sweeps.specs import dcnv2_ladder
 
 DATA = DataConfig(
     kind="synthetic",
@@ -77,16 +78,13 @@ DCNV2 = FamilySpec(
     preset="dcnv2/synthetic",
     overrides=SCHEDULE,
     # (embedding dim, cross layers, cross rank, deep MLP): cross depth and MLP grow together.
-    ladder=tuple(
-        Rung(f"c{i + 1}", dict(embed_dim=d, num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
-        for i, (d, n, r, mlp) in enumerate(
-            (
-                (8, 1, 4, (16,)),  # 1.1e4
-                (8, 2, 8, (64, 32)),  # 5.5e4
-                (16, 2, 16, (128, 64)),  # 2.1e5
-                (16, 3, 16, (256, 128)),  # 4.9e5
-                (16, 3, 32, (512, 256)),  # 1.4e6
-            )
+    ladder=dcnv2_ladder(
+        (
+            (8, 1, 4, (16,)),  # 1.1e4
+            (8, 2, 8, (64, 32)),  # 5.5e4
+            (16, 2, 16, (128, 64)),  # 2.1e5
+            (16, 3, 16, (256, 128)),  # 4.9e5
+            (16, 3, 32, (512, 256)),  # 1.4e6
         )
     ),
 )

@@ -36,8 +36,11 @@ docs/study``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from data.config import DataConfig, SyntheticConfig
-from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder, wukong_rung
+from sweeps.spec import FamilySpec, SweepSpec, Trial, dlrm_ladder, resolve, wukong_rung
+from sweeps.specs import dcnv2_ladder, finalmlp_ladder
 
 VOCAB = (
     100000,
@@ -146,20 +149,17 @@ DCNV2 = FamilySpec(
     preset="dcnv2/synthetic",
     overrides=SCHEDULE,
     # (d, cross layers, cross rank, deep MLP)
-    ladder=tuple(
-        Rung(f"c{i + 1}", dict(embed_dim=d, num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
-        for i, (d, n, r, mlp) in enumerate(
-            (
-                (4, 1, 4, (16,)),
-                (8, 1, 4, (16,)),
-                (8, 1, 8, (64,)),
-                (8, 2, 8, (64, 32)),
-                (16, 2, 8, (96, 48)),
-                (16, 2, 32, (256, 128)),
-                (16, 3, 32, (512, 256)),
-                (32, 3, 32, (512, 256)),
-                (32, 3, 64, (1024, 512)),
-            )
+    ladder=dcnv2_ladder(
+        (
+            (4, 1, 4, (16,)),
+            (8, 1, 4, (16,)),
+            (8, 1, 8, (64,)),
+            (8, 2, 8, (64, 32)),
+            (16, 2, 8, (96, 48)),
+            (16, 2, 32, (256, 128)),
+            (16, 3, 32, (512, 256)),
+            (32, 3, 32, (512, 256)),
+            (32, 3, 64, (1024, 512)),
         )
     ),
 )
@@ -174,20 +174,17 @@ FINALMLP = FamilySpec(
         "model.fs2_context": (),
     },
     # (d, stream-1 MLP, stream-2 MLP, gate hidden units, fusion heads)
-    ladder=tuple(
-        Rung(f"f{i + 1}", dict(embed_dim=d, mlp1=m1, mlp2=m2, fs_hidden_units=fs, num_heads=h))
-        for i, (d, m1, m2, fs, h) in enumerate(
-            (
-                (4, (16,), (8,), (8,), 1),
-                (4, (32,), (16,), (16,), 1),
-                (8, (64,), (32,), (16,), 1),
-                (8, (64,), (48,), (24,), 1),
-                (16, (96, 48), (48,), (32,), 2),
-                (16, (256, 128), (128,), (64,), 2),
-                (16, (512, 256), (256,), (128,), 4),
-                (32, (512, 256), (256, 128), (128,), 4),
-                (32, (1024, 512), (512, 256), (256,), 4),
-            )
+    ladder=finalmlp_ladder(
+        (
+            (4, (16,), (8,), (8,), 1),
+            (4, (32,), (16,), (16,), 1),
+            (8, (64,), (32,), (16,), 1),
+            (8, (64,), (48,), (24,), 1),
+            (16, (96, 48), (48,), (32,), 2),
+            (16, (256, 128), (128,), (64,), 2),
+            (16, (512, 256), (256,), (128,), 4),
+            (32, (512, 256), (256, 128), (128,), 4),
+            (32, (1024, 512), (512, 256), (256,), 4),
         )
     ),
 )
@@ -209,3 +206,18 @@ SPEC = SweepSpec(
     checkpoints_per_trial=2,
     code_version=CODE_VERSION,
 )
+
+
+def trial_per_rung(batch_size: int) -> dict[str, Trial]:
+    """One trial of every rung of every family at ``batch_size`` (seed 0, no budget window), by
+    rung name: what the benchmarks that time a study model's step train."""
+    spec = dataclasses.replace(
+        SPEC,
+        budgets=(1e12,),
+        sizes_per_budget=0,
+        min_steps=0,
+        extend_below=0,
+        seeds=(0,),
+        batch_size=batch_size,
+    )
+    return {t.rung: t for t in resolve(spec).trials}

@@ -25,6 +25,7 @@ sweeps.analyze docs/study_frappe`` (needs only the committed results).
 from __future__ import annotations
 
 from sweeps.spec import FamilySpec, Rung, SweepSpec, dlrm_ladder
+from sweeps.specs import dcnv2_ladder, finalmlp_ladder
 
 # The committed runs trained with the per-table reference (one array per table, dense Adam with
 # coupled L2), the default before the embedding engine became it; pinned so that the spec
@@ -81,16 +82,13 @@ DCNV2 = FamilySpec(
     overrides=PER_TABLE,
     preset="dcnv2/frappe",
     # (d, cross layers, cross rank (0: full), deep MLP)
-    ladder=tuple(
-        Rung(f"c{i + 1}", dict(embed_dim=d, num_cross_layers=n, cross_rank=r, deep_mlp=mlp))
-        for i, (d, n, r, mlp) in enumerate(
-            (
-                (4, 1, 0, (16,)),
-                (8, 2, 0, (64, 64)),
-                (16, 2, 32, (128, 128)),
-                (32, 2, 32, (256, 128)),
-                (64, 2, 32, (256, 128)),
-            )
+    ladder=dcnv2_ladder(
+        (
+            (4, 1, 0, (16,)),
+            (8, 2, 0, (64, 64)),
+            (16, 2, 32, (128, 128)),
+            (32, 2, 32, (256, 128)),
+            (64, 2, 32, (256, 128)),
         )
     ),
 )
@@ -99,16 +97,13 @@ FINALMLP = FamilySpec(
     overrides=PER_TABLE,
     preset="finalmlp/frappe",
     # (d, stream-1 MLP, stream-2 MLP, gate hidden units, fusion heads)
-    ladder=tuple(
-        Rung(f"f{i + 1}", dict(embed_dim=d, mlp1=m1, mlp2=m2, fs_hidden_units=fs, num_heads=h))
-        for i, (d, m1, m2, fs, h) in enumerate(
-            (
-                (4, (16,), (8,), (16,), 1),
-                (8, (64,), (32,), (64,), 2),
-                (16, (128,), (64,), (128,), 2),
-                (32, (256,), (128,), (128,), 4),
-                (64, (256,), (128,), (128,), 4),
-            )
+    ladder=finalmlp_ladder(
+        (
+            (4, (16,), (8,), (16,), 1),
+            (8, (64,), (32,), (64,), 2),
+            (16, (128,), (64,), (128,), 2),
+            (32, (256,), (128,), (128,), 4),
+            (64, (256,), (128,), (128,), 4),
         )
     ),
 )
