@@ -120,12 +120,12 @@ print(sorted(p.name for p in workdir.iterdir()))
 # ## Training curve
 #
 # `metrics.jsonl` has one JSON object per line: `split == "train"` rows (mean loss over the last
-# `log_every` steps, gradient/parameter/update norms, examples/s) and `split == "eval"` rows.
+# `log_every` steps, gradient and update norms, the dense parameters' norm, examples/s) and `split == "eval"` rows.
 
 # %%
 dlrm_metrics = pd.read_json(workdir / "metrics.jsonl", lines=True)
 dlrm_train = dlrm_metrics[dlrm_metrics["split"] == "train"]
-print(dlrm_train[["step", "loss", "grad_norm", "param_norm"]].tail())
+print(dlrm_train[["step", "loss", "grad_norm", "update_norm", "dense_param_norm"]].tail())
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(dlrm_train["step"], dlrm_train["loss"], marker="o", label="dlrm/tiny")

@@ -21,6 +21,7 @@ from baselines.finalmlp.model import (
 )
 from data.batch import FeatureInfo, Schema
 from data.frappe.reader import FRAPPE_FIELDS
+from recscale import sharding
 from recscale.config import from_dict, get_preset, preset_names, to_dict
 from recscale.embeddings.collection import EmbeddingTable
 from recscale.flops import mlp_flops
@@ -510,7 +511,9 @@ def test_every_preset_builds(name):
     assert isinstance(cfg, FinalMLPConfig)
     assert from_dict(FinalMLPConfig, to_dict(cfg)) == cfg  # what config.json round-trips
     schema = _schema(cfg)
-    model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
+    # Inside the preset's mesh: the sharded engine lays its tables out on it.
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
+        model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
     total = _size(nnx.state(model, nnx.Param))
     tables = _size(nnx.state(model.embeddings, nnx.Param))
     # Tables may be padded to a multiple of the devices (row-sharded rules).

@@ -14,6 +14,7 @@ from baselines.masknet.config import MaskNetConfig, MaskNetModelConfig
 from baselines.masknet.flops import masknet_cost
 from baselines.masknet.model import FieldLayerNorm, MaskBlock, MaskNet, build_model
 from data.batch import FeatureInfo, Schema
+from recscale import sharding
 from recscale.config import from_dict, get_preset, preset_names, to_dict
 from recscale.embeddings.collection import EmbeddingTable
 from tests.cost_analysis import xla_forward_flops
@@ -401,7 +402,9 @@ def test_every_preset_builds(name):
     assert isinstance(cfg, MaskNetConfig)
     assert from_dict(MaskNetConfig, to_dict(cfg)) == cfg  # what config.json round-trips
     schema = _schema(cfg)
-    model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
+    # Inside the preset's mesh: the sharded engine lays its tables out on it.
+    with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
+        model = nnx.eval_shape(lambda: build_model(cfg, schema, nnx.Rngs(0)))
     tables = _size(nnx.state(model, EmbeddingTable))
     dense = _size(nnx.state(model, nnx.All(nnx.Param, nnx.Not(EmbeddingTable))))
     # Tables may be padded to a multiple of the devices (row-sharded rules).
