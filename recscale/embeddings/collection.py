@@ -134,9 +134,9 @@ class EmbeddingCollection(nnx.Module):
         if engine is not None:
             # The sharded engine: tables cut into shards and packed into per-width buffers.
             mesh = sharding.active_mesh()
-            if mesh is None:
-                raise RuntimeError("an engine-backed EmbeddingCollection needs an active mesh")
-            n = int(mesh.shape[sharding.DATA_AXIS])
+            n = 1 if mesh is None else int(mesh.shape[sharding.DATA_AXIS])
+            if mesh is None:  # built by hand, outside a mesh: every table whole, no collective
+                engine = dataclasses.replace(engine, sharding="data_parallel", per_table=())
             self.layout = nnx.static(
                 layout_lib.build_layout(tuple(tables), tuple(features), n, engine)
             )

@@ -62,7 +62,7 @@ def _staging(prefix: str) -> None:
     rows that divide over all its devices and rows that do not, each read back by every process
     (``relayout._gather``) and written (``relayout._scatter``): ``PREFIX<process>.json`` lists
     per shape the staging mesh's shape and whether the rows read and written were right."""
-    mesh_cfg = MeshConfig(data_parallel=-1, rules="replicated")
+    mesh_cfg = MeshConfig(data_parallel=-1)
     out = []
     with sharding.activate(sharding.make_mesh(mesh_cfg), mesh_cfg):
         for shape in [(352, 3), (350, 8), (351,)]:
