@@ -19,3 +19,22 @@ def checkpoint_item(workdir, step: int, item: str = "params"):
     path = Path(workdir) / "checkpoints" / str(step) / item
     with ocp.StandardCheckpointer() as c:
         return c.restore(path.absolute())
+
+
+def trained_parameters(config_cls, build_model, workdir, step: int | None = None) -> dict:
+    """``{name: array}`` of a run's checkpoint (the latest, or ``step``), restored on one
+    device: each table whole (``table/NAME``; an engine checkpoint is re-laid out from the mesh
+    and plan it was saved under) and every dense parameter by its path."""
+    import numpy as np  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from recscale.serving.export import float_tables  # noqa: PLC0415
+    from recscale.train.evaluation import restored  # noqa: PLC0415
+
+    with restored(config_cls, build_model, workdir, step=step, num_devices=1) as r:
+        model = nnx.merge(r.exp.graphdef, r.params, r.batch_stats)
+        out = {f"table/{k}": v for k, v in float_tables(model.embeddings).items()}
+        for path, v in nnx.to_flat_state(r.params):
+            if "embeddings" not in path:
+                out["/".join(map(str, path))] = np.asarray(v[...])
+        return out

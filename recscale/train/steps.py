@@ -270,7 +270,7 @@ def make_train_step(
                 if skip and tx.rule.l2:  # coupled L2 moves every row: keep them by selection
                     old = state.opt_state["embedding"][path]
                     buf, st = _keep_if(ok, (buf, st), (var[...], old))
-                var.value = buf
+                var[...] = buf
                 emb_state[path] = st
                 emb_sq.append(sq)
         nnx.update(model, new_dense, batch_stats)

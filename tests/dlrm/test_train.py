@@ -12,7 +12,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import dlrm.presets  # noqa: F401
 from dlrm import evaluate as dlrm_evaluate
@@ -23,6 +22,7 @@ from recscale.config import get_preset
 from recscale.train import experiment, loop
 from recscale.train.early_stopping import BestTracker, EarlyStopping
 from recscale.train.loop import train
+from tests.run_files import trained_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,21 +179,6 @@ def test_resume_equals_uninterrupted_bitwise_and_differs_from_cold_start(tmp_pat
     )
 
 
-def _trained_tables(workdir) -> dict[str, np.ndarray]:
-    """The run's latest tables and dense parameters, restored on one device (an engine
-    checkpoint is re-laid out from the mesh and plan it was saved under)."""
-    from recscale.serving.export import float_tables
-    from recscale.train.evaluation import restored
-
-    with restored(DLRMConfig, build_model, workdir, num_devices=1) as r:
-        model = nnx.merge(r.exp.graphdef, r.params, r.batch_stats)
-        out = {f"table/{k}": v for k, v in float_tables(model.embeddings).items()}
-        for path, v in nnx.to_flat_state(r.params):
-            if "embeddings" not in path:
-                out["/".join(map(str, path))] = np.asarray(v[...])
-        return out
-
-
 @pytest.mark.parametrize("embeddings", ["auto", "off"])
 def test_one_device_equals_eight(tmp_path, embeddings):
     """The engine (its plan differs on 1 and 8 devices) and the per-table reference (rows
@@ -208,7 +193,10 @@ def test_one_device_equals_eight(tmp_path, embeddings):
         )
         wd = tmp_path / f"d{n}"
         train(cfg, build_model, wd)
-        results[n] = ([r["loss"] for r in _rows(wd)], _trained_tables(wd))
+        results[n] = (
+            [r["loss"] for r in _rows(wd)],
+            trained_parameters(DLRMConfig, build_model, wd),
+        )
     np.testing.assert_allclose(results[1][0], results[8][0], rtol=1e-5)
     assert results[1][1].keys() == results[8][1].keys()
     assert any(k.startswith("table/") for k in results[1][1])

@@ -18,6 +18,7 @@ Every child costs seconds of JAX start-up, so they share a persistent compilatio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -173,6 +174,8 @@ def likes() -> dict[str, Any]:
     """``Checkpointer.restore`` targets: the trainer's abstract params and optimizer state
     (their tree structure, which the checkpoint's fingerprints are keyed by)."""
     cfg = get_preset("dlrm/tiny")
+    # the children's one CPU device: the engine's buffers are laid out for it
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data_parallel=1))
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh):
         abstract = Experiment.build(cfg, build_model).abstract_state

@@ -36,6 +36,9 @@ def test_hardware_sets_the_global_batch_and_mesh():
         family="dlrm",
         preset="dlrm/tiny",
         ladder=dlrm_ladder(((4, (8, 4), (8, 1)),)),
+        # the per-table reference: with the engine the machine's profile is part of the plan,
+        # and the plan of a trial's identity (test_a_preset_plans_the_engine_for_its_machine)
+        overrides={"embeddings.sharding": "off"},
     )
     spec = SweepSpec(
         name="t", families=(fam,), budgets=(1e12,), code_version="x", hardware="gpu-h100x8"
@@ -107,7 +110,10 @@ def test_a_preset_plans_the_engine_for_its_machine():
     (t,) = resolve(spec).trials
     assert t.config["embeddings"]["profile"] == "tpu-v6e"
     assert t.config["embeddings"]["host_size"] == 8
-    off = dataclasses.replace(spec, families=(dataclasses.replace(fam, overrides={}),))
+    off = dataclasses.replace(
+        spec,
+        families=(dataclasses.replace(fam, overrides={"embeddings.sharding": "off"}),),
+    )
     (t_off,) = resolve(off).trials
     assert t_off.config["embeddings"]["profile"] == ""
 

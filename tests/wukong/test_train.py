@@ -11,7 +11,7 @@ import wukong.presets  # noqa: F401
 from recscale import config as config_lib
 from recscale.config import get_preset
 from recscale.train.loop import train
-from tests.run_files import checkpoint_item, metric_rows
+from tests.run_files import checkpoint_item, metric_rows, trained_parameters
 from wukong import evaluate as wukong_evaluate
 from wukong import train as wukong_train
 from wukong.config import WukongConfig
@@ -71,9 +71,12 @@ def test_one_device_equals_eight(trained_tiny, tmp_path):
     losses8 = [r["loss"] for r in metric_rows(wd8)][:75]
     np.testing.assert_allclose(losses1[:10], losses8[:10], rtol=1e-5)
     np.testing.assert_allclose(losses1, losses8, rtol=1e-4)
-    a, b = checkpoint_item(wd1, 75), checkpoint_item(wd8, 75)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+    # the engine's plans differ on 1 and 8 devices: tables compared whole, on one device
+    a = trained_parameters(WukongConfig, build_model, wd1, 75)
+    b = trained_parameters(WukongConfig, build_model, wd8, 75)
+    assert a.keys() == b.keys() and any(k.startswith("table/") for k in a)
+    for k, x in a.items():
+        np.testing.assert_allclose(b[k], x, rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 def _flat(tree):
