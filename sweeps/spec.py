@@ -590,7 +590,7 @@ def data_fingerprint(data: DataConfig) -> str:
     h = hashlib.sha256()
     paths = [data.train_path, data.eval_path]
     if data.kind == "tabular":  # the spec's content and every file it names
-        from data.tabular.prepare import resolve_inputs
+        from data.tabular.passes import resolve_inputs
         from data.tabular.spec import load_spec, spec_digest
 
         spec = load_spec(data.tabular.spec)
