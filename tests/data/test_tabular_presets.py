@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data.builders import make_source
 from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CriteoConfig, DataConfig, TabularConfig
 from data.presets import frappe as frappe_preset
-from data.sources import make_source
 from data.tabular import prepare
 from data.tabular.presets import criteo_spec, frappe_spec, write_spec
 from data.tabular.spec import load_spec
