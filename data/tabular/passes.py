@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from data.batch import Schema
 from data.tabular import encode as enc
+from data.tabular import parse
 from data.tabular.read import (
     Chunk,
     Reject,
@@ -90,9 +91,9 @@ def resolve_inputs(spec: TabularSpec) -> Inputs:
     files: list[tuple[str, int | None]] = []
     seen: dict[tuple[str, str], str] = {}
     for what, patterns, code in (
-        ("train", spec.train, None if rule else enc.TRAIN),
-        ("valid", spec.valid, enc.VALID),
-        ("test", spec.test, enc.TEST),
+        ("train", spec.train, None if rule else parse.TRAIN),
+        ("valid", spec.valid, parse.VALID),
+        ("test", spec.test, parse.TEST),
     ):
         for p in expand(spec, patterns, f"{what} file"):
             key = (os.path.realpath(p), what)
@@ -104,20 +105,20 @@ def resolve_inputs(spec: TabularSpec) -> Inputs:
     return Inputs(tuple(files), sides)
 
 
-def load_sides(spec: TabularSpec, inputs: Inputs) -> list[enc.SideTable]:
+def load_sides(spec: TabularSpec, inputs: Inputs) -> list[parse.SideTable]:
     """The side tables, read whole and checked (unique keys, needed columns)."""
     out = []
     for join, paths in zip(spec.joins, inputs.sides, strict=True):
         right = join.right_key or join.key
         cols = [right, *join.columns] if join.columns else None
         table = pa.concat_tables([read_whole(p, join.format, cols) for p in paths])
-        side = enc.side_table(table, file=",".join(paths), key=right, columns=join.columns)
+        side = parse.side_table(table, file=",".join(paths), key=right, columns=join.columns)
         out.append(side)
     return out
 
 
 def interaction_columns(
-    spec: TabularSpec, sides: list[enc.SideTable], first_file: str | None = None
+    spec: TabularSpec, sides: list[parse.SideTable], first_file: str | None = None
 ) -> list[str]:
     """Columns read from the interaction files: those the spec needs that no join supplies.
     A column name supplied twice (by two side tables, or by a side table and ``first_file``,
@@ -224,7 +225,7 @@ def count_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> int
     for part, piece, last, _ in _parts(chunks, spec.rows_per_shard):
         marker = os.path.join(folder, "count", _part_name(file_index, piece_index, part) + ".pkl")
         if not os.path.exists(marker):
-            parsed = enc.parse_chunk(
+            parsed = parse.parse_chunk(
                 spec,
                 piece,
                 sides,
@@ -297,7 +298,7 @@ def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
             if last:  # done before a kill: its malformed lines are in its rejects file
                 malformed_of(part, final)
         else:
-            parsed = enc.parse_chunk(
+            parsed = parse.parse_chunk(
                 spec,
                 piece,
                 sides,
@@ -313,7 +314,7 @@ def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
             raw = rec.view(np.uint8).reshape(parsed.n, dtype.itemsize)
             for code in np.unique(parsed.split).tolist():
                 if code not in writers:
-                    tmp = os.path.join(folder, "shards", enc.SPLITS[code], name + ".tmp")
+                    tmp = os.path.join(folder, "shards", parse.SPLITS[code], name + ".tmp")
                     writers[code] = ArrayRecordWriter(tmp, RECORD_OPTIONS)
                     rows_in[code] = 0
                 w = writers[code]
@@ -325,9 +326,9 @@ def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
                 shard_rows = {}
                 for code, w in writers.items():
                     w.close()
-                    base = os.path.join(folder, "shards", enc.SPLITS[code], name)
+                    base = os.path.join(folder, "shards", parse.SPLITS[code], name)
                     os.replace(base + ".tmp", base + ".array_record")
-                    shard_rows[enc.SPLITS[code]] = rows_in[code]
+                    shard_rows[parse.SPLITS[code]] = rows_in[code]
                 rejects = malformed_of(part, final) + rejects
                 write_rejects(name, rejects)
                 info = {

@@ -41,7 +41,7 @@ import numpy as np
 from data.batch import Batch, FeatureInfo, Schema
 from data.record_files import ArrayRecordFiles
 from data.tabular import encode as enc
-from data.tabular import passes
+from data.tabular import parse, passes
 from data.tabular.passes import (
     Inputs,
     atomic_write,
@@ -113,11 +113,11 @@ class Prepared:
         rejects: list[Reject] = []
         parts = []
         for chunk in iter_chunks(path, spec.format, cols, strict=strict, on_reject=rejects.append):
-            parsed = enc.parse_chunk(
+            parsed = parse.parse_chunk(
                 spec,
                 chunk,
                 sides,
-                file_split=enc.VALID,
+                file_split=parse.VALID,
                 file_index=0,
                 strict=strict,
                 rejects=rejects,
@@ -231,7 +231,7 @@ def _prepare_locked(
 ) -> None:
     for stale in glob.glob(os.path.join(folder, "shards", "*", "*.tmp*")):
         os.remove(stale)  # a killed run's unfinished shard (its part has no marker)
-    for sub in ("count", "vocab", "parts", "rejects", *(f"shards/{s}" for s in enc.SPLITS)):
+    for sub in ("count", "vocab", "parts", "rejects", *(f"shards/{s}" for s in parse.SPLITS)):
         os.makedirs(os.path.join(folder, sub), exist_ok=True)
     saved = {"spec": spec.to_dict(), "base_dir": spec.base_dir}
     atomic_write(os.path.join(folder, "spec.json"), json.dumps(saved, indent=1).encode())
@@ -240,7 +240,9 @@ def _prepare_locked(
     t0 = time.perf_counter()
     units = work_units(spec, inputs)
     workers = workers or min(len(units), os.cpu_count() or 1)
-    count_units = [u for u, (i, *_) in enumerate(units) if inputs.files[i][1] in (None, enc.TRAIN)]
+    count_units = [
+        u for u, (i, *_) in enumerate(units) if inputs.files[i][1] in (None, parse.TRAIN)
+    ]
     if not os.path.exists(os.path.join(folder, "vocab", "scales.json")):
         # Hashed and bucketised features need no vocabulary, nor unscaled numerics moments:
         # a spec of only those (e.g. Criteo's) skips the counting pass.
@@ -387,7 +389,7 @@ def _worker(label: str, folder: str, units: list[int]) -> None:
 def _write_manifest(spec: TabularSpec, inputs: Inputs, folder: str, timing: dict) -> None:
     vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
     schema = vocab.schema(spec)
-    shards: dict[str, list] = {s: [] for s in enc.SPLITS}
+    shards: dict[str, list] = {s: [] for s in parse.SPLITS}
     rejected: Counter = Counter()
     oov: dict = {}
     missing: dict = {}
@@ -410,7 +412,7 @@ def _write_manifest(spec: TabularSpec, inputs: Inputs, folder: str, timing: dict
     manifest = {
         "fingerprint": os.path.basename(folder),
         "files": [
-            {"path": p, "split": None if s is None else enc.SPLITS[s]} for p, s in inputs.files
+            {"path": p, "split": None if s is None else parse.SPLITS[s]} for p, s in inputs.files
         ],
         "schema": {
             "dense": list(schema.dense_names),

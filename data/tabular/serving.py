@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 
 from data.criteo.reader import _seed_offset
 from data.tabular import encode as enc
+from data.tabular import parse
 from data.tabular.spec import TabularSpec
 
 KIND = "tabular/1"
@@ -54,7 +55,7 @@ def _hash_key(table_index: int, seed: int) -> str:
 def serving_encoding(
     spec: TabularSpec,
     vocab: enc.Vocabulary,
-    sides: list[enc.SideTable],
+    sides: list[parse.SideTable],
     file_columns: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(description for the manifest, arrays for vocab.npz)`` of a prepared dataset;
