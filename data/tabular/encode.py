@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from data.batch import PAD_ID, FeatureInfo, Schema
-from data.criteo.reader import _seed_offset, fmix64
+from data.criteo.hashing import fmix64, seed_offset
 from data.tabular.parse import SPLITS, TRAIN, Parsed, select
 from data.tabular.spec import Feature, TabularSpec
 
@@ -223,7 +223,7 @@ def hash_ids(values: pa.Array, f: Feature, table_index: int) -> np.ndarray:
     criteo/reader.py``, for uint32 values v; ``t`` the table's index, ``s`` the seed's offset)."""
     v, missing = _hash_u64(values, f.parse)
     key = (np.uint64(table_index) << np.uint64(32)) + v
-    z = fmix64(key + _seed_offset(f.hash_seed))
+    z = fmix64(key + seed_offset(f.hash_seed))
     span = np.uint64(max(f.hash_buckets - 1, 1))
     ids = (np.uint64(1) + z % span).astype(np.int64)
     return np.where(missing | (f.hash_buckets == 1), 0, ids)

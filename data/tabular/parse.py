@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data.criteo.reader import _seed_offset, fmix64
+from data.criteo.hashing import fmix64, seed_offset
 from data.tabular.read import Chunk, Reject, TabularFormatError
 from data.tabular.spec import TabularSpec
 
@@ -278,7 +278,7 @@ def _split_codes(
             + (np.uint64(piece_index) << np.uint64(32))
             + rows
         )
-        u = (fmix64(key + _seed_offset(s.seed)) >> np.uint64(11)).astype(np.float64) / 2.0**53
+        u = (fmix64(key + seed_offset(s.seed)) >> np.uint64(11)).astype(np.float64) / 2.0**53
         return np.where(
             u < s.valid_fraction,
             VALID,
