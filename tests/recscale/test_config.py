@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -134,7 +135,4 @@ def test_project_packages_resolve_inside_the_repo():
     import recscale
 
     for mod in (data, dlrm, recscale):
-        assert (
-            config_lib.Path(mod.__file__).resolve().parents[1]
-            == config_lib.Path(__file__).resolve().parents[2]
-        )
+        assert Path(mod.__file__).resolve().parents[1] == Path(__file__).resolve().parents[2]
