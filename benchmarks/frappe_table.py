@@ -79,7 +79,7 @@ def run(family: str, seed: int, root: Path, data_dir: str | None, extra: list[st
 
 def cost(family: str, workdir: Path):
     """The model's cost on the run's real schema (vocabularies read from its training file)."""
-    from data.sources import make_source
+    from data.builders import make_source
     from recscale import families
     from recscale.config import load_json
 

@@ -173,7 +173,7 @@ def bench_input(frappe: str) -> dict:
 
     import numpy as np
 
-    from data.sources import make_source
+    from data.builders import make_source
     from data.tabular.presets import frappe_spec, write_spec
 
     with tempfile.TemporaryDirectory() as tmp:

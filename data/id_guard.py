@@ -35,7 +35,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from data.batch import PAD_ID, Batch, Schema
-from data.criteo.reader import GOLDEN, fmix64
+from data.criteo.hashing import GOLDEN, fmix64
 
 IdPolicy = Literal["reject", "hash", "modulo"]
 """What the guard does with a bad id (module docstring)."""

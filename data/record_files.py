@@ -1,5 +1,5 @@
 """Records of array_record files read by random access: the prepared tabular datasets' shards
-(``data.tabular.prepare``) and tfds' prepared splits (``data.sources``) share this reader."""
+(``data.tabular.prepare``) and tfds' prepared splits (``data.builders``) share this reader."""
 
 from __future__ import annotations
 

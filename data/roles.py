@@ -6,7 +6,7 @@ only how often it logs, some only how its tables are laid out. Each field says w
 does), and every consumer derives its set from the classes:
 
 * resuming (``recscale.train.loop``): a run may resume with a ``resume_free`` field changed;
-* trial identity (``sweeps.spec.trial_id``): fields outside ``identity``, and fields at their
+* trial identity (``sweeps.identity.trial_id``): fields outside ``identity``, and fields at their
   ``identity_default``, are left out of the hash;
 * compiled programs (``recscale.train.loop``): fields outside ``program`` are no part of the
   key under which a jitted program is reused;

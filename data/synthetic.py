@@ -9,19 +9,13 @@ hotness (bag slots), ``D`` teacher latent dim, ``M`` teacher fields (``F`` bags 
 field when ``N > 0``), ``V`` rows of one table.
 
 Randomness (counter-based, no RNG state):
-  * ``mix`` is the splitmix64 finaliser (a bijection of uint64 with full avalanche), applied
-    elementwise with numpy's wrapping uint64 arithmetic.
+  * ``mix`` is the splitmix64 finaliser (``data.counter_rng``).
   * An example's key is ``mix(index * golden + seed_key)``; every random quantity of the example
     is ``mix(example_key ^ salt)`` where the salt is a fixed hash of (stream, feature, slot, ...):
     streams are dense values, bag sizes, ids, and the label. Teacher parameters of a table row
     are ``mix(mix(row * golden + salt(seed, feature)) ^ salt(j))``: a function of (seed, feature,
     row) only, never of the example.
-  * A uint64 hash gives a uniform in [0, 1) from its top 53 bits, or two standard normals, one
-    per 32-bit half: the top 16 bits pick an interval of a 65,537-knot table of normal quantiles
-    ``Phi^-1((t + 0.5) / 65537)`` (built once per process with ``statistics.NormalDist``) and the
-    low 16 bits interpolate linearly inside it. Per value that is integer ops, gathers and one
-    IEEE multiply-add, so unlike Box-Muller's ``log``/``cos`` the result never depends on which
-    SIMD or libm path numpy takes. The normals are truncated at +-4.33 sigma (a 2e-5 tail).
+  * A uint64 hash gives a uniform in [0, 1) or two standard normals (``data.counter_rng``).
   * Example indices ``[0, 2**62)`` are training data; ``EVAL_INDEX_OFFSET + j`` (``2**62 + j``)
     is held-out example ``j``; a third range (from ``3 * 2**61``) is a fixed calibration sample.
     Disjoint index ranges give distinct example keys (the key map is a bijection of the index).
@@ -89,14 +83,13 @@ caller may split a batch over threads or worker processes.
 
 from __future__ import annotations
 
-import functools
 import math
-import statistics
 from collections.abc import Iterator
 
 import numpy as np
 
 from data import _native
+from data import counter_rng as rng
 from data.batch import PAD_ID, Batch, FeatureInfo, Schema
 from data.config import SyntheticConfig
 
@@ -109,118 +102,10 @@ _MAX_EVAL_EXAMPLES = 2**61  # keeps the eval range below the calibration range
 _ALIAS_MAX_ROWS = 2**22  # tables up to this size sample ranks exactly (alias table)
 _CACHE_MAX_ROWS = 2**20  # tables up to this size precompute teacher row parameters
 
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX_C1 = 0xBF58476D1CE4E5B9
-_MIX_C2 = 0x94D049BB133111EB
-_U64_GOLDEN = np.uint64(_GOLDEN)
-_U64_C1 = np.uint64(_MIX_C1)
-_U64_C2 = np.uint64(_MIX_C2)
-_U64_MASK32 = np.uint64(0xFFFFFFFF)
-
 # Stream ids, mixed into every salt so the streams are independent.
 _S_SEED, _S_DENSE, _S_BAG, _S_ID, _S_LABEL, _S_ROW, _S_ROWPARAM, _S_TEACHER, _S_PERM = range(1, 10)
 
-_NORMAL_KNOTS = 65537
 _MAX_ORDER = 4  # highest teacher interaction order (SyntheticConfig.interaction_order)
-
-
-def _mix_int(x: int) -> int:
-    """splitmix64 finaliser on a Python int (for salts computed once)."""
-    x &= _M64
-    x ^= x >> 30
-    x = (x * _MIX_C1) & _M64
-    x ^= x >> 27
-    x = (x * _MIX_C2) & _M64
-    x ^= x >> 31
-    return x
-
-
-def _salt(*parts: int) -> int:
-    """A uint64 salt that is a hash of the integer tuple ``parts``."""
-    k = 0x243F6A8885A308D3
-    for p in parts:
-        k = _mix_int(k ^ _mix_int((int(p) & _M64) + _GOLDEN))
-    return k
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser, elementwise on a uint64 array (arrays wrap without warnings)."""
-    x = x ^ (x >> np.uint64(30))
-    x *= _U64_C1
-    x ^= x >> np.uint64(27)
-    x *= _U64_C2
-    x ^= x >> np.uint64(31)
-    return x
-
-
-def _uniform(h: np.ndarray) -> np.ndarray:
-    """float64 uniform in [0, 1) from the top 53 bits of each hash."""
-    return (h >> np.uint64(11)).astype(np.float64) * (2.0**-53)
-
-
-@functools.cache
-def _normal_tables() -> tuple[np.ndarray, np.ndarray]:
-    """Knots ``Phi^-1((t + 0.5) / 65537)`` and their differences (float64)."""
-    nd = statistics.NormalDist()
-    knots = np.array([nd.inv_cdf((t + 0.5) / _NORMAL_KNOTS) for t in range(_NORMAL_KNOTS)])
-    return knots[:-1].copy(), np.diff(knots)
-
-
-def _normal_u32(x: np.ndarray) -> np.ndarray:
-    """float64 standard normal (interpolated quantile table) from uint64 values < 2**32."""
-    lo, step = _normal_tables()
-    i = (x >> np.uint64(16)).astype(np.intp)
-    frac = (x & np.uint64(0xFFFF)).astype(np.float64) * (2.0**-16)
-    return lo[i] + frac * step[i]
-
-
-def _normals(h: np.ndarray) -> np.ndarray:
-    """Two normals per hash: ``[..., K]`` uint64 -> ``[..., 2K]`` float64."""
-    out = np.stack([_normal_u32(h >> np.uint64(32)), _normal_u32(h & _U64_MASK32)], axis=-1)
-    return out.reshape(*h.shape[:-1], 2 * h.shape[-1])
-
-
-def _coprime_multiplier(v: int, key: int) -> int:
-    """A seeded multiplier in [1, v) coprime to v (1 when v <= 2)."""
-    if v <= 2:
-        return 1
-    a = 1 + key % (v - 1)
-    while math.gcd(a, v) != 1:
-        a = a % (v - 1) + 1
-    return a
-
-
-def _alias_table(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Walker alias table for probabilities ``p`` sorted in decreasing order.
-
-    Returns ``(prob, alias)``: column ``c`` (chosen uniformly) yields ``c`` with probability
-    ``prob[c]``, else ``alias[c]``. Vectorised Vose construction, valid because the "large"
-    entries (``V p >= 1``) are a prefix: lay the larges' surpluses ``V p - 1`` end to end on a
-    tape (ends ``E_j``) and the smalls' deficits ``1 - V p`` on the same tape (intervals
-    ``[S_s, D_s)``). Small ``s`` takes its whole deficit from the large whose surplus holds
-    ``S_s``. A large ``j`` whose end ``E_j`` falls strictly inside a small's interval has been
-    over-drawn by ``D_s - E_j``; it becomes a column of its own with that deficit, filled from
-    large ``j + 1`` (exactly Vose's algorithm with this processing order).
-    """
-    v = p.shape[0]
-    q = p * v
-    prob = np.ones(v)
-    alias = np.arange(v)
-    m = int(np.count_nonzero(q >= 1.0))
-    if m in (0, v):  # uniform (m == v up to rounding)
-        return prob, alias
-    ends = np.cumsum(q[:m] - 1.0)  # E_j
-    deficit = 1.0 - q[m:]
-    d_end = np.cumsum(deficit)  # D_s
-    d_start = d_end - deficit  # S_s
-    prob[m:] = q[m:]
-    alias[m:] = np.minimum(np.searchsorted(ends, d_start, side="right"), m - 1)
-    s = np.minimum(np.searchsorted(d_end, ends[:-1], side="right"), v - m - 1)
-    inside = (d_start[s] < ends[:-1]) & (d_end[s] > ends[:-1])
-    prob[: m - 1] = np.where(inside, 1.0 - (d_end[s] - ends[:-1]), 1.0)
-    alias[: m - 1] = np.where(inside, np.arange(1, m), np.arange(m - 1))
-    return np.clip(prob, 0.0, 1.0), alias
 
 
 def synthetic_schema(cfg: SyntheticConfig) -> Schema:
@@ -267,22 +152,22 @@ class SyntheticGenerator:
         num_f, num_n, dim = self.schema.num_sparse, cfg.num_dense, cfg.teacher_dim
         self._vocab = np.array(cfg.vocab_sizes, np.int64)
         self._hot = np.array(cfg.max_hotness, np.int64)
-        self._seed_key = np.uint64(_salt(_S_SEED, s))
+        self._seed_key = np.uint64(rng.salt(_S_SEED, s))
         self._dense_salts = np.array(
-            [_salt(_S_DENSE, s, j) for j in range((num_n + 1) // 2)], np.uint64
+            [rng.salt(_S_DENSE, s, j) for j in range((num_n + 1) // 2)], np.uint64
         )
-        self._bag_salts = np.array([_salt(_S_BAG, s, f) for f in range(num_f)], np.uint64)
-        self._label_salt = np.uint64(_salt(_S_LABEL, s))
+        self._bag_salts = np.array([rng.salt(_S_BAG, s, f) for f in range(num_f)], np.uint64)
+        self._label_salt = np.uint64(rng.salt(_S_LABEL, s))
         # Slot pairs (f, h) with h < max_hotness_f, flattened: axis S of the id computation.
         self._slot_f = np.repeat(np.arange(num_f), self._hot)
         self._slot_h = np.concatenate([np.arange(h) for h in self._hot])
         self._slot_salts = np.array(
-            [_salt(_S_ID, s, f, h) for f, h in zip(self._slot_f, self._slot_h, strict=True)],
+            [rng.salt(_S_ID, s, f, h) for f, h in zip(self._slot_f, self._slot_h, strict=True)],
             np.uint64,
         )
-        self._row_salts = [np.uint64(_salt(_S_ROW, s, f)) for f in range(num_f)]
+        self._row_salts = [np.uint64(rng.salt(_S_ROW, s, f)) for f in range(num_f)]
         self._param_salts = np.array(
-            [_salt(_S_ROWPARAM, j) for j in range((dim + 2) // 2)], np.uint64
+            [rng.salt(_S_ROWPARAM, j) for j in range((dim + 2) // 2)], np.uint64
         )
 
         # Zipf samplers: alias tables (concatenated over features) for small tables, analytic
@@ -292,8 +177,8 @@ class SyntheticGenerator:
         alias_off = np.zeros(num_f, np.uint64)
         total = 0
         for f, v in enumerate(cfg.vocab_sizes):
-            a = _coprime_multiplier(v, _salt(_S_PERM, s, f, 0))
-            b = _salt(_S_PERM, s, f, 1) % v
+            a = rng.coprime_multiplier(v, rng.salt(_S_PERM, s, f, 0))
+            b = rng.salt(_S_PERM, s, f, 1) % v
             self._perm.append((a, b))
             if v <= _ALIAS_MAX_ROWS:
                 ranks = np.arange(v, dtype=np.int64)
@@ -301,7 +186,7 @@ class SyntheticGenerator:
                     prob, alias = np.ones(v), ranks
                 else:
                     w = np.power(ranks + 1.0, -cfg.zipf_exponent)
-                    prob, alias = _alias_table(w / w.sum())
+                    prob, alias = rng.alias_table(w / w.sum())
                 thr.append(np.round(prob * 2.0**32).astype(np.uint64))
                 own.append(((a * ranks + b) % v).astype(np.int32))
                 alt.append(((a * alias + b) % v).astype(np.int32))
@@ -343,8 +228,10 @@ class SyntheticGenerator:
             for h in range(int(hot_c.max(initial=0)))
         ]
         num_g = num_n * (dim + 1)
-        h = _mix(np.uint64(_salt(_S_TEACHER, s)) ^ np.arange((num_g + 1) // 2, dtype=np.uint64))
-        g = _normals(h)[:num_g].reshape(num_n, dim + 1)
+        h = rng.mix(
+            np.uint64(rng.salt(_S_TEACHER, s)) ^ np.arange((num_g + 1) // 2, dtype=np.uint64)
+        )
+        g = rng.normals(h)[:num_g].reshape(num_n, dim + 1)
         self._dense_proj_nd = g[:, :dim] / math.sqrt(max(num_n, 1) * dim)
         self._dense_w_n = g[:, dim] / math.sqrt(max(num_n, 1))
 
@@ -379,7 +266,7 @@ class SyntheticGenerator:
         idx = self._check_indices(indices)
         dense_bn, ids_bfh, _, keys_b, terms = self._generate(idx)
         logit_b = self._combine(terms)
-        u_b = _uniform(_mix(keys_b ^ self._label_salt))
+        u_b = rng.uniform(rng.mix(keys_b ^ self._label_salt))
         labels_b = (u_b < _sigmoid(logit_b)).astype(np.float32)
         return Batch(
             dense_bn=dense_bn,
@@ -466,7 +353,7 @@ class SyntheticGenerator:
             or self.cfg.teacher_dim > 64
         ):
             return None
-        lo, step = _normal_tables()
+        lo, step = rng.normal_tables()
         keep = (  # contiguous arrays the kernel reads; kept alive with the pointers
             self._dense_salts,
             lo,
@@ -566,8 +453,8 @@ class SyntheticGenerator:
     def _row_params(self, f: int, rows: np.ndarray) -> np.ndarray:
         """float32 [..., D + 1]: latent (scaled 1/sqrt(D)) and linear weight of table rows."""
         dim = self.cfg.teacher_dim
-        base = _mix(rows.astype(np.uint64) * _U64_GOLDEN + self._row_salts[f])
-        g = _normals(_mix(base[..., None] ^ self._param_salts))[..., : dim + 1]
+        base = rng.mix(rows.astype(np.uint64) * rng.U64_GOLDEN + self._row_salts[f])
+        g = rng.normals(rng.mix(base[..., None] ^ self._param_salts))[..., : dim + 1]
         g[..., :dim] *= 1.0 / math.sqrt(dim)
         return g.astype(np.float32)
 
@@ -575,19 +462,19 @@ class SyntheticGenerator:
         """Dense values, ids, bag sizes and example keys of examples ``idx_b``."""
         num_b = idx_b.shape[0]
         num_f, num_h = self.schema.num_sparse, self.schema.max_hotness
-        keys_b = _mix(idx_b.astype(np.uint64) * _U64_GOLDEN + self._seed_key)
+        keys_b = rng.mix(idx_b.astype(np.uint64) * rng.U64_GOLDEN + self._seed_key)
         if self.cfg.num_dense:
-            h = _mix(keys_b[:, None] ^ self._dense_salts)
-            dense_bn = _normals(h)[:, : self.cfg.num_dense].astype(np.float32)
+            h = rng.mix(keys_b[:, None] ^ self._dense_salts)
+            dense_bn = rng.normals(h)[:, : self.cfg.num_dense].astype(np.float32)
         else:
             dense_bn = np.zeros((num_b, 0), np.float32)
         if self.cfg.pooling == "fixed":
             n_bf = np.broadcast_to(self._hot, (num_b, num_f))
         else:
-            hb = _mix(keys_b[:, None] ^ self._bag_salts) >> np.uint64(32)
+            hb = rng.mix(keys_b[:, None] ^ self._bag_salts) >> np.uint64(32)
             n_bf = ((hb * self._hot.astype(np.uint64)) >> np.uint64(32)).astype(np.int64) + 1
         # Ids of every slot pair (f, h < max_hotness_f), axis S.
-        h_bs = _mix(keys_b[:, None] ^ self._slot_salts)
+        h_bs = rng.mix(keys_b[:, None] ^ self._slot_salts)
         all_alias = self._analytic_cols.size == 0
         if all_alias:
             rows_bs = self._alias_ids(h_bs)
@@ -597,7 +484,7 @@ class SyntheticGenerator:
                 rows_bs[:, self._alias_cols] = self._alias_ids(h_bs[:, self._alias_cols])
             for f in np.unique(self._slot_f[self._analytic_cols]):
                 cols = self._analytic_cols[self._slot_f[self._analytic_cols] == f]
-                rows_bs[:, cols] = self._analytic_rows(int(f), _uniform(h_bs[:, cols]))
+                rows_bs[:, cols] = self._analytic_rows(int(f), rng.uniform(h_bs[:, cols]))
         if self._slot_pos.shape[0] == num_f * num_h:  # every feature has H slots
             valid_bfh = np.arange(num_h) < n_bf[:, :, None]
             ids_bfh = np.where(valid_bfh, rows_bs.reshape(num_b, num_f, num_h), np.int32(PAD_ID))
@@ -612,7 +499,7 @@ class SyntheticGenerator:
         """int32 rows of alias-sampled slots: column from the high 32 bits, coin from the low."""
         col = ((h >> np.uint64(32)) * self._alias_slot_v) >> np.uint64(32)
         col += self._alias_slot_off
-        use_alias = (h & _U64_MASK32) >= self._alias_thr[col]
+        use_alias = (h & rng.U64_MASK32) >= self._alias_thr[col]
         return self._alias_rows[col + use_alias * self._alias_total]
 
     def _analytic_rows(self, f: int, u: np.ndarray) -> np.ndarray:

@@ -38,6 +38,7 @@ import numpy as np
 from scipy import optimize, special
 
 from sweeps import fit as fit_lib
+from sweeps import solver
 
 _EXPONENT_STARTS = (0.1, 0.3, 1.0)
 _FLOOR_STARTS = (0.3, 0.7, 0.95)  # E as a fraction of min(L)
@@ -242,11 +243,11 @@ def fit_loss_surface(
     n, d = size / n0, examples / d0
     min_loss = float(mean_k.min())
     k = 5 if floor is None else 4
-    # δ: 1.345·σ̂ of a least-squares fit's residuals (as fit._huber_scale, one round).
+    # δ: 1.345·σ̂ of a least-squares fit's residuals (as solver.huber_scale, one round).
     th, _ = _fit_one(n, d, np.log(mean_k), 1e6, floor, min_loss)
     r = np.log(mean_k) - np.log(_predict(_unpack(th, floor, min_loss), n, d))
     mad = np.median(np.abs(r - np.median(r)))
-    delta = 1.345 * max(1.4826 * mad * np.sqrt(n.size / max(n.size - k, 1)), fit_lib._SIGMA_FLOOR)
+    delta = 1.345 * max(1.4826 * mad * np.sqrt(n.size / max(n.size - k, 1)), solver.SIGMA_FLOOR)
     th, _ = _fit_one(n, d, np.log(mean_k), delta, floor, min_loss)
     est = _unpack(th, floor, min_loss)
     boot = []

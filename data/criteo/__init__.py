@@ -1,5 +1,6 @@
 """Raw Criteo TSV reader (Kaggle Display Advertising Challenge / Terabyte); see ``reader.py``."""
 
+from data.criteo.hashing import hash_categorical, transform_dense
 from data.criteo.reader import (
     CRITEO_COLUMNS,
     CRITEO_DENSE,
@@ -8,10 +9,8 @@ from data.criteo.reader import (
     ReadStats,
     count_criteo_rows,
     criteo_schema,
-    hash_categorical,
     iter_criteo_chunks,
     read_criteo,
-    transform_dense,
 )
 
 __all__ = [

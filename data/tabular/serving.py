@@ -26,8 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data.criteo.reader import _seed_offset
+from data.criteo.hashing import seed_offset
 from data.tabular import encode as enc
+from data.tabular import parse
 from data.tabular.spec import TabularSpec
 
 KIND = "tabular/1"
@@ -48,13 +49,13 @@ def _hash_key(table_index: int, seed: int) -> str:
     """The offset ``hash_ids`` adds to a value before its mix, ``(table index << 32) + the
     seed's offset`` mod 2^64, as a decimal string (JSON numbers lose uint64 precision in many
     readers)."""
-    return str(((table_index << 32) + int(_seed_offset(seed))) % 2**64)
+    return str(((table_index << 32) + int(seed_offset(seed))) % 2**64)
 
 
 def serving_encoding(
     spec: TabularSpec,
     vocab: enc.Vocabulary,
-    sides: list[enc.SideTable],
+    sides: list[parse.SideTable],
     file_columns: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(description for the manifest, arrays for vocab.npz)`` of a prepared dataset;

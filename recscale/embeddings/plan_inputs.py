@@ -73,7 +73,7 @@ LOOKUPS = (1 << 14, 1 << 16, 1 << 18)
 def sampled_ids(data_cfg: Any, batches: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per table, the valid ids of the first ``batches`` global training batches: those of the
     even examples and those of the odd ones (features sharing a table pooled)."""
-    from data.sources import make_source  # noqa: PLC0415 (reads the data when called)
+    from data.builders import make_source  # noqa: PLC0415 (reads the data when called)
 
     source = make_source(data_cfg)
     names = [f.table_name for f in source.schema.features]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recscale.embeddings import tiers
+from recscale.embeddings.tier_store import parse_records
 
 
 def store_dir(embeddings, workdir: str | Path) -> Path:
@@ -83,7 +83,7 @@ class StoreView:
                     )
                 f.seek(at)
                 data = f.read()
-            for rows, old, end in tiers.parse_records(data, self.width):
+            for rows, old, end in parse_records(data, self.width):
                 parts.append((np.full(len(rows), s, np.int64), rows, old))
                 self._read_to[s] = at + end
         self._log(self.step)  # still there: its records are all taken in

@@ -326,7 +326,7 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def _fmix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's output mix (``data.criteo.reader.fmix64``), wrapping uint64 arithmetic."""
+    """splitmix64's output mix (``data.criteo.hashing.fmix64``), wrapping uint64 arithmetic."""
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))

@@ -25,7 +25,8 @@ from jax.experimental import multihost_utils
 
 from data import roles
 from data.batch import Batch, Schema
-from data.sources import DataSource, make_source
+from data.builders import make_source
+from data.sources import DataSource
 from recscale import config as config_lib
 from recscale import optim, sharding
 from recscale.embeddings import EmbeddingTable, engine

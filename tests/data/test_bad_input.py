@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from data.batch import PAD_ID, Batch, FeatureInfo, Schema
+from data.builders import make_source
 from data.config import CriteoConfig, DataConfig
 from data.criteo import CRITEO_COLUMNS, CriteoFormatError, read_criteo
 from data.id_guard import IdGuard, hash_ids
-from data.sources import InMemorySource, RandomAccessSource, make_source
+from data.sources import InMemorySource, RandomAccessSource
 from tests.data.conftest import criteo_lines
 
 REPO = Path(__file__).resolve().parents[2]

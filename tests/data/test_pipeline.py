@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from data.batch import Batch, FeatureInfo, Schema
+from data.builders import make_source
 from data.config import CriteoConfig, DataConfig, SyntheticConfig
 from data.pipeline import eval_index_batches, gather, num_eval_batches, train_dataset
-from data.sources import DataSource, InMemorySource, RandomAccessSource, make_source
+from data.sources import DataSource, InMemorySource, RandomAccessSource
 
 
 def _stream(ds, num_steps: int) -> np.ndarray:

@@ -13,10 +13,11 @@ import pytest
 import tensorflow_datasets  # noqa: E402,F401  (a hard dependency: fail, never skip)
 
 from data.batch import Batch
+from data.builders import make_source
 from data.config import CriteoConfig, DataConfig
 from data.criteo.reader import read_criteo
 from data.frappe.reader import build_frappe_vocab, read_frappe
-from data.sources import InMemorySource, RandomAccessSource, make_source
+from data.sources import InMemorySource, RandomAccessSource
 
 
 def _assert_same(got: Batch, want: Batch) -> None:

@@ -24,9 +24,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from data.batch import PAD_ID, Batch, FeatureInfo
-from data.criteo.reader import hash_categorical
+from data.criteo.hashing import hash_categorical
 from data.tabular import Prepared, SpecError, TabularFormatError, load_spec, prepare
-from data.tabular.prepare import REJECTS_HEADER
+from data.tabular.passes import REJECTS_HEADER
 from data.tabular.spec import TabularSpec, spec_from_dict
 
 # ``data.tabular.prepare`` the attribute is the function; the module is reached by name.

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data.builders import make_source
 from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CriteoConfig, DataConfig, TabularConfig
 from data.presets import frappe as frappe_preset
-from data.sources import make_source
 from data.tabular import prepare
 from data.tabular.presets import criteo_spec, frappe_spec, write_spec
 from data.tabular.spec import load_spec
@@ -241,7 +241,7 @@ def test_pieces_of_a_large_csv_give_the_whole_files_records(tmp_path):
         str(_piece_spec(tmp_path, piece_bytes=10**9)), str(tmp_path / "a"), progress=False
     )
     spec = _piece_spec(tmp_path, piece_bytes=8000)
-    from data.tabular.prepare import resolve_inputs, work_units
+    from data.tabular.passes import resolve_inputs, work_units
 
     units = work_units(load_spec(spec), resolve_inputs(load_spec(spec)))
     assert sum(u[0] == 0 for u in units) > 5  # the training file is cut into pieces

@@ -192,8 +192,8 @@ def test_read_rows_names_a_short_line(tmp_path):
 def test_criteo_raw_rows_encode_as_the_criteo_reader(criteo_files):
     """A model trained with the Criteo reader (``data.kind=criteo``) exports the reader's
     hashing: raw TSV lines of the generated and the real sample give the reader's batches."""
+    from data.builders import make_source
     from data.config import CRITEO_KAGGLE_VOCAB_SIZES, CriteoConfig, DataConfig
-    from data.sources import make_source
 
     path = str(criteo_files.path)
     cfg = DataConfig(
@@ -221,8 +221,8 @@ def test_frappe_raw_rows_encode_as_the_frappe_reader(frappe_files):
     and real) give the reader's ids, unseen values counted as the reader counts them."""
     import dataclasses
 
+    from data.builders import make_source
     from data.presets import frappe as frappe_preset
-    from data.sources import make_source
 
     cfg = dataclasses.replace(frappe_preset(str(frappe_files.path)), eval_batch_size=8192)
     source = make_source(cfg)

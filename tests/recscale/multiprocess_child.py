@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 from recscale import families, sharding  # noqa: E402
 from recscale.config import MeshConfig, parse_preset_cli  # noqa: E402
-from recscale.embeddings import relayout  # noqa: E402
+from recscale.embeddings import row_moves  # noqa: E402
 from recscale.train import loop  # noqa: E402
 from recscale.train.evaluation import EvalArgs, evaluate_workdir  # noqa: E402
 
@@ -58,23 +58,23 @@ def _install_kill(spec: dict) -> None:
 
 
 def _staging(prefix: str) -> None:
-    """Saved buffers staged for a re-layout (``relayout._staging``) on this run's mesh, with
+    """Saved buffers staged for a re-layout (``row_moves.staging``) on this run's mesh, with
     rows that divide over all its devices and rows that do not, each read back by every process
-    (``relayout._gather``) and written (``relayout._scatter``): ``PREFIX<process>.json`` lists
+    (``row_moves.gather``) and written (``row_moves.scatter``): ``PREFIX<process>.json`` lists
     per shape the staging mesh's shape and whether the rows read and written were right."""
     mesh_cfg = MeshConfig(data_parallel=-1)
     out = []
     with sharding.activate(sharding.make_mesh(mesh_cfg), mesh_cfg):
         for shape in [(352, 3), (350, 8), (351,)]:
-            s = relayout._staging(shape)
+            s = row_moves.staging(shape)
             full = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
             x = jax.make_array_from_callback(shape, s, lambda i, f=full: f[i], dtype=np.float32)
             idx = np.array([0, 5, shape[0] - 1, -1, 200], np.int32)
             want = full[idx]
             want[3] = 0  # index -1: no row
-            read = bool(np.array_equal(relayout._gather(x, idx), want))
-            x = relayout._scatter(x, np.array([7, -1], np.int32), np.full((2, *shape[1:]), -1.0))
-            got = relayout._gather(x, np.array([7, 8], np.int32))
+            read = bool(np.array_equal(row_moves.gather(x, idx), want))
+            x = row_moves.scatter(x, np.array([7, -1], np.int32), np.full((2, *shape[1:]), -1.0))
+            got = row_moves.gather(x, np.array([7, 8], np.int32))
             wrote = bool((got[0] == -1).all() and np.array_equal(got[1], full[8]))
             out.append(
                 {"shape": list(shape), "mesh": dict(s.mesh.shape), "read": read, "wrote": wrote}

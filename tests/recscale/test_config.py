@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,17 +33,17 @@ def test_every_dlrm_preset_round_trips_through_json(tmp_path):
 def test_a_retired_field_still_loads_and_keeps_trial_ids():
     """``mesh.rules`` is gone (``MeshConfig.RETIRED``): a config.json written with it loads,
     and a trial recorded with it has the id the config without it gets now."""
-    from sweeps import spec as spec_lib
+    from sweeps import identity
 
     d = to_dict(get_preset("dlrm/tiny"))
     assert "rules" not in d["mesh"]
     old = json.loads(json.dumps(d))
     old["mesh"]["rules"] = "row_sharded"
     assert from_dict(DLRMConfig, old) == get_preset("dlrm/tiny")
-    ids = [spec_lib.trial_id("dlrm", x, "v1", "data", DLRMConfig) for x in (d, old)]
+    ids = [identity.trial_id("dlrm", x, "v1", "data", DLRMConfig) for x in (d, old)]
     assert ids[0] == ids[1]
     old["mesh"]["rules"] = "replicated"  # another layout was another trial, and stays one
-    assert spec_lib.trial_id("dlrm", old, "v1", "data", DLRMConfig) != ids[0]
+    assert identity.trial_id("dlrm", old, "v1", "data", DLRMConfig) != ids[0]
 
 
 def test_configs_are_frozen_and_keyword_only():
@@ -134,7 +135,4 @@ def test_project_packages_resolve_inside_the_repo():
     import recscale
 
     for mod in (data, dlrm, recscale):
-        assert (
-            config_lib.Path(mod.__file__).resolve().parents[1]
-            == config_lib.Path(__file__).resolve().parents[2]
-        )
+        assert Path(mod.__file__).resolve().parents[1] == Path(__file__).resolve().parents[2]

@@ -56,9 +56,9 @@ def test_simulator_keeps_a_step_resident_and_refuses_more_than_fits():
 
 
 def test_the_production_cache_hits_as_the_simulation():
-    """``tiers.RowCache`` (the trainer's) against the reference simulator: the same LRU hit rate
+    """``tier_store.RowCache`` (the trainer's) against the reference simulator: the same LRU hit rate
     (ties between rows of one step may be broken differently)."""
-    from recscale.embeddings.tiers import RowCache  # the trainer's module, imported only here
+    from recscale.embeddings.tier_store import RowCache  # the trainer's module, imported only here
 
     _, batches = _zipf(1.0, seed=1)
     cache = RowCache(ROWS, 2_000)

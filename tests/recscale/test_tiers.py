@@ -32,7 +32,7 @@ from recscale.config import (
     MeshConfig,
     get_preset,
 )
-from recscale.embeddings import engine, tier_view
+from recscale.embeddings import engine, tier_store, tier_view
 from recscale.embeddings import tiers as tiers_lib
 from recscale.serving.export import ExportArgs, export_workdir
 from recscale.serving.runtime import Model
@@ -44,7 +44,7 @@ from recscale.train.steps import TrainState, initial_rng, make_train_step
 
 
 def _store(tmp_path, tier, rows=300, width=5):
-    s = tiers_lib.RowStore(tmp_path / "t", rows, width, tier)
+    s = tier_store.RowStore(tmp_path / "t", rows, width, tier)
     s.create(lambda a, b: np.arange(a * width, b * width, dtype=np.float32).reshape(-1, width))
     return s
 
@@ -98,7 +98,7 @@ def test_the_store_goes_back_to_every_kept_checkpoint(tmp_path, tier):
     s = _store(tmp_path, "ssd")
     s.write(np.array([1, 2]), np.zeros((2, 5), np.float32))
     with open(tmp_path / "t" / "undo.0.log", "ab") as f:
-        f.write(tiers_lib._HEADER.pack(tiers_lib._MAGIC, 3) + b"\0" * 10)
+        f.write(tier_store._HEADER.pack(tier_store._MAGIC, 3) + b"\0" * 10)
     s.restore(0)
     np.testing.assert_array_equal(_all(s)[1], np.arange(5, 10))
 
@@ -109,7 +109,7 @@ def test_a_kill_in_the_middle_of_write_backs_loses_nothing(tmp_path):
     child = textwrap.dedent(f"""
         import sys, numpy as np
         sys.path.insert(0, {os.getcwd()!r})
-        from recscale.embeddings.tiers import RowStore
+        from recscale.embeddings.tier_store import RowStore
         s = RowStore(__import__("pathlib").Path({str(tmp_path / "t")!r}), 20000, 8, "ssd")
         s.create(lambda a, b: np.full((b - a, 8), 1.0, np.float32))
         rng = np.random.default_rng(0)
@@ -128,7 +128,7 @@ def test_a_kill_in_the_middle_of_write_backs_loses_nothing(tmp_path):
             pass
         assert p.poll() is None, "the child stopped by itself"
         os.kill(p.pid, signal.SIGKILL)
-    s = tiers_lib.RowStore(tmp_path / "t", 20000, 8, "ssd")
+    s = tier_store.RowStore(tmp_path / "t", 20000, 8, "ssd")
     s.restore(5)
     np.testing.assert_array_equal(_all(s), np.load(tmp_path / "at5.npy"))
     s.close()
@@ -138,7 +138,7 @@ def test_a_kill_in_the_middle_of_write_backs_loses_nothing(tmp_path):
 
 
 def test_lru_and_lfu_evict_as_specified():
-    c = tiers_lib.RowCache(100, 4, "lru", "t")
+    c = tier_store.RowCache(100, 4, "lru", "t")
     p = c.plan(np.array([[5, 6], [5, PAD_ID]]), train=True)
     np.testing.assert_array_equal(p.load_rows, [5, 6])
     np.testing.assert_array_equal(p.slot_ids, [[0, 1], [0, PAD_ID]])
@@ -154,14 +154,14 @@ def test_lru_and_lfu_evict_as_specified():
     with pytest.raises(ValueError, match="'t': id 100 outside"):
         c.plan(np.array([1, 100]), train=False)
     # a batch that fills the last free slots and evicts: its new rows are not the victims
-    c = tiers_lib.RowCache(100, 4)
+    c = tier_store.RowCache(100, 4)
     c.plan(np.array([1, 2, 3]), train=False)
     p = c.plan(np.array([4, 5, 6]), train=False)
     assert sorted(c.row_of[p.slot_ids]) == [4, 5, 6] and sorted(c.row_of) == [3, 4, 5, 6]
     # LRU over many steps: every victim was used no later than every slot kept (the use queue
     # equals a scan of the stamps), and the state round-trips mid-way
     rng = np.random.default_rng(0)
-    c, d = tiers_lib.RowCache(500, 64), None
+    c, d = tier_store.RowCache(500, 64), None
     for step in range(200):
         before = c.stamp.copy()
         ids = rng.integers(0, 500, 40) // (1 + rng.integers(0, 4, 40))
@@ -173,15 +173,15 @@ def test_lru_and_lfu_evict_as_specified():
         if len(evicted) and len(kept):
             assert before[evicted].max() <= before[kept].min(), step
         if step == 100:
-            d = tiers_lib.RowCache(500, 64)
+            d = tier_store.RowCache(500, 64)
             d.load(c.state())
     assert c.evictions > 500
-    f = tiers_lib.RowCache(100, 3, "lfu")
+    f = tier_store.RowCache(100, 3, "lfu")
     for b in ([1, 2], [1, 2], [1, 3], [4]):  # 3 is least frequent: LFU evicts it, LRU 2
         f.plan(np.array(b), train=False)
     assert f.slot_of[3] == -1 and f.slot_of[2] >= 0
     # the directory round-trips
-    g = tiers_lib.RowCache(100, 3, "lfu")
+    g = tier_store.RowCache(100, 3, "lfu")
     g.load(f.state())
     np.testing.assert_array_equal(g.slot_of, f.slot_of)
 

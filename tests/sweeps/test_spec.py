@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from sweeps import identity
 from sweeps import spec as spec_lib
 from sweeps.spec import BatchRule, FamilySpec, SweepSpec, dlrm_ladder, resolve, wukong_ladder
 
@@ -141,17 +142,17 @@ def test_identity_ignores_non_semantic_fields_only():
             "checkpoint_every": 11,
         },
     }
-    assert spec_lib.trial_id("dlrm", same, "test", "fp") == spec_lib.trial_id(
+    assert identity.trial_id("dlrm", same, "test", "fp") == identity.trial_id(
         "dlrm", cfg, "test", "fp"
     )
     changed = {**cfg, "dense_optim": {**cfg["dense_optim"], "learning_rate": 0.1234}}
-    assert spec_lib.trial_id("dlrm", changed, "test", "fp") != spec_lib.trial_id(
+    assert identity.trial_id("dlrm", changed, "test", "fp") != identity.trial_id(
         "dlrm", cfg, "test", "fp"
     )
-    assert spec_lib.trial_id("dlrm", cfg, "other-code", "fp") != spec_lib.trial_id(
+    assert identity.trial_id("dlrm", cfg, "other-code", "fp") != identity.trial_id(
         "dlrm", cfg, "test", "fp"
     )
-    assert spec_lib.trial_id("dlrm", cfg, "test", "fp2") != spec_lib.trial_id(
+    assert identity.trial_id("dlrm", cfg, "test", "fp2") != identity.trial_id(
         "dlrm", cfg, "test", "fp"
     )
     # the spec's own knobs that are cadence only do not change ids either
@@ -168,9 +169,9 @@ def test_data_fingerprint_tracks_file_content(tmp_path):
     f = tmp_path / "train.csv"
     f.write_text("a,b\n1,2\n")
     cfg = DataConfig(kind="frappe", train_path=str(f), eval_path=str(f))
-    fp = spec_lib.data_fingerprint(cfg)
+    fp = identity.data_fingerprint(cfg)
     f.write_text("a,b\n1,3\n")
-    assert spec_lib.data_fingerprint(cfg) != fp
+    assert identity.data_fingerprint(cfg) != fp
 
 
 def test_tabular_identity_is_the_spec_and_files_not_their_paths(tmp_path):
@@ -189,19 +190,19 @@ def test_tabular_identity_is_the_spec_and_files_not_their_paths(tmp_path):
         )
         for d in ("a", "b")
     ]
-    fps = [spec_lib.data_fingerprint(c) for c in cfgs]
+    fps = [identity.data_fingerprint(c) for c in cfgs]
     assert fps[0] == fps[1]  # same content, other folder
     from recscale import config as config_lib
 
-    ids = [spec_lib.semantic_config({"data": config_lib.to_dict(c)}) for c in cfgs]
+    ids = [identity.semantic_config({"data": config_lib.to_dict(c)}) for c in cfgs]
     assert ids[0] == ids[1]
     (tmp_path / "b" / "x.csv").write_text("label,u\n1,a\n0,c\n")
-    assert spec_lib.data_fingerprint(cfgs[1]) != fps[0]
+    assert identity.data_fingerprint(cfgs[1]) != fps[0]
     (tmp_path / "a" / "s.yaml").write_text(
         "train: [x.csv]\nlabel: {column: label}\nfeatures: [{name: u, kind: categorical, "
         "min_count: 2}]\n"
     )
-    assert spec_lib.data_fingerprint(cfgs[0]) != fps[0]
+    assert identity.data_fingerprint(cfgs[0]) != fps[0]
 
 
 def test_overrides_and_wukong_ladder():
@@ -273,10 +274,10 @@ def test_rung_overrides_set_the_schema_and_a_field_added_at_default_keeps_identi
     # Trials recorded before data.max_table_rows existed keep their ids: at its default (0)
     # the field is no part of identity.
     old = {k: v for k, v in full.config["data"].items() if k != "max_table_rows"}
-    fp = spec_lib.data_fingerprint(data)
-    assert spec_lib.trial_id("dlrm", {**full.config, "data": old}, "v", fp) == spec_lib.trial_id(
+    fp = identity.data_fingerprint(data)
+    assert identity.trial_id("dlrm", {**full.config, "data": old}, "v", fp) == identity.trial_id(
         "dlrm", full.config, "v", fp
     )
-    assert spec_lib.trial_id("dlrm", cap.config, "v", fp) != spec_lib.trial_id(
+    assert identity.trial_id("dlrm", cap.config, "v", fp) != identity.trial_id(
         "dlrm", full.config, "v", fp
     )

@@ -31,7 +31,7 @@ def test_spec_resolves_to_the_committed_trials(name):
 
 
 def test_frappe_arm_resolves_to_the_committed_trials(frappe_dir, monkeypatch):
-    # Its trial ids hash the data files (``spec.data_fingerprint``), read where the presets
+    # Its trial ids hash the data files (``identity.data_fingerprint``), read where the presets
     # point: ../shared/data/frappe from the repository root.
     monkeypatch.chdir(DOCS.parent)
     _check_committed("study_frappe")

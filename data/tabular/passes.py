@@ -1,0 +1,359 @@
+"""The two passes of a tabular preparation (``data.tabular.prepare``) over one unit of work,
+a piece of one input file: **count** (the training split's vocabularies and numeric moments)
+and **encode** (fixed-width records into ``array_record`` shards), each cut into parts that
+leave a marker when done; and what both need: the spec's input files, its side tables and the
+record layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import json
+import os
+import pickle
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from data.batch import Schema
+from data.tabular import encode as enc
+from data.tabular import parse
+from data.tabular.read import (
+    Chunk,
+    Reject,
+    TabularFormatError,
+    file_columns,
+    iter_chunks,
+    pieces,
+    read_whole,
+)
+from data.tabular.spec import TabularSpec, spec_digest
+
+REJECTS_HEADER = "file\tline\treason\tcolumn\trow\n"
+RECORD_OPTIONS = "group_size:16,uncompressed"
+"""16 records per chunk: writes 2.6x faster than one per chunk and random reads as fast or faster
+(measured, 164-byte records: 0.74 against 1.91 us per write, 7.4 against 12.0 ms per 4,096 random
+reads with ``ArrayRecordReader``); uncompressed, as a random read would inflate a whole chunk."""
+
+
+def record_dtype(schema: Schema) -> np.dtype:
+    """One example's fixed-width record (little-endian)."""
+    h = schema.max_hotness if schema.features else 1
+    return np.dtype(
+        [
+            ("label", "<f4"),
+            ("weight", "<f4"),
+            ("dense", "<f4", (schema.num_dense,)),
+            ("ids", "<i4", (schema.num_sparse, h)),
+        ]
+    )
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The spec's files, expanded: (path, split code or None for a rule-split file)."""
+
+    files: tuple[tuple[str, int | None], ...]
+    sides: tuple[tuple[str, ...], ...]
+
+    def fingerprint(self, spec: TabularSpec) -> str:
+        h = hashlib.sha256(spec_digest(spec).encode())
+        for path in [p for p, _ in self.files] + [p for s in self.sides for p in s]:
+            st = os.stat(path)
+            h.update(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()
+
+
+def expand(spec: TabularSpec, patterns: tuple[str, ...], what: str) -> list[str]:
+    out: list[str] = []
+    for pat in patterns:
+        path = spec.resolve(pat)
+        found = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+        found = [p for p in found if os.path.isfile(p)]
+        if not found:
+            raise TabularFormatError(f"{what} {pat!r}: no such file ({path})")
+        out += found
+    return out
+
+
+def resolve_inputs(spec: TabularSpec) -> Inputs:
+    rule = spec.split.kind != "files"
+    files: list[tuple[str, int | None]] = []
+    seen: dict[tuple[str, str], str] = {}
+    for what, patterns, code in (
+        ("train", spec.train, None if rule else parse.TRAIN),
+        ("valid", spec.valid, parse.VALID),
+        ("test", spec.test, parse.TEST),
+    ):
+        for p in expand(spec, patterns, f"{what} file"):
+            key = (os.path.realpath(p), what)
+            if key in seen:  # overlapping globs of one split would read a file twice
+                continue
+            seen[key] = p
+            files.append((p, code))
+    sides = tuple(tuple(expand(spec, j.path, f"side table of {j.key!r}")) for j in spec.joins)
+    return Inputs(tuple(files), sides)
+
+
+def load_sides(spec: TabularSpec, inputs: Inputs) -> list[parse.SideTable]:
+    """The side tables, read whole and checked (unique keys, needed columns)."""
+    out = []
+    for join, paths in zip(spec.joins, inputs.sides, strict=True):
+        right = join.right_key or join.key
+        cols = [right, *join.columns] if join.columns else None
+        table = pa.concat_tables([read_whole(p, join.format, cols) for p in paths])
+        side = parse.side_table(table, file=",".join(paths), key=right, columns=join.columns)
+        out.append(side)
+    return out
+
+
+def interaction_columns(
+    spec: TabularSpec, sides: list[parse.SideTable], first_file: str | None = None
+) -> list[str]:
+    """Columns read from the interaction files: those the spec needs that no join supplies.
+    A column name supplied twice (by two side tables, or by a side table and ``first_file``,
+    the first interaction file) is an error: neither would silently replace the other."""
+    supplied: dict[str, str] = {}
+    for side in sides:
+        for c in side.columns.column_names:
+            if c in supplied:
+                raise TabularFormatError(
+                    f"column {c!r} is in two side tables ({supplied[c]}, {side.file}); "
+                    "list each join's columns"
+                )
+            supplied[c] = side.file
+    keys = {j.key for j in spec.joins}
+    clash = sorted(set(supplied) & keys)
+    if clash:
+        raise TabularFormatError(f"side tables supply join key column {clash[0]!r}")
+    if first_file is not None:
+        both = sorted(set(supplied) & set(file_columns(first_file, spec.format)) - keys)
+        if both:
+            raise TabularFormatError(
+                f"column {both[0]!r} is in {first_file} and in side table {supplied[both[0]]}; "
+                "list the join's columns to take one"
+            )
+    return [c for c in spec.needed_columns() if c not in supplied or c in keys]
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def _parts(chunks: Iterator[Chunk], rows: int) -> Iterator[tuple[int, Chunk, bool, bool]]:
+    """Chunks cut at part boundaries: ``(part, piece, last_piece_of_part, last_of_all)``."""
+    pending: tuple[int, Chunk] | None = None
+    for chunk in chunks:
+        start, n = chunk.first_row, chunk.table.num_rows
+        while n:
+            part = start // rows
+            take = min(n, (part + 1) * rows - start)
+            piece = Chunk(
+                chunk.table.slice(start - chunk.first_row, take), chunk.file, start, chunk.locate
+            )
+            if pending is not None:
+                yield pending[0], pending[1], pending[0] != part, False
+            pending = (part, piece)
+            start, n = start + take, n - take
+    if pending is not None:
+        yield pending[0], pending[1], True, True
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def work_units(spec: TabularSpec, inputs: Inputs) -> tuple[tuple[int, int, int, int], ...]:
+    """``(file, piece, start, end)``: each file, large uncompressed CSVs cut into pieces at line
+    ends (``spec.piece_bytes``), in order; the unit of parallel work."""
+    out = []
+    for i, (path, _) in enumerate(inputs.files):
+        st = os.stat(path)
+        cut = _pieces(path, st.st_size, st.st_mtime_ns, spec.format, spec.piece_bytes)
+        out += [(i, k, a, b) for k, (a, b) in enumerate(cut)]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(path: str, size: int, mtime_ns: int, fmt, piece_bytes: int):
+    del size, mtime_ns  # cache key only: a changed file is cut again
+    return tuple(pieces(path, fmt, piece_bytes))
+
+
+def _part_name(file_index: int, piece: int, part: int) -> str:
+    return f"f{file_index:05d}-c{piece:04d}-p{part:06d}"
+
+
+_PROGRESS: Callable[[int], None] | None = None  # where a pass reports rows (set by the driver)
+
+
+def report_rows_to(fn: Callable[[int], None] | None) -> None:
+    """Where the passes of this process report the rows they finish (``None``: nowhere)."""
+    global _PROGRESS
+    _PROGRESS = fn
+
+
+def report_rows(rows: int) -> None:
+    if _PROGRESS is not None and rows:
+        _PROGRESS(rows)
+
+
+def count_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> int:
+    """Pass 1 over one unit: a pickled :class:`~data.tabular.encode.Counts` per part."""
+    file_index, piece_index, start, end = work_units(spec, inputs)[unit]
+    path, file_split = inputs.files[file_index]
+    sides = load_sides(spec, inputs)
+    cols = interaction_columns(spec, sides)
+    counts, rows = enc.Counts(), 0
+    chunks = iter_chunks(
+        path, spec.format, cols, strict=spec.strict, on_reject=lambda r: None, piece=(start, end)
+    )
+    for part, piece, last, _ in _parts(chunks, spec.rows_per_shard):
+        marker = os.path.join(folder, "count", _part_name(file_index, piece_index, part) + ".pkl")
+        if not os.path.exists(marker):
+            parsed = parse.parse_chunk(
+                spec,
+                piece,
+                sides,
+                file_split=file_split,
+                file_index=file_index,
+                piece_index=piece_index,
+                strict=spec.strict,
+                rejects=[],
+            )
+            counts.add(spec, parsed)
+            if last:
+                atomic_write(marker, pickle.dumps(counts, protocol=5))
+        if last:
+            counts = enc.Counts()
+        rows += piece.table.num_rows
+        report_rows(piece.table.num_rows)
+    return rows
+
+
+def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> int:
+    """Pass 2 over one unit: shards per split and a JSON marker per part."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    file_index, piece_index, start, end = work_units(spec, inputs)[unit]
+    path, file_split = inputs.files[file_index]
+    sides = load_sides(spec, inputs)
+    cols = interaction_columns(spec, sides)
+    vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
+    encoder = enc.Encoder(spec, vocab)
+    dtype = record_dtype(encoder.schema)
+    read_rejects: list[Reject] = []  # appended by the CSV reader's thread
+    lock = threading.Lock()
+
+    def on_reject(r: Reject) -> None:
+        with lock:
+            read_rejects.append(r)
+
+    chunks = iter_chunks(
+        path, spec.format, cols, strict=spec.strict, on_reject=on_reject, piece=(start, end)
+    )
+    writers: dict[int, Any] = {}
+    rows_in: dict[int, int] = {}
+    rejects: list[Reject] = []
+    total = 0
+    per_part = spec.rows_per_shard
+
+    def malformed_of(part: int, final: bool) -> list[Reject]:
+        """The malformed lines read so far that fall in ``part`` (by the kept rows before
+        them); the final part takes the rest."""
+        with lock:
+            mine = [r for r in read_rejects if final or r.row < (part + 1) * per_part]
+            read_rejects[:] = [
+                r for r in read_rejects if not (final or r.row < (part + 1) * per_part)
+            ]
+        return mine
+
+    def write_rejects(name: str, rejects: list[Reject]) -> None:
+        if rejects:
+            text = "".join(
+                f"{r.file}\t{r.where()}\t{r.reason}\t{r.column}\t{r.text}\n" for r in rejects
+            )
+            atomic_write(
+                os.path.join(folder, "rejects", name + ".tsv"), (REJECTS_HEADER + text).encode()
+            )
+
+    for part, piece, last, final in _parts(chunks, per_part):
+        name = _part_name(file_index, piece_index, part)
+        marker = os.path.join(folder, "parts", name + ".json")
+        if os.path.exists(marker):
+            if last:  # done before a kill: its malformed lines are in its rejects file
+                malformed_of(part, final)
+        else:
+            parsed = parse.parse_chunk(
+                spec,
+                piece,
+                sides,
+                file_split=file_split,
+                file_index=file_index,
+                piece_index=piece_index,
+                strict=spec.strict,
+                rejects=rejects,
+            )
+            dense, ids, labels, weights = encoder.encode(parsed)
+            rec = np.empty(parsed.n, dtype)
+            rec["label"], rec["weight"], rec["dense"], rec["ids"] = labels, weights, dense, ids
+            raw = rec.view(np.uint8).reshape(parsed.n, dtype.itemsize)
+            for code in np.unique(parsed.split).tolist():
+                if code not in writers:
+                    tmp = os.path.join(folder, "shards", parse.SPLITS[code], name + ".tmp")
+                    writers[code] = ArrayRecordWriter(tmp, RECORD_OPTIONS)
+                    rows_in[code] = 0
+                w = writers[code]
+                sel = raw[parsed.split == code]
+                for r in sel:
+                    w.write(r.tobytes())
+                rows_in[code] += len(sel)
+            if last:
+                shard_rows = {}
+                for code, w in writers.items():
+                    w.close()
+                    base = os.path.join(folder, "shards", parse.SPLITS[code], name)
+                    os.replace(base + ".tmp", base + ".array_record")
+                    shard_rows[parse.SPLITS[code]] = rows_in[code]
+                rejects = malformed_of(part, final) + rejects
+                write_rejects(name, rejects)
+                info = {
+                    "rows": shard_rows,
+                    "rejected": dict(Counter(r.reason for r in rejects)),
+                    "stats": encoder.stats(),
+                }
+                atomic_write(marker, json.dumps(info).encode())
+                writers, rows_in, rejects = {}, {}, []
+                encoder = enc.Encoder(spec, vocab)
+        total += piece.table.num_rows
+        report_rows(piece.table.num_rows)
+    # A piece whose every line was malformed yields no part: its rejects get a part of no rows.
+    name = _part_name(file_index, piece_index, _NO_ROWS_PART)
+    marker = os.path.join(folder, "parts", name + ".json")
+    rest = malformed_of(0, True)
+    if rest and not os.path.exists(marker):
+        write_rejects(name, rest)
+        info = {
+            "rows": {},
+            "rejected": dict(Counter(r.reason for r in rest)),
+            "stats": enc.Encoder(spec, vocab).stats(),
+        }
+        atomic_write(marker, json.dumps(info).encode())
+    return total
+
+
+_NO_ROWS_PART = 999_999
