@@ -48,8 +48,10 @@ def frappe() -> DLRMConfig:
     cosine decay, 2,000 steps of 4,096 (about 40 epochs). Found by hand search on ``valid.csv``
     (BENCHMARKS.md lists the runs); BatchNorm instead of LayerNorm added 0.0014 AUC (seed 0).
 
-    ``python -m dlrm.train dlrm/frappe --workdir runs/frappe`` — validation AUC 0.9854 ± 0.0001,
-    logloss 0.142 over 3 seeds (BENCHMARKS.md); 5.8 minutes alone on 2 CPU cores.
+    ``python -m dlrm.train dlrm/frappe --workdir runs/frappe`` — validation AUC 0.9852 ± 0.0002,
+    logloss 0.143 over 3 seeds with the embedding engine (its tables data-parallel under the
+    coupled L2; the per-table reference, ``--embeddings.sharding off``, gave 0.9854 ± 0.0002 /
+    0.142 beside it: BENCHMARKS.md); 5.8 minutes alone on 2 CPU cores.
     """
     return DLRMConfig(
         model=DLRMModelConfig(
