@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sweeps.spec import Rung
+from sweeps.spec import Rung, wukong_rung
 from sweeps.specs import study
 
 # (layers, n_F = n_L, k, FMB MLP depth, width, dense MLP, top MLP)
@@ -32,20 +32,9 @@ ROW_CAPS = (1000, 10000, 0)
 
 
 def _rung(d: int, cap: int, size: str) -> Rung:
-    layers, n, k, depth, width, dense, top = DENSE[size]
-    model = dict(
-        embed_dim=d,
-        num_layers=layers,
-        n_fmb=n,
-        n_lcb=n,
-        fmb_rank=k,
-        fmb_mlp_depth=depth,
-        fmb_mlp_width=width,
-        dense_mlp=dense,
-        top_mlp=top,
-    )
+    rung = wukong_rung(f"d{d}/rows{cap or 'all'}/{size}", d, *DENSE[size])
     overrides = {"data.max_table_rows": cap, "data.id_policy": "hash"} if cap else {}
-    return Rung(f"d{d}/rows{cap or 'all'}/{size}", model, overrides)
+    return dataclasses.replace(rung, overrides=overrides)
 
 
 WUKONG_GRID = dataclasses.replace(
