@@ -24,8 +24,8 @@ from recscale.config import (
     KernelConfig,
     MeshConfig,
 )
-from recscale.embeddings import engine
 from recscale.optim import cowclip
+from recscale.serving.export import float_tables
 from recscale.train.loop import make_optimizer
 from recscale.train.steps import TrainState, initial_rng, make_train_step, weighted_bce
 
@@ -74,17 +74,6 @@ def _batches(steps: int, hot: int = 0) -> list[Batch]:
     return out
 
 
-def _tables(model, params) -> dict[str, np.ndarray]:
-    emb = model.embeddings
-    if emb.layout is None:
-        return {
-            t.name: np.asarray(params["embeddings"]["tables"][t.name][...])[: t.num_rows]
-            for t in emb.table_specs
-        }
-    bufs = {k: v[...] for k, v in params["embeddings"]["buffers"].items()}
-    return engine.export_tables(emb.layout, bufs, emb.table_specs, emb.feature_specs)
-
-
 def _run(cfg: DLRMConfig, batches: list[Batch]):
     """The tables after the steps, and the last step's metrics."""
     with sharding.activate(sharding.make_mesh(cfg.mesh), cfg.mesh):
@@ -103,7 +92,8 @@ def _run(cfg: DLRMConfig, batches: list[Batch]):
         metrics = None
         for b in batches:
             state, metrics = step(state, b)
-        return _tables(model, state.params), jax.device_get(metrics)
+        trained = nnx.merge(graphdef, state.params, state.batch_stats)
+        return float_tables(trained.embeddings), jax.device_get(metrics)
 
 
 def test_the_layout_stores_a_shared_table_once_with_a_slot_per_feature():
