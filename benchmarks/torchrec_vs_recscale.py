@@ -104,6 +104,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def kernel_config(spec: str) -> KernelConfig:
+    """``--kernels``: one implementation for every op (``auto``, ``xla``, ``pallas_gpu``, ...),
+    or per op, ``op=impl`` pairs joined by commas (ops not named run ``auto``), e.g.
+    ``embedding_bag=xla,embedding_update=auto,dot_interaction=xla``."""
+    ops = ("embedding_bag", "embedding_update", "dot_interaction")
+    if "=" not in spec:
+        return KernelConfig(**dict.fromkeys(ops, spec))
+    chosen = dict.fromkeys(ops, "auto")
+    for pair in spec.split(","):
+        op, _, impl = pair.partition("=")
+        if op not in ops or not impl:
+            raise SystemExit(f"error: --kernels {spec!r}: {pair!r} is not op=impl, op in {ops}")
+        chosen[op] = impl
+    return KernelConfig(**chosen)
+
+
 def recscale_run(
     c: dict, steps: int, warmup: int, sharding_kind: str, windows: int = 3, kernels: str = "auto"
 ) -> dict:
@@ -121,9 +137,7 @@ def recscale_run(
         embedding_optim=EmbeddingOptimConfig(name="rowwise_adagrad", learning_rate=LR),
         mesh=MeshConfig(data_parallel=1),
         embeddings=EmbeddingShardingConfig(sharding=sharding_kind),
-        kernels=KernelConfig(
-            embedding_bag=kernels, embedding_update=kernels, dot_interaction=kernels
-        ),
+        kernels=kernel_config(kernels),
     )
     mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
     rng = np.random.default_rng(1)
@@ -239,7 +253,8 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="auto",
-        help="recscale's kernel implementation (auto, xla, pallas_gpu, ...)",
+        help="recscale's kernel implementation (auto, xla, pallas_gpu, ...), or per op: "
+        "embedding_bag=IMPL,embedding_update=IMPL,dot_interaction=IMPL",
     )
     args = ap.parse_args()
     roof = machine_roofline()
