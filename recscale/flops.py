@@ -244,22 +244,18 @@ def wukong_cost(cfg: Any, schema: Schema) -> DenseCount:
     return DenseCount(params, parts, d)
 
 
-def model_cost(
-    cfg: Any,
-    schema: Schema,
-    *,
-    mean_hotness: float | Sequence[float] | None = None,
-    bytes_per_param: int = 4,
-) -> ModelCost:
-    """Costs of a whole run's model: ``cfg.model.cost(schema, ...)``.
+def model_cost(cfg: Any, schema: Schema, **options: Any) -> ModelCost:
+    """Costs of a whole run's model: ``cfg.model.cost(schema, **options)``.
 
     Every model config of the project (DLRM, Wukong, the baselines) has a ``cost`` method that
     calls its family's counting function, so ``recscale`` never imports a model package.
+    ``options`` are the cost function's (:func:`family_cost`): ``mean_hotness``,
+    ``bytes_per_param``.
     """
     cost = getattr(cfg.model, "cost", None)
     if cost is None:
         raise TypeError(f"no cost model for {type(cfg.model).__name__}: it has no cost() method")
-    return cost(schema, mean_hotness=mean_hotness, bytes_per_param=bytes_per_param)
+    return cost(schema, **options)
 
 
 def table(costs: dict[str, ModelCost]) -> str:

@@ -12,7 +12,7 @@ Typical use (labels computed once from a Variable-typed state; see ``embedding_l
 """
 
 from recscale.optim import cowclip
-from recscale.optim.dense import default_decay_mask, dense_optimizer, dense_schedule
+from recscale.optim.dense import default_decay_mask, dense_optimizer
 from recscale.optim.embedding import (
     DENSE,
     EMBEDDING,
@@ -20,24 +20,22 @@ from recscale.optim.embedding import (
     combine,
     embedding_labels,
     embedding_optimizer,
-    embedding_schedule,
     rowwise_adagrad,
     scale_by_rowwise_adagrad,
 )
-from recscale.optim.schedules import learning_rate_schedule, lr_for_batch_size
+from recscale.optim.schedules import config_schedule, learning_rate_schedule, lr_for_batch_size
 
 __all__ = [
     "DENSE",
     "EMBEDDING",
     "RowwiseAdagradState",
     "combine",
+    "config_schedule",
     "cowclip",
     "default_decay_mask",
     "dense_optimizer",
-    "dense_schedule",
     "embedding_labels",
     "embedding_optimizer",
-    "embedding_schedule",
     "learning_rate_schedule",
     "lr_for_batch_size",
     "rowwise_adagrad",

@@ -12,7 +12,7 @@ from recscale.config import DenseOptimConfig
 from recscale.optim.hessian_free import hessian_free
 from recscale.optim.schedules import config_schedule
 
-__all__ = ["default_decay_mask", "dense_optimizer", "dense_schedule"]
+__all__ = ["default_decay_mask", "dense_optimizer"]
 
 _DECOUPLED_DECAY = ("adamw", "lamb", "lars")
 
@@ -27,18 +27,6 @@ def default_decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def dense_schedule(
-    cfg: DenseOptimConfig,
-    total_steps: int | jax.Array,
-    *,
-    peak: float | jax.Array | None = None,
-    warmup_steps: int | jax.Array | None = None,
-) -> optax.Schedule:
-    """The learning-rate schedule ``dense_optimizer`` uses (handy for logging the LR);
-    ``peak`` / ``warmup_steps`` replace the config's (``config_schedule``)."""
-    return config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
-
-
 def dense_optimizer(
     cfg: DenseOptimConfig,
     total_steps: int | jax.Array,
@@ -49,7 +37,7 @@ def dense_optimizer(
 ) -> optax.GradientTransformation:
     """Builds the optax optimizer of the dense parameters.
 
-    Families (all optax, with ``dense_schedule(cfg, total_steps)`` as learning rate):
+    Families (all optax, with ``config_schedule(cfg, total_steps)`` as learning rate):
 
     * ``adam``: ``optax.adam(lr, b1, b2, eps)``.
     * ``adamw``: ``optax.adamw`` with decoupled ``weight_decay`` on ``decay_mask``.
@@ -72,7 +60,7 @@ def dense_optimizer(
       decay_mask: Which leaves get weight decay (adamw, lamb, lars) and, for lars, trust-ratio
         scaling: a bool pytree, a function params -> bool pytree, or ``None`` for all leaves.
         Defaults to ``default_decay_mask`` (kernels only, no biases/norm scales).
-      peak, warmup_steps: Replace the config's learning rate and warmup (``dense_schedule``).
+      peak, warmup_steps: Replace the config's learning rate and warmup (``config_schedule``).
 
     Raises:
       ValueError: on ``weight_decay > 0`` with a family that has no decoupled weight decay
@@ -87,7 +75,7 @@ def dense_optimizer(
         )
     if cfg.grad_clip_norm < 0:
         raise ValueError(f"grad_clip_norm must be >= 0, got {cfg.grad_clip_norm}")
-    lr = dense_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
+    lr = config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
     mask = True if decay_mask is None else decay_mask
     if cfg.name == "adam":
         tx = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)

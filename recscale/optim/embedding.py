@@ -31,7 +31,6 @@ __all__ = [
     "combine",
     "embedding_labels",
     "embedding_optimizer",
-    "embedding_schedule",
     "rowwise_adagrad",
     "scale_by_rowwise_adagrad",
 ]
@@ -155,18 +154,6 @@ def rowwise_adagrad(
     )
 
 
-def embedding_schedule(
-    cfg: EmbeddingOptimConfig,
-    total_steps: int | jax.Array,
-    *,
-    peak: float | jax.Array | None = None,
-    warmup_steps: int | jax.Array | None = None,
-) -> optax.Schedule:
-    """Linear warmup over ``cfg.warmup_steps`` then ``cfg.decay`` to ``end_lr_fraction``
-    (``peak`` / ``warmup_steps`` replace the config's: ``config_schedule``)."""
-    return config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
-
-
 def embedding_optimizer(
     cfg: EmbeddingOptimConfig,
     total_steps: int | jax.Array,
@@ -179,9 +166,9 @@ def embedding_optimizer(
     ``sgd``: ``optax.sgd`` (no momentum). ``rowwise_adagrad``: ``rowwise_adagrad`` with
     ``cfg.initial_accumulator`` and ``cfg.eps``. ``adam``: ``optax.adam(b1=0.9, b2=0.999,
     eps=cfg.eps)`` on whole tables (moments of untouched rows still decay and move them; for
-    comparison only). All use ``embedding_schedule(cfg, total_steps)``.
+    comparison only). All use ``config_schedule(cfg, total_steps)``.
     """
-    lr = embedding_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
+    lr = config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
     if cfg.name == "sgd":
         tx = optax.sgd(lr)
     elif cfg.name == "rowwise_adagrad":

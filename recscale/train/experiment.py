@@ -134,7 +134,7 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
     if engine.EngineSpec.from_config(cfg) is not None:
         return SparseOptimizer(
             dense=dense,
-            embedding_lr=optim.embedding_schedule(
+            embedding_lr=optim.config_schedule(
                 e, steps, peak=a.get("embedding_lr"), warmup_steps=a.get("embedding_warmup")
             ),
             rule=engine.UpdateRule.from_config(e),

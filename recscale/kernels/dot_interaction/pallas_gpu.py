@@ -154,27 +154,41 @@ def _bwd_kernel(x_ref, g_ref, dx_ref, *, b: int, n: int, d: int, bb: int, self_i
     lax.fori_loop(0, bb, example, 0)
 
 
+def _call(x_bnd, g_bp, *, self_interaction: bool, interpret: bool, block_b: int) -> jax.Array:
+    """The forward kernel (``g_bp`` None; ``[B, P]``) or the backward one (``dX``, ``[B, N,
+    D]``) over a grid of blocks of ``block_b`` examples, every array blocked along ``B`` only."""
+    b, n, d = x_bnd.shape
+    np_, dc, _ = _tiles(n, d)
+    if g_bp is None:
+        body, operands, name = _fwd_kernel, (x_bnd,), "dot_interaction_fwd"
+        out_shape = (b, num_pairs(n, self_interaction))
+    else:
+        body, operands, name = _bwd_kernel, (x_bnd, g_bp.astype(x_bnd.dtype)), "dot_interaction_bwd"
+        out_shape = x_bnd.shape
+
+    def block(shape):
+        return pl.BlockSpec((block_b, *shape[1:]), lambda k: (k,) + (0,) * (len(shape) - 1))
+
+    return pl.pallas_call(
+        functools.partial(body, b=b, n=n, d=d, bb=block_b, self_interaction=self_interaction),
+        grid=(pl.cdiv(b, block_b),),
+        in_specs=[block(a.shape) for a in operands],
+        out_specs=block(out_shape),
+        out_shape=jax.ShapeDtypeStruct(out_shape, x_bnd.dtype),
+        compiler_params=_compiler_params(np_, dc),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+
+
 @functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
 def forward(
     x_bnd: jax.Array, *, self_interaction: bool, interpret: bool, block_b: int = BLOCK_B
 ) -> jax.Array:
     """``[B, P]`` dot interaction of ``x`` (``[B, N, D]``); see the module docstring."""
-    b, n, d = x_bnd.shape
-    p = num_pairs(n, self_interaction)
-    np_, dc, _ = _tiles(n, d)
-    kernel = functools.partial(
-        _fwd_kernel, b=b, n=n, d=d, bb=block_b, self_interaction=self_interaction
+    return _call(
+        x_bnd, None, self_interaction=self_interaction, interpret=interpret, block_b=block_b
     )
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(b, block_b),),
-        in_specs=[pl.BlockSpec((block_b, n, d), lambda k: (k, 0, 0))],
-        out_specs=pl.BlockSpec((block_b, p), lambda k: (k, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, p), x_bnd.dtype),
-        compiler_params=_compiler_params(np_, dc),
-        interpret=interpret,
-        name="dot_interaction_fwd",
-    )(x_bnd)
 
 
 @functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
@@ -187,22 +201,6 @@ def backward(
     block_b: int = BLOCK_B,
 ) -> jax.Array:
     """``dX`` (``[B, N, D]``) of the dot interaction for the cotangent ``g`` (``[B, P]``)."""
-    b, n, d = x_bnd.shape
-    p = num_pairs(n, self_interaction)
-    np_, dc, _ = _tiles(n, d)
-    kernel = functools.partial(
-        _bwd_kernel, b=b, n=n, d=d, bb=block_b, self_interaction=self_interaction
+    return _call(
+        x_bnd, g_bp, self_interaction=self_interaction, interpret=interpret, block_b=block_b
     )
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(b, block_b),),
-        in_specs=[
-            pl.BlockSpec((block_b, n, d), lambda k: (k, 0, 0)),
-            pl.BlockSpec((block_b, p), lambda k: (k, 0)),
-        ],
-        out_specs=pl.BlockSpec((block_b, n, d), lambda k: (k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, n, d), x_bnd.dtype),
-        compiler_params=_compiler_params(np_, dc),
-        interpret=interpret,
-        name="dot_interaction_bwd",
-    )(x_bnd, g_bp.astype(x_bnd.dtype))

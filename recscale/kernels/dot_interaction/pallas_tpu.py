@@ -179,6 +179,44 @@ def _block_b(x_bnd: jax.Array, self_interaction: bool, backward: bool, bb: int |
     return bb
 
 
+def _call(x_bnd, g_bp, *, self_interaction: bool, interpret, block_b: int | None) -> jax.Array:
+    """The forward kernel (``g_bp`` None; ``[B, P]``) or the backward one (``dX``, ``[B, N,
+    D]``) over a grid of blocks of ``bB`` examples."""
+    b, n, d = x_bnd.shape
+    dtype = x_bnd.dtype
+    p = num_pairs(n, self_interaction)
+    np_ = _np(n, dtype)
+    bb = _block_b(x_bnd, self_interaction, g_bp is not None, block_b)
+    # Np > N: the forward never reads the block's padding rows back; the backward masks them
+    x_spec = pl.BlockSpec((bb, np_, d), lambda k: (k, 0, 0))
+    g_spec = pl.BlockSpec((bb, p), lambda k: (k, 0))
+    if g_bp is None:
+        body, name, operands, in_specs = _fwd_kernel, "dot_interaction_fwd", (x_bnd,), [x_spec]
+        out_spec, out_shape = g_spec, (b, p)
+        scratch = [pltpu.VMEM((bb * np_, np_), jnp.float32)]
+        if jnp.dtype(dtype).itemsize != 4:
+            scratch.append(pltpu.VMEM((bb, p), jnp.float32))
+    else:
+        body, name = _bwd_kernel, "dot_interaction_bwd"
+        operands, in_specs = (x_bnd, g_bp.astype(dtype)), [x_spec, g_spec]
+        out_spec, out_shape = x_spec, (b, n, d)
+        scratch = [
+            pltpu.VMEM((bb, common.round_up(p + np_, 128)), jnp.float32),
+            pltpu.VMEM((bb * np_, np_), jnp.float32),
+        ]
+    return pl.pallas_call(
+        functools.partial(body, n=n, self_interaction=self_interaction),
+        grid=(pl.cdiv(b, bb),),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct(out_shape, dtype),
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+
+
 @functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
 def forward(
     x_bnd: jax.Array, *, self_interaction: bool, interpret, block_b: int | None = None
@@ -186,26 +224,9 @@ def forward(
     """``[B, P]`` dot interaction of ``x`` (``[B, N, D]``); see the module docstring.
     ``interpret``: False, or ``pltpu.InterpretParams`` to run on CPU; ``block_b``: examples
     per grid step (None: the most that fit ``VMEM_BUDGET``)."""
-    b, n, d = x_bnd.shape
-    dtype = x_bnd.dtype
-    p = num_pairs(n, self_interaction)
-    np_ = _np(n, dtype)
-    bb = _block_b(x_bnd, self_interaction, False, block_b)
-    scratch = [pltpu.VMEM((bb * np_, np_), jnp.float32)]
-    if jnp.dtype(dtype).itemsize != 4:
-        scratch.append(pltpu.VMEM((bb, p), jnp.float32))
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, n=n, self_interaction=self_interaction),
-        grid=(pl.cdiv(b, bb),),
-        # Np > N: the block's padding rows are never read back
-        in_specs=[pl.BlockSpec((bb, np_, d), lambda k: (k, 0, 0))],
-        out_specs=pl.BlockSpec((bb, p), lambda k: (k, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, p), dtype),
-        scratch_shapes=scratch,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret,
-        name="dot_interaction_fwd",
-    )(x_bnd)
+    return _call(
+        x_bnd, None, self_interaction=self_interaction, interpret=interpret, block_b=block_b
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
@@ -218,25 +239,6 @@ def backward(
     block_b: int | None = None,
 ) -> jax.Array:
     """``dX`` (``[B, N, D]``) of the dot interaction for the cotangent ``g`` (``[B, P]``)."""
-    b, n, d = x_bnd.shape
-    dtype = x_bnd.dtype
-    p = num_pairs(n, self_interaction)
-    np_ = _np(n, dtype)
-    bb = _block_b(x_bnd, self_interaction, True, block_b)
-    return pl.pallas_call(
-        functools.partial(_bwd_kernel, n=n, self_interaction=self_interaction),
-        grid=(pl.cdiv(b, bb),),
-        in_specs=[
-            pl.BlockSpec((bb, np_, d), lambda k: (k, 0, 0)),
-            pl.BlockSpec((bb, p), lambda k: (k, 0)),
-        ],
-        out_specs=pl.BlockSpec((bb, np_, d), lambda k: (k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, n, d), dtype),
-        scratch_shapes=[
-            pltpu.VMEM((bb, common.round_up(p + np_, 128)), jnp.float32),
-            pltpu.VMEM((bb * np_, np_), jnp.float32),
-        ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret,
-        name="dot_interaction_bwd",
-    )(x_bnd, g_bp.astype(dtype))
+    return _call(
+        x_bnd, g_bp, self_interaction=self_interaction, interpret=interpret, block_b=block_b
+    )

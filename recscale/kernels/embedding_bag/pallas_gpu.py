@@ -126,8 +126,6 @@ def bag_pool(
     tables: Sequence[jax.Array],
     ids_nh: jax.Array,
     *,
-    num_rows: int,
-    dim: int,
     pooling: str,
     interpret: bool,
     name: str = "embedding_bag",
@@ -136,13 +134,14 @@ def bag_pool(
 
     Args:
       load_rows: the :data:`RowLoader` (e.g. :func:`load_float_rows`).
-      tables: the arrays ``load_rows`` reads (left in HBM; only gathered rows are read).
-      ids_nh: ``[N, H]`` int32 ids; ids outside ``[0, num_rows)`` are padding.
-      num_rows, dim: ``V`` and ``D`` of the (logical) table.
+      tables: the arrays ``load_rows`` reads (left in HBM; only gathered rows are read), the
+        first ``[V, D]``: its shape is the (logical) table's.
+      ids_nh: ``[N, H]`` integer ids (cast to int32); ids outside ``[0, V)`` are padding.
       pooling: ``"sum"`` or ``"mean"``.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
       name: the kernel's name in profiles.
     """
+    num_rows, dim = tables[0].shape
     num_bags, num_slots = ids_nh.shape
     dim_pad = common.next_pow2(dim)
     bags = block_bags(num_bags, dim)
@@ -165,20 +164,11 @@ def bag_pool(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=name,
-    )(ids_nh, *tables)
+    )(ids_nh.astype(jnp.int32), *tables)
 
 
 def pool(
     table_vd: jax.Array, ids_nh: jax.Array, *, pooling: str = "sum", interpret: bool = False
 ) -> jax.Array:
     """``[N, D]`` float32: :func:`..reference.pool` as one Triton kernel (see the module)."""
-    num_rows, dim = table_vd.shape
-    return bag_pool(
-        load_float_rows,
-        (table_vd,),
-        ids_nh.astype(jnp.int32),
-        num_rows=num_rows,
-        dim=dim,
-        pooling=pooling,
-        interpret=interpret,
-    )
+    return bag_pool(load_float_rows, (table_vd,), ids_nh, pooling=pooling, interpret=interpret)

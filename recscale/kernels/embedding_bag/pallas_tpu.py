@@ -158,8 +158,6 @@ def bag_pool(
     tables: Sequence[jax.Array],
     ids_nh: jax.Array,
     *,
-    num_rows: int,
-    dim: int,
     pooling: str,
     interpret,
     name: str = "embedding_bag",
@@ -168,13 +166,15 @@ def bag_pool(
 
     Args:
       combine: the :data:`Combine` (e.g. :func:`combine_float`).
-      tables: ``[V, w_t]`` arrays left in HBM; row ``ids[n, h]`` of every one is gathered.
-      ids_nh: ``[N, H]`` int32 ids; ids outside ``[0, num_rows)`` are padding.
-      num_rows, dim: ``V`` and the output's ``D``.
+      tables: ``[V, w_t]`` arrays left in HBM; row ``ids[n, h]`` of every one is gathered. The
+        first one's ``w_t`` is the output's ``D``.
+      ids_nh: ``[N, H]`` integer ids (cast to int32); ids outside ``[0, V)`` are padding.
       pooling: ``"sum"`` or ``"mean"``.
       interpret: ``False`` on TPU, or ``pltpu.InterpretParams`` (CPU tests).
       name: the kernel's name in profiles.
     """
+    num_rows, dim = tables[0].shape
+    ids_nh = ids_nh.astype(jnp.int32)
     num_bags, num_slots = ids_nh.shape
     bags = block_bags(num_bags, num_slots, tables)
     num_blocks = pl.cdiv(num_bags, bags)
@@ -220,13 +220,4 @@ def bag_pool(
 
 def pool(table_vd: jax.Array, ids_nh: jax.Array, *, pooling: str = "sum", interpret=False):
     """``[N, D]`` float32: :func:`..reference.pool` as one Mosaic TPU kernel (see the module)."""
-    num_rows, dim = table_vd.shape
-    return bag_pool(
-        combine_float,
-        (table_vd,),
-        ids_nh.astype(jnp.int32),
-        num_rows=num_rows,
-        dim=dim,
-        pooling=pooling,
-        interpret=interpret,
-    )
+    return bag_pool(combine_float, (table_vd,), ids_nh, pooling=pooling, interpret=interpret)

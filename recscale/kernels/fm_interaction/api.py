@@ -38,6 +38,16 @@ def _check(x: jax.Array, y: jax.Array) -> None:
             raise ValueError(f"{OP}: {name} must be floating point, got {a.dtype}")
 
 
+def _unsupported(kernels, x: jax.Array, y: jax.Array) -> str | None:
+    """Why the Pallas module ``kernels`` cannot run this call (None: it can)."""
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in kernels.DTYPES:
+        return f"dtype {dtype} (have {', '.join(map(str, kernels.DTYPES))})"
+    if x.shape[0] == 0:
+        return "empty batch"
+    return kernels.unsupported_reason(x.shape, y.shape, dtype)
+
+
 def _with_vjp(forward, backward, x: jax.Array, y: jax.Array) -> jax.Array:
     """``forward(x, y)`` differentiated by ``backward(x, y, g) -> (dx, dy)``."""
 
@@ -77,12 +87,7 @@ def fm_interaction(
     _check(x, y)
     # (the reference asks no kernel: its shapes may be symbolic, as in ``jax.export``)
     unsupported = (
-        {}
-        if impl == "xla"
-        else {
-            name: mod.unsupported_reason(x.shape, y.shape, x.dtype)
-            for name, mod in _KERNELS.items()
-        }
+        {} if impl == "xla" else {name: _unsupported(mod, x, y) for name, mod in _KERNELS.items()}
     )
     chosen = common.resolve(OP, impl, unsupported, dtype=x.dtype)
     if chosen == "xla":

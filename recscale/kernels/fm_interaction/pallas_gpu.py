@@ -61,12 +61,9 @@ def _pad(n: int) -> int:
 
 
 def unsupported_reason(x_shape: tuple, y_shape: tuple, dtype) -> str | None:
-    """Why these kernels cannot run a call (None when they can)."""
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype)} (have float32, bfloat16, float16)"
-    b, e, d = x_shape
-    if b == 0:
-        return "empty batch"
+    """Why these kernels cannot run a non-empty call of one of ``DTYPES`` (None when they can;
+    ``api`` checks the dtype and the batch first)."""
+    _, e, d = x_shape
     k = y_shape[-1]
     ep, dp, kp = _pad(e), _pad(d), _pad(k)
     if ep * dp > MAX_XTILE:
@@ -78,24 +75,12 @@ def unsupported_reason(x_shape: tuple, y_shape: tuple, dtype) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Dims:
-    """True sizes and their padded (power-of-two, >= 16) value shapes."""
+    """True sizes (``_pad`` gives the padded value shapes ``E_p``, ``D_p``, ``K_p``)."""
 
     b: int
     e: int
     d: int
     k: int
-
-    @property
-    def ep(self) -> int:
-        return _pad(self.e)
-
-    @property
-    def dp(self) -> int:
-        return _pad(self.d)
-
-    @property
-    def kp(self) -> int:
-        return _pad(self.k)
 
 
 def _precision(dtype, interpret: bool):
@@ -111,7 +96,7 @@ def _dot(a, b, contract: tuple[int, int], precision) -> jax.Array:
 
 
 def _compiler_params(dims: _Dims, num_stages: int) -> plgpu.CompilerParams:
-    num_warps = 8 if dims.ep * dims.dp >= 8192 else 4
+    num_warps = 8 if _pad(dims.e) * _pad(dims.d) >= 8192 else 4
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -119,40 +104,30 @@ class _Tile:
     """Row/column index vectors and masks of one example's padded tiles."""
 
     def __init__(self, dims: _Dims):
-        self.e_idx = jnp.arange(dims.ep)
-        self.d_idx = jnp.arange(dims.dp)
-        self.k_idx = jnp.arange(dims.kp)
+        self.e_idx = jnp.arange(_pad(dims.e))
+        self.d_idx = jnp.arange(_pad(dims.d))
+        self.k_idx = jnp.arange(_pad(dims.k))
         e_ok = (self.e_idx < dims.e)[:, None]
         self.ed_ok = e_ok & (self.d_idx < dims.d)[None, :]
         self.ek_ok = e_ok & (self.k_idx < dims.k)[None, :]
 
+    def _at(self, ref, first_row, cols):
+        """``ref``'s ``[E_p, cols]`` tile of the example whose rows start at ``first_row``."""
+        return ref.at[(first_row + self.e_idx)[:, None], cols[None, :]]
+
     def load_ed(self, ref, first_row, live):
-        rows = first_row + self.e_idx
-        return plgpu.load(
-            ref.at[rows[:, None], self.d_idx[None, :]], mask=self.ed_ok & live, other=0
-        )
+        return plgpu.load(self._at(ref, first_row, self.d_idx), mask=self.ed_ok & live, other=0)
 
     def load_ek(self, ref, first_row, live):
-        rows = first_row + self.e_idx
-        return plgpu.load(
-            ref.at[rows[:, None], self.k_idx[None, :]], mask=self.ek_ok & live, other=0
-        )
+        return plgpu.load(self._at(ref, first_row, self.k_idx), mask=self.ek_ok & live, other=0)
 
     def store_ed(self, ref, first_row, live, value):
-        rows = first_row + self.e_idx
-        plgpu.store(
-            ref.at[rows[:, None], self.d_idx[None, :]],
-            value.astype(ref.dtype),
-            mask=self.ed_ok & live,
-        )
+        tile, mask = self._at(ref, first_row, self.d_idx), self.ed_ok & live
+        plgpu.store(tile, value.astype(ref.dtype), mask=mask)
 
     def store_ek(self, ref, first_row, live, value):
-        rows = first_row + self.e_idx
-        plgpu.store(
-            ref.at[rows[:, None], self.k_idx[None, :]],
-            value.astype(ref.dtype),
-            mask=self.ek_ok & live,
-        )
+        tile, mask = self._at(ref, first_row, self.k_idx), self.ek_ok & live
+        plgpu.store(tile, value.astype(ref.dtype), mask=mask)
 
 
 def _fwd_kernel(x_ref, y_ref, o_ref, *, dims: _Dims, block_b: int, shared_y: bool, precision):
@@ -201,7 +176,9 @@ def _bwd_kernel(
         tile.store_ek(dy_ref, row, live, dy_ek)
         return dy_acc_ek
 
-    dy_acc_ek = lax.fori_loop(0, block_b, body, jnp.zeros((dims.ep, dims.kp), jnp.float32))
+    dy_acc_ek = lax.fori_loop(
+        0, block_b, body, jnp.zeros((_pad(dims.e), _pad(dims.k)), jnp.float32)
+    )
     if shared_y:
         tile.store_ek(dy_ref, pid * dims.e, True, dy_acc_ek)
 

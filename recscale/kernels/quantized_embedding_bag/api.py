@@ -17,10 +17,17 @@ import jax
 import jax.numpy as jnp
 
 from recscale.kernels import common
+from recscale.kernels.embedding_bag import pallas_gpu as float_gpu
+from recscale.kernels.embedding_bag import pallas_tpu as float_tpu
 from recscale.kernels.embedding_bag.api import check_ids
 from recscale.kernels.quantized_embedding_bag import pallas_gpu, pallas_tpu, reference
 
 OP = "quantized_embedding_bag"
+# The float embedding-bag kernels, each with the quantized module's row reader: (bag_pool, rows).
+_KERNELS = {
+    "pallas_gpu": (float_gpu.bag_pool, pallas_gpu.load_quantized_rows),
+    "pallas_tpu": (float_tpu.bag_pool, pallas_tpu.combine_quantized),
+}
 
 
 def _check_table(q: jax.Array, scale_bias: jax.Array) -> None:
@@ -88,7 +95,7 @@ def pool(
     impl = _choose(q, ids, impl)
     if impl == "xla":
         return reference.pool(q, scale_bias, ids, pooling=pooling)
-    kernel = {"pallas_gpu": pallas_gpu.pool, "pallas_tpu": pallas_tpu.pool}[impl]
+    bag_pool, rows = _KERNELS[impl]
     if interpret is None:
         interpret = common.interpret_for(impl)
-    return kernel(q, scale_bias, ids, pooling=pooling, interpret=interpret)
+    return bag_pool(rows, (q, scale_bias), ids, pooling=pooling, interpret=interpret, name=OP)

@@ -38,25 +38,3 @@ def load_quantized_rows(table_refs, safe_b, valid_b, cols_d, mask_bd) -> jax.Arr
     scale_b = plgpu.load(sb_ref.at[safe_b, 0], mask=valid_b, other=0.0)
     bias_b = plgpu.load(sb_ref.at[safe_b, 1], mask=valid_b, other=0.0)
     return q_bd.astype(jnp.float32) * scale_b[:, None] + bias_b[:, None]
-
-
-def pool(
-    q_vd: jax.Array,
-    scale_bias_v2: jax.Array,
-    ids_nh: jax.Array,
-    *,
-    pooling: str = "sum",
-    interpret: bool = False,
-) -> jax.Array:
-    """``[N, D]`` float32: :func:`..reference.pool` as one Triton kernel (see the module)."""
-    num_rows, dim = q_vd.shape
-    return float_gpu.bag_pool(
-        load_quantized_rows,
-        (q_vd, scale_bias_v2),
-        ids_nh.astype(jnp.int32),
-        num_rows=num_rows,
-        dim=dim,
-        pooling=pooling,
-        interpret=interpret,
-        name="quantized_embedding_bag",
-    )

@@ -37,25 +37,3 @@ def combine_quantized(bufs, h) -> jax.Array:
     q_bd = bufs[0][h].astype(jnp.int32).astype(jnp.float32)  # Mosaic has no uint8 -> float
     sb_b2 = bufs[1][h]
     return q_bd * sb_b2[:, 0:1] + sb_b2[:, 1:2]
-
-
-def pool(
-    q_vd: jax.Array,
-    scale_bias_v2: jax.Array,
-    ids_nh: jax.Array,
-    *,
-    pooling: str = "sum",
-    interpret=False,
-) -> jax.Array:
-    """``[N, D]`` float32: :func:`..reference.pool` as one Mosaic TPU kernel (see the module)."""
-    num_rows, dim = q_vd.shape
-    return float_tpu.bag_pool(
-        combine_quantized,
-        (q_vd, scale_bias_v2),
-        ids_nh.astype(jnp.int32),
-        num_rows=num_rows,
-        dim=dim,
-        pooling=pooling,
-        interpret=interpret,
-        name="quantized_embedding_bag",
-    )
