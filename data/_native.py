@@ -1,4 +1,4 @@
-"""The synthetic generator's C kernel (``synthetic_kernel.c``): built, cached and loaded.
+"""The synthetic generator's C kernel (``synthetic_kernel.c``): built, cached, loaded and called.
 
 Built with the system C compiler on first use (``$CC``, ``cc`` or ``gcc``), once per source and
 compiler, into ``$RECSCALE_CACHE/data`` (default ``~/.cache/recscale/data``), as the embedding
@@ -20,6 +20,8 @@ import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 SOURCE = Path(__file__).with_name("synthetic_kernel.c")
 FLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off")
@@ -103,3 +105,95 @@ def load():
     fn.argtypes = _ARGTYPES
     fn.restype = ctypes.c_int
     return fn
+
+
+def run(
+    fn,
+    tables: Sequence[np.ndarray],
+    idx_b: np.ndarray,
+    *,
+    seed_key: int,
+    num_dense: int,
+    max_hotness: int,
+    uniform_pooling: bool,
+    alias_total: int,
+    teacher_dim: int,
+    interaction_order: int,
+    num_orders: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One call of ``fn`` (``load()``) over examples ``idx_b``: dense values ``[B, N]``, ids
+    ``[B, F, H]``, bag sizes ``[B, F]``, example keys ``[B]`` and raw teacher terms
+    ``[num_orders, B]``, the numpy path's outputs bit for bit.
+
+    ``tables`` are the generator's C-contiguous arrays, in the kernel's parameter order: dense
+    salts, normal-table knots (lo, step), hotness per feature, bag salts, slot feature, slot
+    position, slot salts, slot vocab size, slot alias offset, alias thresholds, alias rows,
+    cached row parameters ``[rows, D + 1]``, cache offsets, dense projection ``[N, D]`` and dense
+    weights ``[N]``.
+    """
+    (
+        dense_salts,
+        lo,
+        step,
+        hot,
+        bag_salts,
+        slot_f,
+        slot_h,
+        slot_salts,
+        slot_v,
+        slot_off,
+        alias_thr,
+        alias_rows,
+        cache_rp,
+        cache_off,
+        proj_nd,
+        w_n,
+    ) = tables
+    idx_b = np.ascontiguousarray(idx_b, np.int64)
+    num_b, num_f = idx_b.shape[0], hot.shape[0]
+    dense_bn = np.empty((num_b, num_dense), np.float32)
+    ids_bfh = np.empty((num_b, num_f, max_hotness), np.int32)
+    n_bf = np.empty((num_b, num_f), np.int64)
+    terms = np.empty((num_orders, num_b))
+    keys_b = np.empty(num_b, np.uint64)
+    p = lambda a: a.ctypes.data  # noqa: E731
+    rc = fn(
+        num_b,
+        p(idx_b),
+        seed_key,
+        num_dense,
+        p(dense_salts),
+        p(lo),
+        p(step),
+        num_f,
+        max_hotness,
+        p(hot),
+        p(bag_salts),
+        int(uniform_pooling),
+        slot_f.shape[0],
+        p(slot_f),
+        p(slot_h),
+        p(slot_salts),
+        p(slot_v),
+        p(slot_off),
+        p(alias_thr),
+        p(alias_rows),
+        alias_total,
+        teacher_dim,
+        p(cache_rp),
+        p(cache_off),
+        p(proj_nd),
+        p(w_n),
+        interaction_order,
+        p(dense_bn),
+        p(ids_bfh),
+        p(n_bf),
+        p(terms),
+        p(keys_b),
+    )
+    if rc != 0:
+        raise RuntimeError(
+            f"the synthetic generator's C kernel failed ({rc}: -1 latent dim "
+            "over 64, -2 out of memory)"
+        )
+    return dense_bn, ids_bfh, n_bf, keys_b, terms

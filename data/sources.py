@@ -80,14 +80,17 @@ class ReadCounts:
             return {**self._counts, "rows_held": self.rows_held}
 
 
-class InMemorySource:
-    """A :class:`DataSource` over datasets held as one :class:`Batch` of all rows each."""
+class _IndexedSource:
+    """What the file-backed sources share: training batches drawn through a shuffled index
+    dataset (``data.pipeline.train_dataset``), the eval set read in order and padded with
+    weight-0 examples. A subclass holds its rows (``_hold``) and reads them by index
+    (``_read``)."""
 
     def __init__(
         self,
         schema: Schema,
-        train_rows: Batch | None,
-        eval_rows: Batch,
+        train_rows: Any,
+        eval_rows: Any,
         *,
         batch_size: int,
         eval_batch_size: int,
@@ -97,40 +100,77 @@ class InMemorySource:
         stats: dict[str, Any] | None = None,
         id_policy: IdPolicy = "reject",
     ):
-        """Args: global batch sizes; ``stats`` are reader counters exposed for logging;
-        ``id_policy``: what the id guard does with an id outside its vocabulary.
+        """Args: the schema, training and eval rows (as the subclass takes them); global batch
+        sizes; ``stats`` are reader counters exposed for logging; ``id_policy``: what the id
+        guard does with an id outside its vocabulary.
 
         Raises:
           ValueError: rows that break ``schema`` (or hold a bad id under ``reject``), no
             training rows, or batch sizes not divisible by ``process_count``.
         """
-        # All rows are guarded once, here: counts are per row held, not per time it is drawn.
-        guard = IdGuard(schema, id_policy)
-        if train_rows is not None:
-            train_rows = guard(train_rows, where="training rows")
-        eval_rows = guard(eval_rows, where="eval rows")
-        host_batch_size(eval_batch_size, process_count)
         self.schema = schema
-        self.train_rows = train_rows
-        self.eval_rows = eval_rows
+        self._guard = IdGuard(schema, id_policy)
+        num_train, rows_held = self._hold(train_rows, eval_rows)
+        host_batch_size(eval_batch_size, process_count)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.process_index = process_index
         self.process_count = process_count
-        self.stats: dict[str, Any] = {**(stats or {}), "ids": guard.stats}
-        held = eval_rows.batch_size + (0 if train_rows is None else train_rows.batch_size)
-        self.reads = ReadCounts(rows_held=held)
+        self.stats: dict[str, Any] = {**(stats or {}), "ids": self._guard.stats}
+        self.reads = ReadCounts(rows_held=rows_held)
         self.train_indices = None
         """grain MapDataset: step -> this host's example indices (see ``data.pipeline``);
-        None for an eval-only source (``train_rows=None``)."""
-        if train_rows is not None:
+        None for an eval-only source (no training rows)."""
+        if num_train is not None:
             self.train_indices = train_dataset(
-                train_rows.batch_size,
+                num_train,
                 batch_size=batch_size,
                 seed=seed,
                 process_index=process_index,
                 process_count=process_count,
             )
+
+    def _hold(self, train_rows: Any, eval_rows: Any) -> tuple[int | None, int]:
+        """Keeps the rows (guarding those held in memory); returns the number of training
+        examples (None: eval-only) and the rows held in memory."""
+        raise NotImplementedError
+
+    def _read(self, split: str, indices: np.ndarray) -> Batch:
+        """The examples at ``indices`` of ``split`` (``train`` or ``eval``), guarded."""
+        raise NotImplementedError
+
+    @property
+    def num_eval_examples(self) -> int:
+        raise NotImplementedError
+
+    def train_batch(self, step: int) -> Batch:
+        if self.train_indices is None:
+            raise RuntimeError("this source was built eval-only (no training rows were read)")
+        return self.reads.add("train", self._read("train", self.train_indices[step]))
+
+    def eval_batches(self) -> Iterator[Batch]:
+        for indices, num_valid in eval_index_batches(
+            self.num_eval_examples,
+            batch_size=self.eval_batch_size,
+            process_index=self.process_index,
+            process_count=self.process_count,
+        ):
+            yield self.reads.add("eval", pad_weights(self._read("eval", indices), num_valid))
+
+
+class InMemorySource(_IndexedSource):
+    """A :class:`DataSource` over datasets held as one :class:`Batch` of all rows each:
+    ``InMemorySource(schema, train_rows, eval_rows, batch_size=..., eval_batch_size=...,
+    seed=...)``; ``train_rows=None`` builds an eval-only source."""
+
+    def _hold(self, train_rows: Batch | None, eval_rows: Batch) -> tuple[int | None, int]:
+        # All rows are guarded once, here: counts are per row held, not per time it is drawn.
+        if train_rows is not None:
+            train_rows = self._guard(train_rows, where="training rows")
+        self.train_rows = train_rows
+        self.eval_rows = self._guard(eval_rows, where="eval rows")
+        num_train = None if train_rows is None else train_rows.batch_size
+        return num_train, self.eval_rows.batch_size + (num_train or 0)
 
     @property
     def num_train_examples(self) -> int:
@@ -140,22 +180,11 @@ class InMemorySource:
     def num_eval_examples(self) -> int:
         return self.eval_rows.batch_size
 
-    def train_batch(self, step: int) -> Batch:
-        if self.train_indices is None:
-            raise RuntimeError("this source was built eval-only (no training rows were read)")
-        return self.reads.add("train", gather(self.train_rows, self.train_indices[step]))
-
-    def eval_batches(self) -> Iterator[Batch]:
-        for indices, num_valid in eval_index_batches(
-            self.num_eval_examples,
-            batch_size=self.eval_batch_size,
-            process_index=self.process_index,
-            process_count=self.process_count,
-        ):
-            yield self.reads.add("eval", pad_weights(gather(self.eval_rows, indices), num_valid))
+    def _read(self, split: str, indices: np.ndarray) -> Batch:
+        return gather(self.train_rows if split == "train" else self.eval_rows, indices)
 
 
-class RandomAccessSource:
+class RandomAccessSource(_IndexedSource):
     """A :class:`DataSource` over random-access record sources, e.g. tfds data sources.
 
     ``train_records`` and ``eval_records`` support ``len()`` and ``__getitem__`` (``__getitems__`` is used when
@@ -163,7 +192,8 @@ class RandomAccessSource:
     a :class:`Batch` (e.g. ``data.tfds_builders.frappe.frappe_records_to_batch``).
     ``eval_records`` may instead be a :class:`Batch` of all eval rows held in memory (an eval
     file that is not part of the prepared dataset); it is guarded once, here. Records are
-    guarded batch by batch as they are read (``id_policy``, see ``data.id_guard``).
+    guarded batch by batch as they are read (``id_policy``, see ``data.id_guard``). The other
+    arguments are :class:`InMemorySource`'s.
     """
 
     def __init__(
@@ -173,34 +203,16 @@ class RandomAccessSource:
         eval_records: Sequence[Any] | Batch,
         *,
         to_batch: Callable[[Sequence[Any]], Batch],
-        batch_size: int,
-        eval_batch_size: int,
-        seed: int,
-        process_index: int = 0,
-        process_count: int = 1,
-        stats: dict[str, Any] | None = None,
-        id_policy: IdPolicy = "reject",
+        **kw: Any,
     ):
-        host_batch_size(eval_batch_size, process_count)
-        self._guard = IdGuard(schema, id_policy)
-        if isinstance(eval_records, Batch):
-            eval_records = self._guard(eval_records, where="eval rows")
-        self.schema = schema
-        self._train, self._eval, self._to_batch = train_records, eval_records, to_batch
-        self.eval_batch_size = eval_batch_size
-        self.process_index = process_index
-        self.process_count = process_count
-        self.stats: dict[str, Any] = {**(stats or {}), "ids": self._guard.stats}
-        self.reads = ReadCounts(
-            rows_held=eval_records.batch_size if isinstance(eval_records, Batch) else 0
-        )
-        self.train_indices = train_dataset(
-            len(train_records),
-            batch_size=batch_size,
-            seed=seed,
-            process_index=process_index,
-            process_count=process_count,
-        )
+        self._to_batch = to_batch
+        super().__init__(schema, train_records, eval_records, **kw)
+
+    def _hold(self, train_rows: Sequence[Any], eval_rows: Any) -> tuple[int | None, int]:
+        if isinstance(eval_rows, Batch):
+            eval_rows = self._guard(eval_rows, where="eval rows")
+        self._train, self._eval = train_rows, eval_rows
+        return len(train_rows), eval_rows.batch_size if isinstance(eval_rows, Batch) else 0
 
     @property
     def num_train_examples(self) -> int:
@@ -210,7 +222,8 @@ class RandomAccessSource:
     def num_eval_examples(self) -> int:
         return self._eval.batch_size if isinstance(self._eval, Batch) else len(self._eval)
 
-    def _fetch(self, records: Sequence[Any] | Batch, indices: np.ndarray, split: str) -> Batch:
+    def _read(self, split: str, indices: np.ndarray) -> Batch:
+        records = self._train if split == "train" else self._eval
         if isinstance(records, Batch):
             return gather(records, indices)  # guarded whole in __init__
         keys = indices.tolist()
@@ -219,19 +232,6 @@ class RandomAccessSource:
         # Records come from disk: an out-of-range id would silently read a padding row (or NaN)
         # inside jit, so every batch is guarded and an offending record is named.
         return self._guard(self._to_batch(recs), where=f"{split} records", example_ids=indices)
-
-    def train_batch(self, step: int) -> Batch:
-        return self.reads.add("train", self._fetch(self._train, self.train_indices[step], "train"))
-
-    def eval_batches(self) -> Iterator[Batch]:
-        for indices, num_valid in eval_index_batches(
-            self.num_eval_examples,
-            batch_size=self.eval_batch_size,
-            process_index=self.process_index,
-            process_count=self.process_count,
-        ):
-            batch = pad_weights(self._fetch(self._eval, indices, "eval"), num_valid)
-            yield self.reads.add("eval", batch)
 
 
 class SyntheticSource:

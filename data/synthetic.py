@@ -354,7 +354,7 @@ class SyntheticGenerator:
         ):
             return None
         lo, step = rng.normal_tables()
-        keep = (  # contiguous arrays the kernel reads; kept alive with the pointers
+        keep = (  # the kernel's table arguments (``_native.run``), kept alive with the pointers
             self._dense_salts,
             lo,
             step,
@@ -382,73 +382,19 @@ class SyntheticGenerator:
             feats = self._features(idx_b)
             return (*feats, self._raw_terms(feats))
         fn, keep = self._native
-        (
-            dense_salts,
-            lo,
-            step,
-            hot,
-            bag_salts,
-            slot_f,
-            slot_h,
-            slot_salts,
-            slot_v,
-            slot_off,
-            alias_thr,
-            alias_rows,
-            cache_rp,
-            cache_off,
-            proj_nd,
-            w_n,
-        ) = keep
-        idx_b = np.ascontiguousarray(idx_b, np.int64)
-        num_b, num_n = idx_b.shape[0], self.cfg.num_dense
-        num_f, num_h = self.schema.num_sparse, self.schema.max_hotness
-        dense_bn = np.empty((num_b, num_n), np.float32)
-        ids_bfh = np.empty((num_b, num_f, num_h), np.int32)
-        n_bf = np.empty((num_b, num_f), np.int64)
-        terms = np.empty((_MAX_ORDER, num_b))
-        keys_b = np.empty(num_b, np.uint64)
-        p = lambda a: a.ctypes.data  # noqa: E731
-        rc = fn(
-            num_b,
-            p(idx_b),
-            int(self._seed_key),
-            num_n,
-            p(dense_salts),
-            p(lo),
-            p(step),
-            num_f,
-            num_h,
-            p(hot),
-            p(bag_salts),
-            int(self.cfg.pooling == "uniform"),
-            slot_f.shape[0],
-            p(slot_f),
-            p(slot_h),
-            p(slot_salts),
-            p(slot_v),
-            p(slot_off),
-            p(alias_thr),
-            p(alias_rows),
-            int(self._alias_total),
-            self.cfg.teacher_dim,
-            p(cache_rp),
-            p(cache_off),
-            p(proj_nd),
-            p(w_n),
-            self.cfg.interaction_order,
-            p(dense_bn),
-            p(ids_bfh),
-            p(n_bf),
-            p(terms),
-            p(keys_b),
+        return _native.run(
+            fn,
+            keep,
+            idx_b,
+            seed_key=int(self._seed_key),
+            num_dense=self.cfg.num_dense,
+            max_hotness=self.schema.max_hotness,
+            uniform_pooling=self.cfg.pooling == "uniform",
+            alias_total=int(self._alias_total),
+            teacher_dim=self.cfg.teacher_dim,
+            interaction_order=self.cfg.interaction_order,
+            num_orders=_MAX_ORDER,
         )
-        if rc != 0:
-            raise RuntimeError(
-                f"the synthetic generator's C kernel failed ({rc}: -1 latent dim "
-                "over 64, -2 out of memory)"
-            )
-        return dense_bn, ids_bfh, n_bf, keys_b, terms
 
     def _row_params(self, f: int, rows: np.ndarray) -> np.ndarray:
         """float32 [..., D + 1]: latent (scaled 1/sqrt(D)) and linear weight of table rows."""

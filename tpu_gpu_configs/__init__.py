@@ -116,6 +116,31 @@ def _tpu_slice(generation: str, size: int, topology: str, *, per_device_batch: i
     )
 
 
+def _h100_hosts(
+    name: str, description: str, *, hosts: int, gpus: int, cpus: int, minutes: int, **kw: Any
+) -> LaunchPreset:
+    """``hosts`` H100 80GB hosts of ``gpus`` GPUs: JAX's GPU flags, 8,192 examples per GPU, one
+    SLURM task per host with ``cpus`` CPUs for ``minutes``."""
+    return LaunchPreset(
+        name=name,
+        profile="gpu-h100",
+        description=description,
+        platform="gpu",
+        num_hosts=hosts,
+        devices_per_host=gpus,
+        per_device_batch=8192,
+        xla_flags=_GPU_FLAGS,
+        slurm={
+            "nodes": hosts,
+            "tasks_per_node": 1,
+            "gpus_per_node": gpus,
+            "cpus_per_task": cpus,
+            "timeout_min": minutes,
+        },
+        **kw,
+    )
+
+
 PRESETS: dict[str, LaunchPreset] = {
     p.name: p
     for p in (
@@ -146,55 +171,23 @@ PRESETS: dict[str, LaunchPreset] = {
                 "--",
             ),
         ),
-        LaunchPreset(
-            name="gpu-h100x1",
-            profile="gpu-h100",
-            description="One H100 80GB.",
-            platform="gpu",
-            devices_per_host=1,
-            per_device_batch=8192,
-            xla_flags=_GPU_FLAGS,
-            slurm={
-                "nodes": 1,
-                "tasks_per_node": 1,
-                "gpus_per_node": 1,
-                "cpus_per_task": 16,
-                "timeout_min": 240,
-            },
+        _h100_hosts("gpu-h100x1", "One H100 80GB.", hosts=1, gpus=1, cpus=16, minutes=240),
+        _h100_hosts(
+            "gpu-h100x8",
+            "One 8x H100 host (DGX/HGX); data-parallel mesh over the 8 GPUs.",
+            hosts=1,
+            gpus=8,
+            cpus=96,
+            minutes=720,
         ),
-        LaunchPreset(
-            name="gpu-h100x8",
-            profile="gpu-h100",
-            description="One 8x H100 host (DGX/HGX); data-parallel mesh over the 8 GPUs.",
-            platform="gpu",
-            devices_per_host=8,
-            per_device_batch=8192,
-            xla_flags=_GPU_FLAGS,
-            slurm={
-                "nodes": 1,
-                "tasks_per_node": 1,
-                "gpus_per_node": 8,
-                "cpus_per_task": 96,
-                "timeout_min": 720,
-            },
-        ),
-        LaunchPreset(
-            name="gpu-h100x8-4nodes",
-            profile="gpu-h100",
-            description="4 hosts x 8 H100 over InfiniBand: srun starts one process per host, "
+        _h100_hosts(
+            "gpu-h100x8-4nodes",
+            "4 hosts x 8 H100 over InfiniBand: srun starts one process per host, "
             "each calls jax.distributed.initialize() (SLURM auto-detection).",
-            platform="gpu",
-            num_hosts=4,
-            devices_per_host=8,
-            per_device_batch=8192,
-            xla_flags=_GPU_FLAGS,
-            slurm={
-                "nodes": 4,
-                "tasks_per_node": 1,
-                "gpus_per_node": 8,
-                "cpus_per_task": 96,
-                "timeout_min": 720,
-            },
+            hosts=4,
+            gpus=8,
+            cpus=96,
+            minutes=720,
             # --overlap: the trial's step shares the worker job's allocation (Slurm >= 20.11).
             command_prefix=("srun", "--overlap", "--ntasks-per-node=1", "--kill-on-bad-exit=1"),
         ),

@@ -180,21 +180,12 @@ class FinalMLP(nnx.Module):
             )
         else:
             self.fs1 = self.fs2 = None
-        self.mlp1 = Stream(
-            self.in_dim,
-            cfg.mlp1,
-            dropout=cfg.mlp1_dropout,
-            batch_norm=cfg.mlp1_batch_norm,
-            layer_norm=cfg.mlp1_layer_norm,
-            rngs=rngs,
-        )
-        self.mlp2 = Stream(
-            self.in_dim,
-            cfg.mlp2,
-            dropout=cfg.mlp2_dropout,
-            batch_norm=cfg.mlp2_batch_norm,
-            layer_norm=cfg.mlp2_layer_norm,
-            rngs=rngs,
+        self.mlp1, self.mlp2 = (
+            Stream(self.in_dim, sizes, dropout=p, batch_norm=bn, layer_norm=ln, rngs=rngs)
+            for sizes, p, bn, ln in (
+                (cfg.mlp1, cfg.mlp1_dropout, cfg.mlp1_batch_norm, cfg.mlp1_layer_norm),
+                (cfg.mlp2, cfg.mlp2_dropout, cfg.mlp2_batch_norm, cfg.mlp2_layer_norm),
+            )
         )
         self.fusion = InteractionAggregation(cfg.mlp1[-1], cfg.mlp2[-1], cfg.num_heads, rngs=rngs)
 

@@ -212,30 +212,62 @@ def report_rows(rows: int) -> None:
         _PROGRESS(rows)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Unit:
+    """One unit of work opened for a pass: its piece's chunks (read lazily) and what parsing a
+    chunk of it needs."""
+
+    spec: TabularSpec
+    file_index: int
+    piece_index: int
+    file_split: int | None
+    sides: list[parse.SideTable]
+    chunks: Iterator[Chunk]
+
+    @classmethod
+    def open(
+        cls, spec: TabularSpec, inputs: Inputs, unit: int, *, on_reject: Callable[[Reject], None]
+    ) -> _Unit:
+        file_index, piece_index, start, end = work_units(spec, inputs)[unit]
+        path, file_split = inputs.files[file_index]
+        sides = load_sides(spec, inputs)
+        cols = interaction_columns(spec, sides)
+        chunks = iter_chunks(
+            path, spec.format, cols, strict=spec.strict, on_reject=on_reject, piece=(start, end)
+        )
+        return cls(
+            spec=spec,
+            file_index=file_index,
+            piece_index=piece_index,
+            file_split=file_split,
+            sides=sides,
+            chunks=chunks,
+        )
+
+    def parse_piece(self, piece: Chunk, *, rejects: list[Reject]) -> parse.Parsed:
+        """``piece`` joined, split and parsed (``parse.parse_chunk``)."""
+        return parse.parse_chunk(
+            self.spec,
+            piece,
+            self.sides,
+            file_split=self.file_split,
+            file_index=self.file_index,
+            piece_index=self.piece_index,
+            strict=self.spec.strict,
+            rejects=rejects,
+        )
+
+
 def count_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> int:
     """Pass 1 over one unit: a pickled :class:`~data.tabular.encode.Counts` per part."""
-    file_index, piece_index, start, end = work_units(spec, inputs)[unit]
-    path, file_split = inputs.files[file_index]
-    sides = load_sides(spec, inputs)
-    cols = interaction_columns(spec, sides)
+    u = _Unit.open(spec, inputs, unit, on_reject=lambda r: None)
     counts, rows = enc.Counts(), 0
-    chunks = iter_chunks(
-        path, spec.format, cols, strict=spec.strict, on_reject=lambda r: None, piece=(start, end)
-    )
-    for part, piece, last, _ in _parts(chunks, spec.rows_per_shard):
-        marker = os.path.join(folder, "count", _part_name(file_index, piece_index, part) + ".pkl")
+    for part, piece, last, _ in _parts(u.chunks, spec.rows_per_shard):
+        marker = os.path.join(
+            folder, "count", _part_name(u.file_index, u.piece_index, part) + ".pkl"
+        )
         if not os.path.exists(marker):
-            parsed = parse.parse_chunk(
-                spec,
-                piece,
-                sides,
-                file_split=file_split,
-                file_index=file_index,
-                piece_index=piece_index,
-                strict=spec.strict,
-                rejects=[],
-            )
-            counts.add(spec, parsed)
+            counts.add(spec, u.parse_piece(piece, rejects=[]))
             if last:
                 atomic_write(marker, pickle.dumps(counts, protocol=5))
         if last:
@@ -249,10 +281,6 @@ def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
     """Pass 2 over one unit: shards per split and a JSON marker per part."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    file_index, piece_index, start, end = work_units(spec, inputs)[unit]
-    path, file_split = inputs.files[file_index]
-    sides = load_sides(spec, inputs)
-    cols = interaction_columns(spec, sides)
     vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
     encoder = enc.Encoder(spec, vocab)
     dtype = record_dtype(encoder.schema)
@@ -263,9 +291,7 @@ def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
         with lock:
             read_rejects.append(r)
 
-    chunks = iter_chunks(
-        path, spec.format, cols, strict=spec.strict, on_reject=on_reject, piece=(start, end)
-    )
+    u = _Unit.open(spec, inputs, unit, on_reject=on_reject)
     writers: dict[int, Any] = {}
     rows_in: dict[int, int] = {}
     rejects: list[Reject] = []
@@ -291,23 +317,14 @@ def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
                 os.path.join(folder, "rejects", name + ".tsv"), (REJECTS_HEADER + text).encode()
             )
 
-    for part, piece, last, final in _parts(chunks, per_part):
-        name = _part_name(file_index, piece_index, part)
+    for part, piece, last, final in _parts(u.chunks, per_part):
+        name = _part_name(u.file_index, u.piece_index, part)
         marker = os.path.join(folder, "parts", name + ".json")
         if os.path.exists(marker):
             if last:  # done before a kill: its malformed lines are in its rejects file
                 malformed_of(part, final)
         else:
-            parsed = parse.parse_chunk(
-                spec,
-                piece,
-                sides,
-                file_split=file_split,
-                file_index=file_index,
-                piece_index=piece_index,
-                strict=spec.strict,
-                rejects=rejects,
-            )
+            parsed = u.parse_piece(piece, rejects=rejects)
             dense, ids, labels, weights = encoder.encode(parsed)
             rec = np.empty(parsed.n, dtype)
             rec["label"], rec["weight"], rec["dense"], rec["ids"] = labels, weights, dense, ids
@@ -342,7 +359,7 @@ def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
         total += piece.table.num_rows
         report_rows(piece.table.num_rows)
     # A piece whose every line was malformed yields no part: its rejects get a part of no rows.
-    name = _part_name(file_index, piece_index, _NO_ROWS_PART)
+    name = _part_name(u.file_index, u.piece_index, _NO_ROWS_PART)
     marker = os.path.join(folder, "parts", name + ".json")
     rest = malformed_of(0, True)
     if rest and not os.path.exists(marker):
