@@ -34,7 +34,7 @@ from recscale import config as config_lib
 from sweeps.progress import SweepProgress
 from sweeps.runner import WorkerOptions, new_owner, run_worker
 from sweeps.spec import Resolution, SweepSpec, load_spec, resolve
-from sweeps.store import SweepStore
+from sweeps.store import SweepStore, atomic_write_text
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,15 +139,29 @@ def write_sweep(store: SweepStore, spec: SweepSpec, res: Resolution) -> None:
             "skipped": list(res.skipped),
             "spec": config_lib.to_dict(spec),
         }
-        (store.root / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        atomic_write_text(
+            store.root / "sweep.json", json.dumps(summary, indent=2, default=str) + "\n"
+        )
         for t in res.trials:
             tdir = store.trial_dir(t.trial_id)
             tdir.mkdir(parents=True, exist_ok=True)
-            if not (tdir / "trial.json").exists():
-                (tdir / "trial.json").write_text(json.dumps(t.to_dict(), indent=2) + "\n")
-                (tdir / "config.json").write_text(
-                    json.dumps(t.config, indent=2, sort_keys=True) + "\n"
-                )
+            # Each written whole (a killed launcher leaves the old file or none), the config
+            # first; a missing or unreadable one (a launcher killed before either was atomic)
+            # is written again: both are functions of the trial.
+            for name, text in (
+                ("config.json", json.dumps(t.config, indent=2, sort_keys=True) + "\n"),
+                ("trial.json", json.dumps(t.to_dict(), indent=2) + "\n"),
+            ):
+                if not _readable_json(tdir / name):
+                    atomic_write_text(tdir / name, text)
+
+
+def _readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def print_plan(spec: SweepSpec, res: Resolution, store: SweepStore) -> None:
