@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -74,10 +80,52 @@ def test_distributed_env_initialises_jax_distributed(monkeypatch):
         monkeypatch.setenv(k, v)
     assert env[launch.CPU_DEVICES_ENV] == "3"
     launch.initialize_from_env()
-    assert calls[-1] == (("127.0.0.1:4242",), {"num_processes": 2, "process_id": 1})
+    # A coordinator on this machine listens on the loopback address only (issue 35).
+    bind = {"coordinator_bind_address": "127.0.0.1:4242"}
+    assert calls[-1] == (("127.0.0.1:4242",), {"num_processes": 2, "process_id": 1, **bind})
+    monkeypatch.setenv(launch.COORDINATOR_ENV, "10.1.2.3:4242")  # one other hosts reach
+    launch.initialize_from_env()
+    assert calls[-1][1]["coordinator_bind_address"] is None  # JAX's default: every interface
+    monkeypatch.setenv(launch.COORDINATOR_ENV, "127.0.0.1:4242")
     monkeypatch.setenv(launch.PROCESS_ID_ENV, "one")
     with pytest.raises(ValueError, match="RECSCALE_PROCESS_ID"):
         launch.initialize_from_env()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp6").exists(), reason="reads Linux's socket table")
+def test_the_local_coordinator_listens_on_loopback_only():
+    """The launcher's coordinator (``127.0.0.1:PORT``) is a real JAX distributed service bound
+    to 127.0.0.1, not to every interface (JAX's default, ``[::]:PORT``): the socket table holds
+    one listening socket on its port, on the loopback address."""
+    code = textwrap.dedent(
+        """
+        import json, os
+        from recscale import launch
+        assert launch.initialize_from_env()
+        port = int(os.environ[launch.COORDINATOR_ENV].rsplit(":", 1)[1])
+        found = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in open(table).read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    found.append(local.rsplit(":", 1)[0])
+        print(json.dumps(found))
+        import jax
+        jax.distributed.shutdown()
+        """
+    )
+    env = launch.process_env(
+        dict(os.environ), process_id=0, num_processes=1, port=launch.free_port()
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    # /proc/net/tcp{,6} spell addresses in hex words: 127.0.0.1, ::ffff:127.0.0.1 (gRPC's
+    # IPv6 socket for an IPv4 address), ::1; every interface is 0.0.0.0 or :: (all zeros).
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    assert found and set(found) <= loopback, found
 
 
 def test_a_malformed_distributed_setting_is_a_one_line_cli_error(monkeypatch, tmp_path):
