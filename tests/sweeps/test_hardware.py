@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,64 @@ def os_environ_without_recscale() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("RECSCALE_")}
+
+
+class _FakeRay(types.ModuleType):
+    """Records ``ray.init``; its tasks return a worker's counts without running anything."""
+
+    def __init__(self):
+        super().__init__("ray")
+        self.inits: list[dict] = []
+
+    def init(self, **kw):
+        self.inits.append(kw)
+
+    def remote(self, **options):
+        return lambda fn: types.SimpleNamespace(remote=lambda *a: {"ran": 0})
+
+    def get(self, refs):
+        return refs
+
+    def shutdown(self):
+        pass
+
+
+def test_a_local_ray_cluster_is_started_with_token_auth_and_no_open_dashboard(
+    tmp_path, monkeypatch
+):
+    """``--backend ray`` without an address starts a Ray cluster here; Ray binds it to every
+    interface whatever it is told, so the launcher keeps Ray's token authentication on (an
+    environment that turns it off is refused, before anything is written) and the dashboard
+    off and on 127.0.0.1. A cluster given by address is left to its own settings."""
+    from sweeps import launch as sweep_launch
+
+    spec = tmp_path / "spec.py"
+    spec.write_text(
+        "from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder\n"
+        "SPEC = SweepSpec(name='t', families=(FamilySpec(family='dlrm', preset='dlrm/tiny', "
+        "ladder=dlrm_ladder(((4, (8, 4), (8, 1)),))),), budgets=(2e7,), min_steps=5, "
+        "code_version='x')\n"
+    )
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    argv = [str(spec), "--backend", "ray", "--progress-every", "60"]
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(SystemExit, match=r"^error: --backend ray without --ray-address .*"):
+        sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / "a")])
+    assert fake.inits == [] and not (tmp_path / "a").exists()
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / "b")])
+    assert fake.inits[-1] == {
+        "address": None,
+        "include_dashboard": False,
+        "dashboard_host": "127.0.0.1",
+        "log_to_driver": False,
+    }
+    assert "RAY_AUTH_MODE" not in os.environ  # Ray's own default (token, since 2.59) decides
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's cluster: its own settings
+    sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / "c"), "--ray-address", "h:6379"])
+    assert fake.inits[-1] == {
+        "address": "h:6379",
+        "include_dashboard": False,
+        "log_to_driver": False,
+    }
