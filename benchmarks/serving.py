@@ -284,7 +284,10 @@ def main(argv: list[str] | None = None) -> dict:
         man = art / "manifest.json"
         src = json.loads(man.read_text())["source"]["workdir"] if man.is_file() else None
         if src != str(Path(args.workdir).resolve()):  # none yet, or another run's
-            export_main(family, ["--workdir", args.workdir, "--out", str(art), "--precision", p])
+            export_main(
+                family,
+                ["--workdir", args.workdir, "--out", str(art), "--replace", "--precision", p],
+            )
         sizes[p] = json.loads(man.read_text())["table_bytes"]
     configs = [("float32", "1:0", "t1")]  # the baseline first
     configs += [

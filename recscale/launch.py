@@ -77,9 +77,26 @@ def initialize_from_env() -> bool:
             f"{COORDINATOR_ENV}={coordinator} needs integer {NUM_PROCESSES_ENV} and "
             f"{PROCESS_ID_ENV}: {e}"
         ) from None
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(
+        coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        coordinator_bind_address=local_bind_address(coordinator),
+    )
     _no_persistent_cache_on_cpu()
     return True
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+def local_bind_address(coordinator: str) -> str | None:
+    """Where process 0's coordinator service listens: on the loopback address itself when the
+    coordinator is on this machine (``127.0.0.1:PORT``, as this module's launcher sets it), so
+    that nothing off the machine can reach that unauthenticated service (JAX's default binds
+    every interface, ``[::]:PORT``); None (JAX's default) for a coordinator other hosts reach."""
+    host = coordinator.rsplit(":", 1)[0]
+    return coordinator if host in LOOPBACK_HOSTS else None
 
 
 def _no_persistent_cache_on_cpu() -> None:

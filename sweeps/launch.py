@@ -11,7 +11,8 @@ sweep directory, so they need a filesystem all workers share):
 
 * ``local``: ``--max-parallel`` worker threads here, each running one trial subprocess at a time.
 * ``ray``: ``--max-parallel`` Ray tasks on the cluster at ``--ray-address`` (``auto`` for the
-  one this node belongs to; empty starts a local one), ``--ray-cpus-per-trial`` CPUs each.
+  one this node belongs to; empty starts a local one, which Ray guards with token
+  authentication: :func:`ray_init_kwargs`), ``--ray-cpus-per-trial`` CPUs each.
 * ``slurm``: ``--max-parallel`` submitit jobs with the hardware preset's SLURM resources
   (``--slurm-partition``); ``--submitit-cluster local`` runs them as local processes instead.
 """
@@ -23,6 +24,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Literal
@@ -34,7 +36,7 @@ from recscale import config as config_lib
 from sweeps.progress import SweepProgress
 from sweeps.runner import WorkerOptions, new_owner, run_worker
 from sweeps.spec import Resolution, SweepSpec, load_spec, resolve
-from sweeps.store import SweepStore
+from sweeps.store import SweepStore, atomic_write_text
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +73,7 @@ class LaunchArgs:
 
 def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(LaunchArgs, args=argv, prog="python -m sweeps.launch")
+    ray_init = ray_init_kwargs(args.ray_address, os.environ) if args.backend == "ray" else {}
     spec = load_spec(args.spec)
     if args.hardware:
         spec = dataclasses.replace(spec, hardware=args.hardware)
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend == "local":
             counts = _run_local(str(sweep_dir), trials, opts, n)
         elif args.backend == "ray":
-            counts = _run_ray(str(sweep_dir), trials, opts, n, args, hw)
+            counts = _run_ray(str(sweep_dir), trials, opts, n, args, hw, ray_init)
         else:
             counts = _run_submitit(str(sweep_dir), trials, opts, n, args, hw)
     rows = {r["trial_id"]: r for r in store.results()}
@@ -139,15 +142,29 @@ def write_sweep(store: SweepStore, spec: SweepSpec, res: Resolution) -> None:
             "skipped": list(res.skipped),
             "spec": config_lib.to_dict(spec),
         }
-        (store.root / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        atomic_write_text(
+            store.root / "sweep.json", json.dumps(summary, indent=2, default=str) + "\n"
+        )
         for t in res.trials:
             tdir = store.trial_dir(t.trial_id)
             tdir.mkdir(parents=True, exist_ok=True)
-            if not (tdir / "trial.json").exists():
-                (tdir / "trial.json").write_text(json.dumps(t.to_dict(), indent=2) + "\n")
-                (tdir / "config.json").write_text(
-                    json.dumps(t.config, indent=2, sort_keys=True) + "\n"
-                )
+            # Each written whole (a killed launcher leaves the old file or none), the config
+            # first; a missing or unreadable one (a launcher killed before either was atomic)
+            # is written again: both are functions of the trial.
+            for name, text in (
+                ("config.json", json.dumps(t.config, indent=2, sort_keys=True) + "\n"),
+                ("trial.json", json.dumps(t.to_dict(), indent=2) + "\n"),
+            ):
+                if not _readable_json(tdir / name):
+                    atomic_write_text(tdir / name, text)
+
+
+def _readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def print_plan(spec: SweepSpec, res: Resolution, store: SweepStore) -> None:
@@ -226,11 +243,43 @@ def ray_task_options(hw: tpu_gpu_configs.LaunchPreset, cpus_per_trial: float) ->
     return options
 
 
-def _run_ray(sweep_dir, trials, opts, n, args, hw) -> list[dict]:
+RAY_AUTH_ENV = "RAY_AUTH_MODE"
+
+
+def ray_init_kwargs(address: str, env: Mapping[str, str]) -> dict:
+    """``ray.init``'s arguments for ``--ray-address`` ``address`` (empty: a cluster this launch
+    starts on this machine), checked against the environment ``env``.
+
+    Ray cannot keep a cluster it starts here to 127.0.0.1: its GCS and raylet listen on every
+    interface, and ``ray.init(_node_ip_address="127.0.0.1")`` is turned into the machine's
+    address (``resolve_ip_for_localhost``; measured with Ray 2.60). What guards that cluster is
+    Ray's token authentication, on by default for a new local cluster since Ray 2.59 (the
+    oldest this project allows; Ray writes the token to ``~/.ray/auth_token``), so an
+    environment that turns it off (``RAY_AUTH_MODE`` other than ``token``) is refused. Its
+    dashboard is off, and bound to 127.0.0.1 should a Ray version start it anyway. A cluster
+    given by address is the user's, with its own settings."""
+    if address:
+        return {"address": address, "include_dashboard": False, "log_to_driver": False}
+    mode = env.get(RAY_AUTH_ENV, "token")
+    if mode.lower() != "token":
+        raise SystemExit(
+            f"error: --backend ray without --ray-address starts a Ray cluster here, which "
+            f"listens on every interface: it needs token authentication, but {RAY_AUTH_ENV}="
+            f"{mode}; unset it, or start a cluster yourself and pass --ray-address"
+        )
+    return {
+        "address": None,
+        "include_dashboard": False,
+        "dashboard_host": "127.0.0.1",
+        "log_to_driver": False,
+    }
+
+
+def _run_ray(sweep_dir, trials, opts, n, args, hw, ray_init: dict) -> list[dict]:
     import ray  # noqa: PLC0415
 
     options = ray_task_options(hw, args.ray_cpus_per_trial)  # before starting anything
-    ray.init(address=args.ray_address or None, include_dashboard=False, log_to_driver=False)
+    ray.init(**ray_init)
     try:
         remote = ray.remote(**options)(_ray_worker)
         refs = [remote.remote(sweep_dir, trials, opts, i) for i in range(n)]

@@ -25,6 +25,13 @@ runs the same train command in the same workdir, which resumes from the trial's 
 readers skip it (counted in ``ResultsFile.truncated``) and the next append moves it to
 ``results.truncated.jsonl`` before writing, so the trial, having no row, is simply run again.
 A malformed line anywhere else is corruption and raises, naming the line.
+
+``attempts.jsonl`` and ``events.jsonl`` are bookkeeping, read tolerantly: a line that is not a
+JSON object (a torn append, left mid-file once the next append starts on a line of its own) is
+skipped, counted and reported once, so a killed worker costs its trial at most an uncounted
+attempt, never the trial itself. Every other file (``sweep.json``, ``trial.json``,
+``config.json``, claims) is replaced whole: written to a temporary file in the same folder and
+renamed over the old one (:func:`atomic_write_text`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,18 +169,16 @@ class SweepStore:
     # -- attempts and events -----------------------------------------------------------------
 
     def attempts(self, trial_id: str) -> list[dict]:
-        path = self.trial_dir(trial_id) / "attempts.jsonl"
-        if not path.exists():
-            return []
-        return read_results(path).rows
+        """The trial's recorded attempts, torn lines skipped (:func:`read_tolerant`)."""
+        return read_tolerant(self.trial_dir(trial_id) / "attempts.jsonl").rows
 
     def record_attempt(self, trial_id: str, row: dict) -> None:
-        with open(self.trial_dir(trial_id) / "attempts.jsonl", "a") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+        append_line(self.trial_dir(trial_id) / "attempts.jsonl", json.dumps(row, sort_keys=True))
 
     def log_event(self, row: dict) -> None:
-        with open(self.root / "events.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), **row}, sort_keys=True) + "\n")
+        append_line(
+            self.root / "events.jsonl", json.dumps({"time": time.time(), **row}, sort_keys=True)
+        )
 
     def status(self, trial_id: str, results: dict[str, dict] | None = None) -> str:
         """SUCCESS / FAILED / DIVERGED (finished), RUNNING (live claim), STALE (dead claim), or
@@ -216,6 +223,52 @@ def read_results(path: str | Path) -> ResultsFile:
     return ResultsFile(rows, truncated)
 
 
+_warned: set[Path] = set()
+
+
+def read_tolerant(path: str | Path) -> ResultsFile:
+    """The JSON objects of a bookkeeping JSONL file; a line that is not one (cut short by a
+    killed writer, or garbage) is skipped and counted in ``truncated``, and reported once per
+    file and process on stderr."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return ResultsFile([], 0)
+    rows, torn = [], []
+    for i, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            torn.append(i)
+    if torn and path not in _warned:
+        _warned.add(path)
+        print(
+            f"warning: {path}: skipped {len(torn)} torn or malformed line(s) "
+            f"(line {', '.join(map(str, torn[:5]))}): a writer was killed mid-append",
+            file=sys.stderr,
+        )
+    return ResultsFile(rows, len(torn))
+
+
+def append_line(path: Path, line: str) -> None:
+    """Appends ``line`` on a line of its own: after a last line a killed writer left without
+    its newline, a newline first (the torn line stays, and readers skip it)."""
+    with open(path, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        torn = False
+        if end:
+            f.seek(end - 1)
+            torn = f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + line.encode() + b"\n")
+
+
 def _repair_tail(path: Path) -> None:
     """Moves a partial last line (no newline) to ``<stem>.truncated.jsonl`` (caller holds the
     lock)."""
@@ -238,7 +291,21 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replaces ``path`` with ``text`` whole or not at all: written and synced to a new file of
+    its own in the same folder, then renamed over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    f = open(tmp, "x")  # exclusive: a new file, so the cleanup below deletes only ours
+    try:
+        with f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _atomic_write(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, sort_keys=True) + "\n")

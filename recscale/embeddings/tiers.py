@@ -44,6 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,10 @@ def state_width(optimizer: str, dim: int) -> int:
     return (per_row + per_element * dim) // 4
 
 
+OWNER_FILE = "owner.json"
+"""In a tiered run's store folder: the workdir of the run whose stores it holds."""
+
+
 class TieredTables:
     """The tiered tables of one model: stores, caches and the device-side swap of rows.
 
@@ -156,8 +161,10 @@ class TieredTables:
         mesh,
         policy: Policy = "lru",
         state_sharding: Any = None,
+        owner: str = "",
     ):
         self.dir, self.optimizer, self.seed, self.mesh = Path(directory), optimizer, seed, mesh
+        self.owner = owner  # the run's workdir, resolved: see _claim
         self.initial_accumulator = initial_accumulator
         colls = engine.engine_collections(model)
         if not colls:
@@ -371,6 +378,7 @@ class TieredTables:
     def create(self, initial: dict[str, np.ndarray] | None = None) -> None:
         """Fresh stores, filled with the tables' initial rows (drawn here, or ``initial``'s
         ``[V, width + state]`` arrays); empty caches."""
+        self._claim()
         self.pending = []
         for i, p in enumerate(self.placed):
             t = p.spec.table
@@ -382,6 +390,33 @@ class TieredTables:
             c = self.caches[t]
             self.caches[t] = RowCache(c.num_rows, c.capacity, c.policy, c.name)
             self._save_cache(t, 0)
+
+    def _claim(self) -> None:
+        """Before fresh stores replace what the folder holds: the folder is this run's.
+
+        ``owner.json`` names the run (its workdir) whose stores the folder holds. Another run's,
+        or stores no run claims outside this run's own workdir (an ``embeddings.tier_dir``
+        that two runs share: the second's fresh start would truncate the first's tables and
+        delete its undo logs) are refused; then the folder is marked as this run's."""
+        if not self.owner:
+            return
+        marker = self.dir / OWNER_FILE
+        try:
+            found = json.loads(marker.read_text()).get("workdir")
+        except FileNotFoundError:
+            inside = Path(self.owner) in self.dir.resolve().parents
+            found = None if inside or not any(self.dir.glob("*/rows.f32")) else "no run named"
+        except (OSError, ValueError, AttributeError):
+            found = f"no run named (an unreadable {OWNER_FILE})"
+        if found is not None and found != self.owner:
+            raise ConfigError(
+                f"embeddings.tier_dir {self.dir}: holds the table stores of {found}, not of "
+                f"this run ({self.owner}); give each run a tier_dir of its own"
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(f".{OWNER_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"workdir": self.owner}) + "\n")
+        os.replace(tmp, marker)
 
     def _init_rows(self, index: int, p: _Placed, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of table ``index``'s initial value and optimizer state, drawn

@@ -1,6 +1,6 @@
 """Export a trained run as a self-contained serving artifact (issue 20).
 
-``python -m recscale.export --workdir DIR --out MODEL [--precision int8]
+``python -m recscale.export --workdir DIR --out MODEL [--replace] [--precision int8]
 [--table-precision user=float16 item=int4] [--platforms cpu cuda tpu]`` writes ``MODEL/``:
 
 * ``forward.jax``: the model's forward pass, ``probabilities [B] = f(weights, dense [B, N],
@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -65,7 +67,10 @@ class ExportArgs:
     workdir: str
     """The run's directory (holds config.json and checkpoints/)."""
     out: str
-    """The artifact's directory (created; an existing one is replaced)."""
+    """The artifact's directory (created; one that exists is refused unless ``replace``)."""
+    replace: bool = False
+    """Replace an existing ``out``: only a serving artifact (a manifest.json of this format and
+    nothing but an artifact's files), swapped for the new one by rename once it is written."""
     step: int | None = None
     """Checkpoint step to export (default: the latest)."""
     best: bool = False
@@ -398,25 +403,72 @@ def choose_precisions(
     }
 
 
-def _check_out(out: Path, workdir: Path) -> None:
-    """``out`` may be replaced: it is new, or an earlier artifact, and not the run's folder."""
+ARTIFACT_FILES = frozenset(
+    {runtime.MANIFEST, runtime.WEIGHTS, runtime.FORWARD, runtime.VOCAB, "recscale_model.py"}
+)
+"""What an export writes: the only entries (with a ``__pycache__`` of the loader's) of a folder
+``--replace`` may replace."""
+
+
+def _not_an_artifact(path: Path) -> str | None:
+    """Why ``path`` is not a serving artifact folder export may replace, or None."""
+    if path.is_symlink() or not path.is_dir():
+        return "is not a folder"
+    try:
+        fmt = json.loads((path / runtime.MANIFEST).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        fmt = None
+    if fmt != runtime.FORMAT:
+        return f"has no {runtime.FORMAT} manifest.json"
+    for entry in path.iterdir():
+        if entry.name == "__pycache__" and not entry.is_symlink() and entry.is_dir():
+            if all(p.suffix == ".pyc" and not p.is_symlink() for p in entry.iterdir()):
+                continue
+        elif entry.name in ARTIFACT_FILES and not entry.is_symlink() and entry.is_file():
+            continue
+        return f"holds {entry.name!r}, which no export writes"
+    return None
+
+
+def _check_out(out: Path, workdir: Path, replace: bool = False) -> None:
+    """``out`` may be written: it is new, or (``replace``) a serving artifact; never the run's
+    folder, inside it or above it."""
     o, w = out.resolve(), workdir.resolve()
     if o == w or o in w.parents or w in o.parents:
         raise ValueError(
             f"--out {out}: must not be the run's folder {workdir}, inside it or above it"
         )
-    if out.exists() and not (out / runtime.MANIFEST).is_file():
-        raise ValueError(f"--out {out}: exists and is not a serving artifact; not replacing it")
-    if (out / runtime.MANIFEST).is_file():
-        try:
-            fmt = json.loads((out / runtime.MANIFEST).read_text()).get("format")
-        except (json.JSONDecodeError, OSError):
-            fmt = None
-        if fmt != runtime.FORMAT:
-            raise ValueError(
-                f"--out {out}: its manifest.json is not a {runtime.FORMAT} "
-                "artifact's; not replacing it"
-            )
+    if os.path.lexists(out):
+        _check_replaceable(out, replace)
+
+
+def _check_replaceable(out: Path, replace: bool) -> None:
+    """An existing ``out`` is replaced only when asked, and only if it is a serving artifact."""
+    if not replace:
+        raise ValueError(f"--out {out}: exists; pass --replace to replace a serving artifact")
+    why = _not_an_artifact(out)
+    if why:
+        raise ValueError(f"--out {out}: {why}; not a serving artifact, not replacing it")
+
+
+def _swap_in(tmp: Path, out: Path, replace: bool) -> None:
+    """Renames the finished artifact ``tmp`` to ``out``. An existing ``out`` (checked again
+    here: it may have changed during the export) is moved into a fresh folder of its own first
+    and deleted only once ``tmp`` is in its place; without ``replace`` an existing ``out`` is
+    refused (``os.rename`` would replace an empty folder made since the first check)."""
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+        return
+    _check_replaceable(out, replace)
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".replaced", dir=out.parent))
+    os.rename(out, old / out.name)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old / out.name, out)
+        old.rmdir()
+        raise
+    shutil.rmtree(old)  # the artifact _check_replaceable recognised, in the folder made for it
 
 
 def export_workdir(
@@ -425,7 +477,7 @@ def export_workdir(
     """Writes the artifact of ``args`` and returns its manifest (``log``: progress lines, to
     stderr by default)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    _check_out(Path(args.out), Path(args.workdir))
+    _check_out(Path(args.out), Path(args.workdir), args.replace)
     t0 = time.perf_counter()
     with restored(
         config_cls,
@@ -470,15 +522,7 @@ def export_workdir(
                 dims.setdefault(t.name, t.dim)
         vocab, vocab_arrays = _vocab(r.exp.source)
         cfg, step = r.cfg, r.step
-    out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     stored = {k: (v.view(np.uint16) if v.dtype == jnp.bfloat16 else v) for k, v in weights.items()}
-    np.savez(tmp / runtime.WEIGHTS, **stored)
-    (tmp / runtime.FORWARD).write_bytes(blob)
-    if vocab is not None:  # (empty where every table is hashed and nothing is joined)
-        np.savez(tmp / runtime.VOCAB, **vocab_arrays)
     manifest = {
         "format": runtime.FORMAT,
         "family": family,
@@ -512,9 +556,21 @@ def export_workdir(
         "vocab": vocab,
         "auto_precision": auto,
     }
-    (tmp / runtime.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    shutil.copyfile(Path(runtime.__file__), tmp / "recscale_model.py")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A new folder of its own beside ``out`` (never a fixed name, which might exist: ``X.tmp``
+    # could be the run itself), deleted by this function only if the export fails.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        np.savez(tmp / runtime.WEIGHTS, **stored)
+        (tmp / runtime.FORWARD).write_bytes(blob)
+        if vocab is not None:  # (empty where every table is hashed and nothing is joined)
+            np.savez(tmp / runtime.VOCAB, **vocab_arrays)
+        (tmp / runtime.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        shutil.copyfile(Path(runtime.__file__), tmp / "recscale_model.py")
+        _swap_in(tmp, out, args.replace)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     manifest["seconds"] = round(time.perf_counter() - t0, 2)
     return manifest

@@ -203,6 +203,7 @@ class TieredTablesHook(Hook):
             mesh=sharding.active_mesh(),
             policy=e.tier_policy,
             state_sharding=exp.state_sharding,
+            owner=str(Path(workdir).resolve()),
         )
         self.timer = timer
 

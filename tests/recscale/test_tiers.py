@@ -26,6 +26,7 @@ from dlrm.config import DLRMConfig, DLRMModelConfig
 from dlrm.model import build_model
 from recscale import sharding
 from recscale.config import (
+    ConfigError,
     DenseOptimConfig,
     EmbeddingOptimConfig,
     EmbeddingShardingConfig,
@@ -349,6 +350,45 @@ def test_tiers_refuse_column_split_caches(tmp_path):
                 seed=0,
                 mesh=mesh,
             )
+
+
+def test_a_fresh_run_refuses_a_tier_dir_holding_another_runs_stores(tmp_path):
+    """Two runs given one ``embeddings.tier_dir``: the second's fresh start would truncate the
+    first's table files and delete its undo logs. It is refused, every file kept; the run that
+    owns the folder may start afresh in it, and stores no run claims are refused too."""
+    cfg, specs = _cfg("row_wise", "rowwise_adagrad"), tiers_lib.parse_tiers(PINS)
+    shared = tmp_path / "shared"
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.activate(mesh, cfg.mesh):
+        model, _, _ = _state(cfg, tiers_lib.model_schema(SCHEMA, specs))
+
+        def fresh(owner):
+            tables = tiers_lib.TieredTables(
+                model,
+                SCHEMA,
+                specs,
+                shared,
+                optimizer="rowwise_adagrad",
+                initial_accumulator=0.1,
+                seed=0,
+                mesh=mesh,
+                owner=str(tmp_path / owner),
+            )
+            try:
+                tables.create()
+            finally:
+                tables.close()
+
+        fresh("a")
+        files = {p: p.read_bytes() for p in sorted(shared.rglob("*")) if p.is_file()}
+        assert shared / "f2" / "rows.f32" in files
+        with pytest.raises(ConfigError, match=r"shared: holds the table stores of .*/a, not of"):
+            fresh("b")
+        assert {p: p.read_bytes() for p in sorted(shared.rglob("*")) if p.is_file()} == files
+        fresh("a")
+        (shared / tiers_lib.OWNER_FILE).unlink()  # stores of an older version, say
+        with pytest.raises(ConfigError, match="holds the table stores of no run named"):
+            fresh("a")
 
 
 def test_the_trainer_trains_resumes_and_reports_with_tiered_tables(tmp_path, capsys):

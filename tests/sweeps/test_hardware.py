@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
 
 import pytest
 
@@ -74,10 +81,52 @@ def test_distributed_env_initialises_jax_distributed(monkeypatch):
         monkeypatch.setenv(k, v)
     assert env[launch.CPU_DEVICES_ENV] == "3"
     launch.initialize_from_env()
-    assert calls[-1] == (("127.0.0.1:4242",), {"num_processes": 2, "process_id": 1})
+    # A coordinator on this machine listens on the loopback address only (issue 35).
+    bind = {"coordinator_bind_address": "127.0.0.1:4242"}
+    assert calls[-1] == (("127.0.0.1:4242",), {"num_processes": 2, "process_id": 1, **bind})
+    monkeypatch.setenv(launch.COORDINATOR_ENV, "10.1.2.3:4242")  # one other hosts reach
+    launch.initialize_from_env()
+    assert calls[-1][1]["coordinator_bind_address"] is None  # JAX's default: every interface
+    monkeypatch.setenv(launch.COORDINATOR_ENV, "127.0.0.1:4242")
     monkeypatch.setenv(launch.PROCESS_ID_ENV, "one")
     with pytest.raises(ValueError, match="RECSCALE_PROCESS_ID"):
         launch.initialize_from_env()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp6").exists(), reason="reads Linux's socket table")
+def test_the_local_coordinator_listens_on_loopback_only():
+    """The launcher's coordinator (``127.0.0.1:PORT``) is a real JAX distributed service bound
+    to 127.0.0.1, not to every interface (JAX's default, ``[::]:PORT``): the socket table holds
+    one listening socket on its port, on the loopback address."""
+    code = textwrap.dedent(
+        """
+        import json, os
+        from recscale import launch
+        assert launch.initialize_from_env()
+        port = int(os.environ[launch.COORDINATOR_ENV].rsplit(":", 1)[1])
+        found = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in open(table).read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    found.append(local.rsplit(":", 1)[0])
+        print(json.dumps(found))
+        import jax
+        jax.distributed.shutdown()
+        """
+    )
+    env = launch.process_env(
+        dict(os.environ), process_id=0, num_processes=1, port=launch.free_port()
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    # /proc/net/tcp{,6} spell addresses in hex words: 127.0.0.1, ::ffff:127.0.0.1 (gRPC's
+    # IPv6 socket for an IPv4 address), ::1; every interface is 0.0.0.0 or :: (all zeros).
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    assert found and set(found) <= loopback, found
 
 
 def test_a_malformed_distributed_setting_is_a_one_line_cli_error(monkeypatch, tmp_path):
@@ -213,3 +262,64 @@ def os_environ_without_recscale() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("RECSCALE_")}
+
+
+class _FakeRay(types.ModuleType):
+    """Records ``ray.init``; its tasks return a worker's counts without running anything."""
+
+    def __init__(self):
+        super().__init__("ray")
+        self.inits: list[dict] = []
+
+    def init(self, **kw):
+        self.inits.append(kw)
+
+    def remote(self, **options):
+        return lambda fn: types.SimpleNamespace(remote=lambda *a: {"ran": 0})
+
+    def get(self, refs):
+        return refs
+
+    def shutdown(self):
+        pass
+
+
+def test_a_local_ray_cluster_is_started_with_token_auth_and_no_open_dashboard(
+    tmp_path, monkeypatch
+):
+    """``--backend ray`` without an address starts a Ray cluster here; Ray binds it to every
+    interface whatever it is told, so the launcher keeps Ray's token authentication on (an
+    environment that turns it off is refused, before anything is written) and the dashboard
+    off and on 127.0.0.1. A cluster given by address is left to its own settings."""
+    from sweeps import launch as sweep_launch
+
+    spec = tmp_path / "spec.py"
+    spec.write_text(
+        "from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder\n"
+        "SPEC = SweepSpec(name='t', families=(FamilySpec(family='dlrm', preset='dlrm/tiny', "
+        "ladder=dlrm_ladder(((4, (8, 4), (8, 1)),))),), budgets=(2e7,), min_steps=5, "
+        "code_version='x')\n"
+    )
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    argv = [str(spec), "--backend", "ray", "--progress-every", "60"]
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(SystemExit, match=r"^error: --backend ray without --ray-address .*"):
+        sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / "a")])
+    assert fake.inits == [] and not (tmp_path / "a").exists()
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / "b")])
+    assert fake.inits[-1] == {
+        "address": None,
+        "include_dashboard": False,
+        "dashboard_host": "127.0.0.1",
+        "log_to_driver": False,
+    }
+    assert "RAY_AUTH_MODE" not in os.environ  # Ray's own default (token, since 2.59) decides
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's cluster: its own settings
+    sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / "c"), "--ray-address", "h:6379"])
+    assert fake.inits[-1] == {
+        "address": "h:6379",
+        "include_dashboard": False,
+        "log_to_driver": False,
+    }

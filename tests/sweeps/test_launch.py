@@ -431,3 +431,70 @@ def test_an_attempt_over_its_timeout_is_killed_and_counted(tmp_path):
     assert row["status"] == "FAILED" and "timeout_s=3" in row["error"]
     assert summary["statuses"] == {"FAILED": 1}
     assert not trial_processes(sweep)
+
+
+RAY_HEAD = """
+import json, os, sys
+import ray
+from sweeps.launch import ray_init_kwargs
+ctx = ray.init(num_cpus=1, _temp_dir=sys.argv[1], **ray_init_kwargs("", os.environ))
+print(json.dumps({"gcs": ctx.address_info["gcs_address"]}), flush=True)
+sys.stdin.read()  # until the test closes stdin
+ray.shutdown()
+"""
+
+RAY_CLIENT = """
+import sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+print("CONNECTED", flush=True)
+"""
+
+
+def test_a_local_ray_cluster_refuses_a_client_without_its_token(tmp_path):
+    """The cluster ``--backend ray`` starts when given no address listens on every interface
+    (Ray cannot bind it to 127.0.0.1), and Ray's token authentication is what guards it: a
+    client with another token is refused, one with the token Ray wrote to the launching user's
+    ``~/.ray/auth_token`` (``HOME`` here: a folder of this test's) connects."""
+    home, other = tmp_path / "home", tmp_path / "other"
+    home.mkdir()
+    other.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths stay short
+    head = subprocess.Popen(
+        [sys.executable, "-c", RAY_HEAD, ray_tmp],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        gcs = json.loads(head.stdout.readline())["gcs"]
+        intruder = subprocess.run(
+            [sys.executable, "-c", RAY_CLIENT, gcs],
+            env={**env, "HOME": str(other), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 32},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "CONNECTED" not in intruder.stdout
+        assert "InvalidAuthToken" in intruder.stderr, intruder.stderr[-2000:]
+        owner = subprocess.run(
+            [sys.executable, "-c", RAY_CLIENT, gcs],
+            env={**env, "RAY_AUTH_MODE": "token"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "CONNECTED" in owner.stdout, owner.stderr[-2000:]
+    finally:
+        head.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # this test's own cluster only
+        head.wait()
+        head.stdout.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
