@@ -13,6 +13,9 @@ import csv
 import hashlib
 import itertools
 import re
+import reprlib
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,21 @@ class ArtifactError(ValueError):
 
 def _row_error(r: int, detail: str) -> ArtifactError:
     return ArtifactError(f"example {r}: {detail}", r, detail)
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = _SHOW.maxlong = 80
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict = 2, 6, 4
+
+
+def show(v: Any) -> str:
+    """``repr(v)`` cut to about 80 characters (and two levels of nesting), for error messages
+    that echo a value a client sent: a 7 MB value or a list nested 900 deep is named, not sent
+    back whole."""
+    try:
+        return _SHOW.repr(v)
+    except (ValueError, RecursionError):  # an int past 4,300 digits; a value nested too deep
+        return f"<{type(v).__name__}>"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -63,12 +81,23 @@ def _words(arrays: dict, name: str) -> list[str | None]:
     return out
 
 
+def _name(file: str) -> str:
+    """A side table's file name, without the training machine's folders."""
+    return Path(file).name
+
+
 def _absent(v: Any, nulls: set[str]) -> bool:
     return v is None or (isinstance(v, str) and v in nulls)
 
 
 class _Bad(ValueError):
     """A value that breaks its feature's rule (the message says which rule)."""
+
+
+CACHE_BYTES = 64 << 20
+"""The raw-row encoder's default memory for remembered values (:class:`RowEncoder`)."""
+MAX_CACHED_CHARS = 256
+"""Longer values are parsed at every sight, never remembered."""
 
 
 class RowEncoder:
@@ -83,13 +112,23 @@ class RowEncoder:
     are counted; an unknown column, a value that does not parse, a key absent from its side
     table raise :class:`ArtifactError` naming the example and column.
 
-    Work is column by column: each distinct string of a column is parsed and looked up once
-    (and remembered, up to ``cache_size`` per feature), the ids of a batch's new values are
-    hashed or searched in one numpy call (``benchmarks/row_encoding.py``).
+    Work is column by column: each distinct string of a column is parsed and looked up once,
+    the ids of a batch's new values are hashed or searched in one numpy call
+    (``benchmarks/row_encoding.py``). A parsed string is remembered for later batches only if
+    it is known: in its feature's vocabulary (an unseen value gets the out-of-vocabulary id and
+    is forgotten), of a hashed feature, or a number; and at most ``MAX_CACHED_CHARS`` long.
+    What is remembered, all columns together, stays within ``cache_bytes`` (its strings'
+    ``sys.getsizeof`` plus ``_ENTRY_BYTES`` a value, an estimate of the entry's dict slot and
+    ids): a value that would pass it empties the whole cache first, so a client sending unique
+    values costs the others a re-parse, never memory.
     """
 
     def __init__(
-        self, spec: dict, arrays: dict[str, np.ndarray], max_hotness: int, cache_size: int = 1 << 20
+        self,
+        spec: dict,
+        arrays: dict[str, np.ndarray],
+        max_hotness: int,
+        cache_bytes: int = CACHE_BYTES,
     ):
         self.dense, self.sparse = spec["dense"], spec["sparse"]
         self.nulls = set(spec["null_values"])
@@ -120,8 +159,11 @@ class RowEncoder:
         self.columns = sorted(read - set(self.side))
         self.ignored = set(spec["ignored_columns"])
         self.allowed = set(self.columns) | self.ignored
-        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._entry_bytes = 160 + 40 * max_hotness  # dict slot, tuples, ints (measured ~0.9x)
         self._caches: dict[str, dict] = {}
+        self.cached_bytes = 0  # of what ``_caches`` holds, by the estimate above
+        self._lock = threading.Lock()
 
     # -------------------------------------------------------------------- one value
 
@@ -230,11 +272,25 @@ class RowEncoder:
 
     # -------------------------------------------------------------------- columns
 
-    def _cache(self, name: str) -> dict:
-        cache = self._caches.get(name)
-        if cache is None or len(cache) > self.cache_size:
-            cache = self._caches[name] = {}  # a new dict: other threads keep the old one
-        return cache
+    def _remember(self, name: str, entries: dict, known: Any) -> None:
+        """Adds the ``known(entry)`` entries of short strings to column ``name``'s cache,
+        within ``cache_bytes`` (thread-safe; a full cache is replaced by empty ones, so other
+        threads keep the dicts they hold)."""
+        with self._lock:
+            for v, e in entries.items():
+                if len(v) > MAX_CACHED_CHARS or not known(e):
+                    continue
+                size = sys.getsizeof(v) + self._entry_bytes
+                if self.cached_bytes + size > self.cache_bytes:
+                    self._caches, self.cached_bytes = {}, 0
+                    if size > self.cache_bytes:
+                        return
+                self._caches.setdefault(name, {})[v] = e
+                self.cached_bytes += size
+
+    def remembered(self) -> int:
+        """How many values the cache holds, all columns."""
+        return sum(len(c) for c in list(self._caches.values()))
 
     def _entries(self, vals: list, parse: Any) -> list:
         """Each value through ``parse`` (a ``_Bad`` names the value's position ``i`` as
@@ -249,8 +305,9 @@ class RowEncoder:
 
     def _column(self, vals: list, f: dict, parse: Any, finish: Any = None) -> list:
         """Per row the entry of its value: ``parse`` each distinct string once (then
-        ``finish`` the new entries of the batch together), and every other value."""
-        cache = self._cache(f["name"])
+        ``finish`` the new entries of the batch together), and every other value. Of a
+        vocabulary's feature, a string with unseen values (``entry[1]``) is not remembered."""
+        cache = self._caches.get(f["name"], {})  # this call's dict: others are swapped in whole
         new = list({v: None for v in vals if type(v) is str and v not in cache})
         others = [r for r, v in enumerate(vals) if type(v) is not str]
         todo = new + [vals[r] for r in others]
@@ -259,11 +316,14 @@ class RowEncoder:
         except _Bad as e:
             i = e.args[1]
             r = vals.index(todo[i]) if i < len(new) else others[i - len(new)]
-            raise _row_error(r, f"column {f['column']!r}: {e.args[0]}: {vals[r]!r}") from None
+            raise _row_error(r, f"column {f['column']!r}: {e.args[0]}: {show(vals[r])}") from None
         if finish is not None:
             parsed = finish(parsed)
-        cache.update(zip(new, parsed[: len(new)], strict=True))
-        out = [cache[v] if type(v) is str else None for v in vals]  # this call's dict: no evictions
+        fresh = dict(zip(new, parsed[: len(new)], strict=True))
+        if fresh:
+            vocab = finish is not None and not f.get("hash_buckets")
+            self._remember(f["name"], fresh, (lambda e: not e[1]) if vocab else (lambda e: True))
+        out = [(fresh[v] if v in fresh else cache[v]) if type(v) is str else None for v in vals]
         for r, e in zip(others, parsed[len(new) :], strict=True):
             out[r] = e
         return out
@@ -294,11 +354,11 @@ class RowEncoder:
                 continue
             for c in row:
                 if c in self.side:
-                    file = self.joins[self.side[c]][0]["file"]
+                    file = _name(self.joins[self.side[c]][0]["file"])
                     raise _row_error(r, f"column {c!r} comes from side table {file} (send its key)")
                 if c not in self.allowed:
                     raise _row_error(
-                        r, f"unknown column {c!r} (the model reads {', '.join(self.columns)})"
+                        r, f"unknown column {show(c)} (the model reads {', '.join(self.columns)})"
                     )
 
     def _values(
@@ -322,7 +382,9 @@ class RowEncoder:
             side[j] = []
             for r, k in enumerate(self._values(rows, col, side)):
                 if _absent(k, nulls):
-                    raise _row_error(r, f"column {col!r}: missing key of side table {join['file']}")
+                    raise _row_error(
+                        r, f"column {col!r}: missing key of side table {_name(join['file'])}"
+                    )
                 if isinstance(k, bool) or not isinstance(k, int | str):
                     raise _row_error(
                         r, f"column {col!r}: a key is a string or integer, got {type(k).__name__}"
@@ -330,7 +392,8 @@ class RowEncoder:
                 i = keys.get(str(k))
                 if i is None:
                     raise _row_error(
-                        r, f"column {col!r}: key not in side table {join['file']}: {str(k)!r}"
+                        r,
+                        f"column {col!r}: key not in side table {_name(join['file'])}: {show(str(k))}",
                     )
                 side[j].append(i)
         counts = {"unseen_values": 0, "missing_features": 0, "truncated_tokens": 0}

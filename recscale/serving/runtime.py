@@ -44,19 +44,43 @@ TABULAR = "tabular/1"
 ROWS = "recscale_rows.py"  # the artifact's copy of ``recscale/serving/rows.py``, beside this file
 
 if __package__ == "recscale.serving":
-    from recscale.serving.rows import ArtifactError, RowEncoder, _row_error, read_rows
+    from recscale.serving.rows import CACHE_BYTES, ArtifactError, RowEncoder, read_rows, show
 else:  # an artifact's recscale_model.py: its own encoder, by path (not whatever is on sys.path)
     _spec = importlib.util.spec_from_file_location("recscale_rows", Path(__file__).with_name(ROWS))
     _rows = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_rows)
-    ArtifactError, RowEncoder, _row_error, read_rows = (
+    CACHE_BYTES, ArtifactError, RowEncoder, read_rows, show = (
+        _rows.CACHE_BYTES,
         _rows.ArtifactError,
         _rows.RowEncoder,
-        _rows._row_error,
         _rows.read_rows,
+        _rows.show,
     )
 
 __all__ = ["FORMAT", "ArtifactError", "Model", "RowEncoder", "main", "read_rows"]
+
+
+class _Malformed(ArtifactError):
+    """A manifest field that is missing or of the wrong type (``load`` names the file)."""
+
+    def __init__(self, where: str, e: Exception):
+        what = (
+            f"key {e.args[0]!r} is missing"
+            if isinstance(e, KeyError)
+            else f"{type(e).__name__}: {e}"
+        )
+        super().__init__(f"malformed {where}: {what}")
+
+
+class _Arrays(dict):
+    """An archive's arrays; a missing one is an :class:`ArtifactError` naming the file."""
+
+    def __init__(self, path: Path, arrays: dict):
+        super().__init__(arrays)
+        self.path = path
+
+    def __missing__(self, key: str):
+        raise ArtifactError(f"{self.path}: array {key!r} is missing")
 
 
 class Model:
@@ -69,14 +93,20 @@ class Model:
         exported: Any,
         device: Any = None,
         vocab_arrays: dict[str, np.ndarray] | None = None,
+        cache_bytes: int = CACHE_BYTES,
     ):
         self.manifest = manifest
-        inputs = manifest["inputs"]
-        self.dense_names = list(inputs["dense"])
-        self.features = list(inputs["features"])
-        self.max_hotness = int(inputs["max_hotness"])
-        self.vocab_sizes = np.array([f["vocab_size"] for f in self.features], np.int64)
-        self.hotness = np.array([f["max_hotness"] for f in self.features], np.int64)
+        try:
+            inputs = manifest["inputs"]
+            self.dense_names = list(inputs["dense"])
+            self.features = list(inputs["features"])
+            self.max_hotness = int(inputs["max_hotness"])
+            self.vocab_sizes = np.array([f["vocab_size"] for f in self.features], np.int64)
+            self.hotness = np.array([f["max_hotness"] for f in self.features], np.int64)
+            for f in self.features:
+                str(f["name"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise _Malformed("inputs", e) from None
         self.exported = exported
         self.device = device or jax.devices()[0]
         self.weights = jax.device_put(weights, self.device)
@@ -84,10 +114,21 @@ class Model:
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "examples": 0, "out_of_vocab_ids": 0}
         vocab = manifest.get("vocab")
-        self.rows = RowEncoder(vocab, vocab_arrays or {}, self.max_hotness) if vocab else None
+        try:
+            self.rows = None
+            if vocab:
+                dict(vocab["format"])
+                self.rows = RowEncoder(vocab, vocab_arrays or {}, self.max_hotness, cache_bytes)
+        except ArtifactError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise _Malformed("vocab", e) from None
 
     @classmethod
-    def load(cls, path: str | Path, device: Any = None) -> Model:
+    def load(cls, path: str | Path, device: Any = None, cache_bytes: int = CACHE_BYTES) -> Model:
+        """The artifact at ``path`` (``cache_bytes``: the raw-row encoder's memory for values it
+        remembers, :class:`RowEncoder`); an :class:`ArtifactError` naming the file and field
+        where it is malformed."""
         path = Path(path)
         man_path = path / MANIFEST
         if not man_path.is_file():
@@ -112,8 +153,12 @@ class Model:
                 if name not in z:
                     raise ArtifactError(f"{path / WEIGHTS}: weight {name!r} is missing")
                 a = z[name]
-                weights[name] = a.view(jnp.bfloat16) if meta["dtype"] == "bfloat16" else a
-                if list(weights[name].shape) != meta["shape"]:
+                try:
+                    weights[name] = a.view(jnp.bfloat16) if meta["dtype"] == "bfloat16" else a
+                    want = list(meta["shape"])
+                except (KeyError, TypeError) as e:
+                    raise ArtifactError(f"{man_path}: {_Malformed(f'weights.{name}', e)}") from None
+                if list(weights[name].shape) != want:
                     raise ArtifactError(
                         f"{path / WEIGHTS}: weight {name!r} has shape "
                         f"{list(a.shape)}, the manifest says {meta['shape']}"
@@ -141,13 +186,13 @@ class Model:
         if vocab:
             try:
                 with np.load(path / VOCAB, allow_pickle=False) as z:
-                    arrays = {k: z[k] for k in z.files}
+                    arrays = _Arrays(path / VOCAB, {k: z[k] for k in z.files})
             except (OSError, ValueError, zipfile.BadZipFile) as e:
                 raise ArtifactError(f"{path / VOCAB}: not a vocabulary archive ({e})") from None
         try:
-            return cls(manifest, weights, exported, device, arrays)
-        except (KeyError, TypeError) as e:
-            raise ArtifactError(f"{man_path}: malformed inputs ({type(e).__name__}: {e})") from None
+            return cls(manifest, weights, exported, device, arrays, cache_bytes)
+        except _Malformed as e:
+            raise ArtifactError(f"{man_path}: {e}") from None
 
     def encode(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         """``(dense [B, N], ids [B, F, H], counts)`` from JSON-like requests, one per example.
@@ -173,13 +218,13 @@ class Model:
             unknown = set(row) - {"dense", "features"}
             if unknown:
                 raise ArtifactError(
-                    f"{where}: unknown field {sorted(unknown)[0]!r} (expected dense, features)"
+                    f"{where}: unknown field {show(sorted(unknown)[0])} (expected dense, features)"
                 )
             dv = row.get("dense", {} if n == 0 else None)
             if isinstance(dv, dict):
                 extra = set(dv) - set(self.dense_names)
                 if extra:
-                    raise ArtifactError(f"{where}: unknown dense feature {sorted(extra)[0]!r}")
+                    raise ArtifactError(f"{where}: unknown dense feature {show(sorted(extra)[0])}")
                 missing = [d for d in self.dense_names if d not in dv]
                 if missing:
                     raise ArtifactError(f"{where}: dense feature {missing[0]!r} is missing")
@@ -199,14 +244,14 @@ class Model:
                     dense[r, j] = x
                 except OverflowError:
                     raise ArtifactError(
-                        f"{where}: dense feature {self.dense_names[j]!r}: {x!r} is out of range"
+                        f"{where}: dense feature {self.dense_names[j]!r}: {show(x)} is out of range"
                     ) from None
             feats = row.get("features", {})
             if not isinstance(feats, dict):
                 raise ArtifactError(f"{where}: features must be an object of feature: values")
             for name in feats:
                 if name not in index:
-                    raise ArtifactError(f"{where}: unknown feature {name!r}")
+                    raise ArtifactError(f"{where}: unknown feature {show(name)}")
             counts["missing_features"] += f - len(feats)
             for name, value in feats.items():
                 i = index[name]
@@ -224,7 +269,7 @@ class Model:
     def _id(name: str, v: Any, where: str) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ArtifactError(
-                f"{where}: feature {name!r}: ids are integers, got {type(v).__name__} {v!r}"
+                f"{where}: feature {name!r}: ids are integers, got {type(v).__name__} {show(v)}"
             )
         return v if -(2**62) < v < 2**62 else -2  # an id that large: out of vocabulary
 
