@@ -18,6 +18,8 @@ connection closed where the body was not read whole:
 * a body of at most ``max_body`` bytes (by default ``max_batch`` x ``EXAMPLE_BYTES`` + 64 KiB),
   refused with ``413`` from its ``Content-Length`` before a byte is read (a chunked one once it
   passes the bound); read within ``body_timeout`` seconds, else ``408``;
+* a connection without a whole request head for ``idle_timeout`` seconds (idle, or sending its
+  head slowly) is closed; a head has at most 128 fields of 8 KiB (aiohttp's bounds);
 * bodies being read or decoded hold at most ``max_inflight`` bytes in all (by default 16 bodies
   of ``max_body``): a request past it gets ``503`` at once, as one the batcher's bounded queue
   cannot take (``recscale.serving.batcher``);
@@ -54,6 +56,9 @@ ENCODERS = 2
 LINGER = 1.0
 """Seconds a connection whose body was refused stays open, its bytes dropped (aiohttp's
 ``lingering_time``, 10 s by default)."""
+IDLE_TIMEOUT = 15.0
+"""Seconds a connection may stay open without a whole request head (idle between requests,
+or sending its head slowly) before it is closed (aiohttp's ``keepalive_timeout``)."""
 MAX_ERROR_CHARS = 300
 """The longest error message sent (values in it are cut to ~80 characters before)."""
 
@@ -237,6 +242,7 @@ def make_app(
     max_body: int = 0,
     body_timeout: float = 5.0,
     max_inflight: int = 0,
+    idle_timeout: float = IDLE_TIMEOUT,
 ) -> web.Application:
     """The server's application (``web.run_app`` it, or ``aiohttp.test_utils`` in tests);
     ``max_body`` and ``max_inflight`` 0: derived from ``max_batch`` (the module's docstring)."""
@@ -256,7 +262,10 @@ def make_app(
     )
     # after a refused body, aiohttp reads (and drops) what the client still sends, at most
     # LINGER seconds, before closing: the client then reads the answer instead of a reset
-    app = web.Application(client_max_size=max_body, handler_args={"lingering_time": LINGER})
+    app = web.Application(
+        client_max_size=max_body,
+        handler_args={"lingering_time": LINGER, "keepalive_timeout": idle_timeout},
+    )
     app[MODEL], app[BATCHER] = model, batcher
     per_example = 2 * len(model.features) + 8  # bags as lists, the example, dense, features
     app[LIMITS] = Limits(

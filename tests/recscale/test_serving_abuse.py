@@ -227,6 +227,25 @@ def test_a_slow_body_is_closed_with_408_and_the_server_answers_meanwhile(art):
     assert health == ok == 200
 
 
+def test_a_slow_or_idle_head_is_closed(art):
+    model = Model.load(art)
+
+    async def requests(client):
+        out = []
+        for head in (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-", b""):
+            reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+            try:
+                writer.write(head)
+                await writer.drain()
+                out.append(await asyncio.wait_for(reader.read(), 10))
+            finally:
+                writer.close()
+                await writer.wait_closed()
+        return out
+
+    assert _serve(model, requests, idle_timeout=0.5) == [b"", b""]  # closed, nothing sent
+
+
 def test_bodies_in_flight_are_bounded_in_bytes(art):
     """Connections holding most of a body each: past ``max_inflight`` bytes in all, a new
     request gets 503 at once instead of its body being held too."""
