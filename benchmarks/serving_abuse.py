@@ -1,9 +1,10 @@
 """The server's well-behaved clients with and without hostile ones beside them (issue 35).
 
 ``python benchmarks/serving_abuse.py --model MODEL [--rows FILE] [--rate 100] [--duration 20]
-[--max-batch 64] [--cache-mb 16] [--body-timeout-s 2] [--out runs/bench_serving_abuse]``
+[--max-batch 64] [--cache-mb 16] [--body-timeout-s 2] [--repeats 2] [--out
+runs/bench_serving_abuse]``
 
-Two phases, each against a fresh ``python -m recscale.serve MODEL`` process with the same flags:
+Two phases, ``--repeats`` times in turn (medians reported, the machine's noise in view), each against a fresh ``python -m recscale.serve MODEL`` process with the same flags:
 well-behaved clients alone, then with hostile clients beside them. The well-behaved load is
 open-loop Poisson at ``--rate`` requests a second, each one raw row of ``--rows`` (by default
 the run's evaluation file named in the artifact's manifest). The hostile clients, in a process
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cache-mb", type=float, default=16.0)
     ap.add_argument("--body-timeout-s", type=float, default=2.0)
     ap.add_argument("--slow", type=int, default=8, help="slow-body connections")
+    ap.add_argument("--repeats", type=int, default=2, help="alone/hostile pairs (medians)")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--out", default="runs/bench_serving_abuse")
     args = ap.parse_args(argv)
@@ -311,8 +313,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         port = portpicker.pick_unused_port()
     out = {"args": vars(args)}
-    for name, hostile in (("alone", False), ("hostile", True)):
-        r = out[name] = phase(args, hostile, bodies, columns, port)
+    out["phases"] = []
+    for rep, (name, hostile) in itertools.product(
+        range(args.repeats), (("alone", False), ("hostile", True))
+    ):
+        r = phase(args, hostile, bodies, columns, port)
+        out["phases"].append({"phase": name, "repeat": rep, **r})
         print(
             f"{name:8s}: p50 {r['p50_ms']:6.2f} ms, p99 {r['p99_ms']:6.2f} ms "
             f"({r['sent']} sent: {r['codes']}), server peak RSS {r['peak_rss'] / 2**20:.0f} MiB"
@@ -322,13 +328,19 @@ def main(argv: list[str] | None = None) -> dict:
         if hostile:
             for kind, c in r["hostile"].items():
                 print(f"  hostile {kind:10s}: {c}")
-    a, h = out["alone"], out["hostile"]
-    out["p99_ratio"] = h["p99_ms"] / a["p99_ms"]
-    out["p50_ratio"] = h["p50_ms"] / a["p50_ms"]
-    out["rss_ratio"] = h["peak_rss"] / a["peak_rss"]
+    for key in ("p50_ms", "p99_ms", "peak_rss"):  # medians over the repeats
+        for name in ("alone", "hostile"):
+            out[f"{name}_{key}"] = float(
+                np.median([r[key] for r in out["phases"] if r["phase"] == name])
+            )
+        out[f"{key}_ratio"] = out[f"hostile_{key}"] / out[f"alone_{key}"]
     print(
-        f"with hostile clients / alone: p50 {out['p50_ratio']:.2f}x, p99 {out['p99_ratio']:.2f}x,"
-        f" peak RSS {out['rss_ratio']:.2f}x (+{(h['peak_rss'] - a['peak_rss']) / 2**20:.0f} MiB)"
+        f"with hostile clients / alone (medians of {args.repeats}): p50 "
+        f"{out['alone_p50_ms']:.2f} -> {out['hostile_p50_ms']:.2f} ms "
+        f"({out['p50_ms_ratio']:.2f}x), p99 {out['alone_p99_ms']:.2f} -> "
+        f"{out['hostile_p99_ms']:.2f} ms ({out['p99_ms_ratio']:.2f}x), peak RSS "
+        f"{out['alone_peak_rss'] / 2**20:.0f} -> {out['hostile_peak_rss'] / 2**20:.0f} MiB "
+        f"({out['peak_rss_ratio']:.2f}x)"
     )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(out, indent=1) + "\n")
