@@ -20,9 +20,10 @@ connection closed where the body was not read whole:
   passes the bound); read within ``body_timeout`` seconds, else ``408``;
 * a connection without a whole request head for ``idle_timeout`` seconds (idle, or sending its
   head slowly) is closed; a head has at most 128 fields of 8 KiB (aiohttp's bounds);
-* bodies being read or decoded hold at most ``max_inflight`` bytes in all (by default 16 bodies
-  of ``max_body``): a request past it gets ``503`` at once, as one the batcher's bounded queue
-  cannot take (``recscale.serving.batcher``);
+* bodies being read or decoded hold at most ``max_inflight`` bytes in all beyond their first
+  ``SMALL_BODY`` bytes each (by default 16 bodies of ``max_body``): a request past it gets
+  ``503`` at once, as one the batcher's bounded queue cannot take
+  (``recscale.serving.batcher``), while small requests still pass;
 * a body is decoded (strict UTF-8, JSON), counted (at most ``max_batch`` examples, from its
   brackets before it is parsed and from its list after) and encoded in a thread
   (``ENCODERS`` of them), never on the event loop, so ``/healthz`` answers meanwhile;
@@ -53,6 +54,9 @@ EXAMPLE_BYTES = 8 << 10
 about 4 KiB)."""
 ENCODERS = 2
 """Threads that decode and encode bodies."""
+SMALL_BODY = 64 << 10
+"""A body's bytes its connection holds uncounted in ``max_inflight`` (aiohttp buffers about
+twice this a connection anyway)."""
 LINGER = 1.0
 """Seconds a connection whose body was refused stays open, its bytes dropped (aiohttp's
 ``lingering_time``, 10 s by default)."""
@@ -101,7 +105,9 @@ def _error(status: int, msg: str, close: bool = False) -> web.Response:
 
 async def _read(request: web.Request, lim: Limits, held: list[int]) -> bytearray:
     """The body, within ``max_body``, ``body_timeout`` and the bytes in flight (``held[0]``:
-    this request's share of ``lim.inflight``, given back by the caller)."""
+    this request's share of ``lim.inflight``, given back by the caller). A body's first
+    ``SMALL_BODY`` bytes are its connection's (not counted), so clients holding the budget with
+    large slow bodies never shut out small requests."""
     size = request.content_length
     if size is not None and size > lim.max_body:
         raise _Refused(413, f"the body is {size} bytes, at most {lim.max_body} (--max-body)")
@@ -114,14 +120,15 @@ async def _read(request: web.Request, lim: Limits, held: list[int]) -> bytearray
             while chunk := await request.content.readany():
                 if len(buf) + len(chunk) > lim.max_body:
                     raise _Refused(413, f"the body is over {lim.max_body} bytes (--max-body)")
-                if lim.inflight + len(chunk) > lim.max_inflight:
+                extra = max(len(buf) + len(chunk) - SMALL_BODY, 0) - held[0]
+                if extra and lim.inflight + extra > lim.max_inflight:
                     raise _Refused(
                         503,
                         f"overloaded: {lim.inflight} bytes of bodies in flight "
                         f"(max {lim.max_inflight}); retry later",
                     )
-                lim.inflight += len(chunk)
-                held[0] += len(chunk)
+                lim.inflight += extra
+                held[0] += extra
                 buf += chunk
     except TimeoutError:
         raise _Refused(
