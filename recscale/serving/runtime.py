@@ -25,7 +25,6 @@ data file.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import json
 import threading
@@ -45,17 +44,9 @@ ROWS = "recscale_rows.py"  # the artifact's copy of ``recscale/serving/rows.py``
 
 if __package__ == "recscale.serving":
     from recscale.serving.rows import CACHE_BYTES, ArtifactError, RowEncoder, read_rows, show
-else:  # an artifact's recscale_model.py: its own encoder, by path (not whatever is on sys.path)
-    _spec = importlib.util.spec_from_file_location("recscale_rows", Path(__file__).with_name(ROWS))
-    _rows = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_rows)
-    CACHE_BYTES, ArtifactError, RowEncoder, read_rows, show = (
-        _rows.CACHE_BYTES,
-        _rows.ArtifactError,
-        _rows.RowEncoder,
-        _rows.read_rows,
-        _rows.show,
-    )
+else:  # an artifact's recscale_model.py: its encoder is the recscale_rows.py beside it (the
+    # folder is on sys.path, as for recscale_model itself)
+    from recscale_rows import CACHE_BYTES, ArtifactError, RowEncoder, read_rows, show
 
 __all__ = ["FORMAT", "ArtifactError", "Model", "RowEncoder", "main", "read_rows"]
 
