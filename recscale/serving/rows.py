@@ -288,6 +288,11 @@ class RowEncoder:
                 self._caches.setdefault(name, {})[v] = e
                 self.cached_bytes += size
 
+    def clear(self) -> None:
+        """Forgets every remembered value."""
+        with self._lock:
+            self._caches, self.cached_bytes = {}, 0
+
     def remembered(self) -> int:
         """How many values the cache holds, all columns."""
         return sum(len(c) for c in list(self._caches.values()))
@@ -323,7 +328,9 @@ class RowEncoder:
         if fresh:
             vocab = finish is not None and not f.get("hash_buckets")
             self._remember(f["name"], fresh, (lambda e: not e[1]) if vocab else (lambda e: True))
-        out = [(fresh[v] if v in fresh else cache[v]) if type(v) is str else None for v in vals]
+            out = [(fresh[v] if v in fresh else cache[v]) if type(v) is str else None for v in vals]
+        else:  # every string remembered (a warm server's usual batch)
+            out = [cache[v] if type(v) is str else None for v in vals]
         for r, e in zip(others, parsed[len(new) :], strict=True):
             out[r] = e
         return out
