@@ -155,7 +155,6 @@ def _decode(model: Model, raw: bytearray, lim: Limits) -> tuple:
         raise ArtifactError(
             f"the body is not UTF-8: byte {e.start}: {show(bytes(raw[e.start : e.start + 8]))}"
         ) from None
-    del raw
     try:
         body = json.loads(text)
     except RecursionError:
