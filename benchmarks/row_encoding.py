@@ -3,7 +3,7 @@
 ``python benchmarks/row_encoding.py [--rows 200000] [--sizes 1 16 256 4096] [--repeats 5]``
 
 A feature-spec model served on raw rows encodes them first (``RowEncoder`` in
-``recscale/serving/runtime.py``: numpy and Python, so the artifact needs only jax). This prepares
+``recscale/serving/rows.py``: numpy and Python, so the artifact needs only jax). This prepares
 the example shop dataset and its spec (``data/tabular/example.py``: side tables, a vocabulary, a
 bag, a hash, buckets, standardised and log numerics), trains dlrm/tiny on it for a few steps, exports it, and
 times per request size: encoding the rows (its caches warm, as a server's are, and cold), scoring
@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write_text("\n".join([header, *(lines * (n // len(lines) + 1))[:n]]) + "\n")
             enc = _best(lambda b=batch: model.encode(b), args.repeats) / n * 1e6
             cold = (
-                _best(lambda b=batch: (model.rows._caches.clear(), model.encode(b)), args.repeats)
-                / n
-                * 1e6
+                _best(lambda b=batch: (model.rows.clear(), model.encode(b)), args.repeats) / n * 1e6
             )
             score = _best(lambda d=dense, i=ids: model.predict(d, i), args.repeats) / n * 1e6
             ref = _best(lambda f=f: p.encode_file(str(f)), args.repeats) / n * 1e6

@@ -173,7 +173,7 @@ async def _run_inprocess(
     batcher.start()
 
     async def score(i):
-        if raw:  # as the server does: encode and check on the event loop, then queue
+        if raw:  # encode and check on the event loop, then queue (the server does it in a thread)
             d, x, _ = model.encode([rows[i % len(rows)]])
             d, x, _ = model.check(d, x)
             await batcher.score(d, x)

@@ -1,6 +1,7 @@
 """``python -m recscale.serve MODEL [--host H] [--port P] [--max-batch N] [--max-wait-ms T]
-[--max-queue Q] [--workers W]``: an HTTP server of an exported model
-(``recscale.serving.server``)."""
+[--max-queue Q] [--workers W] [--max-body B] [--body-timeout-s S] [--max-inflight I]
+[--cache-mb C]``: an HTTP server of an exported model (``recscale.serving.server``, which says
+what each bound refuses and with which status)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ class ServeArgs:
     """Most examples waiting; a request beyond it is refused with 503 (shed)."""
     workers: int = 1
     """Batches scored at once (co-located model instances sharing the weights)."""
+    max_body: int = 0
+    """Largest request body in bytes (413 beyond); 0: max_batch x 8 KiB + 64 KiB."""
+    body_timeout_s: float = 5.0
+    """Longest a request's body may take to arrive (408 and the connection closed beyond)."""
+    max_inflight: int = 0
+    """Most bytes of bodies being read or decoded at once (503 beyond); 0: 16 x max_body."""
+    cache_mb: float = 64.0
+    """Memory of the raw-row encoder's cache of known values (MiB)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,13 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     from recscale.serving.server import make_app  # noqa: PLC0415
 
     try:
-        model = Model.load(args.model)
+        model = Model.load(args.model, cache_bytes=int(args.cache_mb * 2**20))
         app = make_app(
             model,
             max_batch=args.max_batch,
             max_wait=args.max_wait_ms / 1e3,
             max_queue=args.max_queue,
             workers=args.workers,
+            max_body=args.max_body,
+            body_timeout=args.body_timeout_s,
+            max_inflight=args.max_inflight,
         )
     except (ArtifactError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -17,8 +17,9 @@
   ``data.kind=tabular`` run, or Frappe's and Criteo's as their specs state them
   (``data/tabular/serving.py``);
 * ``vocab.npz``: that encoding's vocabularies and side tables;
-* ``recscale_model.py``: the loader (``recscale/serving/runtime.py``, which imports only numpy
-  and jax): ``Model.load(MODEL).predict(dense, ids)``, ``Model.encode(rows)`` of raw rows, and
+* ``recscale_model.py`` and ``recscale_rows.py``: the loader (``recscale/serving/runtime.py``
+  and its raw-row encoder ``rows.py``, which import only numpy and jax):
+  ``Model.load(MODEL).predict(dense, ids)``, ``Model.encode(rows)`` of raw rows, and
   ``python recscale_model.py MODEL FILE`` to score a raw data file.
 
 The engine's sharded buffers are exported to one array per table first
@@ -48,7 +49,7 @@ from recscale.config import KernelConfig
 from recscale.embeddings import EmbeddingCollection, collection, engine
 from recscale.kernels.quantized_embedding_bag import precision as prec
 from recscale.metrics import EvalAccumulator
-from recscale.serving import runtime
+from recscale.serving import rows, runtime
 from recscale.train.evaluation import restored
 from recscale.train.experiment import BuildModel
 
@@ -404,7 +405,14 @@ def choose_precisions(
 
 
 ARTIFACT_FILES = frozenset(
-    {runtime.MANIFEST, runtime.WEIGHTS, runtime.FORWARD, runtime.VOCAB, "recscale_model.py"}
+    {
+        runtime.MANIFEST,
+        runtime.WEIGHTS,
+        runtime.FORWARD,
+        runtime.VOCAB,
+        runtime.ROWS,
+        "recscale_model.py",
+    }
 )
 """What an export writes: the only entries (with a ``__pycache__`` of the loader's) of a folder
 ``--replace`` may replace."""
@@ -568,6 +576,7 @@ def export_workdir(
             np.savez(tmp / runtime.VOCAB, **vocab_arrays)
         (tmp / runtime.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         shutil.copyfile(Path(runtime.__file__), tmp / "recscale_model.py")
+        shutil.copyfile(Path(rows.__file__), tmp / runtime.ROWS)  # the loader reads it
         _swap_in(tmp, out, args.replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,8 @@
 """An HTTP server of an exported model (issue 20), on aiohttp.
 
 ``python -m recscale.serve MODEL [--host 127.0.0.1] [--port 8080] [--max-batch 256]
-[--max-wait-ms 2] [--max-queue 4096] [--workers 1]``
+[--max-wait-ms 2] [--max-queue 4096] [--workers 1] [--max-body 0] [--body-timeout-s 5]
+[--max-inflight 0] [--cache-mb 64]``
 
 * ``POST /predict`` with ``{"examples": [...]}`` (the example format of
   ``recscale.serving.runtime.Model.encode``: raw rows, objects of column: value, where the
@@ -11,65 +12,213 @@
 * ``GET /healthz``: ``{"ok": true}``; ``GET /metrics``: the counters (requests, examples,
   batches, mean batch, shed, malformed requests, out-of-vocabulary ids and unseen values).
 
-Malformed requests get ``400`` with ``{"error": "..."}`` naming the example and field; a request
-the bounded queue cannot take gets ``503`` (shed, counted) at once; a body over ``max_body``
-bytes gets ``413``. Requests are scored by the dynamic batcher (``recscale.serving.batcher``).
+What a client can hold (issue 35), each refused with a one-line ``{"error": "..."}`` and the
+connection closed where the body was not read whole:
+
+* a body of at most ``max_body`` bytes (by default ``max_batch`` x ``EXAMPLE_BYTES`` + 64 KiB),
+  refused with ``413`` from its ``Content-Length`` before a byte is read (a chunked one once it
+  passes the bound); read within ``body_timeout`` seconds, else ``408``;
+* a connection without a whole request head for ``idle_timeout`` seconds (idle, or sending its
+  head slowly) is closed; a head has at most 128 fields of 8 KiB (aiohttp's bounds);
+* bodies being read or decoded hold at most ``max_inflight`` bytes in all beyond their first
+  ``SMALL_BODY`` bytes each (by default 16 bodies of ``max_body``): a request past it gets
+  ``503`` at once, as one the batcher's bounded queue cannot take
+  (``recscale.serving.batcher``), while small requests still pass;
+* a body is decoded (strict UTF-8, JSON), counted (at most ``max_batch`` examples, from its
+  brackets before it is parsed and from its list after) and encoded in a thread
+  (``ENCODERS`` of them), never on the event loop, so ``/healthz`` answers meanwhile;
+* a malformed body is ``400`` naming the example and field, echoing at most about 80 characters
+  of a bad value, never a server path; a failure of the server's own is ``500`` with one line.
+
+The raw-row encoder remembers known values only, within ``cache_bytes``
+(``recscale.serving.rows.RowEncoder``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import json
+import logging
 from typing import Any
 
 from aiohttp import web
 
 from recscale.serving.batcher import DynamicBatcher, Overloaded
-from recscale.serving.runtime import ArtifactError, Model
+from recscale.serving.runtime import ArtifactError, Model, show
+
+EXAMPLE_BYTES = 8 << 10
+"""A request's bytes an example allows: ``max_body`` defaults to ``max_batch`` times this, plus
+64 KiB (a raw Criteo row is about 500 bytes of JSON, an encoded example with 26 bags of 20 ids
+about 4 KiB)."""
+ENCODERS = 2
+"""Threads that decode and encode bodies."""
+SMALL_BODY = 64 << 10
+"""A body's bytes its connection holds uncounted in ``max_inflight`` (aiohttp buffers about
+twice this a connection anyway)."""
+LINGER = 1.0
+"""Seconds a connection whose body was refused stays open, its bytes dropped (aiohttp's
+``lingering_time``, 10 s by default)."""
+IDLE_TIMEOUT = 15.0
+"""Seconds a connection may stay open without a whole request head (idle between requests,
+or sending its head slowly) before it is closed (aiohttp's ``keepalive_timeout``)."""
+MAX_ERROR_CHARS = 300
+"""The longest error message sent (values in it are cut to ~80 characters before)."""
 
 BATCHER = web.AppKey("batcher", DynamicBatcher)
 MODEL = web.AppKey("model", Model)
 COUNTS = web.AppKey("counts", dict)
+POOL = web.AppKey("pool", concurrent.futures.ThreadPoolExecutor)
+log = logging.getLogger(__name__)
 
 
-def _error(status: int, msg: str) -> web.Response:
-    return web.json_response({"error": msg}, status=status)
+@dataclasses.dataclass
+class Limits:
+    """The per-request bounds (see the module's docstring) and the bytes held now."""
+
+    max_batch: int
+    max_body: int
+    body_timeout: float
+    max_inflight: int
+    containers: int  # most ``{`` and ``[`` a body of max_batch examples needs
+    inflight: int = 0
+
+
+LIMITS = web.AppKey("limits", Limits)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, msg: str):
+        super().__init__(msg)
+        self.status = status
+
+
+def _error(status: int, msg: str, close: bool = False) -> web.Response:
+    if len(msg) > MAX_ERROR_CHARS:
+        msg = msg[: MAX_ERROR_CHARS - 3] + "..."
+    r = web.json_response({"error": msg}, status=status)
+    if close:  # the body was not read whole: the connection cannot carry another request
+        r.force_close()
+    return r
+
+
+async def _read(request: web.Request, lim: Limits, held: list[int]) -> bytearray:
+    """The body, within ``max_body``, ``body_timeout`` and the bytes in flight (``held[0]``:
+    this request's share of ``lim.inflight``, given back by the caller). A body's first
+    ``SMALL_BODY`` bytes are its connection's (not counted), so clients holding the budget with
+    large slow bodies never shut out small requests."""
+    size = request.content_length
+    if size is not None and size > lim.max_body:
+        raise _Refused(413, f"the body is {size} bytes, at most {lim.max_body} (--max-body)")
+    charset = (request.charset or "utf-8").lower()
+    if charset not in ("utf-8", "utf8"):
+        raise _Refused(400, f"charset {show(charset)}: send UTF-8 JSON")
+    buf = bytearray()
+    try:
+        async with asyncio.timeout(lim.body_timeout):
+            while chunk := await request.content.readany():
+                if len(buf) + len(chunk) > lim.max_body:
+                    raise _Refused(413, f"the body is over {lim.max_body} bytes (--max-body)")
+                extra = max(len(buf) + len(chunk) - SMALL_BODY, 0) - held[0]
+                if extra and lim.inflight + extra > lim.max_inflight:
+                    raise _Refused(
+                        503,
+                        f"overloaded: {lim.inflight} bytes of bodies in flight "
+                        f"(max {lim.max_inflight}); retry later",
+                    )
+                lim.inflight += extra
+                held[0] += extra
+                buf += chunk
+    except TimeoutError:
+        raise _Refused(
+            408, f"the body took over {lim.body_timeout:g} s to arrive ({len(buf)} bytes read)"
+        ) from None
+    except _Refused:
+        raise
+    except Exception as e:  # noqa: BLE001 - a connection lost, a malformed chunk: aiohttp's kinds
+        raise _Refused(400, f"the body could not be read ({type(e).__name__})") from None
+    return buf
+
+
+def _decode(model: Model, raw: bytearray, lim: Limits) -> tuple:
+    """``(dense, ids, counts, out-of-vocabulary ids)`` of a body (in a thread)."""
+    containers = raw.count(b"{") + raw.count(b"[")  # before parsing: C speed, no objects
+    if containers > lim.containers:
+        raise ArtifactError(
+            f"the body has {containers} objects and arrays, more than {lim.max_batch} "
+            f"examples (max_batch) hold"
+        )
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise ArtifactError(
+            f"the body is not UTF-8: byte {e.start}: {show(bytes(raw[e.start : e.start + 8]))}"
+        ) from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise ArtifactError("the body is not JSON we read: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError; an integer past 4,300 digits
+        raise ArtifactError(f"the body is not JSON: {show(str(e))[1:-1]}") from None
+    del text
+    if not isinstance(body, dict):
+        raise ArtifactError("the body must be a JSON object with examples (or dense and ids)")
+    enc: dict[str, Any] = {"unseen_values": 0, "missing_features": 0}
+    if "examples" in body:
+        examples = body["examples"]
+        if set(body) != {"examples"} or not isinstance(examples, list):
+            raise ArtifactError('expected {"examples": [...]} and nothing else')
+        if not examples:
+            raise ArtifactError("examples is empty")
+        _count(len(examples), lim)
+        dense, ids, enc = model.encode(examples)
+    elif set(body) == {"dense", "ids"}:
+        dense, ids = body["dense"], body["ids"]  # checked (and named in errors) below
+        _count(len(dense) if isinstance(dense, list) else 0, lim)
+    else:
+        raise ArtifactError(
+            f"unknown fields {show(sorted(body))}: expected examples, or dense and ids"
+        )
+    dense, ids, oov = model.check(dense, ids)
+    return dense, ids, enc, oov
+
+
+def _count(n: int, lim: Limits) -> None:
+    if n > lim.max_batch:
+        raise ArtifactError(f"a request of {n} examples exceeds max_batch={lim.max_batch}")
 
 
 async def predict(request: web.Request) -> web.Response:
     app = request.app
-    model, batcher, counts = app[MODEL], app[BATCHER], app[COUNTS]
+    model, batcher, counts, lim = app[MODEL], app[BATCHER], app[COUNTS], app[LIMITS]
+    held = [0]
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        counts["malformed"] += 1
-        return _error(400, f"the body is not JSON: {e}")
-    try:
-        enc: dict[str, Any] = {"unseen_values": 0, "missing_features": 0}
-        if not isinstance(body, dict):
-            raise ArtifactError("the body must be a JSON object with examples (or dense and ids)")
-        if "examples" in body:
-            if set(body) != {"examples"} or not isinstance(body["examples"], list):
-                raise ArtifactError('expected {"examples": [...]} and nothing else')
-            if not body["examples"]:
-                raise ArtifactError("examples is empty")
-            dense, ids, enc = model.encode(body["examples"])
-        elif set(body) == {"dense", "ids"}:
-            dense, ids = body["dense"], body["ids"]  # checked (and named in errors) below
-        else:
-            raise ArtifactError(
-                f"unknown fields {sorted(body)}: expected examples, or dense and ids"
-            )
-        dense, ids, oov = model.check(dense, ids)
-    except (ArtifactError, ValueError) as e:
-        counts["malformed"] += 1
-        return _error(400, str(e))
+        try:
+            raw = await _read(request, lim, held)
+        except _Refused as e:
+            if e.status == 503:
+                batcher.stats.shed += 1
+            else:
+                counts["malformed"] += 1
+            return _error(e.status, str(e), close=True)
+        loop = asyncio.get_running_loop()
+        try:
+            dense, ids, enc, oov = await loop.run_in_executor(app[POOL], _decode, model, raw, lim)
+        except ArtifactError as e:
+            counts["malformed"] += 1
+            return _error(400, str(e))
+        except Exception as e:  # noqa: BLE001 - a bug of ours: one line, no traceback sent
+            log.error("predict: %s", show(f"{type(e).__name__}: {e}"))
+            counts["internal_errors"] += 1
+            return _error(500, f"internal error ({type(e).__name__})")
+    finally:
+        lim.inflight -= held[0]
+    del raw
     try:
         scores = await batcher.score(dense, ids)
     except Overloaded as e:
         return _error(503, str(e))
-    except ValueError as e:  # larger than a batch
-        counts["malformed"] += 1
-        return _error(400, str(e))
     # counted for answered requests only (a shed request is sent again)
     for k, v in enc.items():
         counts[k] = counts.get(k, 0) + v
@@ -83,7 +232,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     app = request.app
-    return web.json_response({**app[BATCHER].stats.as_dict(), **app[COUNTS]})
+    lim = app[LIMITS]
+    return web.json_response(
+        {**app[BATCHER].stats.as_dict(), **app[COUNTS], "inflight_bytes": lim.inflight}
+    )
 
 
 def make_app(
@@ -93,9 +245,20 @@ def make_app(
     max_wait: float = 0.002,
     max_queue: int = 4096,
     workers: int = 1,
-    max_body: int = 8 << 20,
+    max_body: int = 0,
+    body_timeout: float = 5.0,
+    max_inflight: int = 0,
+    idle_timeout: float = IDLE_TIMEOUT,
 ) -> web.Application:
-    """The server's application (``web.run_app`` it, or ``aiohttp.test_utils`` in tests)."""
+    """The server's application (``web.run_app`` it, or ``aiohttp.test_utils`` in tests);
+    ``max_body`` and ``max_inflight`` 0: derived from ``max_batch`` (the module's docstring)."""
+    max_body = max_body or max_batch * EXAMPLE_BYTES + (64 << 10)
+    max_inflight = max_inflight or 16 * max_body
+    if max_body < 1 or max_inflight < max_body or body_timeout <= 0:
+        raise ValueError(
+            f"server: max_body={max_body} >= 1, max_inflight={max_inflight} >= max_body, "
+            f"body_timeout={body_timeout} > 0"
+        )
     batcher = DynamicBatcher(
         model.predict_checked,
         max_batch=max_batch,
@@ -103,18 +266,35 @@ def make_app(
         max_queue=max_queue,
         workers=workers,
     )
-    app = web.Application(client_max_size=max_body)
+    # after a refused body, aiohttp reads (and drops) what the client still sends, at most
+    # LINGER seconds, before closing: the client then reads the answer instead of a reset
+    app = web.Application(
+        client_max_size=max_body,
+        handler_args={"lingering_time": LINGER, "keepalive_timeout": idle_timeout},
+    )
     app[MODEL], app[BATCHER] = model, batcher
-    app[COUNTS] = {"malformed": 0, "unseen_values": 0, "missing_features": 0, "out_of_vocab_ids": 0}
+    per_example = 2 * len(model.features) + 8  # bags as lists, the example, dense, features
+    app[LIMITS] = Limits(
+        max_batch, max_body, body_timeout, max_inflight, 8 + max_batch * per_example
+    )
+    app[COUNTS] = {
+        "malformed": 0,
+        "internal_errors": 0,
+        "unseen_values": 0,
+        "missing_features": 0,
+        "out_of_vocab_ids": 0,
+    }
     app.router.add_post("/predict", predict)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
 
     async def start(app: web.Application) -> None:
+        app[POOL] = concurrent.futures.ThreadPoolExecutor(ENCODERS, thread_name_prefix="encode")
         batcher.start()
 
     async def stop(app: web.Application) -> None:
         await batcher.close()
+        app[POOL].shutdown(wait=True)
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)

@@ -648,10 +648,13 @@ def test_a_feature_spec_run_scores_raw_rows(tmp_path, capsys):
     bad_file.write_text("\n".join(text) + "\n")
     from recscale.serving import runtime
 
+    mine = tmp_path / "s.txt.tmp"  # a user's file named as the scorer's temporary once was
+    mine.write_text("keep me\n")
     code = runtime.main(
         [str(out), str(bad_file), "--batch-size", "100", "--out", str(tmp_path / "s.txt")]
     )
     assert code == 2 and not (tmp_path / "s.txt").exists()
+    assert mine.read_text() == "keep me\n" and not list(tmp_path.glob(".s.txt.*"))
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: {bad_file}: line 152: column 'user_id': key not in side "), err
 
@@ -707,8 +710,11 @@ def test_a_criteo_run_scores_raw_lines(tmp_path):
         want = np.asarray(
             jax.nn.sigmoid(r.exp._eval_step(r.params, r.batch_stats, r.exp.device_batch(b)))
         )[:300]
+    mine = tmp_path / "s.txt.tmp"  # a user's file: the scorer writes beside it, not over it
+    mine.write_text("keep me\n")
     assert runtime.main([str(out), str(path), "--out", str(tmp_path / "s.txt")]) == 0
     np.testing.assert_allclose(np.loadtxt(tmp_path / "s.txt"), want, rtol=1e-6, atol=1e-7)
+    assert mine.read_text() == "keep me\n" and not list(tmp_path.glob(".s.txt.*"))
 
 
 def test_warmup_compiles_every_padded_batch_size(artifact):
