@@ -150,13 +150,28 @@ class Checkpointer:
     """Saves and restores a run's checkpoints under ``<workdir>/checkpoints``."""
 
     def __init__(
-        self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        keep_steps: tuple[int, ...] = (),
     ):
+        """``max_to_keep``: the latest steps kept; ``keep_steps``: steps kept besides them (a
+        stable run's branch points, ``train.branch_steps``)."""
         self.directory = Path(directory).absolute()
+        keep = {"max_to_keep": max_to_keep}
+        if keep_steps:
+            policies = ocp.checkpoint_managers
+            keep = {
+                "preservation_policy": policies.AnyPreservationPolicy(
+                    [policies.LatestN(max_to_keep), policies.CustomSteps(list(keep_steps))]
+                )
+            }
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep,
+                **keep,
                 enable_async_checkpointing=async_save,
                 create=True,
                 todelete_subdir=DELETED,
