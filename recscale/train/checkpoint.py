@@ -156,10 +156,14 @@ class Checkpointer:
         max_to_keep: int = 3,
         async_save: bool = True,
         keep_steps: tuple[int, ...] = (),
+        read_only: bool = False,
     ):
         """``max_to_keep``: the latest steps kept; ``keep_steps``: steps kept besides them (a
-        stable run's branch points, ``train.branch_steps``)."""
+        stable run's branch points, ``train.branch_steps``). ``read_only``: another run's
+        checkpoints, read while that run may still be saving (``train.init_from``): nothing is
+        written, retired or purged there."""
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         keep = {"max_to_keep": max_to_keep}
         if keep_steps:
             policies = ocp.checkpoint_managers
@@ -172,8 +176,9 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 **keep,
-                enable_async_checkpointing=async_save,
-                create=True,
+                enable_async_checkpointing=async_save and not read_only,
+                create=not read_only,
+                read_only=read_only,
                 todelete_subdir=DELETED,
             ),
             item_names=(*ARRAY_ITEMS, "meta"),
@@ -331,7 +336,7 @@ class Checkpointer:
 
     def _purge(self) -> None:
         """Deletes the steps retention has retired into ``deleted/`` (process 0)."""
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and not self.read_only:
             shutil.rmtree(self.directory / DELETED, ignore_errors=True)
 
 

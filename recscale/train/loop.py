@@ -251,7 +251,9 @@ class _TrainRun:
             state, restored_meta = self._restore_branch_point()
             hook_meta = {}  # the hooks start afresh; the stream and counters go on
         elif tcfg.init_from:
-            src = Checkpointer(Path(tcfg.init_from) / "checkpoints", async_save=False)
+            src = Checkpointer(
+                Path(tcfg.init_from) / "checkpoints", async_save=False, read_only=True
+            )
             src_step = src.latest_step()
             if src_step is None:
                 raise FileNotFoundError(f"train.init_from: no checkpoints in {src.directory}")
@@ -292,7 +294,7 @@ class _TrainRun:
         branches.check_branch(
             self.cfg, config_lib.load_json(type(self.cfg), src_dir / "config.json")
         )
-        src = Checkpointer(src_dir / "checkpoints", async_save=False)
+        src = Checkpointer(src_dir / "checkpoints", async_save=False, read_only=True)
         try:
             trees, meta = self._restore_items(src, tcfg.init_step)
         finally:
