@@ -164,23 +164,31 @@ class Checkpointer:
         written, retired or purged there."""
         self.directory = Path(directory).absolute()
         self.read_only = read_only
-        keep = {"max_to_keep": max_to_keep}
-        if keep_steps:
-            policies = ocp.checkpoint_managers
-            keep = {
-                "preservation_policy": policies.AnyPreservationPolicy(
-                    [policies.LatestN(max_to_keep), policies.CustomSteps(list(keep_steps))]
-                )
-            }
+        if read_only:  # (retention options would only be overridden, with a warning each)
+            options = ocp.CheckpointManagerOptions(
+                read_only=True,
+                create=False,
+                enable_async_checkpointing=False,
+                save_interval_steps=0,
+            )
+        else:
+            keep = {"max_to_keep": max_to_keep}
+            if keep_steps:
+                policies = ocp.checkpoint_managers
+                keep = {
+                    "preservation_policy": policies.AnyPreservationPolicy(
+                        [policies.LatestN(max_to_keep), policies.CustomSteps(list(keep_steps))]
+                    )
+                }
+            options = ocp.CheckpointManagerOptions(
+                **keep,
+                enable_async_checkpointing=async_save,
+                create=True,
+                todelete_subdir=DELETED,
+            )
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(
-                **keep,
-                enable_async_checkpointing=async_save and not read_only,
-                create=not read_only,
-                read_only=read_only,
-                todelete_subdir=DELETED,
-            ),
+            options=options,
             item_names=(*ARRAY_ITEMS, "meta"),
         )
         self._purge()
