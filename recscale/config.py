@@ -38,6 +38,17 @@ T = TypeVar("T")
 # Shared component configs (models define their own in dlrm/config.py, wukong/config.py).
 
 
+def _check_cooldown(section: str, cfg: Any) -> None:
+    if not 0.0 < cfg.cooldown_fraction <= 1.0:
+        raise ValueError(
+            f"{section}.cooldown_fraction must be in (0, 1], got {cfg.cooldown_fraction}"
+        )
+    if cfg.cooldown_shape not in ("1-sqrt", "linear"):
+        raise ValueError(
+            f"{section}.cooldown_shape={cfg.cooldown_shape!r}: expected 1-sqrt or linear"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DenseOptimConfig:
     """Optimizer of the dense (MLP) parameters, built with optax."""
@@ -50,10 +61,19 @@ class DenseOptimConfig:
     """Peak learning rate."""
     warmup_steps: int = field(0, role=ARGUMENT)
     """Linear warmup from 0 to the peak over this many steps."""
-    decay: Literal["constant", "cosine", "linear"] = "constant"
-    """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step."""
+    decay: Literal["constant", "cosine", "linear", "wsd"] = "constant"
+    """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step:
+    ``cosine`` / ``linear`` from the warmup's end; ``wsd`` (warmup-stable-decay) holds the peak
+    and decays over the last ``cooldown_fraction`` of the steps only
+    (``recscale.optim.schedules``), so that shorter budgets branch off one run
+    (``recscale.train.branches``)."""
     end_lr_fraction: float = 0.0
-    """Final learning rate as a fraction of the peak (cosine/linear decay)."""
+    """Final learning rate as a fraction of the peak (cosine/linear/wsd decay)."""
+    cooldown_fraction: float = field(0.2, role=ARGUMENT, identity_default=0.2)
+    """``wsd``: share of the steps in the cooldown, rounded to a step (0.2: Hägele et al. 2024's
+    near-optimal length, ``recscale.optim.schedules``)."""
+    cooldown_shape: Literal["1-sqrt", "linear"] = field("1-sqrt", identity_default="1-sqrt")
+    """``wsd``: the cooldown's shape, ``1 - sqrt(x)`` or ``1 - x`` of its progress ``x``."""
     weight_decay: float = 0.0
     """Decoupled weight decay (adamw, lamb, lars)."""
     b1: float = 0.9
@@ -76,6 +96,7 @@ class DenseOptimConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check_cooldown("dense_optim", self)
         if self.name == "hessian_free" and (
             self.grad_clip_norm > 0 or self.warmup_steps or self.decay != "constant"
         ):
@@ -98,10 +119,19 @@ class EmbeddingOptimConfig:
     """Learning rate of the tables."""
     warmup_steps: int = field(0, role=ARGUMENT)
     """Linear warmup from 0 over this many steps."""
-    decay: Literal["constant", "cosine", "linear"] = "constant"
-    """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step."""
+    decay: Literal["constant", "cosine", "linear", "wsd"] = "constant"
+    """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step:
+    ``cosine`` / ``linear`` from the warmup's end; ``wsd`` (warmup-stable-decay) holds the peak
+    and decays over the last ``cooldown_fraction`` of the steps only
+    (``recscale.optim.schedules``), so that shorter budgets branch off one run
+    (``recscale.train.branches``)."""
     end_lr_fraction: float = 0.0
-    """Final learning rate as a fraction of the peak (cosine/linear decay)."""
+    """Final learning rate as a fraction of the peak (cosine/linear/wsd decay)."""
+    cooldown_fraction: float = field(0.2, role=ARGUMENT, identity_default=0.2)
+    """``wsd``: share of the steps in the cooldown, rounded to a step (0.2: Hägele et al. 2024's
+    near-optimal length, ``recscale.optim.schedules``)."""
+    cooldown_shape: Literal["1-sqrt", "linear"] = field("1-sqrt", identity_default="1-sqrt")
+    """``wsd``: the cooldown's shape, ``1 - sqrt(x)`` or ``1 - x`` of its progress ``x``."""
     initial_accumulator: float = 0.0
     """Initial value of the row-wise Adagrad accumulator."""
     eps: float = 1e-8
@@ -123,6 +153,7 @@ class EmbeddingOptimConfig:
     """CowClip's ``ζ``: the threshold's floor per occurrence, for rows still near zero."""
 
     def __post_init__(self):
+        _check_cooldown("embedding_optim", self)
         for name in ("l2", "row_l2", "cowclip_ratio", "cowclip_min_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"embedding_optim.{name}={getattr(self, name)}: must be >= 0")
@@ -455,10 +486,23 @@ class TrainConfig:
     """Append train metrics to metrics.jsonl every N steps."""
     progress: bool = field(True, role=CADENCE)
     """Show a progress bar."""
-    init_from: str = ""
+    # ARGUMENT: what it restores is the state the compiled steps take as their argument, so runs
+    # that differ only in it (a stable run's cooldown branches) share their programs.
+    init_from: str = field("", role=ARGUMENT)
     """Initialise parameters (not optimizer state) from another run's latest checkpoint (its
     workdir). Used only when this run has no checkpoint of its own: restore order is the run's
     own latest checkpoint, then ``init_from``, then fresh init."""
+    init_step: int = field(0, role=ARGUMENT, identity_default=0)
+    """With ``init_from``: 0 = its latest checkpoint's parameters only; S > 0 = the whole
+    training state of its checkpoint at step S (parameters, optimizer state, step counter,
+    random stream, data position), continued here to ``num_steps``: a cooldown branch of a
+    warmup-stable-decay run (``recscale.train.branches``), equal bitwise to the one-piece run of
+    this config. The two configs may differ only in ``num_steps`` and fields free on resume, and
+    every learning rate before S must be the same in both (``decay`` wsd or constant, S at or
+    before both runs' decay starts)."""
+    branch_steps: tuple[int, ...] = field((), role=CADENCE)
+    """Also checkpoint at these steps and keep those checkpoints (beside the latest
+    ``max_checkpoints``): the points cooldown branches start from (``init_step``)."""
     nonfinite: Literal["skip", "raise", "ignore"] = "skip"
     """A step whose loss or gradients hold a NaN/Inf: ``skip`` leaves the parameters, optimizer
     and embedding state bitwise unchanged (only the step advances) and counts it
@@ -511,6 +555,19 @@ class TrainConfig:
             )
         if self.early_stopping_patience < 1 or self.early_stopping_min_delta < 0:
             raise ValueError("early_stopping_patience must be >= 1 and min_delta >= 0")
+        if self.init_step < 0 or (self.init_step and not self.init_from):
+            raise ValueError(
+                f"train.init_step={self.init_step}: must be >= 0, and > 0 only with init_from"
+            )
+        if self.init_step > self.num_steps:
+            raise ValueError(
+                f"train.init_step={self.init_step} is past train.num_steps={self.num_steps}"
+            )
+        bad = [s for s in self.branch_steps if not 0 < s < self.num_steps]
+        if bad:
+            raise ValueError(
+                f"train.branch_steps {bad}: each must be in (0, num_steps={self.num_steps})"
+            )
         if self.max_checkpoints < 1:
             raise ValueError(f"max_checkpoints must be >= 1, got {self.max_checkpoints}")
         if self.nonfinite not in ("skip", "raise", "ignore"):

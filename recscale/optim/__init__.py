@@ -23,7 +23,13 @@ from recscale.optim.embedding import (
     rowwise_adagrad,
     scale_by_rowwise_adagrad,
 )
-from recscale.optim.schedules import config_schedule, learning_rate_schedule, lr_for_batch_size
+from recscale.optim.schedules import (
+    config_schedule,
+    cooldown_steps,
+    decay_start,
+    learning_rate_schedule,
+    lr_for_batch_size,
+)
 
 __all__ = [
     "DENSE",
@@ -31,7 +37,9 @@ __all__ = [
     "RowwiseAdagradState",
     "combine",
     "config_schedule",
+    "cooldown_steps",
     "cowclip",
+    "decay_start",
     "default_decay_mask",
     "dense_optimizer",
     "embedding_labels",

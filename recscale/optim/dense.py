@@ -34,6 +34,7 @@ def dense_optimizer(
     decay_mask: Any | Callable[[Any], Any] | None = default_decay_mask,
     peak: float | jax.Array | None = None,
     warmup_steps: int | jax.Array | None = None,
+    cooldown: int | jax.Array | None = None,
 ) -> optax.GradientTransformation:
     """Builds the optax optimizer of the dense parameters.
 
@@ -60,7 +61,8 @@ def dense_optimizer(
       decay_mask: Which leaves get weight decay (adamw, lamb, lars) and, for lars, trust-ratio
         scaling: a bool pytree, a function params -> bool pytree, or ``None`` for all leaves.
         Defaults to ``default_decay_mask`` (kernels only, no biases/norm scales).
-      peak, warmup_steps: Replace the config's learning rate and warmup (``config_schedule``).
+      peak, warmup_steps, cooldown: Replace the config's learning rate, warmup and wsd cooldown
+        steps (``config_schedule``).
 
     Raises:
       ValueError: on ``weight_decay > 0`` with a family that has no decoupled weight decay
@@ -75,7 +77,7 @@ def dense_optimizer(
         )
     if cfg.grad_clip_norm < 0:
         raise ValueError(f"grad_clip_norm must be >= 0, got {cfg.grad_clip_norm}")
-    lr = config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
+    lr = config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps, cooldown=cooldown)
     mask = True if decay_mask is None else decay_mask
     if cfg.name == "adam":
         tx = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)

@@ -160,6 +160,7 @@ def embedding_optimizer(
     *,
     peak: float | jax.Array | None = None,
     warmup_steps: int | jax.Array | None = None,
+    cooldown: int | jax.Array | None = None,
 ) -> optax.GradientTransformation:
     """Builds the optimizer of the embedding tables from its config.
 
@@ -168,7 +169,7 @@ def embedding_optimizer(
     eps=cfg.eps)`` on whole tables (moments of untouched rows still decay and move them; for
     comparison only). All use ``config_schedule(cfg, total_steps)``.
     """
-    lr = config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps)
+    lr = config_schedule(cfg, total_steps, peak=peak, warmup_steps=warmup_steps, cooldown=cooldown)
     if cfg.name == "sgd":
         tx = optax.sgd(lr)
     elif cfg.name == "rowwise_adagrad":

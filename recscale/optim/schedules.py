@@ -4,11 +4,26 @@ Step convention (optax's): a schedule is evaluated at the optimizer's update cou
 incremented, so the first update uses ``schedule(0)``. With warmup, ``schedule(0) == 0`` (the
 first update is a no-op for SGD-like optimizers), ``schedule(warmup_steps) == peak`` and
 ``schedule(total_steps) == end_fraction * peak``; past ``total_steps`` the value stays at the end.
+
+Warmup-stable-decay (``decay="wsd"``; Hägele et al. 2024, "Scaling Laws and Compute-Optimal
+Training Beyond Fixed Training Durations"; MiniCPM, Hu et al. 2024) holds ``peak`` from
+``warmup_steps`` to the decay start ``total_steps - cooldown_steps`` and decays over the last
+``cooldown_steps`` only. Before its decay start the schedule does not depend on the run's length,
+so one run of a model size serves every shorter budget: a run of budget ``B`` equals, step for
+step, a longer run up to ``B``'s decay start followed by ``B``'s own cooldown
+(``recscale.train.branches``).
+
+The cooldown takes ``COOLDOWN_FRACTION`` = 20% of a run's steps with the ``1-sqrt`` shape by
+default: Hägele et al. find that a cooldown of about 20% of training with ``1-sqrt`` matches or
+beats a cosine schedule tuned to that length (shorter cooldowns lose a little, longer ones gain
+almost nothing; ``1-sqrt`` beats ``linear`` at every length they try), and a branch's extra cost
+over the stable run it starts from is its cooldown, so it should be no longer than it needs to be.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from typing import Any, Literal
 
 import jax
@@ -16,18 +31,56 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["config_schedule", "learning_rate_schedule", "lr_for_batch_size"]
+__all__ = [
+    "COOLDOWN_FRACTION",
+    "config_schedule",
+    "cooldown_steps",
+    "decay_start",
+    "learning_rate_schedule",
+    "lr_for_batch_size",
+]
+
+Decay = Literal["constant", "cosine", "linear", "wsd"]
+CooldownShape = Literal["1-sqrt", "linear"]
+
+COOLDOWN_FRACTION = 0.2
+"""Default share of a warmup-stable-decay run's steps spent in its cooldown (module docstring)."""
+
+
+def cooldown_steps(total_steps: int, fraction: float) -> int:
+    """Steps of a warmup-stable-decay cooldown: ``fraction`` of ``total_steps``, rounded to the
+    nearest step, at least 1 (for a run of at least one step) and at most ``total_steps``.
+    Computed on the host in Python, so that a run's decay start and the step its cooldown branch
+    starts at are the same integer everywhere."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"cooldown fraction must be in (0, 1], got {fraction}")
+    if total_steps <= 0:
+        return 0
+    return min(total_steps, max(1, math.floor(fraction * total_steps + 0.5)))
+
+
+def decay_start(cfg: Any, total_steps: int) -> int:
+    """The first step whose learning rate is below the stable phase's, of an optimizer config run
+    for ``total_steps``: its decay start under ``wsd``, its warmup's end under ``cosine`` /
+    ``linear`` (they decay from there), ``total_steps`` under ``constant``."""
+    if cfg.decay == "wsd":
+        return total_steps - cooldown_steps(total_steps, cfg.cooldown_fraction)
+    if cfg.decay == "constant":
+        return total_steps
+    return min(cfg.warmup_steps, total_steps)
 
 
 def learning_rate_schedule(
     peak: float | jax.Array,
     *,
     warmup_steps: int | jax.Array,
-    decay: Literal["constant", "cosine", "linear"],
+    decay: Decay,
     total_steps: int | jax.Array,
     end_fraction: float = 0.0,
+    cooldown: int | jax.Array = 0,
+    cooldown_shape: CooldownShape = "1-sqrt",
 ) -> optax.Schedule:
-    """Linear warmup from 0 to ``peak``, then constant, cosine or linear decay.
+    """Linear warmup from 0 to ``peak``, then constant, cosine, linear or warmup-stable-decay.
 
     ``peak``, ``warmup_steps`` and ``total_steps`` may be traced values (arguments of a jitted
     step), so that runs differing only in them (a sweep's budgets, seeds and learning rates)
@@ -40,9 +93,13 @@ def learning_rate_schedule(
       warmup_steps: Length of the linear warmup (0 = start at ``peak``).
       decay: ``constant`` keeps ``peak`` after warmup (``total_steps``/``end_fraction`` unused);
         ``cosine``/``linear`` decay from ``peak`` at ``warmup_steps`` to ``end_fraction * peak`` at
-        ``total_steps`` and stay there.
+        ``total_steps`` and stay there; ``wsd`` keeps ``peak`` up to ``total_steps -
+        cooldown`` and decays from there to ``end_fraction * peak`` at ``total_steps``.
       total_steps: Total training steps.
-      end_fraction: Final learning rate as a fraction of ``peak`` (cosine/linear).
+      end_fraction: Final learning rate as a fraction of ``peak`` (cosine/linear/wsd).
+      cooldown: ``wsd``: the cooldown's steps (``cooldown_steps``), >= 1.
+      cooldown_shape: ``wsd``: ``1-sqrt`` (``1 - sqrt(x)`` of the cooldown's progress ``x``,
+        Hägele et al. 2024) or ``linear`` (``1 - x``).
 
     Returns:
       An ``optax.Schedule`` (step -> float32 learning rate), jittable.
@@ -51,15 +108,25 @@ def learning_rate_schedule(
       ValueError: on a non-positive peak, negative steps, an unknown decay, or a decaying schedule
         whose ``total_steps`` does not exceed ``warmup_steps`` (checked on plain numbers).
     """
-    if decay not in ("constant", "cosine", "linear"):
-        raise ValueError(f"unknown decay {decay!r}; expected constant, cosine or linear")
+    if decay not in typing.get_args(Decay):
+        raise ValueError(f"unknown decay {decay!r}; expected constant, cosine, linear or wsd")
+    if cooldown_shape not in typing.get_args(CooldownShape):
+        raise ValueError(f"unknown cooldown shape {cooldown_shape!r}; expected 1-sqrt or linear")
     if not 0.0 <= end_fraction <= 1.0:
         raise ValueError(f"end_fraction must be in [0, 1], got {end_fraction}")
     if _concrete(peak) and peak <= 0:
         raise ValueError(f"peak learning rate must be > 0, got {peak}")
     if _concrete(warmup_steps) and warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-    if decay != "constant" and _concrete(warmup_steps) and _concrete(total_steps):
+    if decay == "wsd" and _concrete(cooldown) and _concrete(total_steps) and total_steps > 0:
+        if not 1 <= cooldown <= total_steps:
+            raise ValueError(f"wsd cooldown must be in [1, {total_steps}], got {cooldown}")
+        if _concrete(warmup_steps) and total_steps - cooldown < warmup_steps:
+            raise ValueError(
+                f"wsd decay starts at step {total_steps - cooldown}, inside the warmup "
+                f"({warmup_steps} steps): shorten the warmup or the cooldown"
+            )
+    elif decay in ("cosine", "linear") and _concrete(warmup_steps) and _concrete(total_steps):
         if total_steps - warmup_steps <= 0:
             raise ValueError(
                 f"{decay} decay needs total_steps ({total_steps}) > warmup_steps ({warmup_steps})"
@@ -71,6 +138,15 @@ def learning_rate_schedule(
         w = jnp.asarray(warmup_steps, jnp.float32)
         if decay == "constant":
             after = p
+        elif decay == "wsd":
+            n = jnp.asarray(total_steps, jnp.float32)
+            c = jnp.maximum(jnp.asarray(cooldown, jnp.float32), 1.0)
+            x = jnp.clip(t - (n - c), 0.0, c) / c  # the cooldown's progress, 0 to 1
+            left = 1.0 - jnp.sqrt(x) if cooldown_shape == "1-sqrt" else 1.0 - x
+            end = p * end_fraction
+            # Exactly ``peak`` before the decay start, whatever the run's length: the stable
+            # phase of every budget is the same computation (``recscale.train.branches``).
+            after = jnp.where(t < n - c, p, (p - end) * left + end)
         else:
             span = jnp.maximum(jnp.asarray(total_steps, jnp.float32) - w, 1.0)
             x = jnp.clip(t - w, 0.0, span)
@@ -93,17 +169,26 @@ def config_schedule(
     *,
     peak: float | jax.Array | None = None,
     warmup_steps: int | jax.Array | None = None,
+    cooldown: int | jax.Array | None = None,
 ) -> optax.Schedule:
     """``learning_rate_schedule`` of an optimizer config (``learning_rate``, ``warmup_steps``,
-    ``decay``, ``end_lr_fraction``: the dense and the embedding configs alike); ``peak`` /
-    ``warmup_steps`` replace the config's, e.g. with traced values
-    (``recscale.train.experiment.schedule_args``)."""
+    ``decay``, ``end_lr_fraction``, ``cooldown_fraction``, ``cooldown_shape``: the dense and the
+    embedding configs alike); ``peak`` / ``warmup_steps`` / ``cooldown`` replace the config's,
+    e.g. with traced values (``recscale.train.experiment.schedule_args``). Without ``cooldown``,
+    a ``wsd`` schedule's is ``cooldown_steps(total_steps, cfg.cooldown_fraction)``, which needs a
+    plain ``total_steps``."""
+    if cfg.decay == "wsd" and cooldown is None:
+        if not _concrete(total_steps):
+            raise ValueError("a wsd schedule of traced total_steps needs its cooldown steps")
+        cooldown = cooldown_steps(int(total_steps), cfg.cooldown_fraction)
     return learning_rate_schedule(
         cfg.learning_rate if peak is None else peak,
         warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps,
         decay=cfg.decay,
         total_steps=total_steps,
         end_fraction=cfg.end_lr_fraction,
+        cooldown=0 if cooldown is None else cooldown,
+        cooldown_shape=cfg.cooldown_shape,
     )
 
 

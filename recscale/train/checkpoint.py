@@ -150,17 +150,45 @@ class Checkpointer:
     """Saves and restores a run's checkpoints under ``<workdir>/checkpoints``."""
 
     def __init__(
-        self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        keep_steps: tuple[int, ...] = (),
+        read_only: bool = False,
     ):
+        """``max_to_keep``: the latest steps kept; ``keep_steps``: steps kept besides them (a
+        stable run's branch points, ``train.branch_steps``). ``read_only``: another run's
+        checkpoints, read while that run may still be saving (``train.init_from``): nothing is
+        written, retired or purged there."""
         self.directory = Path(directory).absolute()
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep,
+        self.read_only = read_only
+        if read_only:  # (retention options would only be overridden, with a warning each)
+            options = ocp.CheckpointManagerOptions(
+                read_only=True,
+                create=False,
+                enable_async_checkpointing=False,
+                save_interval_steps=0,
+            )
+        else:
+            keep = {"max_to_keep": max_to_keep}
+            if keep_steps:
+                policies = ocp.checkpoint_managers
+                keep = {
+                    "preservation_policy": policies.AnyPreservationPolicy(
+                        [policies.LatestN(max_to_keep), policies.CustomSteps(list(keep_steps))]
+                    )
+                }
+            options = ocp.CheckpointManagerOptions(
+                **keep,
                 enable_async_checkpointing=async_save,
                 create=True,
                 todelete_subdir=DELETED,
-            ),
+            )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
             item_names=(*ARRAY_ITEMS, "meta"),
         )
         self._purge()
@@ -316,7 +344,7 @@ class Checkpointer:
 
     def _purge(self) -> None:
         """Deletes the steps retention has retired into ``deleted/`` (process 0)."""
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and not self.read_only:
             shutil.rmtree(self.directory / DELETED, ignore_errors=True)
 
 

@@ -48,7 +48,7 @@ _FAST_INIT_BYTES = 256 << 20
 
 def schedule_args(cfg: Any) -> dict[str, np.ndarray]:
     """The numbers of a run's learning-rate schedules: its length, and each optimizer's peak
-    learning rate and warmup. The trainer passes them to its jitted train step as arguments
+    learning rate, warmup and warmup-stable-decay cooldown steps (0 without ``wsd``). The trainer passes them to its jitted train step as arguments
     instead of baking them in as constants, so runs that differ only in them (a sweep's budgets,
     seeds and learning rates at one model size) compile to the same program, which the
     persistent compilation cache then serves to all of them."""
@@ -59,7 +59,14 @@ def schedule_args(cfg: Any) -> dict[str, np.ndarray]:
         "dense_warmup": np.int32(d.warmup_steps),
         "embedding_lr": np.float32(e.learning_rate),
         "embedding_warmup": np.int32(e.warmup_steps),
+        "dense_cooldown": np.int32(_cooldown(d, cfg.train.num_steps)),
+        "embedding_cooldown": np.int32(_cooldown(e, cfg.train.num_steps)),
     }
+
+
+def _cooldown(ocfg: Any, num_steps: int) -> int:
+    wsd = ocfg.decay == "wsd"
+    return optim.cooldown_steps(num_steps, ocfg.cooldown_fraction) if wsd else 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -127,7 +134,11 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
     a = args or {}
     steps = a.get("num_steps", cfg.train.num_steps)
     dense = optim.dense_optimizer(
-        cfg.dense_optim, steps, peak=a.get("dense_lr"), warmup_steps=a.get("dense_warmup")
+        cfg.dense_optim,
+        steps,
+        peak=a.get("dense_lr"),
+        warmup_steps=a.get("dense_warmup"),
+        cooldown=a.get("dense_cooldown"),
     )
     e = cfg.embedding_optim
     hf = cfg.dense_optim.name == "hessian_free"
@@ -135,7 +146,11 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
         return SparseOptimizer(
             dense=dense,
             embedding_lr=optim.config_schedule(
-                e, steps, peak=a.get("embedding_lr"), warmup_steps=a.get("embedding_warmup")
+                e,
+                steps,
+                peak=a.get("embedding_lr"),
+                warmup_steps=a.get("embedding_warmup"),
+                cooldown=a.get("embedding_cooldown"),
             ),
             rule=engine.UpdateRule.from_config(e),
             initial_accumulator=e.initial_accumulator,
@@ -150,7 +165,11 @@ def make_optimizer(cfg: Any, params: Any, args: dict[str, Any] | None = None):
     return optim.combine(
         dense,
         optim.embedding_optimizer(
-            e, steps, peak=a.get("embedding_lr"), warmup_steps=a.get("embedding_warmup")
+            e,
+            steps,
+            peak=a.get("embedding_lr"),
+            warmup_steps=a.get("embedding_warmup"),
+            cooldown=a.get("embedding_cooldown"),
         ),
         optim.embedding_labels(params, EmbeddingTable),
     )

@@ -23,6 +23,7 @@ from data.sources import DataSource
 from recscale import config as config_lib
 from recscale import sharding
 from recscale.embeddings import plan_inputs, relayout
+from recscale.train import branches
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.early_stopping import BEST_DIR as BEST_DIR  # re-exported (evaluation.py)
 from recscale.train.early_stopping import EarlyStopping
@@ -162,7 +163,9 @@ class _TrainRun:
             workdir / "checkpoints",
             max_to_keep=self.tcfg.max_checkpoints,
             async_save=self.tcfg.async_checkpoint,
+            keep_steps=self.tcfg.branch_steps,
         )
+        self.branch_steps = frozenset(self.tcfg.branch_steps)
         self.writer = MetricsWriter(workdir / "metrics.jsonl")
         self.layout = relayout.layout_meta(cfg)  # what a resume on another layout re-lays out from
         self.state: TrainState | None = None
@@ -232,10 +235,11 @@ class _TrainRun:
         return trees, meta
 
     def restore_or_init(self) -> None:
-        """Restore order: this run's latest checkpoint, then another run's parameters
-        (``train.init_from``), then a fresh init."""
+        """Restore order: this run's latest checkpoint, then another run's state at
+        ``train.init_step`` (a cooldown branch) or its parameters (``train.init_from``), then a
+        fresh init."""
         ckpt, tcfg, exp = self.ckpt, self.tcfg, self.exp
-        restored, restored_meta = None, {}
+        restored, restored_meta, hook_meta = None, {}, None
         latest = ckpt.restore_latest(
             lambda step: self._restore_items(ckpt, step), fallback=tcfg.checkpoint_fallback
         )
@@ -243,8 +247,13 @@ class _TrainRun:
             restored, trees, restored_meta = latest
             state = _state_from(trees, restored_meta["step"])
             print(f"restored checkpoint step {restored} from {ckpt.directory}", file=sys.stderr)
+        elif tcfg.init_step:
+            state, restored_meta = self._restore_branch_point()
+            hook_meta = {}  # the hooks start afresh; the stream and counters go on
         elif tcfg.init_from:
-            src = Checkpointer(Path(tcfg.init_from) / "checkpoints", async_save=False)
+            src = Checkpointer(
+                Path(tcfg.init_from) / "checkpoints", async_save=False, read_only=True
+            )
             src_step = src.latest_step()
             if src_step is None:
                 raise FileNotFoundError(f"train.init_from: no checkpoints in {src.directory}")
@@ -269,8 +278,30 @@ class _TrainRun:
         # otherwise (it always records it: ``data_position``).
         self.data_offset = restored_meta.get("data_position", self.start_step) - self.start_step
         self.guard = NonfiniteGuard(tcfg, total=restored_meta.get("nonfinite_total", 0))
-        self.hooks.start(restored, restored_meta, self.start_step)
+        self.hooks.start(
+            restored, restored_meta if hook_meta is None else hook_meta, self.start_step
+        )
         write_run_info(self.workdir, self.start_step)
+
+    def _restore_branch_point(self) -> tuple[TrainState, dict]:
+        """The whole training state of ``train.init_from`` at ``train.init_step``, and that
+        checkpoint's meta (its data position and counters), after checking that this run
+        continues that one as its own config would (``branches.check_branch``)."""
+        tcfg = self.tcfg
+        src_dir = Path(tcfg.init_from)
+        if not (src_dir / "config.json").is_file():
+            raise FileNotFoundError(f"train.init_from: no run (config.json) in {src_dir}")
+        branches.check_branch(
+            self.cfg, config_lib.load_json(type(self.cfg), src_dir / "config.json")
+        )
+        src = Checkpointer(src_dir / "checkpoints", async_save=False, read_only=True)
+        try:
+            trees, meta = self._restore_items(src, tcfg.init_step)
+        finally:
+            src.close()
+        print(f"branched from {src.directory} step {tcfg.init_step}", file=sys.stderr)
+        branches.write_record(self.workdir, self.cfg)
+        return _state_from(trees, tcfg.init_step), meta
 
     def save(self, step: int) -> None:
         meta = {
@@ -328,10 +359,9 @@ class _TrainRun:
                 self.pending.append((step, metrics))
                 done = step + 1
                 is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps
-                is_ckpt = (
-                    tcfg.checkpoint_every
-                    and done % tcfg.checkpoint_every == 0
-                    and done != tcfg.num_steps
+                is_ckpt = done != tcfg.num_steps and (
+                    bool(tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
+                    or done in self.branch_steps
                 )
                 is_eval = bool(
                     tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps

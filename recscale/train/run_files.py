@@ -38,9 +38,7 @@ def write_run_files(workdir: Path, cfg: Any, argv: list[str] | None) -> None:
     if cfg_path.is_file() and _has_checkpoints(workdir):
         # Resuming: the checkpoints belong to the saved config; a changed one would silently mix.
         old = config_lib.to_dict(config_lib.load_json(type(cfg), cfg_path))
-        diffs = _config_diffs(
-            old, config_lib.to_dict(cfg), roles.paths(type(cfg), resume_free=True)
-        )
+        diffs = config_diffs(old, config_lib.to_dict(cfg), roles.paths(type(cfg), resume_free=True))
         if diffs:
             raise ValueError(
                 f"{workdir} holds a run with another config ({'; '.join(diffs)}); resume it with the "
@@ -102,14 +100,14 @@ def write_run_info(workdir: Path, start_step: int) -> None:
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
-def _config_diffs(old: Any, new: Any, free: frozenset[str], path: str = "") -> list[str]:
+def config_diffs(old: Any, new: Any, free: frozenset[str], path: str = "") -> list[str]:
     """What differs between two config dicts, but for the fields in ``free``."""
     if path in free:
         return []
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
         for k in sorted(set(old) | set(new)):
-            out += _config_diffs(old.get(k), new.get(k), free, f"{path}.{k}" if path else k)
+            out += config_diffs(old.get(k), new.get(k), free, f"{path}.{k}" if path else k)
         return out
     if old == new:
         return []

@@ -1,5 +1,6 @@
 """Optimizers: row-wise Adagrad vs a NumPy reference, schedules, dense families, routing."""
 
+import dataclasses
 import math
 
 import jax
@@ -14,6 +15,9 @@ from recscale.optim import (
     DENSE,
     EMBEDDING,
     combine,
+    config_schedule,
+    cooldown_steps,
+    decay_start,
     dense_optimizer,
     embedding_labels,
     embedding_optimizer,
@@ -217,6 +221,101 @@ def test_schedule_equals_optax_and_takes_traced_arguments(decay):
             args = (jnp.int32(t), jnp.float32(peak), jnp.int32(warmup), jnp.int32(total))
             assert float(traced(*args)) == pytest.approx(float(plain(t)), rel=1e-6, abs=1e-9)
     assert traced._cache_size() == 1
+
+
+@pytest.mark.parametrize("shape", ["1-sqrt", "linear"])
+def test_wsd_schedule_key_steps(shape):
+    """Warmup 10, stable to the decay start 90, cooldown 20 to 0.1 of the peak."""
+    s = learning_rate_schedule(
+        2.0,
+        warmup_steps=10,
+        decay="wsd",
+        total_steps=110,
+        end_fraction=0.1,
+        cooldown=20,
+        cooldown_shape=shape,
+    )
+    np.testing.assert_allclose([float(s(t)) for t in (0, 5)], [0.0, 1.0], rtol=1e-6)
+    # The stable phase is exactly the peak, whatever the run's length.
+    assert [float(s(t)) for t in (10, 50, 89, 90)] == [2.0] * 4
+    left = {"1-sqrt": 1 - math.sqrt(0.25), "linear": 0.75}[shape]  # 5 of the 20 cooldown steps
+    np.testing.assert_allclose(float(s(95)), 0.2 + 1.8 * left, rtol=1e-6)
+    np.testing.assert_allclose([float(s(t)) for t in (110, 500)], [0.2, 0.2], rtol=1e-6)
+    # Decreasing through the cooldown.
+    cool = [float(s(t)) for t in range(90, 111)]
+    assert all(a > b for a, b in zip(cool, cool[1:], strict=False))
+
+    @jax.jit
+    def traced(t, total, cooldown):
+        return learning_rate_schedule(
+            2.0,
+            warmup_steps=10,
+            decay="wsd",
+            total_steps=total,
+            end_fraction=0.1,
+            cooldown=cooldown,
+            cooldown_shape=shape,
+        )(t)
+
+    for total, cooldown in ((110, 20), (40, 8), (1000, 200)):
+        plain = learning_rate_schedule(
+            2.0,
+            warmup_steps=10,
+            decay="wsd",
+            total_steps=total,
+            end_fraction=0.1,
+            cooldown=cooldown,
+            cooldown_shape=shape,
+        )
+        for t in (0, 3, 10, total - cooldown - 1, total - cooldown, total - 1, total, 5000):
+            got = traced(jnp.int32(t), jnp.int32(total), jnp.int32(cooldown))
+            assert float(got) == pytest.approx(float(plain(t)), rel=1e-6)
+    assert traced._cache_size() == 1
+
+
+def test_wsd_stable_phase_is_the_same_bits_for_every_length():
+    def lr(total):
+        return learning_rate_schedule(
+            3e-3, warmup_steps=4, decay="wsd", total_steps=total, cooldown=total // 5
+        )
+
+    steps = jnp.arange(0, 80)
+    np.testing.assert_array_equal(jax.vmap(lr(100))(steps), jax.vmap(lr(1000))(steps))
+
+
+def test_cooldown_steps_and_config_schedule():
+    assert [cooldown_steps(n, 0.2) for n in (0, 1, 2, 3, 10, 12, 13, 1000)] == [
+        0,
+        1,
+        1,
+        1,
+        2,
+        2,
+        3,
+        200,
+    ]
+    assert cooldown_steps(10, 1.0) == 10
+    with pytest.raises(ValueError, match="cooldown fraction"):
+        cooldown_steps(10, 0.0)
+    cfg = DenseOptimConfig(learning_rate=1.0, decay="wsd", cooldown_fraction=0.25)
+    s = config_schedule(cfg, 100)
+    assert float(s(75)) == 1.0 and float(s(76)) < 1.0 and float(s(100)) == 0.0
+    assert decay_start(cfg, 100) == 75
+    assert decay_start(dataclasses.replace(cfg, decay="cosine", warmup_steps=7), 100) == 7
+    assert decay_start(dataclasses.replace(cfg, decay="constant"), 100) == 100
+    with pytest.raises(ValueError, match="traced total_steps needs its cooldown"):
+        jax.jit(lambda n: config_schedule(cfg, n)(0))(jnp.int32(100))
+
+
+def test_wsd_schedule_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="inside the warmup"):
+        learning_rate_schedule(1.0, warmup_steps=10, decay="wsd", total_steps=12, cooldown=4)
+    with pytest.raises(ValueError, match=r"cooldown must be in \[1, 12\]"):
+        learning_rate_schedule(1.0, warmup_steps=0, decay="wsd", total_steps=12, cooldown=0)
+    with pytest.raises(ValueError, match="cooldown shape"):
+        learning_rate_schedule(
+            1.0, warmup_steps=0, decay="wsd", total_steps=12, cooldown=2, cooldown_shape="cos"
+        )  # type: ignore[arg-type]
 
 
 def test_schedule_rejects_bad_arguments():
