@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -84,9 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     family = families.of_preset(args.preset)
     base = get_preset(args.preset)
     budgets = sorted(set(args.budgets))
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    if args.out.exists() and any(args.out.iterdir()):  # never delete what this run did not make
+        raise SystemExit(f"error: --out {args.out} exists and is not empty: name a new folder")
+    args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / "train.log", "w")  # the runs' plans and notes, out of the table's way
 
     def run(cfg, workdir: Path) -> dict:
