@@ -28,7 +28,6 @@ import dataclasses
 import glob
 import json
 import os
-import pickle
 import shutil
 import sys
 import threading
@@ -249,10 +248,16 @@ def _prepare_locked(
         if any(_counted(f) for f in spec.features):
             _run("count", spec, inputs, folder, count_units, workers, progress)
         counts = enc.Counts()
+        # Only this version's Arrow files are read: a pickle (``.pkl``, an older version's
+        # counts, or one planted in a shared folder) is never opened; its part was counted again.
         for name in sorted(os.listdir(os.path.join(folder, "count"))):
-            if name.endswith(".pkl"):
-                with open(os.path.join(folder, "count", name), "rb") as fh:
-                    counts.merge(pickle.load(fh))
+            if name.endswith(passes.COUNTS_SUFFIX):
+                try:
+                    counts.merge(enc.Counts.load(os.path.join(folder, "count", name)))
+                except ValueError as e:
+                    raise TabularFormatError(
+                        f"{e}; delete {folder} and run prepare again"
+                    ) from None
         vocab = enc.Vocabulary.build(spec, counts)
         tmp = os.path.join(folder, "vocab.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
