@@ -170,6 +170,11 @@ def _parts(chunks: Iterator[Chunk], rows: int) -> Iterator[tuple[int, Chunk, boo
         yield pending[0], pending[1], True, True
 
 
+def _one_line(text: str) -> str:
+    """A reject's text on one line of the rejects file (a malformed record may span lines)."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as fh:
@@ -314,7 +319,8 @@ def encode_unit(spec: TabularSpec, inputs: Inputs, folder: str, unit: int) -> in
     def write_rejects(name: str, rejects: list[Reject]) -> None:
         if rejects:
             text = "".join(
-                f"{r.file}\t{r.where()}\t{r.reason}\t{r.column}\t{r.text}\n" for r in rejects
+                f"{r.file}\t{r.where()}\t{r.reason}\t{r.column}\t{_one_line(r.text)}\n"
+                for r in rejects
             )
             atomic_write(
                 os.path.join(folder, "rejects", name + ".tsv"), (REJECTS_HEADER + text).encode()

@@ -166,3 +166,105 @@ def test_max_hotness_is_bounded_naming_the_field(tmp_path):
     path = _write(tmp_path / "spec.yaml", text.replace(str(MAX_HOTNESS + 1), str(10**12)))
     with pytest.raises(SpecError, match=r"features\[1\]: .*max_hotness 1000000000000 is above"):
         load_spec(path)
+
+
+# ----------------------------------------------------------------------------- CSV rows
+
+
+def _rejects(p) -> list[list[str]]:
+    """The rejects files' records: [file, line, reason, column, text]."""
+    text = "".join(f.read_text() for f in sorted((Path(p.folder) / "rejects").glob("*.tsv")))
+    return [line.split("\t", 4) for line in text.splitlines() if not line.startswith("file\t")]
+
+
+def _clean_equal(p, tmp_path: Path, kept: str, **extra) -> None:
+    """The kept rows encode as a file of only those rows (strict), vocabulary included."""
+    _write(tmp_path / "clean" / "d.csv", kept)
+    _same(p, _prepare(_spec(tmp_path / "clean", ["d.csv"], **extra), tmp_path, "prep-clean"))
+
+
+def test_invalid_utf8_is_a_rejected_row_or_an_error_naming_file_and_line(tmp_path):
+    lines = [b"1,a,1", b"0,caf\xe9,2", b"1,c,3", b"0,b", b"1,d,x", b"0,a,4"]  # lines 2-7
+    path = _write(tmp_path / "d.csv", HEADER.encode() + b"".join(ln + b"\n" for ln in lines))
+    p = _prepare(_spec(tmp_path, ["d.csv"], strict=False), tmp_path)
+    assert p.stats["rejected"] == {"invalid UTF-8": 1, "wrong column count": 1, "not a number": 1}
+    got = {(f, line, reason, col) for f, line, reason, col, _ in _rejects(p)}
+    assert got == {
+        (str(path), "line 3", "invalid UTF-8", "u"),
+        (str(path), "line 5", "wrong column count", ""),
+        (str(path), "line 6", "not a number", "x"),
+    }
+    assert [r[4] for r in _rejects(p) if r[2] == "invalid UTF-8"] == ["0\tcaf\\xe9\t2"]
+    _clean_equal(p, tmp_path, HEADER + "1,a,1\n1,c,3\n0,a,4\n")
+
+    with pytest.raises(TabularFormatError) as e:
+        _prepare(_spec(tmp_path, ["d.csv"]), tmp_path, "prep-strict")
+    assert str(e.value) == f"{path}: line 3: column 'u': invalid UTF-8: 'caf\\\\xe9'"
+
+    # A bad byte in a column the spec does not read is never decoded.
+    _write(tmp_path / "o.csv", b"label,u,x,note\n1,a,1,\xff\xfe\n0,b,2,ok\n")
+    assert _prepare(_spec(tmp_path, ["o.csv"]), tmp_path, "prep-o").stats["rows"]["train"] == 2
+
+
+QUOTED = (  # a line break inside a quoted value of a column no feature reads
+    "label,u,x,note\n"
+    "1,a,1,plain\n"  # line 2
+    '0,b,2,"two\n'  # line 3
+    'lines"\n'  # line 4
+    "1,c,3,\n"  # line 5
+    "0,b\n"  # line 6: malformed
+    "1,d,x,\n"  # line 7: not a number
+    '0,a,4,"cr\rinside"\n'  # line 8
+    "1,e,5,last\n"  # line 9
+)
+
+
+def test_a_line_break_in_a_quoted_value_is_rejected_with_the_files_line_numbers(tmp_path):
+    path = _write(tmp_path / "d.csv", QUOTED)
+    p = _prepare(_spec(tmp_path, ["d.csv"], strict=False), tmp_path)
+    brk = "line break in a quoted value"
+    assert p.stats["rejected"] == {brk: 2, "wrong column count": 1, "not a number": 1}
+    got = {(line, reason, col) for _, line, reason, col, _ in _rejects(p)}
+    assert got == {
+        ("line 3", brk, "note"),
+        ("line 6", "wrong column count", ""),
+        ("line 7", "not a number", "x"),
+        ("line 8", brk, "note"),
+    }
+    assert all("\n" not in r[4] and "\r" not in r[4] for r in _rejects(p))
+    _clean_equal(p, tmp_path, "label,u,x,note\n1,a,1,plain\n1,c,3,\n1,e,5,last\n")
+
+    with pytest.raises(TabularFormatError) as e:
+        _prepare(_spec(tmp_path, ["d.csv"]), tmp_path, "prep-strict")
+    assert str(e.value).startswith(
+        f"{path}: line 3: column 'note': line break in a quoted value (one row per line: convert "
+        "the file to Parquet): 'two\\\\nlines'"
+    )
+
+
+def test_strict_names_the_first_bad_row_in_the_files_order(tmp_path):
+    """A malformed row pyarrow skips and a bad row found after it are raised in file order."""
+    _write(tmp_path / "a.csv", HEADER + '1,a,1\n0,b\n1,"c\nd",3\n')
+    with pytest.raises(TabularFormatError, match=r"a\.csv: line 3: wrong column count"):
+        _prepare(_spec(tmp_path, ["a.csv"]), tmp_path, "prep-a")
+    _write(tmp_path / "b.csv", HEADER + '1,a,1\n1,"c\nd",3\n0,b\n')
+    with pytest.raises(TabularFormatError, match=r"b\.csv: line 3: column 'u': line break"):
+        _prepare(_spec(tmp_path, ["b.csv"]), tmp_path, "prep-b")
+
+
+def test_a_header_over_64_kib_is_read_whole_and_one_over_the_bound_is_an_error(tmp_path):
+    wide = [f"unused_column_{i:05d}" for i in range(5000)]  # 100 KB of names before ours
+    header = ",".join([*wide, "label", "u", "x"]) + "\n"
+    row = lambda *v: ",".join([*("0" * len(wide)), *v]) + "\n"  # noqa: E731
+    _write(tmp_path / "w.csv", header + row("1", "a", "1") + row("0", "b", "2"))
+    assert len(header) > 100_000
+    p = _prepare(_spec(tmp_path, ["w.csv"]), tmp_path)
+    assert p.stats["rows"]["train"] == 2
+    np.testing.assert_array_equal(_train(p).ids_bfh[:, 0, 0], [1, 2])
+
+    huge = _write(tmp_path / "h.csv", ",".join(f"c{i:07d}" for i in range(600_000)) + "\n1\n")
+    with pytest.raises(TabularFormatError, match=re.escape(f"{huge}: line 1: the header line is")):
+        _prepare(_spec(tmp_path, ["h.csv"]), tmp_path)
+    bad = _write(tmp_path / "b.csv", b"label,\xffu,x\n1,a,1\n")
+    with pytest.raises(TabularFormatError, match=re.escape(f"{bad}: line 1: the header is not")):
+        _prepare(_spec(tmp_path, ["b.csv"]), tmp_path)
