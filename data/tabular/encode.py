@@ -250,6 +250,7 @@ class Vocabulary:
             else:
                 col = feather.read_table(os.path.join(folder, f"vocab.{t}.arrow")).column("values")
                 values[t] = col.combine_chunks()
+                values[t].validate(full=True)  # offsets in bounds before any lookup reads them
         return cls(values, {k: tuple(v) for k, v in meta["scales"].items()})
 
 

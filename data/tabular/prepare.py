@@ -28,6 +28,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -36,6 +37,7 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from data.batch import Batch, FeatureInfo, Schema
 from data.record_files import ArrayRecordFiles
@@ -155,15 +157,46 @@ class Prepared:
 
     @classmethod
     def load(cls, folder: str, spec: TabularSpec) -> Prepared:
-        with open(os.path.join(folder, "manifest.json")) as fh:
-            m = json.load(fh)
-        schema = Schema(
-            dense_names=tuple(m["schema"]["dense"]),
-            features=tuple(FeatureInfo(**f) for f in m["schema"]["features"]),
-        )
-        shards = {s: [(os.path.join(folder, p), n) for p, n in v] for s, v in m["shards"].items()}
-        vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
-        return cls(folder, spec, schema, vocab, shards, m["stats"])
+        """A prepared folder's manifest, shard list and vocabulary, checked: a malformed one,
+        a shard path outside ``shards/<split>/``, or tables other than the spec's are a
+        one-line :class:`TabularFormatError` (prepare again), never a raw ``KeyError``."""
+        path = os.path.join(folder, "manifest.json")
+        try:
+            with open(path) as fh:
+                m = json.load(fh)
+            schema = Schema(
+                dense_names=tuple(m["schema"]["dense"]),
+                features=tuple(FeatureInfo(**f) for f in m["schema"]["features"]),
+            )
+            shards = {s: [_shard(folder, s, p, n) for p, n in v] for s, v in m["shards"].items()}
+            vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
+            if sorted(vocab.values) != sorted(spec.tables):
+                raise ValueError(f"vocabulary tables {sorted(vocab.values)} are not the spec's")
+            stats = dict(m["stats"])
+        except (OSError, KeyError, TypeError, ValueError, pa.ArrowException) as e:
+            raise TabularFormatError(
+                f"{path}: not a prepared dataset of this version ({type(e).__name__}: "
+                f"{str(e)[:200]}); delete {folder} and run prepare again"
+            ) from None
+        return cls(folder, spec, schema, vocab, shards, stats)
+
+
+_SHARD_NAME = re.compile(r"f\d{5}-c\d{4}-p\d{6}\.array_record")
+
+
+def _shard(folder: str, split: str, rel: str, rows: int) -> tuple[str, int]:
+    """A manifest's shard entry as (path, rows): only ``shards/<split>/<part>.array_record``,
+    so a crafted manifest cannot point the reader outside the folder."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    ok = (
+        split in parse.SPLITS
+        and len(parts) == 3
+        and parts[:2] == ["shards", split]
+        and _SHARD_NAME.fullmatch(parts[2])
+    )
+    if not ok or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"bad shard entry {[rel, rows]!r} of split {split!r}"[:200])
+    return os.path.join(folder, rel), rows
 
 
 def _counted(f) -> bool:

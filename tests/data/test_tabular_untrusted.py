@@ -268,3 +268,32 @@ def test_a_header_over_64_kib_is_read_whole_and_one_over_the_bound_is_an_error(t
     bad = _write(tmp_path / "b.csv", b"label,\xffu,x\n1,a,1\n")
     with pytest.raises(TabularFormatError, match=re.escape(f"{bad}: line 1: the header is not")):
         _prepare(_spec(tmp_path, ["b.csv"]), tmp_path)
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def test_a_crafted_manifest_is_a_one_line_error_never_a_read_outside_the_folder(tmp_path):
+    _write(tmp_path / "d.csv", HEADER + GOOD)
+    spec = _spec(tmp_path, ["d.csv"])
+    manifest = Path(_prepare(spec, tmp_path).folder) / "manifest.json"
+    good = json.loads(manifest.read_text())
+    outside = _write(tmp_path / "outside.array_record", b"")
+    shard = [os.path.relpath(outside, manifest.parent), 1]
+    crafted = {
+        "outside": {**good, "shards": {**good["shards"], "train": [shard]}},
+        "absolute": {**good, "shards": {**good["shards"], "train": [[str(outside), 1]]}},
+        "no_shards": {k: v for k, v in good.items() if k != "shards"},
+        "rows_not_a_number": {**good, "shards": {"train": [[good["shards"]["train"][0][0], "x"]]}},
+    }
+    for case, m in crafted.items():
+        manifest.write_text(json.dumps(m))
+        with pytest.raises(TabularFormatError) as e:
+            _prepare(spec, tmp_path)
+        msg = str(e.value)
+        assert msg.startswith(f"{manifest}: not a prepared dataset") and "\n" not in msg, case
+    manifest.write_text("{not json")
+    with pytest.raises(TabularFormatError, match=r"manifest\.json: not a prepared dataset"):
+        _prepare(spec, tmp_path)
+    manifest.write_text(json.dumps(good))
+    assert _prepare(spec, tmp_path).stats["rows"]["train"] == 4
