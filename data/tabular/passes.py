@@ -7,6 +7,7 @@ record layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -176,8 +177,14 @@ def _one_line(text: str) -> str:
 
 
 def atomic_write(path: str, data: bytes) -> None:
+    """``data`` to ``path`` by rename. The temporary file is made afresh (whatever was at its
+    name is unlinked, and a symbolic link is never followed), so a link planted in a shared
+    prepared folder cannot redirect a write to a file outside it."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())

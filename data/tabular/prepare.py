@@ -246,7 +246,12 @@ def _exclusive(folder: str):
     prepare once before launching the hosts)."""
     import fcntl
 
-    with open(os.path.join(folder, ".lock"), "w") as fh:
+    lock = os.path.join(folder, ".lock")
+    try:  # never truncated, nor followed if a symbolic link was planted in its place
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise TabularFormatError(f"{lock}: cannot open the lock file ({e.strerror})") from None
+    with os.fdopen(fd, "r+") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -297,3 +297,45 @@ def test_a_crafted_manifest_is_a_one_line_error_never_a_read_outside_the_folder(
         _prepare(spec, tmp_path)
     manifest.write_text(json.dumps(good))
     assert _prepare(spec, tmp_path).stats["rows"]["train"] == 4
+
+
+def test_a_planted_symbolic_link_never_redirects_a_write(tmp_path):
+    _write(tmp_path / "d.csv", HEADER + GOOD)
+    spec = _spec(tmp_path, ["d.csv"])
+    folder = Path(prepared_folder(spec, str(tmp_path / "prep"))[0])
+    victims = [_write(tmp_path / f"victim{i}", f"precious {i}\n") for i in range(3)]
+    # Where this process writes a part's marker and its counts next, and an unfinished shard.
+    part = "f00000-c0000-p000000"
+    tmp = f".tmp{os.getpid()}"
+    for victim, at in zip(
+        victims,
+        [f"parts/{part}.json{tmp}", f"count/{part}.arrow{tmp}", "shards/train/x.tmp"],
+        strict=True,
+    ):
+        (folder / at).parent.mkdir(parents=True, exist_ok=True)
+        (folder / at).symlink_to(victim)
+    p = _prepare(spec, tmp_path)
+    assert [v.read_bytes() for v in victims] == [f"precious {i}\n".encode() for i in range(3)]
+    assert p.stats["rows"]["train"] == 4
+    assert not [f for f in folder.rglob("*") if f.is_symlink()]
+
+    other = _spec(tmp_path, ["d.csv"], name="other")
+    lock = Path(prepared_folder(other, str(tmp_path / "prep"))[0]) / ".lock"
+    lock.parent.mkdir(parents=True)
+    lock.symlink_to(victims[0])
+    with pytest.raises(TabularFormatError, match=re.escape(f"{lock}: cannot open the lock file")):
+        _prepare(other, tmp_path)
+    assert victims[0].read_text() == "precious 0\n"
+
+
+def test_a_quoted_line_break_across_a_piece_cut_is_rejected_by_its_lines(tmp_path):
+    head = "label,u,x,note\n" + "".join(f"1,a{i},1,plain\n" for i in range(50))  # lines 1-51
+    text = head + '0,b,2,"two\nlines"\n' + "".join(f"1,c{i},3,\n" for i in range(50))
+    _write(tmp_path / "d.csv", text)
+    cut = {"piece_bytes": text.index("lines") - 3}  # the pieces meet inside the quoted value
+    p = _prepare(_spec(tmp_path, ["d.csv"], strict=False, **cut), tmp_path)
+    assert len(p.shards["train"]) == 2 and p.stats["rows"]["train"] == 100
+    got = {(line, reason) for _, line, reason, _, _ in _rejects(p)}
+    assert got == {("line 52", "line break in a quoted value"), ("line 53", "wrong column count")}
+    with pytest.raises(TabularFormatError, match=r"d\.csv: line 52: column 'note': line break"):
+        _prepare(_spec(tmp_path, ["d.csv"], **cut), tmp_path, "prep-strict")
