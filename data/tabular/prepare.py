@@ -19,6 +19,12 @@ side tables and the vocabularies, never by the data's size (hash huge vocabulari
 The output folder is ``<root>/<name>-<fingerprint>``; the fingerprint hashes the spec and every
 input file's path, size and modification time, so a changed spec or file prepares afresh. A
 folder is complete when it holds ``manifest.json``.
+
+A prepared folder holds only data (JSON, Arrow files, array_record shards, TSV rejects): reading
+one never runs code (counts are Arrow files, never pickles), never reads a shard outside
+``shards/`` (the manifest's paths are checked), and a symbolic link planted in it never
+redirects a write. What it holds is trusted otherwise: its vocabulary and records are used as
+they are, so take prepared folders only from whoever you would take the data from.
 """
 
 from __future__ import annotations

@@ -339,3 +339,25 @@ def test_a_quoted_line_break_across_a_piece_cut_is_rejected_by_its_lines(tmp_pat
     assert got == {("line 52", "line break in a quoted value"), ("line 53", "wrong column count")}
     with pytest.raises(TabularFormatError, match=r"d\.csv: line 52: column 'note': line break"):
         _prepare(_spec(tmp_path, ["d.csv"], **cut), tmp_path, "prep-strict")
+
+
+def test_counting_resumes_from_its_arrow_files_to_the_same_vocabulary(tmp_path):
+    rows = "".join(f"{i % 2},{'abcdefg'[i % 7]}{i % 5},{i * 0.5}\n" for i in range(40))
+    _write(tmp_path / "d.csv", HEADER + rows)
+    spec = _spec(tmp_path, ["d.csv"], rows_per_shard=6)
+    clean = _prepare(spec, tmp_path, "clean")
+    folder = Path(_prepare(spec, tmp_path).folder)
+    counts = sorted((folder / "count").iterdir())
+    assert len(counts) == 7 and all(f.suffix == ".arrow" for f in counts)
+    # As if killed while counting: no vocabulary, no encoded part, one count file missing.
+    for sub in ("vocab", "parts", "shards"):
+        for f in (folder / sub).rglob("*"):
+            if f.is_file():
+                f.unlink()
+    (folder / "manifest.json").unlink()
+    counts[3].unlink()
+    kept = {f: f.stat().st_mtime_ns for f in counts if f.exists()}
+    resumed = _prepare(spec, tmp_path)
+    assert all(f.stat().st_mtime_ns == t for f, t in kept.items())  # not counted again
+    assert counts[3].exists()
+    _same(clean, resumed)
