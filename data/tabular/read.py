@@ -283,7 +283,7 @@ def iter_chunks(
     have = file_columns(path, fmt)
     check_columns(path, have, columns, "needed column")
     if is_parquet(path, fmt):
-        yield from _iter_parquet(path, columns)
+        yield from _iter_parquet(path, columns, strict=strict, on_reject=on_reject)
         return
     start, end = piece if piece is not None else (0, os.path.getsize(path))
     header = fmt.header and start == 0
@@ -501,21 +501,74 @@ def _background(reader, path: str, depth: int = 4) -> Iterator:
                 t.join(0.01)
 
 
-def _iter_parquet(path: str, columns: Sequence[str]) -> Iterator[Chunk]:
+def _iter_parquet(
+    path: str, columns: Sequence[str], *, strict: bool, on_reject: Callable[[Reject], None]
+) -> Iterator[Chunk]:
+    """A Parquet file's row groups; a row with invalid UTF-8 in a string column (Parquet's
+    reader does not check) is bad input, as in a CSV file."""
     f = pq.ParquetFile(path)
     if f.metadata.num_rows == 0:
         raise TabularFormatError(f"{path}: empty file (no rows)")
     starts = np.cumsum([0] + [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)])
+    dropped: list[int] = []  # the file's rows dropped (lenient), in order
 
-    def locate(row: int) -> str:
-        g = int(np.searchsorted(starts, row, side="right") - 1)
-        return f"row group {g}, row {row - int(starts[g])}"
+    def where(n: int) -> str:
+        g = int(np.searchsorted(starts, n, side="right") - 1)
+        return f"row group {g}, row {n - int(starts[g])}"
+
+    def locate(row: int) -> str:  # kept row -> the file's row
+        for s in dropped:
+            if s > row:
+                break
+            row += 1
+        return where(row)
 
     row = 0
     for g in range(f.num_row_groups):
         table = f.read_row_group(g, columns=list(columns))
+        bad = _bad_utf8(path, table)
+        if bad and strict:
+            i = min(bad)
+            raise TabularFormatError(
+                f"{path}: {where(int(starts[g]) + i)}: column {bad[i][0]!r}: invalid UTF-8: "
+                f"{_show(bad[i][1], 200)!r}"
+            )
+        if bad:
+            raw = [_as_bytes(table.column(c)) for c in columns]
+            for j, i in enumerate(sorted(bad)):
+                dropped.append(int(starts[g]) + i)
+                text = "\t".join(_show(v[i], 10**6) for v in raw)
+                reject = Reject(path, where(dropped[-1]), "invalid UTF-8", bad[i][0], text)
+                reject.row = row + i - j
+                on_reject(reject)
+            table = table.filter(pa.array([i not in bad for i in range(table.num_rows)]))
         yield Chunk(table, path, row, locate)
         row += table.num_rows
+
+
+def _as_bytes(col: pa.ChunkedArray) -> list[bytes | None]:
+    """A column's values as bytes (a string's unchecked bytes; other types as text)."""
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        return col.cast(
+            pa.binary() if pa.types.is_string(col.type) else pa.large_binary()
+        ).to_pylist()
+    return [None if v is None else str(v).encode() for v in col.to_pylist()]
+
+
+def _bad_utf8(path: str, table: pa.Table) -> dict[int, tuple[str, bytes]]:
+    """Rows with invalid UTF-8 in a string column: row -> (first such column, its value)."""
+    bad: dict[int, tuple[str, bytes]] = {}
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        try:
+            col.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+                raise TabularFormatError(f"{path}: column {name!r}: not valid Arrow data") from None
+        for i, v in enumerate(_as_bytes(col)):
+            if v is not None and i not in bad and not _utf8(v):
+                bad[i] = (name, v)
+    return bad
 
 
 def read_whole(path: str, fmt: FileFormat, columns: Sequence[str] | None = None) -> pa.Table:

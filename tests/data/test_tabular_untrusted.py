@@ -361,3 +361,26 @@ def test_counting_resumes_from_its_arrow_files_to_the_same_vocabulary(tmp_path):
     assert all(f.stat().st_mtime_ns == t for f, t in kept.items())  # not counted again
     assert counts[3].exists()
     _same(clean, resumed)
+
+
+def test_invalid_utf8_in_a_parquet_string_column_is_a_bad_row(tmp_path):
+    """Parquet's reader does not check UTF-8: a bad value is rejected (lenient) or named by row
+    group and row (strict), and the rows after it keep their own locations."""
+    import pyarrow.parquet as pq
+
+    u = pa.array([b"a", b"b", b"caf\xe9", b"c", b"d", b"e"], pa.binary()).view(pa.string())
+    labels = [1, 0, 1, 0, 1, 2]  # the last, row group 1 row 2, is a bad label
+    table = pa.table({"label": labels, "u": u, "x": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=3)
+    path = tmp_path / "d.parquet"
+    p = _prepare(_spec(tmp_path, ["d.parquet"], strict=False), tmp_path)
+    assert p.stats["rejected"] == {"invalid UTF-8": 1, "label outside {0, 1}": 1}
+    got = {(line, reason, col) for _, line, reason, col, _ in _rejects(p)}
+    assert got == {
+        ("row group 0, row 2", "invalid UTF-8", "u"),
+        ("row group 1, row 2", "label outside {0, 1}", "label"),
+    }
+    np.testing.assert_array_equal(_train(p).ids_bfh[:, 0, 0], [1, 2, 3, 4])  # a, b, c, d
+    with pytest.raises(TabularFormatError) as e:
+        _prepare(_spec(tmp_path, ["d.parquet"]), tmp_path, "prep-strict")
+    assert str(e.value) == f"{path}: row group 0, row 2: column 'u': invalid UTF-8: 'caf\\\\xe9'"
