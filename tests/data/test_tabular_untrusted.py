@@ -184,7 +184,7 @@ def _clean_equal(p, tmp_path: Path, kept: str, **extra) -> None:
 
 
 def test_invalid_utf8_is_a_rejected_row_or_an_error_naming_file_and_line(tmp_path):
-    lines = [b"1,a,1", b"0,caf\xe9,2", b"1,c,3", b"0,b", b"1,d,x", b"0,a,4"]  # lines 2-7
+    lines = [b"1,a,1", b"0,caf\xe9,2", "1,cé,3".encode(), b"0,b", b"1,d,x", b"0,a,4"]  # 2-7
     path = _write(tmp_path / "d.csv", HEADER.encode() + b"".join(ln + b"\n" for ln in lines))
     p = _prepare(_spec(tmp_path, ["d.csv"], strict=False), tmp_path)
     assert p.stats["rejected"] == {"invalid UTF-8": 1, "wrong column count": 1, "not a number": 1}
@@ -195,7 +195,8 @@ def test_invalid_utf8_is_a_rejected_row_or_an_error_naming_file_and_line(tmp_pat
         (str(path), "line 6", "not a number", "x"),
     }
     assert [r[4] for r in _rejects(p) if r[2] == "invalid UTF-8"] == ["0\tcaf\\xe9\t2"]
-    _clean_equal(p, tmp_path, HEADER + "1,a,1\n1,c,3\n0,a,4\n")
+    _clean_equal(p, tmp_path, HEADER + "1,a,1\n1,cé,3\n0,a,4\n")  # valid UTF-8 kept as is
+    assert p.vocab.values["u"].to_pylist() == ["a", "cé"]
 
     with pytest.raises(TabularFormatError) as e:
         _prepare(_spec(tmp_path, ["d.csv"]), tmp_path, "prep-strict")
