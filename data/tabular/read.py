@@ -18,6 +18,7 @@ input like a malformed one: strict, an error naming its file and line; lenient, 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import os
@@ -147,12 +148,27 @@ def check_columns(path: str, have: Sequence[str], need: Sequence[str], what: str
         )
 
 
+def _nth_kept(want: int, *excluded: list[int]) -> int:
+    """The smallest n with ``n - (excluded values <= n) == want``: the number of the record
+    ``want`` counts, records in the sorted lists ``excluded`` left out (bisection, so a file
+    with many bad rows stays linear)."""
+    lo, hi = want, want + sum(len(e) for e in excluded)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mid - sum(bisect.bisect_right(e, mid) for e in excluded) < want:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class _Lines:
     """Line numbers of a CSV piece's rows. pyarrow numbers a piece's records from 1 (the header,
     if any, is record 1); kept row k is the k-th record neither skipped (malformed: pyarrow's
     handler, on the reader thread) nor dropped (invalid UTF-8 or a line break in a value: the
     consumer); a record's line is its number plus the line breaks inside the records before it
-    (only dropped records hold any). Resolved lazily, as the reader runs ahead of the consumer.
+    (only dropped records hold any). Resolved lazily, as the reader runs ahead of the consumer
+    (it only appends records beyond those the consumer asks about).
     """
 
     def __init__(self, first_rel: int, base: Callable[[], int]):
@@ -160,18 +176,18 @@ class _Lines:
         self.base = base  # lines of the file before the piece
         self.skipped: list[int] = []  # records, appended in order by the reader thread
         self.dropped: list[int] = []  # records, appended in order by the consumer
-        self.breaks: list[tuple[int, int]] = []  # (record, "\n" inside it), by the consumer
+        self.broken: list[int] = []  # records holding line breaks, in order (the consumer)
+        self.breaks_before: list[int] = [0]  # line breaks inside broken[:i]
 
     def record(self, row: int) -> int:
-        n = self.first_rel + row
-        for s in sorted(self.skipped + self.dropped):
-            if s > n:
-                break
-            n += 1
-        return n
+        return _nth_kept(self.first_rel + row, self.skipped, self.dropped)
+
+    def add_breaks(self, record: int, breaks: int) -> None:
+        self.broken.append(record)
+        self.breaks_before.append(self.breaks_before[-1] + breaks)
 
     def line(self, record: int) -> int:
-        return self.base() + record + sum(k for r, k in self.breaks if r < record)
+        return self.base() + record + self.breaks_before[bisect.bisect_left(self.broken, record)]
 
     def locate(self, row: int) -> str:
         return f"line {self.line(self.record(row))}"
@@ -366,7 +382,7 @@ def iter_chunks(
                 where = f"line {lines.line(n)}"
                 lines.dropped.append(n)
                 if breaks:
-                    lines.breaks.append((n, breaks))
+                    lines.add_breaks(n, breaks)
                 text = "\t".join(_show(batch.column(c)[i].as_py(), 10**6) for c in need)
                 on_reject(Reject(path, where, reason, column, text, row=k))
                 keep[i] = False
@@ -542,11 +558,7 @@ def _iter_parquet(
         return f"row group {g}, row {n - int(starts[g])}"
 
     def locate(row: int) -> str:  # kept row -> the file's row
-        for s in dropped:
-            if s > row:
-                break
-            row += 1
-        return where(row)
+        return where(_nth_kept(row, dropped))
 
     row = 0
     for g in range(f.num_row_groups):
