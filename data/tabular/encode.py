@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,58 @@ class Counts:
             )
         self.tables[table] = counts
 
+    def to_bytes(self) -> bytes:
+        """The counts as an Arrow IPC file (data only: loading it never runs code, unlike a
+        pickle). Each vocabulary table is one list-of-struct cell, the rest JSON metadata."""
+        meta = {
+            "format": COUNTS_FORMAT,
+            "tables": list(self.tables),
+            "moments": {k: list(v) for k, v in self.moments.items()},
+            "rows": self.rows,
+            "positives": self.positives,
+        }
+        cols = {}
+        for i, t in enumerate(self.tables.values()):
+            cells = pa.StructArray.from_arrays(
+                [_contiguous(t.column("values")), _contiguous(t.column("counts"))],
+                names=["values", "counts"],
+            )
+            cols[f"t{i}"] = pa.LargeListArray.from_arrays(pa.array([0, len(cells)]), cells)
+        table = pa.table(cols, metadata={_COUNTS_KEY: json.dumps(meta)})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        return sink.getvalue().to_pybytes()
+
+    @classmethod
+    def load(cls, path: str) -> Counts:
+        """Counts written by :meth:`to_bytes`, checked (Arrow's full validation, the expected
+        columns and metadata); anything else is a ``ValueError`` naming ``path``."""
+        try:
+            with open(path, "rb") as fh:
+                table = pa.ipc.open_file(pa.py_buffer(fh.read())).read_all()
+            table.validate(full=True)
+            meta = json.loads((table.schema.metadata or {})[_COUNTS_KEY.encode()])
+            if meta["format"] != COUNTS_FORMAT:
+                raise ValueError(f"format {meta['format']!r}, expected {COUNTS_FORMAT!r}")
+            tables = {}
+            for i, name in enumerate(meta["tables"]):
+                cells = table.column(f"t{i}").combine_chunks()[0].values
+                tables[str(name)] = pa.table(
+                    {"values": cells.field("values"), "counts": cells.field("counts")}
+                )
+            out = cls(
+                tables=tables,
+                moments={str(k): tuple(float(x) for x in v) for k, v in meta["moments"].items()},
+                rows=[int(x) for x in meta["rows"]],
+                positives=[float(x) for x in meta["positives"]],
+            )
+        except (OSError, ValueError, KeyError, IndexError, TypeError, pa.ArrowException) as e:
+            raise ValueError(f"{path}: not a counts file of this version ({e})") from None
+        if len(out.rows) != 3 or len(out.positives) != 3:
+            raise ValueError(f"{path}: not a counts file of this version (rows, positives)")
+        return out
+
     def merge(self, other: Counts) -> None:
         for t, c in other.tables.items():
             self._merge(t, c)
@@ -92,6 +145,14 @@ class Counts:
                 self.moments[name] = (n, m1 + d * n2 / n, s1 + s2 + d * d * n1 * n2 / n)
         self.rows = [a + b for a, b in zip(self.rows, other.rows, strict=True)]
         self.positives = [a + b for a, b in zip(self.positives, other.positives, strict=True)]
+
+
+COUNTS_FORMAT = "recscale.counts/1"
+_COUNTS_KEY = "recscale.counts"
+
+
+def _contiguous(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
 
 
 # ----------------------------------------------------------------------------- vocabulary
@@ -189,6 +250,7 @@ class Vocabulary:
             else:
                 col = feather.read_table(os.path.join(folder, f"vocab.{t}.arrow")).column("values")
                 values[t] = col.combine_chunks()
+                values[t].validate(full=True)  # offsets in bounds before any lookup reads them
         return cls(values, {k: tuple(v) for k, v in meta["scales"].items()})
 
 

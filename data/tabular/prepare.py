@@ -19,6 +19,12 @@ side tables and the vocabularies, never by the data's size (hash huge vocabulari
 The output folder is ``<root>/<name>-<fingerprint>``; the fingerprint hashes the spec and every
 input file's path, size and modification time, so a changed spec or file prepares afresh. A
 folder is complete when it holds ``manifest.json``.
+
+A prepared folder holds only data (JSON, Arrow files, array_record shards, TSV rejects): reading
+one never runs code (counts are Arrow files, never pickles), never reads a shard outside
+``shards/`` (the manifest's paths are checked), and a symbolic link planted in it never
+redirects a write. What it holds is trusted otherwise: its vocabulary and records are used as
+they are, so take prepared folders only from whoever you would take the data from.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import dataclasses
 import glob
 import json
 import os
-import pickle
+import re
 import shutil
 import sys
 import threading
@@ -37,6 +43,7 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from data.batch import Batch, FeatureInfo, Schema
 from data.record_files import ArrayRecordFiles
@@ -156,15 +163,46 @@ class Prepared:
 
     @classmethod
     def load(cls, folder: str, spec: TabularSpec) -> Prepared:
-        with open(os.path.join(folder, "manifest.json")) as fh:
-            m = json.load(fh)
-        schema = Schema(
-            dense_names=tuple(m["schema"]["dense"]),
-            features=tuple(FeatureInfo(**f) for f in m["schema"]["features"]),
-        )
-        shards = {s: [(os.path.join(folder, p), n) for p, n in v] for s, v in m["shards"].items()}
-        vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
-        return cls(folder, spec, schema, vocab, shards, m["stats"])
+        """A prepared folder's manifest, shard list and vocabulary, checked: a malformed one,
+        a shard path outside ``shards/<split>/``, or tables other than the spec's are a
+        one-line :class:`TabularFormatError` (prepare again), never a raw ``KeyError``."""
+        path = os.path.join(folder, "manifest.json")
+        try:
+            with open(path) as fh:
+                m = json.load(fh)
+            schema = Schema(
+                dense_names=tuple(m["schema"]["dense"]),
+                features=tuple(FeatureInfo(**f) for f in m["schema"]["features"]),
+            )
+            shards = {s: [_shard(folder, s, p, n) for p, n in v] for s, v in m["shards"].items()}
+            vocab = enc.Vocabulary.load(os.path.join(folder, "vocab"))
+            if sorted(vocab.values) != sorted(spec.tables):
+                raise ValueError(f"vocabulary tables {sorted(vocab.values)} are not the spec's")
+            stats = dict(m["stats"])
+        except (OSError, KeyError, TypeError, ValueError, pa.ArrowException) as e:
+            raise TabularFormatError(
+                f"{path}: not a prepared dataset of this version ({type(e).__name__}: "
+                f"{str(e)[:200]}); delete {folder} and run prepare again"
+            ) from None
+        return cls(folder, spec, schema, vocab, shards, stats)
+
+
+_SHARD_NAME = re.compile(r"f\d{5}-c\d{4}-p\d{6}\.array_record")
+
+
+def _shard(folder: str, split: str, rel: str, rows: int) -> tuple[str, int]:
+    """A manifest's shard entry as (path, rows): only ``shards/<split>/<part>.array_record``,
+    so a crafted manifest cannot point the reader outside the folder."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    ok = (
+        split in parse.SPLITS
+        and len(parts) == 3
+        and parts[:2] == ["shards", split]
+        and _SHARD_NAME.fullmatch(parts[2])
+    )
+    if not ok or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"bad shard entry {[rel, rows]!r} of split {split!r}"[:200])
+    return os.path.join(folder, rel), rows
 
 
 def _counted(f) -> bool:
@@ -214,7 +252,12 @@ def _exclusive(folder: str):
     prepare once before launching the hosts)."""
     import fcntl
 
-    with open(os.path.join(folder, ".lock"), "w") as fh:
+    lock = os.path.join(folder, ".lock")
+    try:  # never truncated, nor followed if a symbolic link was planted in its place
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise TabularFormatError(f"{lock}: cannot open the lock file ({e.strerror})") from None
+    with os.fdopen(fd, "r+") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -249,10 +292,16 @@ def _prepare_locked(
         if any(_counted(f) for f in spec.features):
             _run("count", spec, inputs, folder, count_units, workers, progress)
         counts = enc.Counts()
+        # Only this version's Arrow files are read: a pickle (``.pkl``, an older version's
+        # counts, or one planted in a shared folder) is never opened; its part was counted again.
         for name in sorted(os.listdir(os.path.join(folder, "count"))):
-            if name.endswith(".pkl"):
-                with open(os.path.join(folder, "count", name), "rb") as fh:
-                    counts.merge(pickle.load(fh))
+            if name.endswith(passes.COUNTS_SUFFIX):
+                try:
+                    counts.merge(enc.Counts.load(os.path.join(folder, "count", name)))
+                except ValueError as e:
+                    raise TabularFormatError(
+                        f"{e}; delete {folder} and run prepare again"
+                    ) from None
         vocab = enc.Vocabulary.build(spec, counts)
         tmp = os.path.join(folder, "vocab.tmp")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -8,12 +8,17 @@ row only then) on a background thread, so parsing overlaps the caller's encoding
 files are read by several processes (``data/tabular/prepare.py``).
 
 Line numbers count physical lines from 1 (the header is line 1; a blank line is a malformed row,
-never skipped). A quoted field may not hold a newline (pyarrow's CSV reader's default): such a
-row reads as malformed.
+never skipped). Every value must be valid UTF-8, and a quoted value may not hold a line break
+(``\n`` or ``\r``): one row per line, as interaction logs are written, so a large file can be cut
+into pieces at any line end and every line number is found by counting them. Such a row is bad
+input like a malformed one: strict, an error naming its file and line; lenient, a reject (reasons
+``invalid UTF-8`` and ``line break in a quoted value``), the lines after it numbered as the file's
+(a value with line breaks: convert the file to Parquet, whose values may hold anything).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import os
@@ -83,12 +88,27 @@ def file_columns(path: str, fmt: FileFormat) -> list[str]:
             raise TabularFormatError(f"{path}: not a readable Parquet file ({e})") from None
     if not fmt.header:
         return list(fmt.column_names)
+    head = b""
     try:
         with pa.input_stream(path, compression="detect") as f:
-            head = f.read(1 << 16)
+            while b"\n" not in head and len(head) <= _BLOCK_BYTES:
+                block = f.read(1 << 16)
+                if not block:
+                    break
+                head += block
     except OSError as e:
         raise TabularFormatError(f"{path}: cannot read the header line ({e})") from None
-    first = head.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r\n").lstrip("\ufeff")
+    line = head.split(b"\n", 1)[0]
+    if len(line) > _BLOCK_BYTES:  # the CSV reader parses a block at a time: a row must fit
+        raise TabularFormatError(
+            f"{path}: line 1: the header line is longer than {_BLOCK_BYTES >> 20} MiB"
+        )
+    try:
+        first = line.decode("utf-8").rstrip("\r\n").lstrip("\ufeff")
+    except UnicodeDecodeError as e:
+        raise TabularFormatError(
+            f"{path}: line 1: the header is not valid UTF-8 (byte {e.start}: {line[e.start : e.start + 4]!r})"
+        ) from None
     if not first:
         raise TabularFormatError(f"{path}: empty file (no header line)")
     # pyarrow parses the one line, so quoted names are read as the data will be.
@@ -121,23 +141,56 @@ def _parse_options(path: str, fmt: FileFormat, handler) -> pacsv.ParseOptions:
 def check_columns(path: str, have: Sequence[str], need: Sequence[str], what: str) -> None:
     missing = [c for c in need if c not in have]
     if missing:
+        shown = ", ".join(have[:20]) + (f" and {len(have) - 20} more" if len(have) > 20 else "")
         raise TabularFormatError(
             f"{path}: column {missing[0]!r} named by the spec ({what}) is not in the file "
-            f"(its columns: {', '.join(have) or 'none'})"
+            f"(its columns: {shown or 'none'})"
         )
 
 
-def _csv_locator(
-    first_rel: int, skipped: list[int], base: Callable[[], int]
-) -> Callable[[int], str]:
-    def locate(row: int) -> str:
-        line = first_rel + row
-        for s in sorted(skipped):  # piece lines pyarrow skipped as malformed
-            if s <= line:
-                line += 1
-        return f"line {base() + line}"
+def _nth_kept(want: int, *excluded: list[int]) -> int:
+    """The smallest n with ``n - (excluded values <= n) == want``: the number of the record
+    ``want`` counts, records in the sorted lists ``excluded`` left out (bisection, so a file
+    with many bad rows stays linear)."""
+    lo, hi = want, want + sum(len(e) for e in excluded)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mid - sum(bisect.bisect_right(e, mid) for e in excluded) < want:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
-    return locate
+
+class _Lines:
+    """Line numbers of a CSV piece's rows. pyarrow numbers a piece's records from 1 (the header,
+    if any, is record 1); kept row k is the k-th record neither skipped (malformed: pyarrow's
+    handler, on the reader thread) nor dropped (invalid UTF-8 or a line break in a value: the
+    consumer); a record's line is its number plus the line breaks inside the records before it
+    (only dropped records hold any). Resolved lazily, as the reader runs ahead of the consumer
+    (it only appends records beyond those the consumer asks about).
+    """
+
+    def __init__(self, first_rel: int, base: Callable[[], int]):
+        self.first_rel = first_rel  # record of the first data row
+        self.base = base  # lines of the file before the piece
+        self.skipped: list[int] = []  # records, appended in order by the reader thread
+        self.dropped: list[int] = []  # records, appended in order by the consumer
+        self.broken: list[int] = []  # records holding line breaks, in order (the consumer)
+        self.breaks_before: list[int] = [0]  # line breaks inside broken[:i]
+
+    def record(self, row: int) -> int:
+        return _nth_kept(self.first_rel + row, self.skipped, self.dropped)
+
+    def add_breaks(self, record: int, breaks: int) -> None:
+        self.broken.append(record)
+        self.breaks_before.append(self.breaks_before[-1] + breaks)
+
+    def line(self, record: int) -> int:
+        return self.base() + record + self.breaks_before[bisect.bisect_left(self.broken, record)]
+
+    def locate(self, row: int) -> str:
+        return f"line {self.line(self.record(row))}"
 
 
 _BLOCK_BYTES = 4 << 20
@@ -226,58 +279,52 @@ def iter_chunks(
     *,
     strict: bool,
     on_reject: Callable[[Reject], None],
-    string_columns: bool = True,
     piece: tuple[int, int] | None = None,
 ) -> Iterator[Chunk]:
     """Streams ``columns`` of one file (or of one CSV ``piece``, a byte range from
-    :func:`pieces`) in chunks of about 1 MB of CSV.
+    :func:`pieces`) in chunks of about 4 MB of CSV, CSV columns as strings (the encoder parses
+    and checks them).
 
     Args:
-      strict: a malformed CSV row (wrong column count) or a truncated compressed stream raises
-        :class:`TabularFormatError`; lenient, it is passed to ``on_reject`` and reading goes on
-        (after a truncated stream, with the next file).
-      string_columns: CSV columns are read as strings (the encoder parses and checks them).
+      strict: a bad CSV row (wrong column count, invalid UTF-8, a line break in a quoted value)
+        or a truncated compressed stream raises :class:`TabularFormatError` (the first in the
+        file's order); lenient, it is passed to ``on_reject`` and reading goes on (after a
+        truncated stream, with the next file).
 
     Raises:
-      TabularFormatError: an empty file, a missing column, a malformed row (strict).
+      TabularFormatError: an empty file, a missing column, a bad row (strict).
     """
     if not os.path.isfile(path):
         raise TabularFormatError(f"{path}: no such file")
     have = file_columns(path, fmt)
     check_columns(path, have, columns, "needed column")
     if is_parquet(path, fmt):
-        yield from _iter_parquet(path, columns)
+        yield from _iter_parquet(path, columns, strict=strict, on_reject=on_reject)
         return
     start, end = piece if piece is not None else (0, os.path.getsize(path))
     header = fmt.header and start == 0
-    # pyarrow numbers a piece's lines from 1; the file's line of piece line n is base() + n.
+    # pyarrow numbers a piece's records from 1; the file's line of piece line n is base() + n.
     base = (lambda: lines_before(path, start)) if start else (lambda: 0)
-    first_rel = 2 if header else 1  # piece line of the first data row
-    skipped: list[int] = []  # piece lines pyarrow skipped as malformed
-    first_error: list[TabularFormatError] = []
+    lines = _Lines(2 if header else 1, base)
+    pending: list[tuple[int, str]] = []  # strict: malformed records not yet raised, in order
 
     def handler(row) -> str:
-        reason = f"wrong column count (expected {row.expected_columns}, got {row.actual_columns})"
         n = int(row.number)
-        if strict:  # an exception raised here would be swallowed by pyarrow: keep it
-            first_error.append(
-                TabularFormatError(f"{path}: line {base() + n}: {reason}: {row.text[:200]!r}")
-            )
-            return "error"
-        kept_before = n - first_rel - len(skipped)
-        skipped.append(n)
-        on_reject(
-            Reject(
-                path,
-                lambda: f"line {base() + n}",
-                "wrong column count",
-                "",
-                row.text,
-                row=kept_before,
-            )
-        )
+        # Kept rows before it, as pyarrow counts them (rows the consumer drops later count as
+        # kept here): which part a lenient reject is filed under, the same in every run.
+        kept_before = n - lines.first_rel - len(lines.skipped)
+        lines.skipped.append(n)
+        if strict:  # raised by the consumer, in the file's order with its other errors
+            reason = f"wrong column count (expected {row.expected_columns}, got "
+            pending.append((n, f"{reason}{row.actual_columns}): {row.text[:200]!r}"))
+        else:
+            where = lambda: f"line {lines.line(n)}"  # noqa: E731
+            on_reject(Reject(path, where, "wrong column count", "", row.text, row=kept_before))
         return "skip"
 
+    # Every column is read (as bytes) when values may be quoted, to find line breaks in any of
+    # them; the needed ones are checked as UTF-8 and passed on as strings.
+    every = bool(fmt.quote_char)
     whole = start == 0 and end >= os.path.getsize(path)  # a whole file may be compressed
     source = path if whole else io.BufferedReader(_Range(path, start, end), 1 << 20)
     try:
@@ -290,26 +337,31 @@ def iter_chunks(
             ),
             parse_options=_parse_options(path, fmt, handler),
             convert_options=pacsv.ConvertOptions(
-                include_columns=list(columns),
-                column_types={c: pa.string() for c in columns} if string_columns else None,
+                include_columns=None if every else list(columns),
+                column_types={c: pa.binary() for c in (have if every else columns)},
                 null_values=list(fmt.null_values),
                 strings_can_be_null=True,
                 quoted_strings_can_be_null=False,
             ),
         )
     except (pa.ArrowInvalid, OSError) as e:
-        if first_error:
-            raise first_error[0] from None
         if "Empty CSV file" in str(e):
             raise TabularFormatError(f"{path}: empty file") from None
         raise TabularFormatError(f"{path}: {e}") from None
-    locate = _csv_locator(first_rel, skipped, base)
     row = 0
-    for batch in _background(reader, path):
-        if isinstance(batch, BaseException):
-            if first_error:
-                raise first_error[0]
-            where = locate(row - 1) if row else f"line {base() + first_rel - 1}"
+
+    def check(batch: pa.RecordBatch):
+        names = batch.schema.names
+        need = [names.index(c) for c in columns]  # the first of repeated names, as pyarrow's
+        return need, *_bad_rows(batch, need, every)
+
+    for item in _background(reader, path, check):
+        if isinstance(item, BaseException):
+            batch = item
+            if pending:
+                n, msg = pending[0]
+                raise TabularFormatError(f"{path}: line {lines.line(n)}: {msg}") from None
+            where = lines.locate(row - 1) if row else f"line {base() + lines.first_rel - 1}"
             msg = str(batch)
             if "ompressed" in msg or isinstance(batch, OSError):
                 if strict:
@@ -319,16 +371,146 @@ def iter_chunks(
                 on_reject(Reject(path, f"after {where}", "truncated stream", "", "", row=row))
                 break
             raise TabularFormatError(f"{path}: after {where}: {msg}") from None
-        if batch.num_rows:
-            yield Chunk(pa.Table.from_batches([batch]), path, row, locate)
-            row += batch.num_rows
-    if row == 0 and not skipped and start == 0:
+        batch, (need, bad, strings) = item
+        if strict:
+            _raise_first(path, lines, row, batch.num_rows, bad, pending)
+        elif bad:
+            keep = np.ones(batch.num_rows, bool)
+            for j, (i, (column, reason, _, breaks)) in enumerate(sorted(bad.items())):
+                k = row + i - j  # its index among kept rows, the bad ones before it dropped
+                n = lines.record(k)
+                where = f"line {lines.line(n)}"
+                lines.dropped.append(n)
+                if breaks:
+                    lines.add_breaks(n, breaks)
+                text = "\t".join(_show(batch.column(c)[i].as_py(), 10**6) for c in need)
+                on_reject(Reject(path, where, reason, column, text, row=k))
+                keep[i] = False
+            kept = batch.filter(pa.array(keep))
+            strings = [kept.column(c).cast(pa.string()) for c in need]
+        if strings and len(strings[0]):
+            table = pa.Table.from_arrays(strings, names=list(columns))
+            yield Chunk(table, path, row, lines.locate)
+            row += table.num_rows
+    if pending:  # malformed records after the last kept row
+        n, msg = pending[0]
+        raise TabularFormatError(f"{path}: line {lines.line(n)}: {msg}")
+    if row == 0 and not lines.skipped and not lines.dropped and start == 0:
         raise TabularFormatError(f"{path}: empty file (no data rows)")
 
 
-def _background(reader, path: str, depth: int = 4) -> Iterator:
-    """Reads batches on a thread (pyarrow releases the GIL while parsing); an exception is
-    yielded in place of a batch."""
+_BREAK = "line break in a quoted value"
+
+
+def _show(value: bytes | None, limit: int) -> str:
+    """A value for a message or a rejects file: bad bytes as ``\\xNN``, line breaks as
+    ``\\n``, cut to ``limit`` characters."""
+    if value is None:
+        return ""
+    text = value.decode("utf-8", "backslashreplace")
+    return text.replace("\r", "\\r").replace("\n", "\\n")[:limit]
+
+
+def _bytes_of(col: pa.Array) -> np.ndarray:
+    """The value bytes of a binary column (its data buffer between its first and last offset)."""
+    _, offsets, data = col.buffers()
+    if data is None or not len(col):
+        return np.zeros(0, np.uint8)
+    off = np.frombuffer(offsets, np.int32)[col.offset : col.offset + len(col) + 1]
+    return np.frombuffer(data, np.uint8)[off[0] : off[-1]]
+
+
+def _has_break(b: np.ndarray) -> bool:
+    """Whether value bytes ``b`` hold ``\n`` or ``\r``: the minimum first, one pass without a
+    temporary (8x faster than the comparisons), as a byte below 14 is rare in values."""
+    return bool(b.size and b.min() < 14 and np.any((b == 10) | (b == 13)))
+
+
+def _strings(col: pa.Array, b: np.ndarray) -> pa.Array:
+    """A binary column as strings: ASCII bytes (one pass for their maximum) need no check;
+    otherwise the cast checks UTF-8 (``ArrowInvalid`` if a value is not)."""
+    if not b.size or b.max() < 128:
+        return col.view(pa.string())
+    return col.cast(pa.string())
+
+
+def _bad_rows(
+    batch: pa.RecordBatch, need: list[int], every: bool
+) -> tuple[dict[int, tuple[str, str, bytes, int]], list[pa.Array]]:
+    """The batch's rows with invalid UTF-8 in a needed column or a line break in any value:
+    row -> (column, reason, value, "\n" in the row), the first bad column in the file's order;
+    and the needed columns as strings when no row is bad. Values are looked at one by one only
+    in a column that holds a bad one."""
+    found: dict[int, tuple[int, str, bytes]] = {}  # row -> (column index, reason, value)
+    breaks: dict[int, int] = {}
+
+    def note(i: int, j: int, reason: str, value: bytes) -> None:
+        if i not in found or j < found[i][0]:
+            found[i] = (j, reason, value)
+
+    strings: dict[int, pa.Array] = {}
+    for j in range(batch.num_columns) if every else sorted(set(need)):
+        col = batch.column(j)
+        if not pa.types.is_binary(col.type):  # not read as bytes (cannot be, kept as a guard)
+            if j in need:
+                strings[j] = col.cast(pa.string())
+            continue
+        b = _bytes_of(col)
+        if j in need:
+            try:
+                strings[j] = _strings(col, b)
+            except pa.ArrowInvalid:
+                for i, v in enumerate(col.to_pylist()):
+                    if v is not None and not _utf8(v):
+                        note(i, j, "invalid UTF-8", v)
+        if every and _has_break(b):
+            for i, v in enumerate(col.to_pylist()):
+                if v is not None and (b"\n" in v or b"\r" in v):
+                    note(i, j, _BREAK, v)
+                    breaks[i] = breaks.get(i, 0) + v.count(b"\n")
+    if found:
+        names = batch.schema.names
+        return {i: (names[j], r, v, breaks.get(i, 0)) for i, (j, r, v) in found.items()}, []
+    return {}, [strings[j] for j in need]
+
+
+def _utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _raise_first(
+    path: str,
+    lines: _Lines,
+    row: int,
+    rows: int,
+    bad: dict[int, tuple[str, str, bytes, int]],
+    pending: list[tuple[int, str]],
+) -> None:
+    """Strict: raises the first bad row up to the end of this batch (its ``rows`` kept rows
+    follow ``row`` kept rows): a row of it, or a malformed record pyarrow skipped before it."""
+    first: tuple[int, str] | None = None
+    if bad:
+        i = min(bad)
+        column, reason, value, _ = bad[i]
+        if reason == _BREAK:
+            reason += " (one row per line: convert the file to Parquet)"
+        n = lines.record(row + i)
+        first = (n, f"column {column!r}: {reason}: {_show(value, 200)!r}")
+    last = lines.record(row + rows - 1) if rows else None
+    if pending and (last is None or pending[0][0] <= last):
+        if first is None or pending[0][0] < first[0]:
+            first = pending[0]
+    if first is not None:
+        raise TabularFormatError(f"{path}: line {lines.line(first[0])}: {first[1]}")
+
+
+def _background(reader, path: str, check: Callable, depth: int = 4) -> Iterator:
+    """Reads batches on a thread (pyarrow releases the GIL while parsing), each yielded with
+    ``check(batch)`` (computed on that thread too); an exception is yielded in place."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
@@ -339,7 +521,7 @@ def _background(reader, path: str, depth: int = 4) -> Iterator:
                     batch = reader.read_next_batch()
                 except StopIteration:
                     break
-                q.put(batch)
+                q.put((batch, check(batch)))
         except BaseException as e:  # handed to the consumer
             q.put(e)
         q.put(None)
@@ -360,21 +542,70 @@ def _background(reader, path: str, depth: int = 4) -> Iterator:
                 t.join(0.01)
 
 
-def _iter_parquet(path: str, columns: Sequence[str]) -> Iterator[Chunk]:
+def _iter_parquet(
+    path: str, columns: Sequence[str], *, strict: bool, on_reject: Callable[[Reject], None]
+) -> Iterator[Chunk]:
+    """A Parquet file's row groups; a row with invalid UTF-8 in a string column (Parquet's
+    reader does not check) is bad input, as in a CSV file."""
     f = pq.ParquetFile(path)
     if f.metadata.num_rows == 0:
         raise TabularFormatError(f"{path}: empty file (no rows)")
     starts = np.cumsum([0] + [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)])
+    dropped: list[int] = []  # the file's rows dropped (lenient), in order
 
-    def locate(row: int) -> str:
-        g = int(np.searchsorted(starts, row, side="right") - 1)
-        return f"row group {g}, row {row - int(starts[g])}"
+    def where(n: int) -> str:
+        g = int(np.searchsorted(starts, n, side="right") - 1)
+        return f"row group {g}, row {n - int(starts[g])}"
+
+    def locate(row: int) -> str:  # kept row -> the file's row
+        return where(_nth_kept(row, dropped))
 
     row = 0
     for g in range(f.num_row_groups):
         table = f.read_row_group(g, columns=list(columns))
+        bad = _bad_utf8(path, table)
+        if bad and strict:
+            i = min(bad)
+            raise TabularFormatError(
+                f"{path}: {where(int(starts[g]) + i)}: column {bad[i][0]!r}: invalid UTF-8: "
+                f"{_show(bad[i][1], 200)!r}"
+            )
+        if bad:
+            raw = [_as_bytes(table.column(c)) for c in columns]
+            for j, i in enumerate(sorted(bad)):
+                dropped.append(int(starts[g]) + i)
+                text = "\t".join(_show(v[i], 10**6) for v in raw)
+                reject = Reject(path, where(dropped[-1]), "invalid UTF-8", bad[i][0], text)
+                reject.row = row + i - j
+                on_reject(reject)
+            table = table.filter(pa.array([i not in bad for i in range(table.num_rows)]))
         yield Chunk(table, path, row, locate)
         row += table.num_rows
+
+
+def _as_bytes(col: pa.ChunkedArray) -> list[bytes | None]:
+    """A column's values as bytes (a string's unchecked bytes; other types as text)."""
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        return col.cast(
+            pa.binary() if pa.types.is_string(col.type) else pa.large_binary()
+        ).to_pylist()
+    return [None if v is None else str(v).encode() for v in col.to_pylist()]
+
+
+def _bad_utf8(path: str, table: pa.Table) -> dict[int, tuple[str, bytes]]:
+    """Rows with invalid UTF-8 in a string column: row -> (first such column, its value)."""
+    bad: dict[int, tuple[str, bytes]] = {}
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        try:
+            col.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+                raise TabularFormatError(f"{path}: column {name!r}: not valid Arrow data") from None
+        for i, v in enumerate(_as_bytes(col)):
+            if v is not None and i not in bad and not _utf8(v):
+                bad[i] = (name, v)
+    return bad
 
 
 def read_whole(path: str, fmt: FileFormat, columns: Sequence[str] | None = None) -> pa.Table:

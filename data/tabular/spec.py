@@ -58,6 +58,36 @@ class SpecError(ValueError):
     """A spec breaks its schema; the message names the file and the field's path."""
 
 
+MAX_HOTNESS = 1024
+"""Bound of a feature's ``max_hotness``. Records are fixed-width and every sparse feature's bag
+is padded to the spec's largest ``max_hotness``, so one feature of H slots makes every example
+carry ``4 * F * H`` bytes of ids (F sparse features): at 1,024 slots and Criteo's 26 features,
+106 KiB per example and 4.2 GiB for the ids of one 4 MiB CSV chunk of 100-byte rows. A list
+longer than that is a sequence for a sequence model, not a bag to pool."""
+
+MAX_NAME_BYTES = 200
+"""Bound of a spec's ``name`` in UTF-8 bytes: the prepared folder ``<name>-<16 hex>`` must stay
+within the 255 bytes a file name may have."""
+
+
+def _check_name(name: str) -> None:
+    """``name`` must be one plain folder name: it names a folder under the prepared-data root,
+    so a separator, ``..`` or an absolute path would write outside it."""
+    bad = (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or len(name.encode()) > MAX_NAME_BYTES
+    )
+    if bad:
+        raise SpecError(
+            f"name: {name[:80]!r} is not a plain folder name (it names the prepared folder: "
+            f"no '/' or '\\', not '.' or '..', no control character, 1 to {MAX_NAME_BYTES} bytes)"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FileFormat:
     """How to read a set of files."""
@@ -174,7 +204,7 @@ class Feature:
     separator: str = "|"
     """``multi_categorical``: token separator."""
     max_hotness: int = 1
-    """``multi_categorical``: bag slots; longer lists are cut (counted)."""
+    """``multi_categorical``: bag slots (1 to 1,024); longer lists are cut (counted)."""
     dtype: Literal["float", "int"] = "float"
     """``numeric``: ``int`` rejects a value that is not a base-10 integer."""
     clip: tuple[float, float] | None = None
@@ -198,6 +228,11 @@ class Feature:
             raise SpecError(f"{where}: min_count and max_hotness must be >= 1, hash_buckets >= 0")
         if self.kind == "multi_categorical" and not self.separator:
             raise SpecError(f"{where}: multi_categorical needs a separator")
+        if self.max_hotness > MAX_HOTNESS:
+            raise SpecError(
+                f"{where}: max_hotness {self.max_hotness} is above {MAX_HOTNESS} (every "
+                "example's record holds that many id slots per sparse feature)"
+            )
         if self.kind != "multi_categorical" and self.max_hotness != 1:
             raise SpecError(f"{where}: max_hotness applies to multi_categorical features")
         if list(self.boundaries) != sorted(set(self.boundaries)):
@@ -233,7 +268,8 @@ class TabularSpec:
     """A tabular CTR dataset: files, joins, split, label, weight and features."""
 
     name: str = "tabular"
-    """Dataset name (names the prepared folder)."""
+    """Dataset name (names the prepared folder ``<root>/<name>-<fingerprint>``, so one plain
+    folder name: no separator, ``..`` or control character)."""
     train: tuple[str, ...]
     """Interaction files or globs; with split kind ``files`` these are all training rows."""
     valid: tuple[str, ...] = ()
@@ -265,6 +301,7 @@ class TabularSpec:
     """Folder relative paths are resolved against (set by :func:`load_spec` to the file's)."""
 
     def __post_init__(self):
+        _check_name(self.name)
         if not self.train:
             raise SpecError("train lists no file")
         if not self.features:
