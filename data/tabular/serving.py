@@ -1,8 +1,9 @@
 """A prepared feature spec as a serving artifact stores it (``recscale.serving``, issue 20).
 
 An exported model scores raw rows (a CSV line, a JSON object of columns) with only numpy and
-jax: ``recscale/serving/runtime.py`` re-implements the encoding of ``encode.py`` for one row at
-a time, and needs from here what ``prepare`` learned and the spec says:
+jax: ``recscale/serving/rows.py`` (the artifact's ``recscale_rows.py``) re-implements the
+encoding of ``encode.py`` for one row at a time, and needs from here what ``prepare`` learned
+and the spec says:
 
 * every feature's rule (column, kind, parse mode, hash seed and buckets, separator, bag size,
   clip, log, the training split's mean and standard deviation, fill, bucket boundaries);
