@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from data.tabular import values
 from data.tabular.spec import FileFormat
 
 
@@ -353,7 +354,7 @@ def iter_chunks(
     def check(batch: pa.RecordBatch):
         names = batch.schema.names
         need = [names.index(c) for c in columns]  # the first of repeated names, as pyarrow's
-        return need, *_bad_rows(batch, need, every)
+        return need, *values.bad_rows(batch, need, every)
 
     for item in _background(reader, path, check):
         if isinstance(item, BaseException):
@@ -383,7 +384,7 @@ def iter_chunks(
                 lines.dropped.append(n)
                 if breaks:
                     lines.add_breaks(n, breaks)
-                text = "\t".join(_show(batch.column(c)[i].as_py(), 10**6) for c in need)
+                text = "\t".join(values.show(batch.column(c)[i].as_py(), 10**6) for c in need)
                 on_reject(Reject(path, where, reason, column, text, row=k))
                 keep[i] = False
             kept = batch.filter(pa.array(keep))
@@ -397,89 +398,6 @@ def iter_chunks(
         raise TabularFormatError(f"{path}: line {lines.line(n)}: {msg}")
     if row == 0 and not lines.skipped and not lines.dropped and start == 0:
         raise TabularFormatError(f"{path}: empty file (no data rows)")
-
-
-_BREAK = "line break in a quoted value"
-
-
-def _show(value: bytes | None, limit: int) -> str:
-    """A value for a message or a rejects file: bad bytes as ``\\xNN``, line breaks as
-    ``\\n``, cut to ``limit`` characters."""
-    if value is None:
-        return ""
-    text = value.decode("utf-8", "backslashreplace")
-    return text.replace("\r", "\\r").replace("\n", "\\n")[:limit]
-
-
-def _bytes_of(col: pa.Array) -> np.ndarray:
-    """The value bytes of a binary column (its data buffer between its first and last offset)."""
-    _, offsets, data = col.buffers()
-    if data is None or not len(col):
-        return np.zeros(0, np.uint8)
-    off = np.frombuffer(offsets, np.int32)[col.offset : col.offset + len(col) + 1]
-    return np.frombuffer(data, np.uint8)[off[0] : off[-1]]
-
-
-def _has_break(b: np.ndarray) -> bool:
-    """Whether value bytes ``b`` hold ``\n`` or ``\r``: the minimum first, one pass without a
-    temporary (8x faster than the comparisons), as a byte below 14 is rare in values."""
-    return bool(b.size and b.min() < 14 and np.any((b == 10) | (b == 13)))
-
-
-def _strings(col: pa.Array, b: np.ndarray) -> pa.Array:
-    """A binary column as strings: ASCII bytes (one pass for their maximum) need no check;
-    otherwise the cast checks UTF-8 (``ArrowInvalid`` if a value is not)."""
-    if not b.size or b.max() < 128:
-        return col.view(pa.string())
-    return col.cast(pa.string())
-
-
-def _bad_rows(
-    batch: pa.RecordBatch, need: list[int], every: bool
-) -> tuple[dict[int, tuple[str, str, bytes, int]], list[pa.Array]]:
-    """The batch's rows with invalid UTF-8 in a needed column or a line break in any value:
-    row -> (column, reason, value, "\n" in the row), the first bad column in the file's order;
-    and the needed columns as strings when no row is bad. Values are looked at one by one only
-    in a column that holds a bad one."""
-    found: dict[int, tuple[int, str, bytes]] = {}  # row -> (column index, reason, value)
-    breaks: dict[int, int] = {}
-
-    def note(i: int, j: int, reason: str, value: bytes) -> None:
-        if i not in found or j < found[i][0]:
-            found[i] = (j, reason, value)
-
-    strings: dict[int, pa.Array] = {}
-    for j in range(batch.num_columns) if every else sorted(set(need)):
-        col = batch.column(j)
-        if not pa.types.is_binary(col.type):  # not read as bytes (cannot be, kept as a guard)
-            if j in need:
-                strings[j] = col.cast(pa.string())
-            continue
-        b = _bytes_of(col)
-        if j in need:
-            try:
-                strings[j] = _strings(col, b)
-            except pa.ArrowInvalid:
-                for i, v in enumerate(col.to_pylist()):
-                    if v is not None and not _utf8(v):
-                        note(i, j, "invalid UTF-8", v)
-        if every and _has_break(b):
-            for i, v in enumerate(col.to_pylist()):
-                if v is not None and (b"\n" in v or b"\r" in v):
-                    note(i, j, _BREAK, v)
-                    breaks[i] = breaks.get(i, 0) + v.count(b"\n")
-    if found:
-        names = batch.schema.names
-        return {i: (names[j], r, v, breaks.get(i, 0)) for i, (j, r, v) in found.items()}, []
-    return {}, [strings[j] for j in need]
-
-
-def _utf8(value: bytes) -> bool:
-    try:
-        value.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _raise_first(
@@ -496,10 +414,10 @@ def _raise_first(
     if bad:
         i = min(bad)
         column, reason, value, _ = bad[i]
-        if reason == _BREAK:
+        if reason == values.BREAK:
             reason += " (one row per line: convert the file to Parquet)"
         n = lines.record(row + i)
-        first = (n, f"column {column!r}: {reason}: {_show(value, 200)!r}")
+        first = (n, f"column {column!r}: {reason}: {values.show(value, 200)!r}")
     last = lines.record(row + rows - 1) if rows else None
     if pending and (last is None or pending[0][0] <= last):
         if first is None or pending[0][0] < first[0]:
@@ -568,13 +486,13 @@ def _iter_parquet(
             i = min(bad)
             raise TabularFormatError(
                 f"{path}: {where(int(starts[g]) + i)}: column {bad[i][0]!r}: invalid UTF-8: "
-                f"{_show(bad[i][1], 200)!r}"
+                f"{values.show(bad[i][1], 200)!r}"
             )
         if bad:
             raw = [_as_bytes(table.column(c)) for c in columns]
             for j, i in enumerate(sorted(bad)):
                 dropped.append(int(starts[g]) + i)
-                text = "\t".join(_show(v[i], 10**6) for v in raw)
+                text = "\t".join(values.show(v[i], 10**6) for v in raw)
                 reject = Reject(path, where(dropped[-1]), "invalid UTF-8", bad[i][0], text)
                 reject.row = row + i - j
                 on_reject(reject)
@@ -603,7 +521,7 @@ def _bad_utf8(path: str, table: pa.Table) -> dict[int, tuple[str, bytes]]:
             if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
                 raise TabularFormatError(f"{path}: column {name!r}: not valid Arrow data") from None
         for i, v in enumerate(_as_bytes(col)):
-            if v is not None and i not in bad and not _utf8(v):
+            if v is not None and i not in bad and not values.utf8(v):
                 bad[i] = (name, v)
     return bad
 
