@@ -24,7 +24,9 @@ import pandas as pd
 import tyro
 
 from sweeps import fit as fit_lib
+from sweeps import provenance
 from sweeps import surface as surface_lib
+from sweeps.provenance import BOOTSTRAP_SEED
 from sweeps.report import plot, plot_quality_vs_size, plot_sparse_dense, print_report, ylabel
 from sweeps.store import read_results
 
@@ -41,8 +43,9 @@ class AnalyzeArgs:
     parquet: bool = False
     """Also write results.parquet (needs pyarrow)."""
     plots: bool = True
-    n_boot: int = 1000
-    """Bootstrap replicates of each fit."""
+    n_boot: int | None = None
+    """Bootstrap replicates of each fit (default: as many as the output folder's existing
+    analysis.json was made with, so that a regeneration repeats it; else 1,000)."""
     surface_from: str = ""
     """A sweep directory whose loss surfaces (``sweeps.surface``, fitted per family on its
     results) predict this sweep's cells: an out-of-sample check, written to analysis.json."""
@@ -96,7 +99,11 @@ def _quality(df: pd.DataFrame, metric: str, which: str = "final") -> pd.Series:
 
 
 def analyze(
-    df: pd.DataFrame, metric: str, *, n_boot: int = 1000, floor: float | None = None
+    df: pd.DataFrame,
+    metric: str,
+    *,
+    n_boot: int = provenance.DEFAULT_N_BOOT,
+    floor: float | None = None,
 ) -> dict[str, Any]:
     """Fits per family; returns a JSON-able dict (also what ``analysis.json`` holds).
 
@@ -255,9 +262,11 @@ def _fit_family(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[
     for suffix, fl in floors.items():
         try:
             if seeded:
-                law = fit_lib.fit_frontier_seeds(*cells, n_boot=n_boot, floor=fl)
+                law = fit_lib.fit_frontier_seeds(
+                    *cells, n_boot=n_boot, seed=BOOTSTRAP_SEED, floor=fl
+                )
             else:
-                law = fit_lib.fit_power_law(c, y, n_boot=n_boot, floor=fl)
+                law = fit_lib.fit_power_law(c, y, n_boot=n_boot, seed=BOOTSTRAP_SEED, floor=fl)
             fam[f"law{suffix}"] = law.to_dict()
             fam[f"law{suffix}_str"] = law.law_str()
             fam[f"_fit{suffix}"] = law
@@ -267,11 +276,11 @@ def _fit_family(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[
         try:
             if seeded:
                 fam[f"holdout{suffix}"] = fit_lib.holdout_frontier_seeds(
-                    *cells, n_boot=n_boot, floor=fl
+                    *cells, n_boot=n_boot, seed=BOOTSTRAP_SEED, floor=fl
                 )
             else:
                 fam[f"holdout{suffix}"] = fit_lib.holdout_extrapolation(
-                    c, y, n_boot=n_boot, floor=fl
+                    c, y, n_boot=n_boot, seed=BOOTSTRAP_SEED, floor=fl
                 )
         except ValueError as e:  # e.g. a zero loss (1 - AUC = 0) has no log
             fam[f"holdout{suffix}"] = {"reason": str(e)}
@@ -282,7 +291,11 @@ def _fit_family(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dict[
     fam["isoflop"] = iso
     if seeded:
         osl = fit_lib.optimal_size_seeds(
-            per["budget"].to_numpy(), per["fpe"].to_numpy(), list(per["seeds"]), n_boot=n_boot
+            per["budget"].to_numpy(),
+            per["fpe"].to_numpy(),
+            list(per["seeds"]),
+            n_boot=n_boot,
+            seed=BOOTSTRAP_SEED,
         )
         osl.pop("per_budget")  # the same optima as "isoflop"
         fam["optimal_size_law"] = _jsonable(osl)
@@ -317,6 +330,7 @@ def _loss_surface(per: pd.DataFrame, *, n_boot: int, floor: float | None) -> dic
             per["examples"].to_numpy(),
             list(per["seeds"]),
             n_boot=n_boot,
+            seed=BOOTSTRAP_SEED,
             floor=floor,
         )
     except ValueError as e:
@@ -489,12 +503,18 @@ def main(argv: list[str] | None = None) -> dict:
     metric = args.metric or sweep.get("metric", "logloss")
     out_dir = Path(args.out) if args.out else root
     out_dir.mkdir(parents=True, exist_ok=True)
+    n_boot = args.n_boot
+    if n_boot is None and (out_dir / "analysis.json").exists():
+        n_boot = provenance.recorded_n_boot(json.loads((out_dir / "analysis.json").read_text()))
+        if n_boot is not None:
+            log.info("%d bootstrap replicates, as %s/analysis.json records", n_boot, out_dir)
+    n_boot = provenance.DEFAULT_N_BOOT if n_boot is None else n_boot
     df = load_results(root)
     df.to_csv(out_dir / "results.csv", index=False)
     if args.parquet:
         df.to_parquet(out_dir / "results.parquet", index=False)
     ref = bayes_reference_of(df, metric)
-    analysis = analyze(df, metric, n_boot=args.n_boot, floor=ref)
+    analysis = analyze(df, metric, n_boot=n_boot, floor=ref)
     analysis["bayes_reference"] = ref
     print_report(df, analysis, metric)
     if ref is not None:
@@ -528,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"wrote {plot_sparse_dense(grid, out_dir, metric)}")
     if args.surface_from:
         analysis["surface_check"] = chk = surface_check(
-            df, load_results(args.surface_from), metric, n_boot=args.n_boot
+            df, load_results(args.surface_from), metric, n_boot=n_boot
         )
         analysis["surface_check_reference"] = args.surface_from
         for fam, d in chk.items():
@@ -545,6 +565,7 @@ def main(argv: list[str] | None = None) -> dict:
                         else ""
                     )
                 )
+    analysis["produced_by"] = provenance.produced_by(n_boot, args.surface_from)
     public = _public(analysis)
     (out_dir / "analysis.json").write_text(json.dumps(public, indent=2, default=str) + "\n")
     return public
