@@ -149,11 +149,16 @@ def _fit_one(n, d, y_log, delta, floor, min_loss, theta0=None) -> tuple[np.ndarr
 
     ln_n, ln_d = np.log(n), np.log(d)
 
+    def params(theta):  # _unpack's values for one problem, without its array plumbing
+        e = min_loss * special.expit(theta[0]) if floor is None else floor
+        return (e, *np.exp(theta[1:]))
+
     def resid(theta):
-        return y_log - np.log(_predict(_unpack(theta, floor, min_loss), n, d))
+        e, a, al, b, be = params(theta)
+        return y_log - np.log(e + a * n**-al + b * d**-be)
 
     def jac(theta):  # ∂r/∂θ [K, 5]
-        e, a, al, b, be = _unpack(theta, floor, min_loss)
+        e, a, al, b, be = params(theta)
         tn, td = a * n**-al, b * d**-be
         de = e * (1 - special.expit(theta[0])) if floor is None else 0.0
         return (
