@@ -48,7 +48,8 @@ class AnalyzeArgs:
     analysis.json was made with, so that a regeneration repeats it; else 1,000)."""
     surface_from: str = ""
     """A sweep directory whose loss surfaces (``sweeps.surface``, fitted per family on its
-    results) predict this sweep's cells: an out-of-sample check, written to analysis.json."""
+    results) predict this sweep's cells: an out-of-sample check, written to analysis.json
+    (default: the one the output folder's existing analysis.json checked against, if any)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -496,19 +497,28 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = tyro.cli(AnalyzeArgs, args=argv, prog="python -m sweeps.analyze")
     root = Path(args.sweep_dir)
-    for d in (root, *([Path(args.surface_from)] if args.surface_from else [])):
+    out_dir = Path(args.out) if args.out else root
+    # A regeneration repeats the settings the analysis it replaces was made with.
+    old_path = out_dir / "analysis.json"
+    try:
+        old = json.loads(old_path.read_text()) if old_path.exists() else {}
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+        recorded = provenance.recorded_n_boot(old)
+    except ValueError as e:
+        raise SystemExit(f"{old_path}: {e} (pass --n-boot, or remove it)") from None
+    n_boot, surface_from = args.n_boot, args.surface_from
+    if n_boot is None and (n_boot := recorded) is not None:
+        log.info("%d bootstrap replicates, as %s/analysis.json records", n_boot, out_dir)
+    n_boot = provenance.DEFAULT_N_BOOT if n_boot is None else n_boot
+    if not surface_from and (surface_from := old.get("surface_check_reference") or ""):
+        log.info("surface check against %s, as %s/analysis.json records", surface_from, out_dir)
+    for d in (root, *([Path(surface_from)] if surface_from else [])):
         if not (d / "results.jsonl").exists():
             raise SystemExit(f"{d}: no results.jsonl (launch the sweep first)")
     sweep = json.loads((root / "sweep.json").read_text()) if (root / "sweep.json").exists() else {}
     metric = args.metric or sweep.get("metric", "logloss")
-    out_dir = Path(args.out) if args.out else root
     out_dir.mkdir(parents=True, exist_ok=True)
-    n_boot = args.n_boot
-    if n_boot is None and (out_dir / "analysis.json").exists():
-        n_boot = provenance.recorded_n_boot(json.loads((out_dir / "analysis.json").read_text()))
-        if n_boot is not None:
-            log.info("%d bootstrap replicates, as %s/analysis.json records", n_boot, out_dir)
-    n_boot = provenance.DEFAULT_N_BOOT if n_boot is None else n_boot
     df = load_results(root)
     df.to_csv(out_dir / "results.csv", index=False)
     if args.parquet:
@@ -546,11 +556,11 @@ def main(argv: list[str] | None = None) -> dict:
                 )
         if args.plots and grid:
             print(f"wrote {plot_sparse_dense(grid, out_dir, metric)}")
-    if args.surface_from:
+    if surface_from:
         analysis["surface_check"] = chk = surface_check(
-            df, load_results(args.surface_from), metric, n_boot=n_boot
+            df, load_results(surface_from), metric, n_boot=n_boot
         )
-        analysis["surface_check_reference"] = args.surface_from
+        analysis["surface_check_reference"] = surface_from
         for fam, d in chk.items():
             for c in d.get("cells", []):
                 best = c["reference_best_at_budget"]
@@ -560,12 +570,12 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{c['observed']:.4f}, predicted {c['predicted']:.4f} [{pi[0]:.4f}, "
                     f"{pi[1]:.4f}] ({c['rel_error']:.2%})"
                     + (
-                        f"; {args.surface_from}'s best there: {best['rung']} {best['y']:.4f}"
+                        f"; {surface_from}'s best there: {best['rung']} {best['y']:.4f}"
                         if best
                         else ""
                     )
                 )
-    analysis["produced_by"] = provenance.produced_by(n_boot, args.surface_from)
+    analysis["produced_by"] = provenance.produced_by(n_boot, surface_from)
     public = _public(analysis)
     (out_dir / "analysis.json").write_text(json.dumps(public, indent=2, default=str) + "\n")
     return public

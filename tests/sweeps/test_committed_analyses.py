@@ -58,6 +58,17 @@ def test_study_grid_is_regenerated_with_its_200_replicates(tmp_path, monkeypatch
         assert (tmp_path / png).read_bytes() == (tmp_path / "again" / png).read_bytes()
 
 
+def test_analyze_in_place_repeats_the_recorded_surface_check_and_names_a_bad_record(tmp_path):
+    for name in ("results.jsonl", "sweep.json"):
+        shutil.copy(DOCS / "study_check" / name, tmp_path / name)
+    (tmp_path / "analysis.json").write_text('{"surface_check_reference": "no/such/sweep"}')
+    with pytest.raises(SystemExit, match="^no/such/sweep: no results.jsonl"):
+        analyze.main([str(tmp_path)])
+    (tmp_path / "analysis.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="analysis.json: not a JSON object"):
+        analyze.main([str(tmp_path)])
+
+
 def test_showcase_keys_regenerate_from_its_results_table(monkeypatch):
     """``docs/showcase`` has its results as results.csv only and predates keys the analysis
     writes today (fixed-floor laws, loss surfaces): every key it has regenerates under the rule;
