@@ -5,8 +5,8 @@ What holds (measured on the committed ``docs/`` analyses, issue 36):
 
 - **Where it was made** (same CPU model, Python and ``LIBRARIES`` versions, as its
   ``produced_by`` records): bit for bit, ``analysis.json``, ``results.csv`` and every PNG. The
-  analysis is deterministic: fixed bootstrap seeds (``provenance.BOOTSTRAP_SEED``), no threads
-  in the fits.
+  analysis is deterministic: fixed bootstrap seeds (``provenance.BOOTSTRAP_SEED``); two
+  regenerations on one host are byte-identical (tested).
 - **Elsewhere** (another CPU model: numpy's SIMD loops and OpenBLAS pick kernels by instruction
   set, and their last bits differ): ``results.csv`` byte for byte (it is the results store
   flattened, no arithmetic); in ``analysis.json`` the same keys, list lengths, strings, booleans,
@@ -23,9 +23,10 @@ other hosts): ``docs/study`` 657 of 1,269 floats differ, the worst 3.9e-4 relati
 bound of FinalMLP's fixed-floor surface optimum at 1e12; 2.9e-5 for a free-floor surface), and
 outside the surfaces 7.9e-8; ``docs/study_check`` 18 floats, at most 5.7e-8; the Frappe re-run
 17, at most 3.1e-14 (an IsoFLOP parabola's vertex); ``study_grid`` (with its 200 replicates),
-``study_lr`` and ``study_frappe`` bit for bit. SURFACE_RTOL is 2.6x the worst surface difference seen and RTOL
-13x the worst elsewhere; ATOL (far below any loss's last printed digit) covers interval bounds
-near zero (the c of a power law, ~1e-11).
+``study_lr`` and ``study_frappe`` bit for bit. SURFACE_RTOL is 2.6x the worst surface difference
+seen and RTOL 13x the worst elsewhere; ATOL (far below any loss's last printed digit) covers
+interval bounds near zero (the c of a power law, ~1e-11). ``docs/showcase`` (older code, no
+results.jsonl) is checked by ``tests/sweeps/test_committed_analyses.py`` on the keys it has.
 """
 
 from __future__ import annotations
