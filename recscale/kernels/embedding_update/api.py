@@ -116,7 +116,6 @@ def update(
 
     v, d = table.shape
     lr = jnp.asarray(lr, jnp.float32)
-    keys_nh = reference.pair_keys(ids, v)
     g_nd = reference.weighted_grad(ids, grad, v, pooling)
     acc_in = acc if adagrad else None
     if chosen == "cpu_ffi":
@@ -125,7 +124,7 @@ def update(
         new_table, new_acc, stats = cpu_ffi.update(
             table,
             acc_in if adagrad else jnp.zeros((1,), jnp.float32),
-            keys_nh[None],
+            ids[None],  # the kernel skips ids outside [0, V) itself
             g_nd[None],
             lr,
             jnp.full((1,), d, jnp.int32),
@@ -134,6 +133,7 @@ def update(
             clip=clip,
         )
         return new_table, (new_acc if adagrad else acc), stats
+    keys_nh = reference.pair_keys(ids, v)
     if interpret is None:
         interpret = common.interpret_for(chosen)
     if chosen == "pallas_gpu":
