@@ -29,6 +29,10 @@ namespace {
 // second thread's start, join and scheduling costing more than half the work it takes.
 constexpr int64_t kSlotsPerThread = int64_t{1} << 18;
 
+// How many bags ahead rows are prefetched: a bag of a small model holds one or two ids (most of
+// its slots padding), and a row out of cache takes longer than one bag's sums to arrive.
+constexpr int64_t kAheadBags = 8;
+
 // Bags [lo, hi): W > 0 is the width as a compile-time constant (the row sums held in registers
 // and vectorized), else w.
 template <int64_t W>
@@ -38,8 +42,8 @@ void PoolBags(const float* table, const int32_t* k, float* o, int64_t rows, int6
   for (int64_t bag = lo; bag < hi; ++bag) {
     float* dst = o + bag * w;
     const int32_t* ids = k + bag * h;
-    if (bag + 1 < hi) {  // the next bag's rows are random reads: start fetching them now
-      const int32_t* next = k + (bag + 1) * h;
+    if (bag + kAheadBags < hi) {  // rows are random reads: start fetching them early
+      const int32_t* next = k + (bag + kAheadBags) * h;
       for (int64_t j = 0; j < h; ++j) {
         if (next[j] >= 0 && next[j] < rows) PrefetchRow(table + next[j] * w, w, 0);
       }
