@@ -294,12 +294,15 @@ class EmbeddingCollection(nnx.Module):
         by_name = {t.name: t for t in self.table_specs}
         return tuple(by_name[f.table].dim for f in self.feature_specs)
 
-    def lookup(self, ids_bfh: jax.Array) -> list[jax.Array]:
-        """Pooled embedding of every feature: a list of F arrays ``[B, D_f]``."""
+    def _check_ids(self, ids_bfh: jax.Array) -> None:
         if ids_bfh.ndim != 3 or ids_bfh.shape[1] != len(self.feature_specs):
             raise ValueError(
                 f"ids must be [B, F={len(self.feature_specs)}, H], got shape {ids_bfh.shape}"
             )
+
+    def lookup(self, ids_bfh: jax.Array) -> list[jax.Array]:
+        """Pooled embedding of every feature: a list of F arrays ``[B, D_f]``."""
+        self._check_ids(ids_bfh)
         if self.serving is not None:
             precisions = dict(self.serving)
             dims = {t.name: t.dim for t in self.table_specs}
@@ -317,11 +320,7 @@ class EmbeddingCollection(nnx.Module):
                 ],
             )
         if self.layout is not None:
-            if self.int8:  # (q, scale_bias) per buffer: the engine pools with the int8 kernel
-                buffers = {k: (v["q"][...], v["scale_bias"][...]) for k, v in self.buffers.items()}
-            else:
-                buffers = {k: v[...] for k, v in self.buffers.items()}
-            flat_bd = lookup_lib.lookup(self, self.layout, buffers, ids_bfh)
+            flat_bd = self._engine_lookup(ids_bfh)
             offsets = np.cumsum((0,) + self.layout.feature_dims)
             return _probed(
                 self, [flat_bd[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
@@ -356,6 +355,14 @@ class EmbeddingCollection(nnx.Module):
             ],
         )
 
+    def _engine_lookup(self, ids_bfh: jax.Array) -> jax.Array:
+        """``[B, ΣD]``: the engine's pooled embeddings of every feature, side by side."""
+        if self.int8:  # (q, scale_bias) per buffer: the engine pools with the int8 kernel
+            buffers = {k: (v["q"][...], v["scale_bias"][...]) for k, v in self.buffers.items()}
+        else:
+            buffers = {k: v[...] for k, v in self.buffers.items()}
+        return lookup_lib.lookup(self, self.layout, buffers, ids_bfh)
+
     def __call__(self, ids_bfh: jax.Array) -> jax.Array:
         """Pooled embeddings stacked as ``[B, F, D]`` (all tables must share D)."""
         dims = set(self.output_dims)
@@ -363,5 +370,12 @@ class EmbeddingCollection(nnx.Module):
             raise ValueError(
                 f"stacking needs one embedding dim, tables have {sorted(dims)}; use lookup()"
             )
-        emb_bfd = jnp.stack(self.lookup(ids_bfh), axis=1)
+        if self.layout is not None and self.serving is None and _PROBE.get() is None:
+            # the engine's [B, F·D] as [B, F, D]: one reshape, not a slice per feature
+            # stacked again (whose backward XLA runs as F pads and adds)
+            self._check_ids(ids_bfh)
+            flat_bd = self._engine_lookup(ids_bfh)
+            emb_bfd = flat_bd.reshape(flat_bd.shape[0], len(self.feature_specs), dims.pop())
+        else:
+            emb_bfd = jnp.stack(self.lookup(ids_bfh), axis=1)
         return sharding.constrain(emb_bfd, "batch", None, None)

@@ -84,9 +84,16 @@ def _assemble(layout: Layout, xs: tuple, metas: tuple) -> jax.Array:
     (source device, slot) order; ``metas``: ``(buffer layout, replicated)`` per part): static
     slices concatenated in column order, row-wise shards' partial sums added. Slices, not a
     gather (XLA fuses the producers into a gather and recomputes them); and a custom backward
-    that writes each part's gradient once (XLA would pad and add one copy per slice)."""
+    that writes each part's gradient once (XLA would pad and add one copy per slice). One part
+    whose rows are the output's columns in order (every table whole in one buffer, e.g. on one
+    device) is one transpose instead of a slice per slot."""
+    maps = _assembly_map(layout, metas)
+    if len(xs) == 1 and _in_column_order(maps[0], xs[0].shape[0], xs[0].shape[2]):
+        k, b, w = xs[0].shape
+        if k * w == int(sum(layout.feature_dims)):
+            return jnp.transpose(xs[0], (1, 0, 2)).reshape(b, k * w)
     by_col: dict[int, list[jax.Array]] = {}
-    for rows in _assembly_map(layout, metas):
+    for rows in maps:
         for p, row, col, _ in rows:
             by_col.setdefault(col, []).append(xs[p][row])
     out, col, total = [], 0, int(sum(layout.feature_dims))
@@ -102,6 +109,13 @@ def _assemble(layout: Layout, xs: tuple, metas: tuple) -> jax.Array:
     return jnp.concatenate(out, axis=1)
 
 
+def _in_column_order(rows: list[tuple[int, int, int, int]], k: int, w: int) -> bool:
+    """Whether a part's ``k`` rows all contribute, row ``r`` at output column ``c0 + r·w``."""
+    by_row = {row: col for _, row, col, _ in rows}
+    c0 = by_row.get(0)
+    return len(by_row) == k and all(by_row[r] == c0 + r * w for r in range(k))
+
+
 def _assemble_fwd(layout, xs, metas):
     return _assemble(layout, xs, metas), tuple(x.shape for x in xs)
 
@@ -113,7 +127,7 @@ def _assemble_bwd(layout, metas, shapes, g):
     for rows, (k, _, w) in zip(_assembly_map(layout, metas), shapes, strict=True):
         by_row = {row: col for _, row, col, _ in rows}
         c0 = by_row.get(0)
-        if len(by_row) == k and all(by_row[r] == c0 + r * w for r in range(k)):
+        if _in_column_order(rows, k, w):
             # rows in column order (e.g. every table whole on one device): a transpose
             grads.append(jnp.transpose(g[:, c0 : c0 + k * w].reshape(b, k, w), (1, 0, 2)))
             continue

@@ -55,7 +55,10 @@ def load(source: Path, stem: str, targets: tuple[tuple[str, str], ...]) -> bool:
         flags,
         subdir="kernels",
         stem=stem,
-        key=jax.__version__.encode() + cxx.encode() + HEADER.read_bytes(),
+        key=jax.__version__.encode()
+        + cxx.encode()
+        + " ".join(flags).encode()
+        + HEADER.read_bytes(),
         fallback=f"{source.name}'s op runs its plain-JAX CPU path",
     )
     if lib is None:

@@ -124,9 +124,8 @@ def _cpu_ffi_pool(table_vd: jax.Array, ids_nh: jax.Array, *, pooling: str) -> ja
     from recscale.kernels.embedding_bag import cpu_ffi  # noqa: PLC0415
 
     num_rows = table_vd.shape[0]
-    # The C++ kernel treats key == R (its buffer's row count) as padding, nothing else.
-    keys_1nh = jnp.where(reference.valid_ids(ids_nh, num_rows), ids_nh, num_rows)[None]
-    out_nd = cpu_ffi.pool(table_vd, keys_1nh)[0]
+    # The C++ kernel skips keys outside [0, R) (R: its buffer's row count) itself.
+    out_nd = cpu_ffi.pool(table_vd, ids_nh[None])[0]
     if pooling == "mean":
         out_nd = out_nd / reference.bag_counts(ids_nh, num_rows)
     return out_nd

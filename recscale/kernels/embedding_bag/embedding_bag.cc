@@ -6,9 +6,10 @@
 // (large ones are mmapped, so each step page-faults them in again) and does not fuse a gather
 // into the sum that consumes it. This kernel sums each bag's rows in one pass:
 //
-//   recscale_pool:   out[s, b, :] = sum_h buf[keys[s, b, h], :]           (keys == R: padding)
+//   recscale_pool:   out[s, b, :] = sum_h buf[keys[s, b, h], :]   (keys outside [0, R): padding)
 //
-// Threads split the bags. Tables of 8 MiB and more are backed by transparent huge pages
+// Threads split the bags. Rows of width 4 to 128 (powers of two) are summed in registers by
+// loops of compile-time width. Tables of 8 MiB and more are backed by transparent huge pages
 // (UseHugePages, native.h).
 
 #include <algorithm>
@@ -23,6 +24,51 @@ namespace ffi = xla::ffi;
 namespace recscale {
 namespace {
 
+// Bag slots (ids and padding) per thread. Measured on the 2-core VM at a study model's batch
+// (26 slots x 1,024 bags x 5 = 133k slots, width 4): one thread 1.6-1.8x faster than two, the
+// second thread's start, join and scheduling costing more than half the work it takes.
+constexpr int64_t kSlotsPerThread = int64_t{1} << 18;
+
+// How many bags ahead rows are prefetched: a bag of a small model holds one or two ids (most of
+// its slots padding), and a row out of cache takes longer than one bag's sums to arrive.
+constexpr int64_t kAheadBags = 8;
+
+// Bags [lo, hi): W > 0 is the width as a compile-time constant (the row sums held in registers
+// and vectorized), else w.
+template <int64_t W>
+void PoolBags(const float* table, const int32_t* k, float* o, int64_t rows, int64_t h,
+              int64_t w_runtime, int64_t lo, int64_t hi) {
+  const int64_t w = W > 0 ? W : w_runtime;
+  for (int64_t bag = lo; bag < hi; ++bag) {
+    float* dst = o + bag * w;
+    const int32_t* ids = k + bag * h;
+    if (bag + kAheadBags < hi) {  // rows are random reads: start fetching them early
+      const int32_t* next = k + (bag + kAheadBags) * h;
+      for (int64_t j = 0; j < h; ++j) {
+        if (next[j] >= 0 && next[j] < rows) PrefetchRow(table + next[j] * w, w, 0);
+      }
+    }
+    if constexpr (W > 0) {
+      float acc[W] = {};
+      for (int64_t j = 0; j < h; ++j) {
+        const int32_t r = ids[j];
+        if (r < 0 || r >= rows) continue;
+        const float* src = table + static_cast<int64_t>(r) * W;
+        for (int64_t d = 0; d < W; ++d) acc[d] += src[d];
+      }
+      for (int64_t d = 0; d < W; ++d) dst[d] = acc[d];
+    } else {
+      std::memset(dst, 0, sizeof(float) * w);
+      for (int64_t j = 0; j < h; ++j) {
+        const int32_t r = ids[j];
+        if (r < 0 || r >= rows) continue;
+        const float* src = table + static_cast<int64_t>(r) * w;
+        for (int64_t d = 0; d < w; ++d) dst[d] += src[d];
+      }
+    }
+  }
+}
+
 ffi::Error PoolImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::S32> keys,
                     ffi::ResultBuffer<ffi::F32> out) {
   const auto bd = buf.dimensions();
@@ -36,25 +82,18 @@ ffi::Error PoolImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::S32> keys,
   const int32_t* k = keys.typed_data();
   float* o = out->typed_data();
   UseHugePages(table, rows * w * sizeof(float));
-  const int threads = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, bags / 64)));
+  const int threads = static_cast<int>(
+      std::min<int64_t>(NumThreads(), std::max<int64_t>(1, bags * h / kSlotsPerThread)));
   ParallelFor(threads, [&](int t) {
     const int64_t lo = bags * t / threads, hi = bags * (t + 1) / threads;
-    for (int64_t bag = lo; bag < hi; ++bag) {
-      float* dst = o + bag * w;
-      std::memset(dst, 0, sizeof(float) * w);
-      const int32_t* ids = k + bag * h;
-      if (bag + 1 < hi) {  // the next bag's rows are random reads: start fetching them now
-        const int32_t* next = k + (bag + 1) * h;
-        for (int64_t j = 0; j < h; ++j) {
-          if (next[j] >= 0 && next[j] < rows) PrefetchRow(table + next[j] * w, w, 0);
-        }
-      }
-      for (int64_t j = 0; j < h; ++j) {
-        const int32_t r = ids[j];
-        if (r < 0 || r >= rows) continue;
-        const float* src = table + static_cast<int64_t>(r) * w;
-        for (int64_t d = 0; d < w; ++d) dst[d] += src[d];
-      }
+    switch (w) {
+      case 4: return PoolBags<4>(table, k, o, rows, h, w, lo, hi);
+      case 8: return PoolBags<8>(table, k, o, rows, h, w, lo, hi);
+      case 16: return PoolBags<16>(table, k, o, rows, h, w, lo, hi);
+      case 32: return PoolBags<32>(table, k, o, rows, h, w, lo, hi);
+      case 64: return PoolBags<64>(table, k, o, rows, h, w, lo, hi);
+      case 128: return PoolBags<128>(table, k, o, rows, h, w, lo, hi);
+      default: return PoolBags<0>(table, k, o, rows, h, w, lo, hi);
     }
   });
   return ffi::Error::Success();

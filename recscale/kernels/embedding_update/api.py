@@ -6,8 +6,8 @@ fallback), ``cpu_ffi`` (the engine's C++ XLA-FFI kernel ``recscale_update``, :mo
 float32 storage), ``pallas_gpu`` (Triton) and ``pallas_tpu`` (Mosaic TPU), both FBGEMM's
 sorted-segment design. ``auto`` means ``pallas_gpu`` on GPU, ``pallas_tpu`` on TPU (once
 verified on that hardware (``common.HARDWARE_VERIFIED``), else ``xla``), and on CPU ``cpu_ffi``
-where it is built and the bags have two ids or more (one-id bags stay in XLA, as in the
-engine), else ``xla``. Every implementation applies CowClip and the touched rows' L2
+where it is built, one-id bags included (1.15-2.5x the XLA reference at one id per bag, widths
+4 to 128: BENCHMARKS.md, "The sparse step of many small tables"), else ``xla``. Every implementation applies CowClip and the touched rows' L2
 (``clip``) to the whole row gradients it forms, before the optimizer.
 
 There is no VJP: this op *is* the backward pass (it consumes the pooled outputs' gradient and
@@ -104,11 +104,9 @@ def update(
     reference.check_args(table, acc, ids, grad, optimizer, pooling, clip)
     ids = jnp.asarray(ids, jnp.int32)
     adagrad = optimizer == "rowwise_adagrad"
-    # The engine's rule on CPU: the C++ kernel for multi-id bags, XLA for one-id bags (as fast).
-    cpu_auto = "cpu_ffi" if ids.shape[1] >= 2 else None
-    want_ffi = impl == "cpu_ffi" or (impl == "auto" and cpu_auto is not None)
+    want_ffi = impl in ("cpu_ffi", "auto")  # on CPU, auto means the C++ kernel where it runs
     unsupported = _unsupported(table, ids, need_cpu_ffi=want_ffi)
-    chosen = common.resolve(OP, impl, unsupported, cpu_auto=cpu_auto)
+    chosen = common.resolve(OP, impl, unsupported, cpu_auto="cpu_ffi")
     if chosen == "xla":
         return reference.update(
             table, acc, ids, grad, lr, optimizer=optimizer, eps=eps, pooling=pooling, clip=clip
@@ -116,7 +114,6 @@ def update(
 
     v, d = table.shape
     lr = jnp.asarray(lr, jnp.float32)
-    keys_nh = reference.pair_keys(ids, v)
     g_nd = reference.weighted_grad(ids, grad, v, pooling)
     acc_in = acc if adagrad else None
     if chosen == "cpu_ffi":
@@ -125,7 +122,7 @@ def update(
         new_table, new_acc, stats = cpu_ffi.update(
             table,
             acc_in if adagrad else jnp.zeros((1,), jnp.float32),
-            keys_nh[None],
+            ids[None],  # the kernel skips ids outside [0, V) itself
             g_nd[None],
             lr,
             jnp.full((1,), d, jnp.int32),
@@ -134,6 +131,7 @@ def update(
             clip=clip,
         )
         return new_table, (new_acc if adagrad else acc), stats
+    keys_nh = reference.pair_keys(ids, v)
     if interpret is None:
         interpret = common.interpret_for(chosen)
     if chosen == "pallas_gpu":
