@@ -407,7 +407,7 @@ class KernelConfig:
     """Pooled lookups of the embedding engine (``embeddings.sharding`` not ``off``)."""
     embedding_update: Literal["auto", "xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"] = "auto"
     """The engine's backward fused with the SGD / row-wise Adagrad row update."""
-    dot_interaction: KernelImpl = "auto"
+    dot_interaction: Literal["auto", "xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"] = "auto"
     """DLRM's dot interaction (lower triangle of X·Xᵀ)."""
     fm_interaction: KernelImpl = "auto"
     """Wukong's FMB core X·(Xᵀ·Y)."""
