@@ -1,7 +1,8 @@
 """The DLRM dot interaction models call: picks the implementation, falls back to the reference.
 
-``impl``: ``"auto"`` (Pallas on GPU/TPU once verified on that hardware (``common.HARDWARE_VERIFIED``), else XLA; on CPU :data:`CPU_AUTO`), ``"xla"`` (``reference.py``),
-``"cpu_ffi"`` (the C++ XLA-FFI CPU kernel, ``cpu_ffi.py``: float32, built on first use),
+``impl``: ``"auto"`` (Pallas on GPU/TPU once verified on that hardware (``common.HARDWARE_VERIFIED``), else XLA; on CPU
+:func:`cpu_auto_choice`), ``"xla"`` (``reference.py``), ``"cpu_ffi"`` (the C++ XLA-FFI CPU
+kernel, ``cpu_ffi.py``: float32, built on first use),
 ``"pallas_gpu"`` (Triton, ``pallas_gpu.py``) or ``"pallas_tpu"`` (Mosaic, ``pallas_tpu.py``).
 A kernel that does not support the call's shape, dtype or backend falls back to the
 reference, counted in ``common.FALLBACKS``. The kernel paths are differentiable through a
@@ -11,6 +12,7 @@ reference, counted in ``common.FALLBACKS``. The kernel paths are differentiable 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,8 +25,29 @@ from recscale.kernels.dot_interaction import pallas_gpu, pallas_tpu, reference
 OP = "dot_interaction"
 _KERNELS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
-CPU_AUTO = "xla"
-"""What ``auto`` runs on CPU where the C++ kernel supports the call (else ``xla``)."""
+CPU_AUTO_WIDTHS = frozenset({4})
+"""The widths ``D`` at which ``auto`` runs the C++ kernel on a CPU with AVX-512: measured faster
+there in the whole training step (the study's d2, D = 4: 1.37x at batch 256, 1.45x at 1,024,
+``benchmarks/step_overhead.py --dot-interaction xla cpu_ffi``), where its backward takes four
+pairs per AVX-512 register. Other widths measured mixed on the op alone (fwd+bwd, N = 27,
+B = 1,024: D = 16 1.67x, 128 1.63x, but 8 0.93x, 10 0.50x, 32 0.78x) and keep XLA."""
+
+
+@functools.cache
+def _has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (the kernel is built with ``-march=native``)."""
+    try:
+        return " avx512f " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
+def cpu_auto_choice(shape: tuple[int, ...], dtype) -> str:
+    """What ``auto`` plans on CPU for ``x`` of ``shape``/``dtype``: ``cpu_ffi`` for float32 at
+    a width in :data:`CPU_AUTO_WIDTHS` on an AVX-512 CPU, else ``xla``."""
+    if jnp.dtype(dtype) == jnp.float32 and shape[2] in CPU_AUTO_WIDTHS and _has_avx512():
+        return "cpu_ffi"
+    return "xla"
 
 
 def unsupported(
@@ -32,7 +55,7 @@ def unsupported(
 ) -> dict[str, str | None]:
     """For each kernel, why it cannot run ``x`` of ``shape``/``dtype`` (None: it can). The C++
     kernel is asked (and built) only when ``impl`` may run it: ``cpu_ffi``, or ``auto`` where
-    :data:`CPU_AUTO` is ``cpu_ffi``."""
+    :func:`cpu_auto_choice` plans it."""
     n = shape[1]
     if reference.num_pairs(n, self_interaction) == 0:
         no_pairs = f"N={n} without self-interaction has no pairs"
@@ -41,7 +64,7 @@ def unsupported(
         "pallas_gpu": pallas_gpu.unsupported(shape, dtype),
         "pallas_tpu": pallas_tpu.unsupported(shape, dtype, self_interaction),
         "cpu_ffi": _cpu_ffi_unsupported(shape, dtype)
-        if impl == "cpu_ffi" or (impl == "auto" and CPU_AUTO == "cpu_ffi")
+        if impl == "cpu_ffi" or (impl == "auto" and cpu_auto_choice(shape, dtype) == "cpu_ffi")
         else "not requested",
     }
 
@@ -127,7 +150,8 @@ def dot_interaction(
     self_interaction = bool(self_interaction)
     # (the reference asks no kernel: its shapes may be symbolic, as in ``jax.export``)
     why = {} if impl == "xla" else unsupported(x.shape, x.dtype, self_interaction, impl)
-    chosen = common.resolve(OP, impl, why, dtype=x.dtype, cpu_auto=CPU_AUTO)
+    cpu_auto = cpu_auto_choice(x.shape, x.dtype) if impl == "auto" else None
+    chosen = common.resolve(OP, impl, why, dtype=x.dtype, cpu_auto=cpu_auto)
     if chosen == "xla":
         return reference.dot_interaction(x, self_interaction=self_interaction)
     if chosen == "cpu_ffi":

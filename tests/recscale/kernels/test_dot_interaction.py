@@ -167,21 +167,28 @@ def test_cpu_kernel_matches_reference_over_awkward_shapes(d, self_interaction):
     assert _fallbacks("cpu_ffi") == before
 
 
-def test_auto_on_cpu_picks_the_cpu_kernel_for_float32_only(monkeypatch):
-    """With :data:`api.CPU_AUTO` set to the kernel, ``auto`` runs it for float32 (when it
-    built) and XLA otherwise, with nothing counted as a fallback; as committed, ``auto`` keeps
-    XLA on CPU (the kernel measured no faster in the d2 training step, BENCHMARKS.md)."""
-    x32 = jnp.ones((4, 5, 8), jnp.float32)
+def test_auto_on_cpu_picks_the_cpu_kernel_for_float32_at_measured_widths(monkeypatch):
+    """``auto`` on CPU runs the C++ kernel for float32 at D = 4 on an AVX-512 CPU when it
+    built, and XLA for other dtypes and widths, counting nothing as a fallback."""
     calls = []
-    monkeypatch.setattr(api, "_cpu_ffi", lambda x, s: calls.append(x.dtype) or x[:, :1, 0] * 0)
+
+    def fake(x, self_interaction):
+        calls.append((x.dtype, x.shape[2]))
+        return reference.dot_interaction(x, self_interaction=self_interaction)
+
+    monkeypatch.setattr(api, "_cpu_ffi", fake)
     before = collections.Counter(common.FALLBACKS)
-    api.dot_interaction(x32, impl="auto")
-    assert calls == []  # committed: XLA on CPU
-    monkeypatch.setattr(api, "CPU_AUTO", "cpu_ffi")
-    api.dot_interaction(x32, impl="auto")
-    api.dot_interaction(x32.astype(jnp.bfloat16), impl="auto")
-    assert calls == ([jnp.dtype(jnp.float32)] if cpu_ffi.available() else [])
+    for d, dtype in [(4, jnp.float32), (4, jnp.bfloat16), (8, jnp.float32), (10, jnp.float32)]:
+        api.dot_interaction(jnp.ones((4, 5, d), dtype), impl="auto")
+    picked = api._has_avx512() and cpu_ffi.available()
+    assert calls == ([(jnp.dtype(jnp.float32), 4)] if picked else [])
     assert common.FALLBACKS == before
+    monkeypatch.setattr(api, "_has_avx512", lambda: False)
+    assert api.cpu_auto_choice((4, 5, 4), jnp.float32) == "xla"
+    monkeypatch.setattr(api, "_has_avx512", lambda: True)
+    assert api.cpu_auto_choice((4, 5, 4), jnp.float32) == "cpu_ffi"
+    assert api.cpu_auto_choice((4, 5, 4), jnp.float16) == "xla"
+    assert api.cpu_auto_choice((4, 5, 16), jnp.float32) == "xla"
 
 
 @pytest.mark.parametrize("self_interaction", [False, True])
