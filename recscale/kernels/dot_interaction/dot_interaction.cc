@@ -16,7 +16,7 @@
 // padded), then row i of the triangle is computed kChunk columns at a time, acc[j] += x[i, d] *
 // xt[d, j] over d in order (vectorized across j). Backward: pair by pair, dx_i accumulated in
 // registers, dx_j updated in place, rows of compile-time width for D in {4, ..., 128} (D = 4
-// with AVX-512: four pairs per register, Backward4). Summation orders differ from XLA's: the
+// and 8 with AVX-512: four and two pairs per register, Backward4 and Backward8). Summation orders differ from XLA's: the
 // results agree to float32 rounding (tests/recscale/kernels/test_dot_interaction.py).
 // Threads split the batch above kMacsPerThread multiply-adds.
 
@@ -56,18 +56,37 @@ void Forward(const float* x, float* out, int64_t n, int64_t d_runtime, int64_t p
   const int64_t np = (n + kChunk - 1) / kChunk * kChunk;
   std::vector<float> xt(d * np, 0.0f);
   // The triangle is written a whole chunk at a time (no tail loop): columns past a row's end
-  // land on the next row's place, which that row overwrites, and past P in the scratch's pad.
+  // land on the next row's place, which that row overwrites, and past the example's end on the
+  // next examples', which they overwrite. The range's last examples (those fewer than kChunk
+  // outputs from its end: the next may be another thread's, or past the buffer) go through a
+  // scratch with room for the overrun. (Writing
+  // every example to the scratch and copying it out was up to 4x slower: the copy's loads span
+  // several of the overlapping stores, which the CPU cannot forward.)
   std::vector<float> tri(p + kChunk);
   for (int64_t b = lo; b < hi; ++b) {
     const float* xb = x + b * n * d;
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t k = 0; k < d; ++k) xt[k * np + i] = xb[i * d + k];
     }
-    float* o = tri.data();
+    const bool last = (hi - b - 1) * p < kChunk;
+    float* o = last ? tri.data() : out + b * p;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t len = diag ? i + 1 : i;  // columns j < len of row i
       const float* xi = xb + i * d;
       for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
+#ifdef __AVX512F__
+        // explicit: GCC's own vectorization of the loop below ran 3-5x slower at some widths
+        // (D = 8 compile-time, D = 32); two sums (even and odd d) halve the FMA latency chain
+        const float* col = xt.data() + j0;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 2 <= d; k += 2) {
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(xi[k]), _mm512_loadu_ps(col + k * np), a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(xi[k + 1]), _mm512_loadu_ps(col + (k + 1) * np), a1);
+        }
+        if (k < d) a0 = _mm512_fmadd_ps(_mm512_set1_ps(xi[k]), _mm512_loadu_ps(col + k * np), a0);
+        _mm512_storeu_ps(o + j0, _mm512_add_ps(a0, a1));
+#else
         float acc[kChunk] = {};
         for (int64_t k = 0; k < d; ++k) {
           const float a = xi[k];
@@ -75,10 +94,11 @@ void Forward(const float* x, float* out, int64_t n, int64_t d_runtime, int64_t p
           for (int64_t jj = 0; jj < kChunk; ++jj) acc[jj] += a * col[jj];
         }
         std::memcpy(o + j0, acc, sizeof(acc));
+#endif
       }
       o += len;
     }
-    std::memcpy(out + b * p, tri.data(), sizeof(float) * p);
+    if (last) std::memcpy(out + b * p, tri.data(), sizeof(float) * p);
   }
 }
 
@@ -165,6 +185,42 @@ inline void Backward4(const float* __restrict xb, const float* __restrict gb,
     gb += diag ? i + 1 : i;
   }
 }
+
+// D = 8 with AVX-512: the same, two pairs per 16-float register (four per step).
+inline void Backward8(const float* __restrict xb, const float* __restrict gb,
+                      float* __restrict db, int64_t n, bool diag) {
+  const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  auto pair = [&](int64_t j) {  // g_j (lanes 0-7), g_{j+1} (8-15): reads exactly two floats
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(gb + j)));
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two));
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = xb + i * 8;
+    const __m256 xi8 = _mm256_loadu_ps(xi);
+    const __m512 xi16 = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(xi8)));
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 4 <= i; j += 4) {
+      const __m512 g0 = pair(j), g1 = pair(j + 2);
+      acc0 = _mm512_fmadd_ps(g0, _mm512_loadu_ps(xb + j * 8), acc0);
+      acc1 = _mm512_fmadd_ps(g1, _mm512_loadu_ps(xb + j * 8 + 16), acc1);
+      _mm512_storeu_ps(db + j * 8, _mm512_fmadd_ps(g0, xi16, _mm512_loadu_ps(db + j * 8)));
+      _mm512_storeu_ps(db + j * 8 + 16, _mm512_fmadd_ps(g1, xi16, _mm512_loadu_ps(db + j * 8 + 16)));
+    }
+    acc0 = _mm512_add_ps(acc0, acc1);
+    __m256 s = _mm256_add_ps(
+        _mm512_castps512_ps256(acc0),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc0), 1)));
+    for (; j < i; ++j) {
+      const __m256 g0 = _mm256_set1_ps(gb[j]);
+      s = _mm256_fmadd_ps(g0, _mm256_loadu_ps(xb + j * 8), s);
+      _mm256_storeu_ps(db + j * 8, _mm256_fmadd_ps(g0, xi8, _mm256_loadu_ps(db + j * 8)));
+    }
+    if (diag) s = _mm256_fmadd_ps(_mm256_set1_ps(gb[i] + gb[i]), xi8, s);
+    _mm256_storeu_ps(db + i * 8, s);
+    gb += diag ? i + 1 : i;
+  }
+}
 #endif
 
 // Examples [lo, hi) of the backward; W > 0: D as a compile-time constant.
@@ -176,6 +232,10 @@ void Backward(const float* x, const float* g, float* dx, int64_t n, int64_t d_ru
 #ifdef __AVX512F__
   if constexpr (W == 4) {
     for (int64_t b = lo; b < hi; ++b) Backward4(x + b * n * 4, g + b * p, dx + b * n * 4, n, diag);
+    return;
+  }
+  if constexpr (W == 8) {
+    for (int64_t b = lo; b < hi; ++b) Backward8(x + b * n * 8, g + b * p, dx + b * n * 8, n, diag);
     return;
   }
 #endif
