@@ -26,7 +26,9 @@
 #include <string>
 #include <vector>
 
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 
 #include "native.h"
 #include "xla/ffi/api/ffi.h"
