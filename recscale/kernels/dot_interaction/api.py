@@ -25,12 +25,14 @@ from recscale.kernels.dot_interaction import pallas_gpu, pallas_tpu, reference
 OP = "dot_interaction"
 _KERNELS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
-CPU_AUTO_WIDTHS = frozenset({4})
-"""The widths ``D`` at which ``auto`` runs the C++ kernel on a CPU with AVX-512: measured faster
-there in the whole training step (the study's d2, D = 4: 1.37x at batch 256, 1.45x at 1,024,
-``benchmarks/step_overhead.py --dot-interaction xla cpu_ffi``), where its backward takes four
-pairs per AVX-512 register. Other widths measured mixed on the op alone (fwd+bwd, N = 27,
-B = 1,024: D = 16 1.67x, 128 1.63x, but 8 0.93x, 10 0.50x, 32 0.78x) and keep XLA."""
+CPU_AUTO_WIDTHS = frozenset({4, 8, 16})
+"""The widths ``D`` at which ``auto`` runs the C++ kernel on a CPU with AVX-512: faster there in
+the whole training step, every round (``benchmarks/step_overhead.py --rungs d2 d3 d5 d8 w1
+--batch 256 1024 --dot-interaction xla cpu_ffi``, 2 shared cores, medians of 3 alternating
+rounds): the study's d2 (D = 4) 1.39x at batch 256 and 1.70x at 1,024, d3 (D = 8) 1.30x / 1.44x,
+d5 (D = 16) 1.13x / 1.23x. d8 (D = 32) measured even (1.02x at 1,024) and keeps XLA, as do
+widths not measured in a step (the generic loop, e.g. D = 10, ran 0.4-0.8x XLA on the op
+alone)."""
 
 
 @functools.cache
@@ -44,7 +46,8 @@ def _has_avx512() -> bool:
 
 def cpu_auto_choice(shape: tuple[int, ...], dtype) -> str:
     """What ``auto`` plans on CPU for ``x`` of ``shape``/``dtype``: ``cpu_ffi`` for float32 at
-    a width in :data:`CPU_AUTO_WIDTHS` on an AVX-512 CPU, else ``xla``."""
+    a width in :data:`CPU_AUTO_WIDTHS` on an AVX-512 CPU (the widths' AVX-512 loops are what
+    was measured), else ``xla``."""
     if jnp.dtype(dtype) == jnp.float32 and shape[2] in CPU_AUTO_WIDTHS and _has_avx512():
         return "cpu_ffi"
     return "xla"

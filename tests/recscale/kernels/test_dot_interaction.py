@@ -168,8 +168,8 @@ def test_cpu_kernel_matches_reference_over_awkward_shapes(d, self_interaction):
 
 
 def test_auto_on_cpu_picks_the_cpu_kernel_for_float32_at_measured_widths(monkeypatch):
-    """``auto`` on CPU runs the C++ kernel for float32 at D = 4 on an AVX-512 CPU when it
-    built, and XLA for other dtypes and widths, counting nothing as a fallback."""
+    """``auto`` on CPU runs the C++ kernel for float32 at D = 4, 8 and 16 on an AVX-512 CPU when
+    it built, and XLA for other dtypes and widths, counting nothing as a fallback."""
     calls = []
 
     def fake(x, self_interaction):
@@ -178,17 +178,21 @@ def test_auto_on_cpu_picks_the_cpu_kernel_for_float32_at_measured_widths(monkeyp
 
     monkeypatch.setattr(api, "_cpu_ffi", fake)
     before = collections.Counter(common.FALLBACKS)
-    for d, dtype in [(4, jnp.float32), (4, jnp.bfloat16), (8, jnp.float32), (10, jnp.float32)]:
+    widths = [(4, jnp.float32), (4, jnp.bfloat16), (8, jnp.float32), (10, jnp.float32)]
+    widths += [(16, jnp.float32), (32, jnp.float32)]
+    for d, dtype in widths:
         api.dot_interaction(jnp.ones((4, 5, d), dtype), impl="auto")
     picked = api._has_avx512() and cpu_ffi.available()
-    assert calls == ([(jnp.dtype(jnp.float32), 4)] if picked else [])
+    f32 = jnp.dtype(jnp.float32)
+    assert calls == ([(f32, 4), (f32, 8), (f32, 16)] if picked else [])
     assert common.FALLBACKS == before
     monkeypatch.setattr(api, "_has_avx512", lambda: False)
     assert api.cpu_auto_choice((4, 5, 4), jnp.float32) == "xla"
     monkeypatch.setattr(api, "_has_avx512", lambda: True)
     assert api.cpu_auto_choice((4, 5, 4), jnp.float32) == "cpu_ffi"
     assert api.cpu_auto_choice((4, 5, 4), jnp.float16) == "xla"
-    assert api.cpu_auto_choice((4, 5, 16), jnp.float32) == "xla"
+    assert api.cpu_auto_choice((4, 5, 16), jnp.float32) == "cpu_ffi"
+    assert api.cpu_auto_choice((4, 5, 32), jnp.float32) == "xla"
 
 
 @pytest.mark.parametrize("self_interaction", [False, True])
