@@ -26,6 +26,12 @@ temporary folder, and each rung's ``single`` step is timed at every ``--batch`` 
 process of this script run on that tree (before) and on this one (after), alternating,
 ``--rounds`` times; prints the median and best microseconds per example of each side and their
 ratio. E.g. ``python benchmarks/step_overhead.py --against HEAD~3 --batch 256 1024``.
+
+``--dot-interaction xla cpu_ffi``: each rung's ``single`` step with ``kernels.dot_interaction``
+set to each implementation in turn, in this process, alternating ``--rounds`` times (each round
+times every implementation once, best of three timings of ``--reps`` passes); prints the median
+microseconds per example of each and their ratio to the first. E.g. ``python
+benchmarks/step_overhead.py --rungs d2 w1 --batch 256 1024 --dot-interaction xla cpu_ffi``.
 """
 
 from __future__ import annotations
@@ -116,21 +122,24 @@ def _count(compiled_text: str) -> int:
     return sum(1 for m in ops if m and m.group(1) not in skip)
 
 
-def _build(rung: str, batch: int, sharding_mode: str):
+def _build(rung: str, batch: int, sharding_mode: str, kernels: dict | None = None):
     """The trial of ``rung`` at ``batch`` (its config, ``embeddings.sharding`` set unless
-    ``study``) and its model family."""
+    ``study``, ``kernels`` entries overridden) and its model family."""
     t = study.trial_per_rung(batch)[rung]
     family = families.by_package(t.package)
     raw = json.loads(json.dumps(t.config))
     if sharding_mode != "study":
         raw["embeddings"]["sharding"] = sharding_mode
+    raw.setdefault("kernels", {}).update(kernels or {})
     return t, family, config_lib.from_dict(family.config_cls, raw)
 
 
-def _single_us(rung: str, batch: int, k: int, reps: int, sharding_mode: str) -> float:
+def _single_us(
+    rung: str, batch: int, k: int, reps: int, sharding_mode: str, kernels: dict | None = None
+) -> float:
     """Microseconds per example of the trainer's step (best of three timings of ``reps``
     passes over ``k`` prepared batches)."""
-    _, family, cfg = _build(rung, batch, sharding_mode)
+    _, family, cfg = _build(rung, batch, sharding_mode, kernels)
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh):
         exp = experiment.Experiment.build(cfg, family.build_model)
@@ -223,6 +232,32 @@ def _against(args) -> None:
             )
 
 
+def _dot_impls(args) -> None:
+    """The ``single`` step with each ``--dot-interaction`` implementation, alternating."""
+    us: dict = collections.defaultdict(list)
+    for r in range(args.rounds):
+        for batch in args.batch:
+            for rung in args.rungs:
+                for impl in args.dot_interaction:
+                    kernels = {"dot_interaction": impl}
+                    u = _single_us(rung, batch, args.k, args.reps, args.sharding, kernels)
+                    us[(rung, batch, impl)].append(u)
+                    print(f"  round {r}: {rung} batch {batch} {impl}: {u:.3f} us/example")
+    base = args.dot_interaction[0]
+    print(f"\nus per example, median (best) of {args.rounds} alternating rounds:")
+    print("| rung | batch | dot_interaction | us/example | " + base + " / it |")
+    print("|---|---:|---|---:|---:|")
+    for rung in args.rungs:
+        for batch in args.batch:
+            m0 = statistics.median(us[(rung, batch, base)])
+            for impl in args.dot_interaction:
+                u = us[(rung, batch, impl)]
+                print(
+                    f"| {rung} | {batch} | {impl} | {statistics.median(u):.3f} ({min(u):.3f}) "
+                    f"| {m0 / statistics.median(u):.2f}x |"
+                )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rungs", nargs="+", default=["d2", "w1"])
@@ -232,12 +267,15 @@ def main() -> None:
     ap.add_argument("--sharding", choices=("study", "off", "auto"), default="study")
     ap.add_argument("--profile", action="store_true", help="where a step's time goes")
     ap.add_argument("--against", metavar="REV", help="before (REV) / after (this tree)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternations of --against")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations (--against, --dot-...)")
+    ap.add_argument("--dot-interaction", nargs="+", metavar="IMPL", help="time each, alternating")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.against:
         return _against(args)
+    if args.dot_interaction:
+        return _dot_impls(args)
     for batch in args.batch:
         for rung in args.rungs:
             if args.child:

@@ -311,18 +311,18 @@ KernelImpl = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
     """Which implementation runs each hot op (``recscale/kernels/<op>/api.py``). ``auto``: on
-    CPU the fastest path (XLA; the C++ kernels for multi-id embedding bags), on GPU and TPU the
-    Pallas kernel if it is verified on that hardware (``recscale.kernels.common
-    .HARDWARE_VERIFIED``), else XLA; ``xla``: the plain-jnp reference; ``pallas_gpu`` /
-    ``pallas_tpu``: that kernel (on another backend in Pallas interpret mode: for tests, slow).
-    A kernel that does not support a call's shape or dtype falls back to the reference and
-    says so."""
+    CPU the fastest path (XLA; the C++ kernels for multi-id embedding bags and for float32 dot
+    interactions of width 4, 8 or 16 on AVX-512 CPUs), on GPU and TPU the Pallas kernel if it is
+    verified on that hardware (``recscale.kernels.common.HARDWARE_VERIFIED``), else XLA;
+    ``xla``: the plain-jnp reference; ``pallas_gpu`` / ``pallas_tpu``: that kernel (on another
+    backend in Pallas interpret mode: for tests, slow). A kernel that does not support a call's
+    shape or dtype falls back to the reference and says so."""
 
     embedding_bag: Literal["auto", "xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"] = "auto"
     """Pooled lookups of the embedding engine (``embeddings.sharding`` not ``off``)."""
     embedding_update: Literal["auto", "xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"] = "auto"
     """The engine's backward fused with the SGD / row-wise Adagrad row update."""
-    dot_interaction: KernelImpl = "auto"
+    dot_interaction: Literal["auto", "xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"] = "auto"
     """DLRM's dot interaction (lower triangle of X·Xᵀ)."""
     fm_interaction: KernelImpl = "auto"
     """Wukong's FMB core X·(Xᵀ·Y)."""

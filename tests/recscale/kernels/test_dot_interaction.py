@@ -22,10 +22,10 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from recscale.kernels import common
-from recscale.kernels.dot_interaction import api, pallas_gpu, pallas_tpu, reference
+from recscale.kernels.dot_interaction import api, cpu_ffi, pallas_gpu, pallas_tpu, reference
 
 OP = "dot_interaction"
-IMPLS = ["xla", "pallas_gpu", "pallas_tpu"]
+IMPLS = ["xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"]
 BS, NS, DS = (3, 16), (2, 5, 27), (4, 16, 128)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -97,10 +97,15 @@ def test_matches_reference(impl, b, n, d, dtype, self_interaction):
         out, vjp = jax.vjp(f, x)
         return out, vjp(g)[0]
 
+    if impl == "cpu_ffi" and not cpu_ffi.available():
+        pytest.skip("the C++ kernel did not build here")
     before = _fallbacks(impl)
     out, dx = run(x, g)
-    # the kernel itself ran: only Mosaic TPU's missing float16 is an expected fallback
-    falls_back = impl == "pallas_tpu" and jnp.dtype(dtype) == jnp.float16
+    # the kernel itself ran: only Mosaic TPU's missing float16 and the C++ kernel's non-float32
+    # are expected fallbacks
+    falls_back = (impl == "pallas_tpu" and jnp.dtype(dtype) == jnp.float16) or (
+        impl == "cpu_ffi" and jnp.dtype(dtype) != jnp.float32
+    )
     assert _fallbacks(impl) - before == int(falls_back)
     want, dwant = _oracle(x, g, self_interaction)
     assert out.shape == want.shape and out.dtype == x.dtype
@@ -135,6 +140,61 @@ def test_kernels_over_several_blocks(kernels, interpret, block_b, b):
     np.testing.assert_allclose(dx, dwant, **common.tolerance(jnp.float32))
 
 
+# Widths around the kernel's compile-time ones (4 ... 128) and its 16-column chunks.
+CPU_WIDTHS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 130)
+
+
+@pytest.mark.parametrize("self_interaction", [False, True])
+@pytest.mark.parametrize("d", CPU_WIDTHS)
+def test_cpu_kernel_matches_reference_over_awkward_shapes(d, self_interaction):
+    """B = 1 and odd N, N across the 16-column chunks (15, 16, 17, 33), N = 1 with the
+    diagonal; every width from the compile-time ones to the generic loop."""
+    if not cpu_ffi.available():
+        pytest.skip("the C++ kernel did not build here")
+    shapes = [(1, 27), (3, 5), (2, 16), (2, 17), (1, 33), (4, 2)]
+    if self_interaction:
+        shapes.append((3, 1))
+    f = functools.partial(api.dot_interaction, self_interaction=self_interaction, impl="cpu_ffi")
+    before = _fallbacks("cpu_ffi")
+    for b, n in shapes:
+        x, g = _inputs(b, n, d, jnp.float32, self_interaction, seed=d)
+        out, vjp = jax.vjp(f, x)
+        dx = vjp(g)[0]
+        want, dwant = _oracle(x, g, self_interaction)
+        assert out.shape == want.shape and out.dtype == jnp.float32
+        np.testing.assert_allclose(out, want, **common.tolerance(jnp.float32), err_msg=(b, n))
+        np.testing.assert_allclose(dx, dwant, **common.tolerance(jnp.float32), err_msg=(b, n))
+    assert _fallbacks("cpu_ffi") == before
+
+
+def test_auto_on_cpu_picks_the_cpu_kernel_for_float32_at_measured_widths(monkeypatch):
+    """``auto`` on CPU runs the C++ kernel for float32 at D = 4, 8 and 16 on an AVX-512 CPU when
+    it built, and XLA for other dtypes and widths, counting nothing as a fallback."""
+    calls = []
+
+    def fake(x, self_interaction):
+        calls.append((x.dtype, x.shape[2]))
+        return reference.dot_interaction(x, self_interaction=self_interaction)
+
+    monkeypatch.setattr(api, "_cpu_ffi", fake)
+    before = collections.Counter(common.FALLBACKS)
+    widths = [(4, jnp.float32), (4, jnp.bfloat16), (8, jnp.float32), (10, jnp.float32)]
+    widths += [(16, jnp.float32), (32, jnp.float32)]
+    for d, dtype in widths:
+        api.dot_interaction(jnp.ones((4, 5, d), dtype), impl="auto")
+    picked = api._has_avx512() and cpu_ffi.available()
+    f32 = jnp.dtype(jnp.float32)
+    assert calls == ([(f32, 4), (f32, 8), (f32, 16)] if picked else [])
+    assert common.FALLBACKS == before
+    monkeypatch.setattr(api, "_has_avx512", lambda: False)
+    assert api.cpu_auto_choice((4, 5, 4), jnp.float32) == "xla"
+    monkeypatch.setattr(api, "_has_avx512", lambda: True)
+    assert api.cpu_auto_choice((4, 5, 4), jnp.float32) == "cpu_ffi"
+    assert api.cpu_auto_choice((4, 5, 4), jnp.float16) == "xla"
+    assert api.cpu_auto_choice((4, 5, 16), jnp.float32) == "cpu_ffi"
+    assert api.cpu_auto_choice((4, 5, 32), jnp.float32) == "xla"
+
+
 @pytest.mark.parametrize("self_interaction", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 6])
 def test_reference_matches_the_gather_formula(n, self_interaction):
@@ -161,6 +221,8 @@ def test_reference_matches_the_gather_formula(n, self_interaction):
         ("pallas_gpu", (2, 129, 4), jnp.float32, False, "N=129"),
         ("pallas_gpu", (3, 1, 8), jnp.float32, False, "no pairs"),
         ("pallas_tpu", (3, 1, 8), jnp.bfloat16, False, "no pairs"),
+        ("cpu_ffi", (3, 5, 8), jnp.bfloat16, False, "float32"),
+        ("cpu_ffi", (3, 1, 8), jnp.float32, False, "no pairs"),
     ],
 )
 def test_unsupported_calls_fall_back(impl, shape, dtype, self_interaction, reason):
