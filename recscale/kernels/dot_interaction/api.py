@@ -119,9 +119,33 @@ def _cpu_ffi_fwd(x_bnd, self_interaction):
 
 
 def _cpu_ffi_bwd(self_interaction, x_bnd, g_bp):
+    return (_cpu_ffi_grad(x_bnd, g_bp.astype(x_bnd.dtype), self_interaction),)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cpu_ffi_grad(x_bnd: jax.Array, g_bp: jax.Array, self_interaction: bool) -> jax.Array:
+    """The C++ backward, itself differentiable (a gradient of the gradient: Hessian-vector
+    products in ``analysis.curvature`` and ``optim.hessian_free``) through the reference's."""
     from recscale.kernels.dot_interaction import cpu_ffi  # noqa: PLC0415
 
-    return (cpu_ffi.backward(x_bnd, g_bp.astype(x_bnd.dtype)),)
+    return cpu_ffi.backward(x_bnd, g_bp)
+
+
+def _reference_grad(x_bnd, g_bp, self_interaction):
+    pull = jax.vjp(lambda x: reference.dot_interaction(x, self_interaction=self_interaction), x_bnd)
+    return pull[1](g_bp)[0]
+
+
+def _cpu_ffi_grad_fwd(x_bnd, g_bp, self_interaction):
+    return _cpu_ffi_grad(x_bnd, g_bp, self_interaction), (x_bnd, g_bp)
+
+
+def _cpu_ffi_grad_bwd(self_interaction, res, ct):
+    _, pull = jax.vjp(lambda x, g: _reference_grad(x, g, self_interaction), *res)
+    return pull(ct)
+
+
+_cpu_ffi_grad.defvjp(_cpu_ffi_grad_fwd, _cpu_ffi_grad_bwd)
 
 
 _cpu_ffi.defvjp(_cpu_ffi_fwd, _cpu_ffi_bwd)

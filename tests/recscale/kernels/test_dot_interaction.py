@@ -297,3 +297,21 @@ def test_lower_triangle_and_its_gradient_equal_the_gather(diagonal):
     got = jax.vjp(lambda x: reference.lower_triangle(x, diagonal), z)[1](g)[0]
     want = jax.vjp(lambda x: x[:, li, lj], z)[1](g)[0]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_cpu_kernel_is_differentiable_twice(self_interaction):
+    """Hessian-vector products (``analysis.curvature``, ``optim.hessian_free``) take a gradient of
+    the gradient: through the C++ backward they equal the reference's."""
+    if not cpu_ffi.available():
+        pytest.skip("the C++ kernel did not build here")
+    x = jax.random.normal(jax.random.key(0), (6, 5, 4), jnp.float32)
+    v = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+
+    def hvp(impl):
+        f = functools.partial(api.dot_interaction, self_interaction=self_interaction, impl=impl)
+        loss = lambda y: jnp.sum(jnp.sin(f(y)))  # noqa: E731
+        return jax.grad(lambda y: jnp.vdot(jax.grad(loss)(y), v))(x)
+
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(hvp("cpu_ffi"), hvp("xla"), rtol=1e-5, atol=1e-5)
