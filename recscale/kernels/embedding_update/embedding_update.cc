@@ -20,9 +20,10 @@
 // sums a row's gradients where the row is first seen (a row -> index map kept across calls,
 // reset after each), so a row's repeats are summed in (s, b, h) order and the bags' gradients
 // are read in order; then it radix-sorts its distinct rows and updates them in address order
-// (as FBGEMM does). Rows of width 32 and more instead radix-sort the thread's (row, bag) pairs
-// and sum each row's run of pairs into one row (UpdateRowsSorted: the first-seen sums' scratch of
-// [distinct rows, w] is then too large to write and re-read at random). Both give the same bits.
+// (as FBGEMM does). Where the first-seen sums' scratch ([distinct rows, w]) would exceed 32 MiB
+// (wide rows, many ids), writing and re-reading it at random costs more than sorting: each thread
+// then radix-sorts its (row, bag) pairs and sums each row's run of pairs into one cache-resident
+// row (UpdateRowsSorted). Both paths give the same bits.
 // Rows of width 4 to 128 (powers of two) run loops of compile-time width.
 // Tables of 8 MiB and more are backed by transparent huge pages (UseHugePages, native.h).
 
@@ -45,9 +46,12 @@ namespace {
 // faster than two.
 constexpr int64_t kPairsPerThread = int64_t{1} << 18;
 
-// Rows this wide and wider take the sorted path (UpdateRowsSorted), split over threads from
-// 4,096 slots a thread: at width 64 and 128 its work per slot is the rows', not the sort's.
-constexpr int64_t kSortedMinWidth = 32;
+// Calls whose first-seen sums would need a scratch of more than this many bytes ([distinct rows,
+// w] floats, bounded by min(slots, rows)) take the sorted path (UpdateRowsSorted) instead, split
+// over threads from 4,096 slots a thread: measured on the 2-core VM, width 64 with 20 ids a bag
+// (272 MiB of scratch) 1.8x faster sorted, width 128 with one id (109 MiB) ~1.1x; width 64 with
+// one id at batch 2048 (14 MiB) and the study's width 4 (2 MiB) faster first-seen.
+constexpr int64_t kFirstSeenMaxScratch = int64_t{32} << 20;
 constexpr int64_t kSortedPairsPerThread = 4096;
 
 // Scratch kept across calls, so that no call page-faults fresh memory in. `pos[r]` is row r's
@@ -336,7 +340,8 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
 
   Workspace& ws = GetWorkspace();
   std::lock_guard<std::mutex> lock(ws.mu);
-  const bool sorted = w >= kSortedMinWidth;
+  const bool sorted = std::min<int64_t>(a.nbags * a.h, rows) * w * int64_t{sizeof(float)} >
+                      kFirstSeenMaxScratch;
   a.threads = static_cast<int>(std::min<int64_t>(
       NumThreads(),
       std::max<int64_t>(1, a.nbags * a.h / (sorted ? kSortedPairsPerThread : kPairsPerThread))));
@@ -362,6 +367,9 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
       case 4: return UpdateRows<4>(a, ts, t, w, u, g);
       case 8: return UpdateRows<8>(a, ts, t, w, u, g);
       case 16: return UpdateRows<16>(a, ts, t, w, u, g);
+      case 32: return UpdateRows<32>(a, ts, t, w, u, g);
+      case 64: return UpdateRows<64>(a, ts, t, w, u, g);
+      case 128: return UpdateRows<128>(a, ts, t, w, u, g);
       default: return UpdateRows<0>(a, ts, t, w, u, g);
     }
   });
