@@ -20,7 +20,11 @@
 // sums a row's gradients where the row is first seen (a row -> index map kept across calls,
 // reset after each), so a row's repeats are summed in (s, b, h) order and the bags' gradients
 // are read in order; then it radix-sorts its distinct rows and updates them in address order
-// (as FBGEMM does). Rows of width 4 to 128 (powers of two) run loops of compile-time width.
+// (as FBGEMM does). Where the first-seen sums' scratch ([distinct rows, w]) would exceed 32 MiB
+// (wide rows, many ids), writing and re-reading it at random costs more than sorting: each thread
+// then radix-sorts its (row, bag) pairs and sums each row's run of pairs into one cache-resident
+// row (UpdateRowsSorted). Both paths give the same bits.
+// Rows of width 4 to 128 (powers of two) run loops of compile-time width.
 // Tables of 8 MiB and more are backed by transparent huge pages (UseHugePages, native.h).
 
 #include <algorithm>
@@ -41,6 +45,14 @@ namespace {
 // Measured on the 2-core VM at a study model's batch (133k slots, width 4): one thread 1.8-3x
 // faster than two.
 constexpr int64_t kPairsPerThread = int64_t{1} << 18;
+
+// Calls whose first-seen sums would need a scratch of more than this many bytes ([distinct rows,
+// w] floats, bounded by min(slots, rows)) take the sorted path (UpdateRowsSorted) instead, split
+// over threads from 4,096 slots a thread: measured on the 2-core VM, width 64 with 20 ids a bag
+// (272 MiB of scratch) 1.8x faster sorted, width 128 with one id (109 MiB) ~1.1x; width 64 with
+// one id at batch 2048 (14 MiB) and the study's width 4 (2 MiB) faster first-seen.
+constexpr int64_t kFirstSeenMaxScratch = int64_t{32} << 20;
+constexpr int64_t kSortedPairsPerThread = 4096;
 
 // Scratch kept across calls, so that no call page-faults fresh memory in. `pos[r]` is row r's
 // index among the distinct rows of the call in progress (-1: none); every call resets the entries
@@ -132,6 +144,54 @@ struct Args {
   bool adagrad;
 };
 
+// One distinct row r: its summed gradient gr (c pairs read it, the first in bag `first_bag`),
+// the row's L2 and CowClip, then the optimizer; adds to the sums of squared updates and row
+// gradients. W as in UpdateRows.
+template <int64_t W>
+inline void UpdateRow(const Args& a, int32_t r, float* gr, int64_t w_runtime, int32_t c,
+                      int64_t first_bag, double* usq, double* gsq) {
+  const int64_t w = W > 0 ? W : w_runtime;
+  float sq = SumSquares(gr, w);
+  *gsq += sq;  // the statistic is the row gradient's, before the L2 and the clip
+  bool touched = AnyNonzero(gr, w);
+  float* row = a.table + static_cast<int64_t>(r) * w;
+  if (a.clip_ratio > 0.0f) {
+    // g += row_l2 * t, then g *= min(1, c * max(ratio * |t|, min_norm) / |g|), c the row's
+    // pairs (reference.clip_rows)
+    float t2 = 0.0f;
+    AddL2AndSumSquares(gr, row, w, a.row_l2, &sq, &t2);
+    const float count = static_cast<float>(c);
+    const float limit = count * std::max(a.clip_ratio * std::sqrt(t2), a.clip_min_norm);
+    const float norm = std::sqrt(sq);
+    if (norm > limit) {
+      const float s = limit / norm;
+      for (int64_t d = 0; d < w; ++d) gr[d] *= s;
+      if (a.adagrad) sq = SumSquares(gr, w);
+    }
+    if (a.adagrad) touched = AnyNonzero(gr, w);
+  } else if (a.row_l2 != 0.0f) {  // g += row_l2 * t alone
+    for (int64_t d = 0; d < w; ++d) gr[d] += a.row_l2 * row[d];
+    if (a.adagrad) {
+      sq = SumSquares(gr, w);
+      touched = AnyNonzero(gr, w);
+    }
+  }
+  float scale = -a.lr;
+  if (a.adagrad) {
+    const float acc = a.accum[r] + sq / static_cast<float>(a.tdim[first_bag / a.batch]);
+    a.accum[r] = acc;
+    if (!touched) return;
+    scale = -a.lr / (std::sqrt(acc) + a.eps);
+  }
+  double u = *usq;  // continues the running sum (the same order of additions)
+  for (int64_t d = 0; d < w; ++d) {
+    const float up = scale * gr[d];
+    row[d] += up;
+    u += static_cast<double>(up) * up;
+  }
+  *usq = u;
+}
+
 // Thread t's rows (r % threads == t): returns the sums of squared updates and row gradients.
 // W > 0: the width as a compile-time constant (the row loops unrolled and vectorized), else w.
 template <int64_t W>
@@ -178,7 +238,6 @@ void UpdateRows(const Args& a, ThreadScratch& ts, int t, int64_t w_runtime, doub
   }
   RadixSortByRow(ts.order, ts.tmp, a.bits);
   // 3. Per row: the row's L2 and CowClip, then the optimizer.
-  const bool clips = a.clip_ratio > 0.0f;
   constexpr int64_t kAhead = 8;  // prefetch distance: rows are random reads, latency-bound
   double usq = 0.0, gsq = 0.0;
   for (int32_t i = 0; i < n; ++i) {
@@ -188,45 +247,54 @@ void UpdateRows(const Args& a, ThreadScratch& ts, int t, int64_t w_runtime, doub
       if (a.adagrad) __builtin_prefetch(a.accum + ahead, 1);
     }
     const int32_t p = static_cast<int32_t>(ts.order[i] & 0xffffffffu);
-    const int32_t r = ts.row[p];
-    float* gr = grad + static_cast<int64_t>(p) * w;
-    float sq = SumSquares(gr, w);
-    gsq += sq;  // the statistic is the row gradient's, before the L2 and the clip
-    bool touched = AnyNonzero(gr, w);
-    float* row = a.table + static_cast<int64_t>(r) * w;
-    if (clips) {
-      // g += row_l2 * t, then g *= min(1, c * max(ratio * |t|, min_norm) / |g|), c the row's
-      // pairs (reference.clip_rows)
-      float t2 = 0.0f;
-      AddL2AndSumSquares(gr, row, w, a.row_l2, &sq, &t2);
-      const float count = static_cast<float>(ts.count[p]);
-      const float limit = count * std::max(a.clip_ratio * std::sqrt(t2), a.clip_min_norm);
-      const float norm = std::sqrt(sq);
-      if (norm > limit) {
-        const float s = limit / norm;
-        for (int64_t d = 0; d < w; ++d) gr[d] *= s;
-        if (a.adagrad) sq = SumSquares(gr, w);
+    UpdateRow<W>(a, ts.row[p], grad + static_cast<int64_t>(p) * w, w, ts.count[p], ts.first[p],
+                 &usq, &gsq);
+  }
+  *upd_sq = usq;
+  *grad_sq = gsq;
+}
+
+// Thread t's rows as UpdateRows, for wide rows: the thread's (row, bag) pairs radix-sorted by
+// row (stably: a row's repeats stay in (s, b, h) order), as FBGEMM's CPU kernels do, so each
+// row's gradient is a run of pairs summed into one cache-resident row. Summing where first seen
+// instead writes and re-reads a [distinct rows, w] scratch at random: at width 64 and 20 ids a
+// bag that is hundreds of MiB, where this reads only the bags' gradients (half the time).
+template <int64_t W>
+void UpdateRowsSorted(const Args& a, ThreadScratch& ts, int t, int64_t w_runtime,
+                      double* upd_sq, double* grad_sq) {
+  const int64_t w = W > 0 ? W : w_runtime;
+  std::vector<uint64_t>& e = ts.order;
+  e.clear();
+  for (int64_t bag = 0; bag < a.nbags; ++bag) {
+    const int32_t* ids = a.keys + bag * a.h;
+    for (int64_t j = 0; j < a.h; ++j) {
+      const int32_t r = ids[j];
+      if (r >= 0 && r < a.rows && r % a.threads == t) {
+        e.push_back((static_cast<uint64_t>(r) << 32) | static_cast<uint32_t>(bag));
       }
-      if (a.adagrad) touched = AnyNonzero(gr, w);
-    } else if (a.row_l2 != 0.0f) {  // g += row_l2 * t alone
-      for (int64_t d = 0; d < w; ++d) gr[d] += a.row_l2 * row[d];
-      if (a.adagrad) {
-        sq = SumSquares(gr, w);
-        touched = AnyNonzero(gr, w);
+    }
+  }
+  RadixSortByRow(e, ts.tmp, a.bits);
+  const int64_t n = static_cast<int64_t>(e.size());
+  if (static_cast<int64_t>(ts.grad.size()) < w) ts.grad.resize(w);
+  float* gr = ts.grad.data();
+  constexpr int64_t kAhead = 16;  // prefetch distance: rows are random reads, latency-bound
+  double usq = 0.0, gsq = 0.0;
+  for (int64_t i = 0; i < n;) {
+    const int32_t r = static_cast<int32_t>(e[i] >> 32);
+    const int64_t first_bag = static_cast<int64_t>(e[i] & 0xffffffffu);
+    const int64_t first = i;
+    for (int64_t d = 0; d < w; ++d) gr[d] = 0.0f;
+    for (; i < n && static_cast<int32_t>(e[i] >> 32) == r; ++i) {
+      if (i + kAhead < n) {
+        const int64_t ahead = static_cast<int64_t>(e[i + kAhead] >> 32);
+        PrefetchRow(a.table + ahead * w, w, 1);
+        if (a.adagrad) __builtin_prefetch(a.accum + ahead, 1);
       }
+      const float* src = a.grad + static_cast<int64_t>(e[i] & 0xffffffffu) * w;
+      for (int64_t d = 0; d < w; ++d) gr[d] += src[d];
     }
-    float scale = -a.lr;
-    if (a.adagrad) {
-      const float acc = a.accum[r] + sq / static_cast<float>(a.tdim[ts.first[p] / a.batch]);
-      a.accum[r] = acc;
-      if (!touched) continue;
-      scale = -a.lr / (std::sqrt(acc) + a.eps);
-    }
-    for (int64_t d = 0; d < w; ++d) {
-      const float up = scale * gr[d];
-      row[d] += up;
-      usq += static_cast<double>(up) * up;
-    }
+    UpdateRow<W>(a, r, gr, w, static_cast<int32_t>(i - first), first_bag, &usq, &gsq);
   }
   *upd_sq = usq;
   *grad_sq = gsq;
@@ -272,24 +340,37 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
 
   Workspace& ws = GetWorkspace();
   std::lock_guard<std::mutex> lock(ws.mu);
-  a.threads = static_cast<int>(
-      std::min<int64_t>(NumThreads(), std::max<int64_t>(1, a.nbags * a.h / kPairsPerThread)));
+  const bool sorted = std::min<int64_t>(a.nbags * a.h, rows) * w * int64_t{sizeof(float)} >
+                      kFirstSeenMaxScratch;
+  a.threads = static_cast<int>(std::min<int64_t>(
+      NumThreads(),
+      std::max<int64_t>(1, a.nbags * a.h / (sorted ? kSortedPairsPerThread : kPairsPerThread))));
   if (static_cast<int>(ws.threads.size()) < a.threads) ws.threads.resize(a.threads);
-  if (static_cast<int64_t>(ws.pos.size()) < rows) ws.pos.resize(rows, -1);
+  if (!sorted && static_cast<int64_t>(ws.pos.size()) < rows) ws.pos.resize(rows, -1);
   a.pos = ws.pos.data();
   a.bits = 1;
   while (a.bits < 31 && (int64_t{1} << a.bits) < rows) ++a.bits;
   std::vector<double> upd_sq(a.threads, 0.0), grad_sq(a.threads, 0.0);
   ParallelFor(a.threads, [&](int t) {
     ThreadScratch& ts = ws.threads[t];
+    double* u = &upd_sq[t];
+    double* g = &grad_sq[t];
+    if (sorted) {
+      switch (w) {
+        case 32: return UpdateRowsSorted<32>(a, ts, t, w, u, g);
+        case 64: return UpdateRowsSorted<64>(a, ts, t, w, u, g);
+        case 128: return UpdateRowsSorted<128>(a, ts, t, w, u, g);
+        default: return UpdateRowsSorted<0>(a, ts, t, w, u, g);
+      }
+    }
     switch (w) {
-      case 4: return UpdateRows<4>(a, ts, t, w, &upd_sq[t], &grad_sq[t]);
-      case 8: return UpdateRows<8>(a, ts, t, w, &upd_sq[t], &grad_sq[t]);
-      case 16: return UpdateRows<16>(a, ts, t, w, &upd_sq[t], &grad_sq[t]);
-      case 32: return UpdateRows<32>(a, ts, t, w, &upd_sq[t], &grad_sq[t]);
-      case 64: return UpdateRows<64>(a, ts, t, w, &upd_sq[t], &grad_sq[t]);
-      case 128: return UpdateRows<128>(a, ts, t, w, &upd_sq[t], &grad_sq[t]);
-      default: return UpdateRows<0>(a, ts, t, w, &upd_sq[t], &grad_sq[t]);
+      case 4: return UpdateRows<4>(a, ts, t, w, u, g);
+      case 8: return UpdateRows<8>(a, ts, t, w, u, g);
+      case 16: return UpdateRows<16>(a, ts, t, w, u, g);
+      case 32: return UpdateRows<32>(a, ts, t, w, u, g);
+      case 64: return UpdateRows<64>(a, ts, t, w, u, g);
+      case 128: return UpdateRows<128>(a, ts, t, w, u, g);
+      default: return UpdateRows<0>(a, ts, t, w, u, g);
     }
   });
   double usq = 0.0, gsq = 0.0;
