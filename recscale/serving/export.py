@@ -479,6 +479,25 @@ def _swap_in(tmp: Path, out: Path, replace: bool) -> None:
     shutil.rmtree(old)  # the artifact _check_replaceable recognised, in the folder made for it
 
 
+def manifest_inputs(schema) -> dict:
+    """The manifest's ``inputs``: what a request carries (dense names, each feature's table,
+    vocabulary and bag size, the padding id), as the loader (``runtime.Model``) reads it."""
+    return {
+        "dense": list(schema.dense_names),
+        "features": [
+            {
+                "name": f.name,
+                "table": f.table_name,
+                "vocab_size": f.vocab_size,
+                "max_hotness": f.max_hotness,
+            }
+            for f in schema.features
+        ],
+        "max_hotness": schema.max_hotness,
+        "pad_id": -1,
+    }
+
+
 def export_workdir(
     config_cls: type, build_model: BuildModel, args: ExportArgs, family: str = "", log=None
 ) -> dict:
@@ -541,20 +560,7 @@ def export_workdir(
             "eval_path": cfg.data.eval_path,
         },
         "platforms": list(args.platforms),
-        "inputs": {
-            "dense": list(schema.dense_names),
-            "features": [
-                {
-                    "name": f.name,
-                    "table": f.table_name,
-                    "vocab_size": f.vocab_size,
-                    "max_hotness": f.max_hotness,
-                }
-                for f in schema.features
-            ],
-            "max_hotness": schema.max_hotness,
-            "pad_id": -1,
-        },
+        "inputs": manifest_inputs(schema),
         "output": "probability of a positive label, float32 [B]",
         "tables": {
             n: {"precision": precisions[n], "dim": dims[n], "bytes": table_bytes[n]} for n in names

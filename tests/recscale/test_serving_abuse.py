@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from recscale.serving import rows as rows_lib
+from recscale.serving.export import manifest_inputs
 from recscale.serving.runtime import FORMAT, Model
 
 
@@ -79,20 +80,7 @@ def art(tmp_path_factory):
     np.savez(out / "vocab.npz", **arrays)
     manifest = {
         "format": FORMAT,
-        "inputs": {
-            "dense": list(schema.dense_names),
-            "features": [
-                {
-                    "name": f.name,
-                    "table": f.table_name,
-                    "vocab_size": f.vocab_size,
-                    "max_hotness": f.max_hotness,
-                }
-                for f in schema.features
-            ],
-            "max_hotness": schema.max_hotness,
-            "pad_id": -1,
-        },
+        "inputs": manifest_inputs(schema),
         "weights": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in weights.items()},
         "vocab": desc,
     }
