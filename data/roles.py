@@ -161,3 +161,17 @@ def _prune(cls: type, data: dict[str, Any]) -> None:
             del data[f.name]
         elif f.name in sections and isinstance(data[f.name], dict):
             _prune(sections[f.name], data[f.name])
+
+
+def config_diffs(old: Any, new: Any, free: frozenset[str], path: str = "") -> list[str]:
+    """What differs between two config dicts, but for the fields in ``free``."""
+    if path in free:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new)):
+            out += config_diffs(old.get(k), new.get(k), free, f"{path}.{k}" if path else k)
+        return out
+    if old == new:
+        return []
+    return [f"{path}: saved {old!r}, now {new!r}"]

@@ -35,6 +35,8 @@ from recscale.config_io import (  # noqa: F401 (the documented home of these nam
 from recscale.config_optim import (  # noqa: F401 (the documented home of these names)
     DenseOptimConfig,
     EmbeddingOptimConfig,
+    cooldown_steps,
+    decay_start,
 )
 
 T = TypeVar("T")

@@ -4,9 +4,36 @@ builds them). Imported from ``recscale.config``, their public home."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 from data.roles import ARGUMENT, field
+
+COOLDOWN_FRACTION = 0.2
+"""Default share of a warmup-stable-decay run's steps spent in its cooldown (``recscale.optim.schedules``)."""
+
+
+def cooldown_steps(total_steps: int, fraction: float) -> int:
+    """Steps of a warmup-stable-decay cooldown: ``fraction`` of ``total_steps``, rounded to the
+    nearest step, at least 1 (for a run of at least one step) and at most ``total_steps``.
+    Computed on the host in Python, so that a run's decay start and the step its cooldown branch
+    starts at are the same integer everywhere."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"cooldown fraction must be in (0, 1], got {fraction}")
+    if total_steps <= 0:
+        return 0
+    return min(total_steps, max(1, math.floor(fraction * total_steps + 0.5)))
+
+
+def decay_start(cfg: Any, total_steps: int) -> int:
+    """The first step whose learning rate is below the stable phase's, of an optimizer config run
+    for ``total_steps``: its decay start under ``wsd``, its warmup's end under ``cosine`` /
+    ``linear`` (they decay from there), ``total_steps`` under ``constant``."""
+    if cfg.decay == "wsd":
+        return total_steps - cooldown_steps(total_steps, cfg.cooldown_fraction)
+    if cfg.decay == "constant":
+        return total_steps
+    return min(cfg.warmup_steps, total_steps)
 
 
 def _check_cooldown(section: str, cfg: Any) -> None:

@@ -148,11 +148,12 @@ def write_sweep(store: SweepStore, spec: SweepSpec, res: Resolution) -> None:
         for t in res.trials:
             tdir = store.trial_dir(t.trial_id)
             tdir.mkdir(parents=True, exist_ok=True)
+            run_config = t.run_config(store.workdir(t.branch_of)) if t.branch_of else t.config
             # Each written whole (a killed launcher leaves the old file or none), the config
             # first; a missing or unreadable one (a launcher killed before either was atomic)
             # is written again: both are functions of the trial.
             for name, text in (
-                ("config.json", json.dumps(t.config, indent=2, sort_keys=True) + "\n"),
+                ("config.json", json.dumps(run_config, indent=2, sort_keys=True) + "\n"),
                 ("trial.json", json.dumps(t.to_dict(), indent=2) + "\n"),
             ):
                 if not _readable_json(tdir / name):
@@ -188,6 +189,8 @@ def print_plan(spec: SweepSpec, res: Resolution, store: SweepStore) -> None:
     ]
     if batch_sweep:
         cols[5:5] = ["batch", "recipe"]
+    if spec.branches:  # a branch trains from its stable run's step on
+        cols.insert(-1, "from step")
     for col in cols:
         table.add_column(col, justify="left" if col in ("trial", "family", "rung") else "right")
     for t in res.trials:
@@ -205,6 +208,8 @@ def print_plan(spec: SweepSpec, res: Resolution, store: SweepStore) -> None:
         ]
         if batch_sweep:
             cells[5:5] = [f"{t.batch_size:,}", f"{t.lr_rule} x{t.lr_multiplier:g}"]
+        if spec.branches:
+            cells.insert(-1, f"{t.branch_step} of {t.branch_of[:8]}" if t.branch_of else "0")
         table.add_row(*cells)
     console = Console(width=160)
     console.print(table)

@@ -2,7 +2,8 @@
 
 It reads the sweep directory (results and claims, the same files every worker writes), so it
 shows the whole sweep whatever backend runs it and however many launchers share it. The bar
-and the ETA count training FLOPs, not trials: trials differ in size by 10x or more, so a
+and the ETA count the training FLOPs each trial runs itself (a cooldown branch's own steps),
+not trials: trials differ in size by 10x or more, so a
 count-based ETA would swing with the order they happen to finish in. On a terminal it is a
 rich progress bar; otherwise (a log file, CI) one line every ``line_every_s`` seconds.
 """
@@ -22,6 +23,15 @@ from sweeps.store import SweepStore
 _DONE = ("SUCCESS", "DIVERGED")
 
 
+def own_compute(trial: dict) -> float:
+    """The training FLOPs a trial (``sweeps.spec.Trial`` as a dict) runs itself: a cooldown
+    branch's own steps, not those it shares with its stable run."""
+    compute = trial["flops_per_example"] * trial["examples"]
+    if trial.get("branch_step"):
+        compute *= 1 - trial["branch_step"] / trial["steps"]
+    return compute
+
+
 def summarise(store: SweepStore, trials: list[dict]) -> dict[str, Any]:
     """Counts per state and the training FLOPs of the finished trials."""
     rows = {r["trial_id"]: r for r in store.results()}
@@ -38,7 +48,7 @@ def summarise(store: SweepStore, trials: list[dict]) -> dict[str, Any]:
             "RUNNING": "running",
         }.get(status, "remaining")
         counts[state] += 1
-        compute = t["flops_per_example"] * t["examples"]
+        compute = own_compute(t)
         if state in ("done", "failed"):
             finished_compute += compute
             if state == "done":
@@ -68,7 +78,8 @@ class SweepProgress:
         self.store, self.trials = store, trials
         self.poll_s, self.line_every_s = poll_s, line_every_s
         self.stream = stream or sys.stderr
-        self.total = sum(t["flops_per_example"] * t["examples"] for t in trials)
+        self.total = sum(own_compute(t) for t in trials)
+        self.n_branches = sum(1 for t in trials if t.get("branch_of"))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._start_compute = summarise(store, trials)["finished_compute"]
@@ -89,6 +100,8 @@ class SweepProgress:
             f"{c['done']} done, {c['running']} running, {c['failed']} failed, "
             f"{c['remaining']} remaining of {len(self.trials)}"
         )
+        if self.n_branches:
+            text += f" ({len(self.trials) - self.n_branches} runs, {self.n_branches} branches)"
         eta = self.eta(s)
         if eta is None and s["unfinished"]:
             return text + ", ETA once a trial near the largest size has finished"

@@ -214,9 +214,22 @@ def _work(store, todo, opts, owner, stop, done, server) -> None:
         if server is None or not server.alive():
             warm.clear()  # a fresh process (or one per trial) holds no programs
         claimed = None
+        rows = None
         for t in claim_order(remaining, warm, store, owner):
+            ended = None
+            if t.branch_of:
+                rows = rows if rows is not None else {r["trial_id"]: r for r in store.results()}
+                ended = stable_ended(store, t, rows)
+                if ended is None and not branch_ready(store, t):
+                    continue  # its stable run has not reached the branch point yet
             kind = store.claim(t.trial_id, owner)
             if not kind:
+                continue
+            if ended is not None and not branch_ready(store, t):
+                status, error = ended
+                attempts = store.attempts(t.trial_id)
+                store.append_result(result_row(store, t, status, attempts, opts, error=error))
+                store.release(t.trial_id, owner)
                 continue
             if kind == "takeover":
                 store.record_attempt(
@@ -248,6 +261,27 @@ def _work(store, todo, opts, owner, stop, done, server) -> None:
         warm.add(program_group(claimed))
         done["ran"] += 1
         done[outcome] = done.get(outcome, 0) + 1
+
+
+def branch_ready(store: SweepStore, trial: Trial) -> bool:
+    """Whether a branch's starting point, its stable run's checkpoint at ``branch_step``, is on
+    disk (Orbax writes a step to a temporary folder and renames it when complete)."""
+    return (store.workdir(trial.branch_of) / "checkpoints" / str(trial.branch_step)).is_dir()
+
+
+def stable_ended(store: SweepStore, trial: Trial, rows: dict[str, dict]) -> tuple[str, str] | None:
+    """A branch's outcome when its stable run has finished without reaching the branch point
+    (it diverged or failed first), as ``(status, error)``; None while that run is unfinished or
+    finished successfully. The branch's one-piece run shares those steps bit for bit, so it
+    would have ended the same way: a stable run's divergence is its branches' too."""
+    row = rows.get(trial.branch_of)
+    if row is None or row["status"] == "SUCCESS":
+        return None
+    error = (
+        f"its stable run {trial.branch_of} ended {row['status']} before the branch point, "
+        f"step {trial.branch_step}: {row.get('error', '')[-2000:]}"
+    )
+    return row["status"], error
 
 
 def _settled_status(attempts: list[dict], max_retries: int, max_takeovers: int = 3) -> str | None:
@@ -447,6 +481,13 @@ def result_row(
     workdir = store.workdir(trial.trial_id)
     evals = [_finite(r) for r in _jsonl(workdir / "metrics.jsonl") if r.get("split") == "eval"]
     final = evals[-1] if evals and evals[-1].get("step") == trial.steps else None
+    if trial.branch_of:  # steps 1..branch_step are the stable run's, and so are their evals
+        shared = _jsonl(store.workdir(trial.branch_of) / "metrics.jsonl")
+        evals = [
+            _finite(r)
+            for r in shared
+            if r.get("split") == "eval" and r.get("step", 0) <= trial.branch_step
+        ] + evals
     higher_better = opts.metric == "auc"
     scored = [r for r in evals if r.get(opts.metric) is not None]
     best = (max if higher_better else min)(scored, key=lambda r: r[opts.metric]) if scored else None
@@ -475,6 +516,10 @@ def result_row(
         "flops_convention": FLOPS_CONVENTION,
         "examples": trial.examples,
         "steps": trial.steps,
+        "branch_of": trial.branch_of or None,
+        "shared_steps": trial.branch_step,
+        "own_steps": trial.steps - trial.branch_step,
+        "own_compute": trial.own_compute,
         "batch_size": trial.batch_size,
         "learning_rate": trial.config["dense_optim"]["learning_rate"],
         "embedding_learning_rate": trial.config["embedding_optim"]["learning_rate"],
@@ -486,7 +531,8 @@ def result_row(
         "diverged_at_step": diverged_at,
         "error": error,
         "attempts": len(attempts),
-        "resumed_from_step": max((s["start_step"] for s in starts), default=0),
+        # (a branch's first start is at its branch point: not a resume)
+        "resumed_from_step": max((s["start_step"] for s in starts[1:]), default=0),
         "wall_time_s": round(sum(a.get("duration_s", 0.0) for a in attempts), 2),
         "device_kind": last.get("device_kind"),
         "host_cpu": last.get("host_cpu"),

@@ -41,6 +41,7 @@ import tpu_gpu_configs
 from data.config import DataConfig
 from recscale import config as config_lib
 from recscale import families
+from recscale.train import branches
 from sweeps.identity import current_code_version, data_fingerprint, trial_id
 from wukong.presets import TABLE5
 
@@ -247,6 +248,16 @@ class SweepSpec:
     budget's grid of embedding capacity (``model.embed_dim`` x ``data.max_table_rows``)
     against dense size (the rung name's last ``/``-separated part); ``quality_vs_size`` the
     final and best eval metrics against model size, seeds averaged (a fixed-data sweep)."""
+    branches: bool = False
+    """One run per model size serves every budget (``recscale.train.branches``): of the trials
+    of one (family, rung, seed, batch, recipe), the largest budget's is the *stable run*, which
+    keeps a checkpoint at each smaller budget's decay start, and each smaller budget's trial is
+    a *cooldown branch* that starts from that checkpoint and trains only its own cooldown. Both
+    optimizers need ``wsd`` (or ``constant``) decay, and a size's trials share one warmup:
+    ``batch_rule.warmup_fraction`` of its smallest budget's steps (a stable phase is shared
+    from step 0). A branch's id, config, metrics and results row are those of the one-piece run
+    it equals bitwise; the row adds what the branch itself cost (``own_steps``,
+    ``own_compute``), and the sweep's cost is the sum of those."""
     code_version: str = "auto"
     """Part of every trial id: ``auto`` = package version + git commit (+ hash of uncommitted
     changes to tracked files)."""
@@ -267,6 +278,11 @@ class SweepSpec:
             raise ValueError(f"batch_sizes must be distinct and >= 1, got {self.batch_sizes}")
         if not self.lr_multipliers or any(not m > 0 for m in self.lr_multipliers):
             raise ValueError(f"lr_multipliers must be > 0, got {self.lr_multipliers}")
+        if self.branches and (self.steps_per_trial or self.examples_per_trial):
+            raise ValueError(
+                "branches: every budget of a size must be a different run length; "
+                "steps_per_trial and examples_per_trial fix it"
+            )
         for fam in self.families:
             if not fam.ladder:
                 raise ValueError(f"family {fam.family}: empty ladder")
@@ -307,11 +323,34 @@ class Trial:
     also: tuple[tuple[str, float], ...] = ()
     """Other ``(lr_rule, lr_multiplier)`` pairs that resolve to this same run (at the base
     batch ``none``, ``sqrt`` and ``linear`` coincide): one trial serves them all."""
+    branch_of: str = ""
+    """A cooldown branch (``SweepSpec.branches``): the trial id of the stable run it starts
+    from, at step ``branch_step``; empty for a run from scratch (a stable run keeps its
+    branches' points in ``config["train"]["branch_steps"]``)."""
+    branch_step: int = 0
 
     @property
     def compute(self) -> float:
-        """The trial's actual training FLOPs (steps x batch x FLOPs per example)."""
+        """The trial's actual training FLOPs (steps x batch x FLOPs per example): the point's
+        compute, whether a branch shares part of it with its stable run or not."""
         return self.flops_per_example * self.examples
+
+    @property
+    def own_compute(self) -> float:
+        """The training FLOPs this trial itself runs: a branch's cooldown steps only."""
+        return self.flops_per_example * self.batch_size * (self.steps - self.branch_step)
+
+    def run_config(self, stable_workdir: str | Path) -> dict[str, Any]:
+        """The config this trial trains with: its own, and for a branch the stable run (in
+        ``stable_workdir``) and step it starts from."""
+        if not self.branch_of:
+            return self.config
+        train = {
+            **self.config["train"],
+            "init_from": str(Path(stable_workdir).absolute()),
+            "init_step": self.branch_step,
+        }
+        return {**self.config, "train": train}
 
     def train_command(self, config_path: str | Path, workdir: str | Path) -> list[str]:
         """The normal train command of the family, on this trial's config file."""
@@ -342,6 +381,7 @@ def resolve(spec: SweepSpec) -> Resolution:
     trials: list[Trial] = []
     skipped: list[str] = []
     seen: dict[str, Trial] = {}
+    cfgs: dict[str, Any] = {}  # each trial's config object, by id
     fingerprints: dict[str, str] = {}
     schemas: dict[str, Any] = {}
     for fam in spec.families:
@@ -450,8 +490,65 @@ def resolve(spec: SweepSpec) -> Resolution:
                             lr_multiplier=mult,
                         )
                         seen[tid] = t
+                        cfgs[tid] = cfg
                         trials.append(t)
+    if spec.branches:
+        trials = _as_branches(trials, cfgs, code_version, fingerprints)
     return Resolution(tuple(trials), tuple(skipped), code_version, fingerprints)
+
+
+def _as_branches(
+    trials: list[Trial], cfgs: dict[str, Any], code_version: str, fingerprints: dict[str, str]
+) -> list[Trial]:
+    """``trials`` as stable runs and cooldown branches (``SweepSpec.branches``), in the same
+    order: per (family, rung, seed, batch, recipe), every budget warms up as its shortest does,
+    the longest is the stable run and the others branch off it."""
+    groups: dict[tuple, list[Trial]] = {}
+    for t in trials:
+        key = (t.family, t.rung, t.seed, t.batch_size, t.lr_rule, t.lr_multiplier)
+        groups.setdefault(key, []).append(t)
+    out: dict[str, Trial] = {}
+    for members in groups.values():
+        warmup = min(cfgs[t.trial_id].dense_optim.warmup_steps for t in members)
+        one_piece = {}
+        for t in members:
+            cfg = cfgs[t.trial_id]
+            for name in ("dense_optim", "embedding_optim"):
+                o = getattr(cfg, name)
+                if o.decay not in ("wsd", "constant"):
+                    raise ValueError(
+                        f"family {t.family}: branches need {name}.decay 'wsd' (or 'constant'), "
+                        f"got {o.decay!r}: a {o.decay} schedule's rates depend on the run's "
+                        "length from its warmup's end, so no run can share another's steps"
+                    )
+                cfg = dataclasses.replace(
+                    cfg, **{name: dataclasses.replace(o, warmup_steps=warmup)}
+                )
+            one_piece[t.trial_id] = cfg
+        by_steps = sorted(members, key=lambda t: t.steps)
+        stable = branches.stable_config(
+            one_piece[by_steps[-1].trial_id], [t.steps for t in by_steps]
+        )
+        stable_id = None
+        for t in reversed(by_steps):
+            cfg = one_piece[t.trial_id]
+            cdict = config_lib.to_dict(cfg)
+            tid = trial_id(t.family, cdict, code_version, fingerprints[t.family], type(cfg))
+            if stable_id is None:  # the longest: the stable run (its checkpoints kept for all)
+                stable_id = tid
+                out[t.trial_id] = dataclasses.replace(
+                    t, trial_id=tid, config=config_lib.to_dict(stable)
+                )
+                continue
+            step = branches.branch_step(cfg)  # 0: a cooldown as long as the run, from scratch
+            out[t.trial_id] = dataclasses.replace(
+                t,
+                trial_id=tid,
+                config=cdict,
+                branch_of=stable_id if step else "",
+                branch_step=step,
+            )
+    return [out[t.trial_id] for t in trials]
 
 
 def _window_on_optimum(

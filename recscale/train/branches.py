@@ -27,12 +27,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from data import roles
 from recscale import config as config_lib
-from recscale import optim
-from recscale.train.run_files import config_diffs
 
 BRANCH_FILE = "branch.json"
 """A branch's record of where it starts and what it costs (:func:`write_record`)."""
@@ -46,9 +42,9 @@ resume."""
 
 def branch_step(cfg: Any) -> int:
     """The step a branch of ``cfg``'s budget (``train.num_steps``) starts at: its first
-    optimizer's decay start (``recscale.optim.decay_start``)."""
+    optimizer's decay start (``recscale.config.decay_start``)."""
     n = cfg.train.num_steps
-    return min(optim.decay_start(o, n) for o in (cfg.dense_optim, cfg.embedding_optim))
+    return min(config_lib.decay_start(o, n) for o in (cfg.dense_optim, cfg.embedding_optim))
 
 
 def _with_train(cfg: Any, **changes: Any) -> Any:
@@ -82,7 +78,7 @@ def check_branch(cfg: Any, stable: Any) -> None:
     runs' decay starts; a cosine or linear decay starts at the warmup's end)."""
     step, where = cfg.train.init_step, f"train.init_from={cfg.train.init_from}"
     free = roles.paths(type(cfg), resume_free=True) | _BRANCH_FREE
-    diffs = config_diffs(config_lib.to_dict(stable), config_lib.to_dict(cfg), free)
+    diffs = roles.config_diffs(config_lib.to_dict(stable), config_lib.to_dict(cfg), free)
     if diffs:
         raise config_lib.ConfigError(
             f"{where}: a branch must have its stable run's config but for train.num_steps "
@@ -90,7 +86,7 @@ def check_branch(cfg: Any, stable: Any) -> None:
         )
     for name in ("dense_optim", "embedding_optim"):
         o = getattr(cfg, name)
-        starts = [optim.decay_start(o, c.train.num_steps) for c in (stable, cfg)]
+        starts = [config_lib.decay_start(o, c.train.num_steps) for c in (stable, cfg)]
         if step > min(starts):
             raise config_lib.ConfigError(
                 f"train.init_step={step}: {name}.decay={o.decay} has its learning rate depend on "
@@ -102,9 +98,7 @@ def check_branch(cfg: Any, stable: Any) -> None:
 def write_record(workdir: Path, cfg: Any) -> None:
     """``branch.json``: the stable run and step a branch starts from, and its compute in steps:
     ``shared_steps`` (trained by the stable run) and ``own_steps`` (trained here); their sum is
-    the budget, ``train.num_steps``, of which ``cooldown_steps`` decay. Process 0 writes it."""
-    if jax.process_index() != 0:
-        return
+    the budget, ``train.num_steps``, of which ``cooldown_steps`` decay (process 0 writes it)."""
     t = cfg.train
     record = {
         "init_from": t.init_from,

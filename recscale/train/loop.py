@@ -300,7 +300,8 @@ class _TrainRun:
         finally:
             src.close()
         print(f"branched from {src.directory} step {tcfg.init_step}", file=sys.stderr)
-        branches.write_record(self.workdir, self.cfg)
+        if jax.process_index() == 0:
+            branches.write_record(self.workdir, self.cfg)
         return _state_from(trees, tcfg.init_step), meta
 
     def save(self, step: int) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from data import roles
+from data.roles import config_diffs
 from data.sources import DataSource
 from recscale import config as config_lib
 from recscale.train.experiment import Experiment
@@ -98,20 +99,6 @@ def write_run_info(workdir: Path, start_step: int) -> None:
         }
     )
     path.write_text(json.dumps(info, indent=2) + "\n")
-
-
-def config_diffs(old: Any, new: Any, free: frozenset[str], path: str = "") -> list[str]:
-    """What differs between two config dicts, but for the fields in ``free``."""
-    if path in free:
-        return []
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for k in sorted(set(old) | set(new)):
-            out += config_diffs(old.get(k), new.get(k), free, f"{path}.{k}" if path else k)
-        return out
-    if old == new:
-        return []
-    return [f"{path}: saved {old!r}, now {new!r}"]
 
 
 class MetricsWriter:

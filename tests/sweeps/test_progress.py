@@ -74,3 +74,13 @@ def test_no_eta_from_trials_far_smaller_than_the_remaining(tmp_path):
     s = summarise(store, trials)
     assert progress.eta(s) is None
     assert progress.line(s).endswith("ETA once a trial near the largest size has finished")
+
+
+def test_a_branch_counts_its_own_steps_only(tmp_path):
+    # A cooldown branch of 10 steps from step 8 runs a fifth of its point's compute itself.
+    store = SweepStore(tmp_path)
+    stable = {**trial("s", 5e9), "steps": 50}
+    branch = {**trial("b", 1e9), "steps": 10, "branch_of": "s", "branch_step": 8}
+    progress = SweepProgress(store, [stable, branch], stream=io.StringIO())
+    assert progress.total == pytest.approx(5e9 + 0.2e9)
+    assert "(1 runs, 1 branches)" in progress.line(summarise(store, [stable, branch]))
