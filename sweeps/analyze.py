@@ -137,6 +137,8 @@ def analyze(
         }
         for _, r in bad.iterrows()
     ]
+    if "own_compute" in df and df["branch_of"].notna().any():
+        out["cost"] = _branch_cost(df)
     ok = df[df["status"] == "SUCCESS"].copy()
     ok["y"] = _quality(ok, metric)
     missing = ok[~np.isfinite(ok["y"].astype(float))]
@@ -166,6 +168,22 @@ def analyze(
     if lr := _lr_check(ok):
         out["lr_check"] = lr
     return out
+
+
+def _branch_cost(df: pd.DataFrame) -> dict[str, Any]:
+    """What a sweep of stable runs and cooldown branches (``SweepSpec.branches``) cost against
+    what its points stand for: the training FLOPs of its points (each a whole run of its
+    budget) and those it ran (a branch's own steps only), and the summed trial wall time."""
+    branch = df["branch_of"].notna()
+    points, ran = float(df["compute"].sum()), float(df["own_compute"].sum())
+    return {
+        "runs": int((~branch).sum()),
+        "branches": int(branch.sum()),
+        "points_compute": points,
+        "run_compute": ran,
+        "points_per_run_compute": points / ran,
+        "wall_time_s": float(df["wall_time_s"].sum()),
+    }
 
 
 def _successes(df: pd.DataFrame, metric: str) -> pd.DataFrame:

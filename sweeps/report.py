@@ -132,6 +132,12 @@ def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> No
             f"{r['wall_time_s']:.0f}",
         )
     console.print(t)
+    if cost := analysis.get("cost"):
+        console.print(
+            f"cost: {cost['runs']} runs and {cost['branches']} cooldown branches ran "
+            f"{cost['run_compute']:.3g} training FLOPs for points of {cost['points_compute']:.3g} "
+            f"({cost['points_per_run_compute']:.2f}x), {cost['wall_time_s']:.0f} s summed wall"
+        )
     if df["budget"].nunique() == 1:  # fixed data (e.g. study_frappe): nothing scales with C
         console.print("one compute budget: no scaling laws, IsoFLOP optima or loss surface to fit")
         return

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from sweeps import analyze
 from sweeps.runner import WorkerOptions, run_worker
 from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder, resolve
 from sweeps.store import SweepStore, read_results
@@ -122,6 +123,9 @@ def test_a_branched_sweep_gives_the_rows_of_its_one_piece_runs(tmp_path):
         assert r["final"]["step"] == steps
         record = json.loads((SweepStore(sweep).workdir(r["trial_id"]) / "branch.json").read_text())
         assert record["init_step"] == start and record["own_steps"] == steps - start
+    cost = analyze.analyze(analyze.load_results(sweep), "logloss", n_boot=10)["cost"]
+    assert (cost["runs"], cost["branches"]) == (1, 2)
+    assert cost["points_per_run_compute"] == pytest.approx((10 + 20 + 40) / (2 + 4 + 40))
     # The 10-step budget run alone (no branches: its own warmup and schedule are the same).
     alone = write_spec(tmp_path / "alone.py", budgets=budgets[:1], overrides=overrides)
     assert run_launch(alone, tmp_path / "alone")["statuses"] == {"SUCCESS": 1}
