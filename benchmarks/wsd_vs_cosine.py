@@ -1,7 +1,9 @@
 """Warmup-stable-decay with cooldown branches against a cosine run per budget: final eval loss.
 
 ``python benchmarks/wsd_vs_cosine.py [--preset dlrm/tiny] [--budgets 100 200 400]
-[--seeds 0 1 2] [--cooldown-fraction 0.2] [--cooldown-shape 1-sqrt] [--out runs/bench_wsd]``
+[--seeds 0 1 2] [--cooldown-fraction 0.2] [--cooldown-shape 1-sqrt] [--out runs/bench_wsd]``, or
+on a size of the scaling study (its data, batch 256 and rates; budgets in training FLOPs):
+``--study-rung d2 --budgets 1e10 3.16e10 1e11``
 
 Issue 36's check before a study relies on branches. For every seed, two arms train the preset at
 each budget (a step count), the same model, data, peak rates and warmup:
@@ -52,6 +54,26 @@ def _arm_config(cfg, decay: str, fraction: float, shape: str, seed: int):
     )
 
 
+def _study_rung(rung: str, flops: list[float]):
+    """The study's trial config of model size ``rung`` (batch 256, its rates, data and engine),
+    its preset, and the step counts of the budgets ``flops`` (training FLOPs); both arms warm
+    up over 5% of the smallest budget's steps, as a branched sweep's size does."""
+    from recscale import config as config_lib  # noqa: PLC0415
+    from sweeps.specs import study  # noqa: PLC0415
+
+    trial = study.trial_per_rung(256)[rung]
+    preset = {f.family: f.preset for f in study.SPEC.families}[trial.family]
+    cfg = config_lib.from_dict(type(config_lib.get_preset(preset)), trial.config)
+    steps = sorted({round(c / trial.flops_per_example / trial.batch_size) for c in flops})
+    warmup = round(0.05 * steps[0])
+    cfg = dataclasses.replace(
+        cfg,
+        dense_optim=dataclasses.replace(cfg.dense_optim, warmup_steps=warmup),
+        embedding_optim=dataclasses.replace(cfg.embedding_optim, warmup_steps=warmup),
+    )
+    return cfg, preset, steps
+
+
 def _interval(diffs: list[float]) -> tuple[float, float, float]:
     """Mean of paired differences and its 95% t-interval (nan bounds with one seed)."""
     from scipy import stats  # noqa: PLC0415
@@ -68,11 +90,19 @@ def _interval(diffs: list[float]) -> tuple[float, float, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="dlrm/tiny", help="family preset (its family and data)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[100, 200, 400], help="steps")
+    p.add_argument(
+        "--budgets", type=float, nargs="+", default=[100, 200, 400], help="steps (or FLOPs)"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--cooldown-fraction", type=float, default=0.2)
     p.add_argument("--cooldown-shape", choices=["1-sqrt", "linear"], default="1-sqrt")
     p.add_argument("--out", type=Path, default=Path("runs/bench_wsd"))
+    p.add_argument(
+        "--study-rung",
+        default="",
+        help="train this model size of sweeps.specs.study (e.g. d2, w1) on the study's data, "
+        "batch and rates instead of --preset; --budgets are then training FLOPs",
+    )
     args = p.parse_args(argv)
 
     from recscale import families  # noqa: PLC0415
@@ -80,9 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
     from recscale.train import branches  # noqa: PLC0415
     from recscale.train.loop import train  # noqa: PLC0415
 
+    if args.study_rung:
+        base, args.preset, budgets = _study_rung(args.study_rung, args.budgets)
+    else:
+        base, budgets = get_preset(args.preset), sorted({int(b) for b in args.budgets})
     family = families.of_preset(args.preset)
-    base = get_preset(args.preset)
-    budgets = sorted(set(args.budgets))
     if args.out.exists() and any(args.out.iterdir()):  # never delete what this run did not make
         raise SystemExit(f"error: --out {args.out} exists and is not empty: name a new folder")
     args.out.mkdir(parents=True, exist_ok=True)

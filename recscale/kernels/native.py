@@ -26,6 +26,13 @@ from data._native import build_library
 
 HEADER = Path(__file__).with_name("native.h")
 
+VMAP = "broadcast_all"
+"""How every kernel here batches under ``jax.vmap`` (``jax.ffi.ffi_call``'s ``vmap_method``): each
+operand gets the batch axis, an unbatched one broadcast to it, and one call of the kernel runs
+the batch's members one after another (the ``Impl`` functions of the ``.cc`` files). This is how
+a population of models (``recscale.train.population``) runs its members' lookups and row
+updates in one custom call each, not one per member."""
+
 
 @functools.cache
 def load(source: Path, stem: str, targets: tuple[tuple[str, str], ...]) -> bool:

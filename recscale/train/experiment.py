@@ -387,6 +387,23 @@ def bound_phases(cfg: Any) -> list[tuple[int, float, float]]:
     return out
 
 
+def step_function(cfg: Any, graphdef: nnx.GraphDef, params: Any) -> Callable:
+    """The pure train step ``(state, batch, schedule_args) -> (state, metrics)`` of ``cfg``'s
+    model ``graphdef`` (``params``: its abstract parameters), before jitting: what
+    :func:`train_programs` compiles, and a population (``recscale.train.population``) vmaps."""
+    nonfinite, clip = cfg.train.nonfinite, optim.cowclip.from_config(cfg.embedding_optim)
+
+    def train_step(state: TrainState, batch: Batch, args: dict) -> tuple[TrainState, dict]:
+        # The optimizer is rebuilt at trace time around the traced schedule numbers: the
+        # same structure and state as ``exp.tx``, without run-specific constants.
+        tx = make_optimizer(cfg, params, args)
+        return make_train_step(graphdef, tx, nonfinite=nonfinite, embedding_clip=clip)(
+            state, batch
+        )
+
+    return train_step
+
+
 def train_programs(
     cfg: Any, build_model: BuildModel, exp: Experiment
 ) -> tuple[Callable, dict[tuple[float, float], Callable]]:
@@ -397,22 +414,13 @@ def train_programs(
     The steps may outlive the run (``_cached_program``): they close over plain values, not over
     the experiment (its state and data).
     """
-    params, graphdef, nonfinite = exp.abstract_state.params, exp.graphdef, cfg.train.nonfinite
-    clip = optim.cowclip.from_config(cfg.embedding_optim)
+    params, graphdef = exp.abstract_state.params, exp.graphdef
 
     def jitted(graph: nnx.GraphDef, what: str) -> Callable:
-        def train_step(state: TrainState, batch: Batch, args: dict) -> tuple[TrainState, dict]:
-            # The optimizer is rebuilt at trace time around the traced schedule numbers: the
-            # same structure and state as ``exp.tx``, without run-specific constants.
-            tx = make_optimizer(cfg, params, args)
-            return make_train_step(graph, tx, nonfinite=nonfinite, embedding_clip=clip)(
-                state, batch
-            )
-
         return _cached_program(
             _program_key(cfg, build_model, exp.source.schema, what),
             lambda: jax.jit(
-                train_step,
+                step_function(cfg, graph, params),
                 in_shardings=(exp.state_sharding, None, sharding.replicated()),
                 out_shardings=(exp.state_sharding, None),
                 donate_argnums=(0,),

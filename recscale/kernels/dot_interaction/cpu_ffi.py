@@ -32,11 +32,11 @@ def forward(x_bnd: jax.Array, *, self_interaction: bool) -> jax.Array:
     """``[B, P]`` float32: the triangle of each example's ``X·Xᵀ`` (``x`` float32 ``[B, N, D]``)."""
     b, n, _ = x_bnd.shape
     out = jax.ShapeDtypeStruct((b, reference.num_pairs(n, self_interaction)), jnp.float32)
-    return jax.ffi.ffi_call("recscale_dot_fwd", out)(x_bnd)
+    return jax.ffi.ffi_call("recscale_dot_fwd", out, vmap_method=native.VMAP)(x_bnd)
 
 
 def backward(x_bnd: jax.Array, g_bp: jax.Array) -> jax.Array:
     """``[B, N, D]`` float32: ``(G + Gᵀ)·X`` per example, ``G`` the triangle ``g`` scattered
     (the diagonal is in it when ``g``'s width is ``N(N+1)/2``)."""
     out = jax.ShapeDtypeStruct(x_bnd.shape, jnp.float32)
-    return jax.ffi.ffi_call("recscale_dot_bwd", out)(x_bnd, g_bp)
+    return jax.ffi.ffi_call("recscale_dot_bwd", out, vmap_method=native.VMAP)(x_bnd, g_bp)

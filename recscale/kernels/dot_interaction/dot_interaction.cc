@@ -247,14 +247,25 @@ void Backward(const float* x, const float* g, float* dx, int64_t n, int64_t d_ru
 }
 
 // Reads [B, N, D] and the triangle's width P; whether the diagonal is in it, or an error.
-ffi::Error Shape(const char* name, ffi::Span<const int64_t> xd, int64_t p, int64_t bp,
-                 int64_t* b, int64_t* n, int64_t* d, bool* diag) {
-  if (xd.size() != 3) return ffi::Error::InvalidArgument(std::string(name) + ": x must be 3-D");
-  *b = xd[0], *n = xd[1], *d = xd[2];
+// x [B, N, D] and a [B, P] operand (the output or g); under jax.vmap (vmap_method=
+// "broadcast_all", cpu_ffi.py) both have leading member axes, folded into B: members are
+// examples of one larger batch to this op.
+ffi::Error Shape(const char* name, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd,
+                 int64_t* b, int64_t* n, int64_t* d, int64_t* p, bool* diag) {
+  if (xd.size() < 3 || pd.size() != xd.size() - 1) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": x must be [..., B, N, D], the "
+                                       "pairs [..., B, P]");
+  }
+  const size_t lead = xd.size() - 3;
+  int64_t bp = 1;
+  *b = 1;
+  for (size_t i = 0; i <= lead; ++i) *b *= xd[i], bp *= pd[i];
+  *n = xd[lead + 1], *d = xd[lead + 2], *p = pd[lead + 1];
+  const int64_t p_ = *p;
   if (bp != *b) return ffi::Error::InvalidArgument(std::string(name) + ": batch sizes differ");
-  if (p == *n * (*n - 1) / 2) {
+  if (p_ == *n * (*n - 1) / 2) {
     *diag = false;
-  } else if (p == *n * (*n + 1) / 2) {
+  } else if (p_ == *n * (*n + 1) / 2) {
     *diag = true;
   } else {
     return ffi::Error::InvalidArgument(std::string(name) + ": P is not N(N-1)/2 or N(N+1)/2");
@@ -274,13 +285,11 @@ ffi::Error Shape(const char* name, ffi::Span<const int64_t> xd, int64_t p, int64
   }
 
 ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out) {
-  const auto od = out->dimensions();
-  if (od.size() != 2) return ffi::Error::InvalidArgument("recscale_dot_fwd: out must be [B, P]");
-  int64_t b, n, d;
+  int64_t b, n, d, p;
   bool diag;
-  ffi::Error e = Shape("recscale_dot_fwd", x.dimensions(), od[1], od[0], &b, &n, &d, &diag);
+  ffi::Error e = Shape("recscale_dot_fwd", x.dimensions(), out->dimensions(), &b, &n, &d, &p,
+                       &diag);
   if (e.failure()) return e;
-  const int64_t p = od[1];
   const float* xp = x.typed_data();
   float* op = out->typed_data();
   const int threads = Threads(b * p * std::max<int64_t>(d, 1));
@@ -293,13 +302,10 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out)
 
 ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
                         ffi::ResultBuffer<ffi::F32> dx) {
-  const auto gd = g.dimensions();
-  if (gd.size() != 2) return ffi::Error::InvalidArgument("recscale_dot_bwd: g must be [B, P]");
-  int64_t b, n, d;
+  int64_t b, n, d, p;
   bool diag;
-  ffi::Error e = Shape("recscale_dot_bwd", x.dimensions(), gd[1], gd[0], &b, &n, &d, &diag);
+  ffi::Error e = Shape("recscale_dot_bwd", x.dimensions(), g.dimensions(), &b, &n, &d, &p, &diag);
   if (e.failure()) return e;
-  const int64_t p = gd[1];
   const float* xp = x.typed_data();
   const float* gp = g.typed_data();
   float* dp = dx->typed_data();

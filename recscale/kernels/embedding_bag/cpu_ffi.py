@@ -27,4 +27,4 @@ def pool(buf: jax.Array, keys_sbh: jax.Array) -> jax.Array:
     """``[S, B, w]``: bags summed from rows ``keys`` of ``buf [R, w]`` (``R`` = padding)."""
     s, b, _ = keys_sbh.shape
     out = jax.ShapeDtypeStruct((s, b, buf.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call("recscale_pool", out)(buf, keys_sbh)
+    return jax.ffi.ffi_call("recscale_pool", out, vmap_method=native.VMAP)(buf, keys_sbh)

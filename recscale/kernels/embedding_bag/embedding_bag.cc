@@ -69,18 +69,9 @@ void PoolBags(const float* table, const int32_t* k, float* o, int64_t rows, int6
   }
 }
 
-ffi::Error PoolImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::S32> keys,
-                    ffi::ResultBuffer<ffi::F32> out) {
-  const auto bd = buf.dimensions();
-  const auto kd = keys.dimensions();
-  if (bd.size() != 2 || kd.size() != 3) {
-    return ffi::Error::InvalidArgument("recscale_pool: buf must be [R, w], keys [S, B, H]");
-  }
-  const int64_t rows = bd[0], w = bd[1];
-  const int64_t bags = kd[0] * kd[1], h = kd[2];
-  const float* table = buf.typed_data();
-  const int32_t* k = keys.typed_data();
-  float* o = out->typed_data();
+// One member's bags: out[s, b, :] = sum_h table[keys[s, b, h], :].
+void PoolOne(const float* table, const int32_t* k, float* o, int64_t rows, int64_t w,
+             int64_t bags, int64_t h) {
   UseHugePages(table, rows * w * sizeof(float));
   const int threads = static_cast<int>(
       std::min<int64_t>(NumThreads(), std::max<int64_t>(1, bags * h / kSlotsPerThread)));
@@ -96,6 +87,27 @@ ffi::Error PoolImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::S32> keys,
       default: return PoolBags<0>(table, k, o, rows, h, w, lo, hi);
     }
   });
+}
+
+// buf [R, w], keys [S, B, H] -> out [S, B, w]; under jax.vmap (vmap_method="broadcast_all",
+// cpu_ffi.py) every operand has a leading member axis K: buf [K, R, w], keys [K, S, B, H], each
+// member pooled from its own table, one after another.
+ffi::Error PoolImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::S32> keys,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  const auto bd = buf.dimensions();
+  const auto kd = keys.dimensions();
+  const bool batched = bd.size() == 3 && kd.size() == 4 && bd[0] == kd[0];
+  if (!batched && (bd.size() != 2 || kd.size() != 3)) {
+    return ffi::Error::InvalidArgument(
+        "recscale_pool: buf must be [R, w], keys [S, B, H] (or both with a member axis)");
+  }
+  const int64_t members = batched ? bd[0] : 1, o = batched ? 1 : 0;
+  const int64_t rows = bd[o], w = bd[o + 1];
+  const int64_t bags = kd[o] * kd[o + 1], h = kd[o + 2];
+  for (int64_t m = 0; m < members; ++m) {
+    PoolOne(buf.typed_data() + m * rows * w, keys.typed_data() + m * bags * h,
+            out->typed_data() + m * bags * w, rows, w, bags, h);
+  }
   return ffi::Error::Success();
 }
 

@@ -48,7 +48,9 @@ def update(
         jax.ShapeDtypeStruct(acc.shape, jnp.float32),
         jax.ShapeDtypeStruct((2,), jnp.float32),
     )
-    call = jax.ffi.ffi_call("recscale_update", outs, input_output_aliases={0: 0, 1: 1})
+    call = jax.ffi.ffi_call(
+        "recscale_update", outs, input_output_aliases={0: 0, 1: 1}, vmap_method=native.VMAP
+    )
     return call(
         buf,
         acc,

@@ -300,56 +300,23 @@ void UpdateRowsSorted(const Args& a, ThreadScratch& ts, int t, int64_t w_runtime
   *grad_sq = gsq;
 }
 
-ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
-                      ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> grad,
-                      ffi::Buffer<ffi::F32> lr_buf, ffi::Buffer<ffi::S32> table_dim,
-                      float eps, int32_t adagrad, float clip_ratio, float clip_min_norm,
-                      float row_l2, ffi::ResultBuffer<ffi::F32> buf_out,
-                      ffi::ResultBuffer<ffi::F32> acc_out, ffi::ResultBuffer<ffi::F32> stats) {
-  const auto bd = buf.dimensions();
-  const auto kd = keys.dimensions();
-  const auto gd = grad.dimensions();
-  if (bd.size() != 2 || kd.size() != 3 || gd.size() != 3 || gd[0] != kd[0] ||
-      gd[1] != kd[1] || gd[2] != bd[1]) {
-    return ffi::Error::InvalidArgument(
-        "recscale_update: buf [R, w], keys [S, B, H], grad [S, B, w] expected");
-  }
-  if (adagrad && acc.dimensions()[0] != bd[0]) {
-    return ffi::Error::InvalidArgument("recscale_update: acc must be [R]");
-  }
-  const int64_t rows = bd[0], w = bd[1];
-  Args a;
-  // Outputs alias the inputs (input_output_aliases): update them in place.
-  a.table = buf_out->typed_data();
-  a.accum = acc_out->typed_data();
-  a.keys = keys.typed_data();
-  a.grad = grad.typed_data();
-  a.tdim = table_dim.typed_data();
-  a.rows = rows;
-  a.nbags = kd[0] * kd[1];
-  a.batch = kd[1];
-  a.h = kd[2];
-  a.lr = lr_buf.typed_data()[0];
-  a.eps = eps;
-  a.clip_ratio = clip_ratio;
-  a.clip_min_norm = clip_min_norm;
-  a.row_l2 = row_l2;
-  a.adagrad = adagrad != 0;
-  UseHugePages(a.table, rows * w * sizeof(float));
-  if (a.adagrad) UseHugePages(a.accum, rows * sizeof(float));
-
+// One member's update (Args filled but for the scratch and thread count): its rows in place,
+// and [sum of squared updates, sum of squared row gradients] into stats.
+void UpdateOne(Args a, int64_t w, float* stats) {
+  UseHugePages(a.table, a.rows * w * sizeof(float));
+  if (a.adagrad) UseHugePages(a.accum, a.rows * sizeof(float));
   Workspace& ws = GetWorkspace();
   std::lock_guard<std::mutex> lock(ws.mu);
-  const bool sorted = std::min<int64_t>(a.nbags * a.h, rows) * w * int64_t{sizeof(float)} >
+  const bool sorted = std::min<int64_t>(a.nbags * a.h, a.rows) * w * int64_t{sizeof(float)} >
                       kFirstSeenMaxScratch;
   a.threads = static_cast<int>(std::min<int64_t>(
       NumThreads(),
       std::max<int64_t>(1, a.nbags * a.h / (sorted ? kSortedPairsPerThread : kPairsPerThread))));
   if (static_cast<int>(ws.threads.size()) < a.threads) ws.threads.resize(a.threads);
-  if (!sorted && static_cast<int64_t>(ws.pos.size()) < rows) ws.pos.resize(rows, -1);
+  if (!sorted && static_cast<int64_t>(ws.pos.size()) < a.rows) ws.pos.resize(a.rows, -1);
   a.pos = ws.pos.data();
   a.bits = 1;
-  while (a.bits < 31 && (int64_t{1} << a.bits) < rows) ++a.bits;
+  while (a.bits < 31 && (int64_t{1} << a.bits) < a.rows) ++a.bits;
   std::vector<double> upd_sq(a.threads, 0.0), grad_sq(a.threads, 0.0);
   ParallelFor(a.threads, [&](int t) {
     ThreadScratch& ts = ws.threads[t];
@@ -378,8 +345,60 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
     usq += upd_sq[t];
     gsq += grad_sq[t];
   }
-  stats->typed_data()[0] = static_cast<float>(usq);
-  stats->typed_data()[1] = static_cast<float>(gsq);
+  stats[0] = static_cast<float>(usq);
+  stats[1] = static_cast<float>(gsq);
+}
+
+// buf [R, w], acc [R] (any shape without adagrad), keys [S, B, H], grad [S, B, w], lr [],
+// table_dim [S] -> buf, acc in place, stats [2]. Under jax.vmap (vmap_method="broadcast_all",
+// cpu_ffi.py) every operand and result has a leading member axis K: each member's rows are
+// updated from its own keys, gradients and learning rate, one member after another.
+ffi::Error UpdateImpl(ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> acc,
+                      ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> grad,
+                      ffi::Buffer<ffi::F32> lr_buf, ffi::Buffer<ffi::S32> table_dim,
+                      float eps, int32_t adagrad, float clip_ratio, float clip_min_norm,
+                      float row_l2, ffi::ResultBuffer<ffi::F32> buf_out,
+                      ffi::ResultBuffer<ffi::F32> acc_out, ffi::ResultBuffer<ffi::F32> stats) {
+  const auto bd = buf.dimensions();
+  const auto kd = keys.dimensions();
+  const auto gd = grad.dimensions();
+  const bool batched = bd.size() == 3;
+  const int64_t members = batched ? bd[0] : 1, o = batched ? 1 : 0;
+  if (bd.size() != static_cast<size_t>(2 + o) || kd.size() != static_cast<size_t>(3 + o) ||
+      gd.size() != static_cast<size_t>(3 + o) || (batched && (kd[0] != members ||
+      gd[0] != members || lr_buf.element_count() != members)) || gd[o] != kd[o] ||
+      gd[o + 1] != kd[o + 1] || gd[o + 2] != bd[o + 1]) {
+    return ffi::Error::InvalidArgument(
+        "recscale_update: buf [R, w], keys [S, B, H], grad [S, B, w] expected (or all with a "
+        "member axis)");
+  }
+  const int64_t rows = bd[o], w = bd[o + 1];
+  if (adagrad && acc.element_count() != members * rows) {
+    return ffi::Error::InvalidArgument("recscale_update: acc must be [R]");
+  }
+  const int64_t nbags = kd[o] * kd[o + 1], h = kd[o + 2];
+  const int64_t acc_stride = acc.element_count() / members;
+  const int64_t tdim_stride = table_dim.element_count() / members;
+  for (int64_t m = 0; m < members; ++m) {
+    Args a;
+    // Outputs alias the inputs (input_output_aliases): update them in place.
+    a.table = buf_out->typed_data() + m * rows * w;
+    a.accum = acc_out->typed_data() + m * acc_stride;
+    a.keys = keys.typed_data() + m * nbags * h;
+    a.grad = grad.typed_data() + m * nbags * w;
+    a.tdim = table_dim.typed_data() + m * tdim_stride;
+    a.rows = rows;
+    a.nbags = nbags;
+    a.batch = kd[o + 1];
+    a.h = h;
+    a.lr = lr_buf.typed_data()[m];
+    a.eps = eps;
+    a.clip_ratio = clip_ratio;
+    a.clip_min_norm = clip_min_norm;
+    a.row_l2 = row_l2;
+    a.adagrad = adagrad != 0;
+    UpdateOne(a, w, stats->typed_data() + 2 * m);
+  }
   return ffi::Error::Success();
 }
 
