@@ -180,7 +180,7 @@ def run_worker(
 def program_group(trial: Trial) -> tuple[str, str]:
     """Trials that share compiled programs: one model size of one family. Within a spec the
     size fixes everything a train step's trace reads; budgets, seeds and learning rates are
-    arguments of the programs (``recscale.train.experiment._cached_program``)."""
+    arguments of the programs (``recscale.train.experiment.cached_program``)."""
     return trial.family, trial.rung
 
 

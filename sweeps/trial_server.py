@@ -98,7 +98,7 @@ def main() -> None:
         reply.write(json.dumps({"exit_code": code}) + "\n")
         if code == 0:
             # The finished trial's objects go; its compiled programs stay, for the next trial of
-            # the same model (``recscale.train.experiment._cached_program`` keeps a bounded number).
+            # the same model (``recscale.train.experiment.cached_program`` keeps a bounded number).
             gc.collect()
 
 

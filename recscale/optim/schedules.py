@@ -45,6 +45,7 @@ __all__ = [
 Decay = Literal["constant", "cosine", "linear", "wsd"]
 CooldownShape = Literal["1-sqrt", "linear"]
 
+
 def learning_rate_schedule(
     peak: float | jax.Array,
     *,

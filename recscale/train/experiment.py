@@ -76,7 +76,7 @@ _PROGRAMS: collections.OrderedDict[str, Callable] = collections.OrderedDict()
 _PROGRAMS_MAX = 24  # jitted functions (3 per model: init, train step, eval step)
 
 
-def _program_key(cfg: Any, build_model: BuildModel, schema: Schema, what: str) -> str:
+def program_key(cfg: Any, build_model: BuildModel, schema: Schema, what: str) -> str:
     """What a jitted function of this run computes: the config without the argument-only
     fields, the model builder, the data schema (table sizes) and the mesh."""
     d = config_lib.to_dict(cfg)
@@ -105,7 +105,7 @@ def _program_key(cfg: Any, build_model: BuildModel, schema: Schema, what: str) -
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _cached_program(key: str, make: Callable[[], Callable]) -> Callable:
+def cached_program(key: str, make: Callable[[], Callable]) -> Callable:
     """The jitted function stored under ``key`` in this process, else ``make()``'s (stored).
 
     A sweep's trial server runs many trials in one process; a model size recurs there across
@@ -291,14 +291,14 @@ class Experiment:
         # the default: unfused random-number code would materialise table-sized temporaries.
         options = {"xla_backend_optimization_level": 0} if state_bytes <= _FAST_INIT_BYTES else None
         # The seed is an argument, not a constant: every seed of a model shares one program.
-        key = functools.partial(_program_key, cfg, build_model, schema)
-        jit_init = _cached_program(
+        key = functools.partial(program_key, cfg, build_model, schema)
+        jit_init = cached_program(
             key(f"init:{with_optimizer}"),
             lambda: jax.jit(init, out_shardings=state_sharding, compiler_options=options),
         )
         abstract_state = jax.eval_shape(jit_init, seed)  # with the state's shardings
         init = functools.partial(jit_init, seed)
-        eval_step = _cached_program(key("eval"), lambda: jax.jit(make_eval_step(graphdef)))
+        eval_step = cached_program(key("eval"), lambda: jax.jit(make_eval_step(graphdef)))
         return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step)
 
     def embedding_plans(self) -> dict[str, str]:
@@ -397,9 +397,7 @@ def step_function(cfg: Any, graphdef: nnx.GraphDef, params: Any) -> Callable:
         # The optimizer is rebuilt at trace time around the traced schedule numbers: the
         # same structure and state as ``exp.tx``, without run-specific constants.
         tx = make_optimizer(cfg, params, args)
-        return make_train_step(graphdef, tx, nonfinite=nonfinite, embedding_clip=clip)(
-            state, batch
-        )
+        return make_train_step(graphdef, tx, nonfinite=nonfinite, embedding_clip=clip)(state, batch)
 
     return train_step
 
@@ -411,14 +409,14 @@ def train_programs(
     model, and ``{(eps, eps_grad): step}`` for the other error bounds of the compressed exchange
     in ``embeddings.comm_error_bound_schedule`` (one compiled step per pair).
 
-    The steps may outlive the run (``_cached_program``): they close over plain values, not over
+    The steps may outlive the run (``cached_program``): they close over plain values, not over
     the experiment (its state and data).
     """
     params, graphdef = exp.abstract_state.params, exp.graphdef
 
     def jitted(graph: nnx.GraphDef, what: str) -> Callable:
-        return _cached_program(
-            _program_key(cfg, build_model, exp.source.schema, what),
+        return cached_program(
+            program_key(cfg, build_model, exp.source.schema, what),
             lambda: jax.jit(
                 step_function(cfg, graph, params),
                 in_shardings=(exp.state_sharding, None, sharding.replicated()),

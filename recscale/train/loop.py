@@ -90,7 +90,7 @@ def train(
     return result
 
 
-def _state_items(state: TrainState) -> dict[str, Any]:
+def state_items(state: TrainState) -> dict[str, Any]:
     """The checkpoint items of a (possibly abstract) train state; the step goes in the meta."""
     return {
         "params": state.params,
@@ -100,13 +100,13 @@ def _state_items(state: TrainState) -> dict[str, Any]:
     }
 
 
-def _state_from(trees: dict[str, Any], step: int) -> TrainState:
-    """A train state at ``step`` from restored checkpoint items (``_state_items``)."""
+def state_from(trees: dict[str, Any], step: int) -> TrainState:
+    """A train state at ``step`` from restored checkpoint items (``state_items``)."""
     step_arr = jax.device_put(jnp.asarray(step, jnp.int32), sharding.replicated())
     return TrainState(step=step_arr, **{**trees, "rng": trees["rng"]["key_data"]})
 
 
-def _prefetch(
+def prefetch(
     source: DataSource, start: int, stop: int, data_offset: int = 0
 ) -> Iterator[tuple[int, Batch]]:
     """``(step, host batch)`` for steps [start, stop), step ``s`` getting the stream's batch
@@ -218,7 +218,7 @@ class _TrainRun:
         cfg, exp = self.cfg, self.exp
         meta = c.read_meta(step)
         saved = meta.get("layout")
-        items = _state_items(exp.abstract_state)
+        items = state_items(exp.abstract_state)
         if not with_opt_state:
             items = {k: items[k] for k in ("params", "batch_stats")}
         if not relayout.needs_relayout(saved, cfg):
@@ -245,7 +245,7 @@ class _TrainRun:
         )
         if latest is not None:
             restored, trees, restored_meta = latest
-            state = _state_from(trees, restored_meta["step"])
+            state = state_from(trees, restored_meta["step"])
             print(f"restored checkpoint step {restored} from {ckpt.directory}", file=sys.stderr)
         elif tcfg.init_step:
             state, restored_meta = self._restore_branch_point()
@@ -261,7 +261,7 @@ class _TrainRun:
             trees = {"params": trees["params"], "batch_stats": trees["batch_stats"]}
             src.close()
             init_opt = jax.jit(exp.tx.init, out_shardings=exp.state_sharding.opt_state)
-            state = _state_from(
+            state = state_from(
                 {
                     **trees,
                     "opt_state": init_opt(trees["params"]),
@@ -302,7 +302,7 @@ class _TrainRun:
         print(f"branched from {src.directory} step {tcfg.init_step}", file=sys.stderr)
         if jax.process_index() == 0:
             branches.write_record(self.workdir, self.cfg)
-        return _state_from(trees, tcfg.init_step), meta
+        return state_from(trees, tcfg.init_step), meta
 
     def save(self, step: int) -> None:
         meta = {
@@ -313,7 +313,7 @@ class _TrainRun:
             **self.hooks.meta(),
         }
         self.state = self.hooks.before_save(self.state, step)
-        self.ckpt.save(step, _state_items(self.state), meta)
+        self.ckpt.save(step, state_items(self.state), meta)
         self.hooks.after_save(step, self.ckpt)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -338,7 +338,7 @@ class _TrainRun:
     def _steps(self, start: int, preemption: Preemption, prog: Progress) -> list[int] | None:
         """Steps from ``start`` to the end, a preemption or a stop; returns the bad steps that
         call for a rollback, or None."""
-        batches = _prefetch(self.exp.source, start, self.tcfg.num_steps, self.data_offset)
+        batches = prefetch(self.exp.source, start, self.tcfg.num_steps, self.data_offset)
         with contextlib.closing(batches):  # stops the prefetch thread on every way out
             return self._steps_from(self.hooks.batches(batches), start, preemption, prog)
 
@@ -430,7 +430,7 @@ class _TrainRun:
             self.ckpt.wait()  # an asynchronous save of that step may still be in flight
             trees, _ = self._restore_items(self.ckpt, c)
             self.hooks.rolled_back(c)
-            self.state = _state_from(trees, start)
+            self.state = state_from(trees, start)
         self.pending = []
         self.writer.write(
             {

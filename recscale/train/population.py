@@ -50,14 +50,14 @@ from recscale.train.checkpoint import Checkpointer
 from recscale.train.experiment import (
     BuildModel,
     Experiment,
-    _cached_program,
-    _program_key,
+    cached_program,
+    program_key,
     schedule_args,
     state_parts,
     step_function,
 )
 from recscale.train.guards import NonfiniteGuard, Preemption, train_row
-from recscale.train.loop import _prefetch, _state_from, _state_items
+from recscale.train.loop import prefetch, state_from, state_items
 from recscale.train.progress import Progress
 from recscale.train.run_files import (
     MetricsWriter,
@@ -122,11 +122,11 @@ def population_programs(cfg: Any, build_model: BuildModel, exp: Experiment, k: i
     shardings = member_sharding(exp.state_sharding)
     _, _, _, init = state_parts(cfg, build_model, exp.source.schema)
     step = step_function(cfg, exp.graphdef, exp.abstract_state.params)
-    key = functools.partial(_program_key, cfg, build_model, exp.source.schema)
-    jit_init = _cached_program(
+    key = functools.partial(program_key, cfg, build_model, exp.source.schema)
+    jit_init = cached_program(
         key(f"population-init:{k}"), lambda: jax.jit(jax.vmap(init), out_shardings=shardings)
     )
-    jit_step = _cached_program(
+    jit_step = cached_program(
         key(f"population-train:{k}"),
         lambda: jax.jit(
             jax.vmap(step, in_axes=(0, None, 0)),
@@ -241,8 +241,8 @@ class _Population:
                 f"{c.directory} step {step} was saved on another layout "
                 f"({meta.get('layout')}): resume that member alone first"
             )
-        trees, meta = c.restore(step, _state_items(self.exp.abstract_state))
-        return _state_from(trees, step), meta
+        trees, meta = c.restore(step, state_items(self.exp.abstract_state))
+        return state_from(trees, step), meta
 
     def restore_or_init(self) -> None:
         """Every member's checkpoint at the latest step all of them hold, else every member's
@@ -295,7 +295,7 @@ class _Population:
                 "nonfinite_total": m.guard.total,
                 "layout": self.layout,
             }
-            m.ckpt.save(step, _state_items(member(self.states, i)), meta)
+            m.ckpt.save(step, state_items(member(self.states, i)), meta)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -304,7 +304,7 @@ class _Population:
         prog = Progress(tcfg.progress, tcfg.num_steps, self.start_step)
         self.t_last, self.step_last = time.perf_counter(), self.start_step
         preempted = False
-        batches = _prefetch(self.exp.source, self.start_step, tcfg.num_steps, self.data_offset)
+        batches = prefetch(self.exp.source, self.start_step, tcfg.num_steps, self.data_offset)
         with prog, Preemption() as preemption:
             for step, host_batch in batches:
                 with timer.phase("data"):
@@ -336,7 +336,9 @@ class _Population:
                     with timer.phase("checkpoint"):
                         self.save(done)
                 if preempted:
-                    print(f"SIGTERM: saved the population at step {done}, stopping", file=sys.stderr)
+                    print(
+                        f"SIGTERM: saved the population at step {done}, stopping", file=sys.stderr
+                    )
                     break
             batches.close()
         return self._finish(preempted)
