@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,17 +30,21 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from data import _child
 from recscale.train import DIVERGED_EXIT_CODE
-from sweeps.spec import FLOPS_CONVENTION, Trial
+from sweeps.outcome import (
+    TAKEOVER,
+    TIMEOUT_EXIT_CODE,
+    branch_ready,
+    log_tail,
+    result_row,
+    settled_status,
+    stable_ended,
+    was_preempted,
+)
+from sweeps.spec import Trial
 from sweeps.store import SweepStore
-
-TIMEOUT_EXIT_CODE = -1000
-"""Recorded exit code of an attempt the worker killed for exceeding ``timeout_s``."""
-TAKEOVER = "takeover"
-"""Recorded exit code of an attempt whose worker died (found stale and taken over)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -204,123 +206,169 @@ def claim_order(
     return sorted(remaining, key=rank)  # stable: spec order within a rank
 
 
+def units(trials: list[Trial]) -> list[tuple[Trial, ...]]:
+    """The work a worker claims and runs at once: a population's members together (where its
+    first member stands in ``trials``), every other trial alone."""
+    out: list[list[Trial]] = []
+    by_population: dict[tuple[str, ...], list[Trial]] = {}
+    for t in trials:
+        if t.population and t.population in by_population:
+            by_population[t.population].append(t)
+            continue
+        out.append([t])
+        if t.population:
+            by_population[t.population] = out[-1]
+    return [tuple(u) for u in out]
+
+
 def _work(store, todo, opts, owner, stop, done, server) -> None:
     warm: set[tuple[str, str]] = set()  # sizes this worker's process has compiled
+    work = units(todo)
     while not (stop and stop.is_set()):
         finished = store.finished_ids()
-        remaining = [t for t in todo if t.trial_id not in finished]
+        remaining = [
+            u for u in (tuple(t for t in u if t.trial_id not in finished) for u in work) if u
+        ]
         if not remaining:
             break
         if server is None or not server.alive():
             warm.clear()  # a fresh process (or one per trial) holds no programs
-        claimed = None
-        rows = None
-        for t in claim_order(remaining, warm, store, owner):
-            ended = None
-            if t.branch_of:
-                rows = rows if rows is not None else {r["trial_id"]: r for r in store.results()}
-                ended = stable_ended(store, t, rows)
-                if ended is None and not branch_ready(store, t):
-                    continue  # its stable run has not reached the branch point yet
-            kind = store.claim(t.trial_id, owner)
-            if not kind:
-                continue
-            if ended is not None and not branch_ready(store, t):
-                status, error = ended
-                attempts = store.attempts(t.trial_id)
-                store.append_result(result_row(store, t, status, attempts, opts, error=error))
-                store.release(t.trial_id, owner)
-                continue
-            if kind == "takeover":
-                store.record_attempt(
-                    t.trial_id,
-                    {
-                        "owner": owner,
-                        "exit_code": TAKEOVER,
-                        "duration_s": 0.0,
-                        "start": time.time(),
-                        "error_tail": "its worker died",
-                    },
-                )
-            attempts = store.attempts(t.trial_id)
-            status = _settled_status(attempts, opts.max_retries, opts.max_takeovers)
-            if status is not None:
-                # Its last attempt settled it, but that worker died before writing the row.
-                error = attempts[-1].get("error_tail", "") if status != "SUCCESS" else ""
-                store.append_result(result_row(store, t, status, attempts, opts, error=error))
-                store.release(t.trial_id, owner)
-                continue
-            claimed = t
-            break
-        if claimed is None:
+        order = {
+            t.trial_id: i
+            for i, t in enumerate(claim_order([u[0] for u in remaining], warm, store, owner))
+        }
+        claimed: tuple[Trial, ...] = ()
+        rows: list = []  # results, read once a branch needs them
+        for unit in sorted(remaining, key=lambda u: order[u[0].trial_id]):
+            claimed = _claim(store, unit, owner, opts, rows)
+            if claimed:
+                break
+        if not claimed:
             if not opts.wait:
                 break
             time.sleep(opts.poll_s)
             continue
-        outcome = run_trial(store, claimed, owner, opts, stop, server)
-        warm.add(program_group(claimed))
-        done["ran"] += 1
-        done[outcome] = done.get(outcome, 0) + 1
+        for outcome in run_trial(store, claimed, owner, opts, stop, server):
+            done["ran"] += 1
+            done[outcome] = done.get(outcome, 0) + 1
+        warm.add(program_group(claimed[0]))
 
 
-def branch_ready(store: SweepStore, trial: Trial) -> bool:
-    """Whether a branch's starting point, its stable run's checkpoint at ``branch_step``, is on
-    disk (Orbax writes a step to a temporary folder and renames it when complete)."""
-    return (store.workdir(trial.branch_of) / "checkpoints" / str(trial.branch_step)).is_dir()
+def _claim(store, unit, owner, opts, rows: list) -> tuple[Trial, ...]:
+    """Claims ``unit``'s members and returns those to run: none while a branch's point is not
+    on disk yet or another worker holds a member; members whose outcome is already settled
+    (their stable run ended before their point, or their last attempt finished before its
+    worker died) get their rows instead."""
+    ended = {}
+    for t in unit:
+        if t.branch_of:
+            if not rows:
+                rows.append({r["trial_id"]: r for r in store.results()})
+            end = stable_ended(store, t, rows[0])
+            if not branch_ready(store, t):
+                if end is None:
+                    return ()  # its stable run has not reached the branch point yet
+                ended[t.trial_id] = end
+    kinds = []
+    for t in unit:
+        kind = store.claim(t.trial_id, owner)
+        if not kind:
+            for c, _ in kinds:
+                store.release(c.trial_id, owner)
+            return ()
+        kinds.append((t, kind))
+    run = []
+    for t, kind in kinds:
+        if t.trial_id in ended:
+            status, error = ended[t.trial_id]
+            attempts = store.attempts(t.trial_id)
+            store.append_result(result_row(store, t, status, attempts, opts, error=error))
+            store.release(t.trial_id, owner)
+            continue
+        if kind == "takeover":
+            store.record_attempt(
+                t.trial_id,
+                {
+                    "owner": owner,
+                    "exit_code": TAKEOVER,
+                    "duration_s": 0.0,
+                    "start": time.time(),
+                    "error_tail": "its worker died",
+                },
+            )
+        attempts = store.attempts(t.trial_id)
+        status = settled_status(attempts, opts.max_retries, opts.max_takeovers)
+        if status is not None:
+            # Its last attempt settled it, but that worker died before writing the row.
+            error = attempts[-1].get("error_tail", "") if status != "SUCCESS" else ""
+            store.append_result(result_row(store, t, status, attempts, opts, error=error))
+            store.release(t.trial_id, owner)
+            continue
+        run.append(t)
+    return tuple(run)
 
 
-def stable_ended(store: SweepStore, trial: Trial, rows: dict[str, dict]) -> tuple[str, str] | None:
-    """A branch's outcome when its stable run has finished without reaching the branch point
-    (it diverged or failed first), as ``(status, error)``; None while that run is unfinished or
-    finished successfully. The branch's one-piece run shares those steps bit for bit, so it
-    would have ended the same way: a stable run's divergence is its branches' too."""
-    row = rows.get(trial.branch_of)
-    if row is None or row["status"] == "SUCCESS":
-        return None
-    error = (
-        f"its stable run {trial.branch_of} ended {row['status']} before the branch point, "
-        f"step {trial.branch_step}: {row.get('error', '')[-2000:]}"
-    )
-    return row["status"], error
+def _command(store: SweepStore, members: tuple[Trial, ...]) -> tuple[list[str], Path]:
+    """The train command of ``members`` and the log it writes: a trial's own command and
+    ``train.log``; a population's ``python -m recscale.population`` over its members' configs
+    and folders, logged under ``populations/`` (each member's ``train.log`` points there)."""
+    if len(members) == 1:
+        t = members[0]
+        tdir = store.trial_dir(t.trial_id)
+        return t.train_command(tdir / "config.json", store.workdir(t.trial_id)), tdir / "train.log"
+    ids = [t.trial_id for t in members]
+    argv = [
+        "-m",
+        "recscale.population",
+        "--package",
+        members[0].package,
+        "--configs",
+        *(str(store.trial_dir(i) / "config.json") for i in ids),
+        "--workdirs",
+        *(str(store.workdir(i)) for i in ids),
+    ]
+    log = store.root / "populations" / f"{'-'.join(i[:6] for i in ids)}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    for i in ids:
+        with open(store.trial_dir(i) / "train.log", "a") as f:
+            f.write(f"\n=== {time.ctime()}: in a population of {len(ids)}, logged in {log}\n")
+    return argv, log
 
 
-def _settled_status(attempts: list[dict], max_retries: int, max_takeovers: int = 3) -> str | None:
-    """The final status the recorded attempts already imply, or None (run it again)."""
-    if not attempts:
-        return None
-    last = attempts[-1].get("exit_code")
-    if last == 0 and not attempts[-1].get("preempted"):
-        return "SUCCESS"
-    if last == DIVERGED_EXIT_CODE:
-        return "DIVERGED"
-    takeovers = sum(1 for a in attempts if a.get("exit_code") == TAKEOVER)
-    if takeovers > max_takeovers:
-        return "FAILED"
-    # A preempted attempt (exit 0 after checkpointing) is neither a success nor a failure.
-    failed = sum(1 for a in attempts if a.get("exit_code") not in (0, DIVERGED_EXIT_CODE, TAKEOVER))
-    return "FAILED" if failed > max_retries else None
+def _member_results(tail: str, n: int) -> list[dict]:
+    """Each member's result from a population's last JSON line (``recscale.population``)."""
+    for line in reversed(tail.splitlines()):
+        if line.startswith("{"):
+            try:
+                results = json.loads(line).get("population")
+            except (json.JSONDecodeError, AttributeError):
+                break
+            if isinstance(results, list) and len(results) == n:
+                return results
+            break
+    return [{} for _ in range(n)]
 
 
 def run_trial(
     store: SweepStore,
-    trial: Trial,
+    members: tuple[Trial, ...],
     owner: str,
     opts: WorkerOptions,
     stop: threading.Event | None = None,
     server: TrialServer | None = None,
-) -> str:
-    """Runs one claimed trial to an outcome: success, diverged, failed, retry, lost or stopped.
+) -> list[str]:
+    """Runs one claimed trial, or a population's claimed members as one process, to an outcome
+    per trial: success, diverged, failed, retry, preempted, lost or stopped.
 
-    With a ``server`` the trial runs in the worker's long-lived process (replaced afterwards
-    unless the trial exited 0 unpreempted), otherwise in a process of its own."""
-    tdir = store.trial_dir(trial.trial_id)
-    workdir = store.workdir(trial.trial_id)
-    cfg_path = tdir / "config.json"
-    argv = trial.train_command(cfg_path, workdir)
+    With a ``server`` it runs in the worker's long-lived process (replaced afterwards unless
+    it exited 0 unpreempted), otherwise in a process of its own. A population's wall time is
+    shared among its members' attempts (each records its share, so a sweep's summed trial
+    wall time is what it took), and its members' outcomes are their own (one may diverge)."""
+    argv, log_path = _command(store, members)
+    ids = [t.trial_id for t in members]
     t0 = time.time()
     lost = threading.Event()
     timed_out = threading.Event()
-    log_path = tdir / "train.log"
     with open(log_path, "ab") as log:
         if server is not None:
             log.write(f"\n=== {owner} {time.ctime()}: (trial server) {' '.join(argv)}\n".encode())
@@ -343,8 +391,8 @@ def run_trial(
 
         def beat():
             while not exited.wait(opts.heartbeat_s):
-                if not store.heartbeat(trial.trial_id, owner):
-                    lost.set()  # another worker took it over: stop writing into its workdir
+                if not all([store.heartbeat(i, owner) for i in ids]):
+                    lost.set()  # another worker took one over: stop writing into its workdir
                     _kill(proc)
                     return
                 if stop is not None and stop.is_set():
@@ -361,26 +409,39 @@ def run_trial(
             rc = wait()
         except BaseException:
             _kill(proc)
-            store.release(trial.trial_id, owner)
+            for i in ids:
+                store.release(i, owner)
             raise
         finally:
             exited.set()
         hb.join()
     duration = time.time() - t0
-    tail = _log_tail(log_path)
+    tail = log_tail(log_path)
     if server is not None and (
-        rc != 0 or _was_preempted(tail) or server.trials >= opts.max_trials_per_process
+        rc != 0 or was_preempted(tail) or server.trials >= opts.max_trials_per_process
     ):
         server.retire()  # the next trial starts in a fresh process
     if lost.is_set():
-        store.log_event({"event": "claim_lost", "trial_id": trial.trial_id, "owner": owner})
-        return "lost"
+        for i in ids:
+            store.log_event({"event": "claim_lost", "trial_id": i, "owner": owner})
+        return ["lost"] * len(ids)
     if stop is not None and stop.is_set():
-        store.release(trial.trial_id, owner)
-        return "stopped"
+        for i in ids:
+            store.release(i, owner)
+        return ["stopped"] * len(ids)
     if timed_out.is_set():
         tail += f"\nkilled by the sweep: attempt exceeded timeout_s={opts.timeout_s:g}"
         rc = TIMEOUT_EXIT_CODE
+    preempted = rc == 0 and was_preempted(tail)
+    results = _member_results(tail, len(members)) if len(members) > 1 else [{}]
+    return [
+        _record(store, t, owner, opts, rc, tail, preempted, res, t0, duration / len(members))
+        for t, res in zip(members, results, strict=True)
+    ]
+
+
+def _record(store, trial, owner, opts, rc, tail, preempted, result, t0, duration) -> str:
+    """Records one trial's attempt and, when it is settled, its results row; its outcome."""
     attempt = {
         "owner": owner,
         "exit_code": rc,
@@ -388,7 +449,8 @@ def run_trial(
         "start": t0,
         "error_tail": tail if rc else "",
     }
-    preempted = rc == 0 and _was_preempted(tail)
+    if len(trial.population) > 1:
+        attempt["population"] = len(trial.population)
     if preempted:
         attempt["preempted"] = True
     store.record_attempt(trial.trial_id, attempt)
@@ -401,13 +463,16 @@ def run_trial(
         )
         store.release(trial.trial_id, owner)
         return "preempted"
-    if rc == 0:
+    if rc == 0 and result.get("diverged"):  # a population member stopped by train.nonfinite*
+        row = result_row(store, trial, "DIVERGED", attempts, opts, error=result["diverged"])
+        outcome = "diverged"
+    elif rc == 0:
         row = result_row(store, trial, "SUCCESS", attempts, opts)
         outcome = "success"
     elif rc == DIVERGED_EXIT_CODE:
         row = result_row(store, trial, "DIVERGED", attempts, opts, error=tail)
         outcome = "diverged"
-    elif _settled_status(attempts, opts.max_retries, opts.max_takeovers) is None:
+    elif settled_status(attempts, opts.max_retries, opts.max_takeovers) is None:
         store.log_event(
             {
                 "event": "retry",
@@ -431,117 +496,3 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def _was_preempted(log_tail: str) -> bool:
-    """Whether the train command's result (its last JSON line) says ``"preempted": true``."""
-    for line in reversed(log_tail.splitlines()):
-        if line.startswith("{"):
-            try:
-                return bool(json.loads(line).get("preempted"))
-            except (json.JSONDecodeError, AttributeError):
-                return False
-    return False
-
-
-def _log_tail(path: Path, n: int = 4000) -> str:
-    data = path.read_bytes()[-n:]
-    return data.decode(errors="replace")
-
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # metrics.jsonl of a killed attempt may end in a partial line
-    return rows
-
-
-def _finite(row: dict) -> dict:
-    """Non-finite metrics (e.g. AUC of a one-class eval set) become None: JSON has no NaN."""
-    return {
-        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()
-    }
-
-
-def result_row(
-    store: SweepStore,
-    trial: Trial,
-    status: str,
-    attempts: list[dict],
-    opts: WorkerOptions,
-    *,
-    error: str = "",
-) -> dict[str, Any]:
-    """The results.jsonl row of a finished trial."""
-    workdir = store.workdir(trial.trial_id)
-    evals = [_finite(r) for r in _jsonl(workdir / "metrics.jsonl") if r.get("split") == "eval"]
-    final = evals[-1] if evals and evals[-1].get("step") == trial.steps else None
-    if trial.branch_of:  # steps 1..branch_step are the stable run's, and so are their evals
-        shared = _jsonl(store.workdir(trial.branch_of) / "metrics.jsonl")
-        evals = [
-            _finite(r)
-            for r in shared
-            if r.get("split") == "eval" and r.get("step", 0) <= trial.branch_step
-        ] + evals
-    higher_better = opts.metric == "auc"
-    scored = [r for r in evals if r.get(opts.metric) is not None]
-    best = (max if higher_better else min)(scored, key=lambda r: r[opts.metric]) if scored else None
-    info = (
-        json.loads((workdir / "run_info.json").read_text())
-        if (workdir / "run_info.json").exists()
-        else {"starts": []}
-    )
-    starts = info["starts"]
-    last = starts[-1] if starts else {}
-    diverged_at = None
-    m = re.search(r"non-finite training loss \S+ at step (\d+)", error)
-    if m:
-        diverged_at = int(m.group(1))
-    code = opts.code_version
-    return {
-        "trial_id": trial.trial_id,
-        "sweep": opts.sweep,
-        "status": status,
-        "family": trial.family,
-        "rung": trial.rung,
-        "rung_index": trial.rung_index,
-        "budget": trial.budget,
-        "compute": trial.compute,
-        "flops_per_example": trial.flops_per_example,
-        "flops_convention": FLOPS_CONVENTION,
-        "examples": trial.examples,
-        "steps": trial.steps,
-        "branch_of": trial.branch_of or None,
-        "shared_steps": trial.branch_step,
-        "own_steps": trial.steps - trial.branch_step,
-        "own_compute": trial.own_compute,
-        "batch_size": trial.batch_size,
-        "learning_rate": trial.config["dense_optim"]["learning_rate"],
-        "embedding_learning_rate": trial.config["embedding_optim"]["learning_rate"],
-        "params_dense": trial.params_dense,
-        "params_sparse": trial.params_sparse,
-        "seed": trial.seed,
-        "final": final,
-        "best": best,
-        "diverged_at_step": diverged_at,
-        "error": error,
-        "attempts": len(attempts),
-        # (a branch's first start is at its branch point: not a resume)
-        "resumed_from_step": max((s["start_step"] for s in starts[1:]), default=0),
-        "wall_time_s": round(sum(a.get("duration_s", 0.0) for a in attempts), 2),
-        "device_kind": last.get("device_kind"),
-        "host_cpu": last.get("host_cpu"),
-        "device_count": last.get("device_count"),
-        "process_count": last.get("process_count"),
-        "versions": last.get("versions"),
-        "code_version": code,
-        "git_sha": code.split("+", 1)[1].split(".")[0] if "+" in code else None,
-        "data_fingerprint": opts.data_fingerprints.get(trial.family),
-        "finished_at": time.time(),
-        "config": trial.config,
-    }

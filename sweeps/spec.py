@@ -41,76 +41,20 @@ import tpu_gpu_configs
 from data.config import DataConfig
 from recscale import config as config_lib
 from recscale import families
-from recscale.train import branches
+from sweeps import grouping
 from sweeps.identity import current_code_version, data_fingerprint, trial_id
-from wukong.presets import TABLE5
+from sweeps.ladders import (  # noqa: F401 (specs import the ladder builders from here)
+    WUKONG_TABLE5_LADDER,
+    Rung,
+    dlrm_ladder,
+    wukong_ladder,
+    wukong_rung,
+)
 
 FLOPS_CONVENTION = (
     "train: analytic forward+backward matmul FLOPs per example, 2 per multiply-add, "
     "backward = 2x forward plus the embedding scatter (recscale.flops)"
 )
-
-# ------------------------------------------------------------------------------------------------
-# Ladders.
-
-
-@dataclasses.dataclass(frozen=True)
-class Rung:
-    """One model size: a name and the model-config fields it sets on the family's base preset."""
-
-    name: str
-    model: dict[str, Any]
-    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Other config fields this rung sets, by dotted path, after everything else (e.g.
-    ``{"data.max_table_rows": 1000}`` for a grid over embedding capacity)."""
-
-
-def wukong_ladder(rows: tuple[tuple[int, int, int, int, int, int], ...], prefix: str = "w"):
-    """Wukong rungs from ``(l, n_F, n_L, k, FMB MLP depth, FMB MLP width)`` rows, as the
-    paper's Table 5 grows them: layers first, then n_F/n_L and k, then the FMB MLP width."""
-    return tuple(
-        Rung(
-            f"{prefix}{i + 1}",
-            dict(
-                num_layers=nl_, n_fmb=nf, n_lcb=nl, fmb_rank=k, fmb_mlp_depth=dep, fmb_mlp_width=w
-            ),
-        )
-        for i, (nl_, nf, nl, k, dep, w) in enumerate(rows)
-    )
-
-
-def wukong_rung(name, d, layers, n, k, depth, width, dense, top) -> Rung:
-    """A Wukong rung that also sets d, the dense-feature MLP and the top MLP: ``(name, d, l,
-    n_F = n_L, k, FMB MLP depth, FMB MLP width, dense MLP, top MLP)``."""
-    return Rung(
-        name,
-        dict(
-            embed_dim=d,
-            num_layers=layers,
-            n_fmb=n,
-            n_lcb=n,
-            fmb_rank=k,
-            fmb_mlp_depth=depth,
-            fmb_mlp_width=width,
-            dense_mlp=dense,
-            top_mlp=top,
-        ),
-    )
-
-
-def dlrm_ladder(rows: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], prefix="d"):
-    """DLRM rungs from ``(embed_dim, bottom MLP, top MLP)`` rows (MLP widths and embedding
-    dim; the bottom MLP must end in ``embed_dim``, the top MLP in 1)."""
-    return tuple(
-        Rung(f"{prefix}{i + 1}", dict(embed_dim=d, bottom_mlp=bot, top_mlp=top))
-        for i, (d, bot, top) in enumerate(rows)
-    )
-
-
-# The paper's Table 5 (arXiv 2403.02545v4; rows kept in wukong/presets.py), for accelerator
-# sweeps on Criteo-scale data.
-WUKONG_TABLE5_LADDER = wukong_ladder(TABLE5, prefix="table5-")
-
 
 # ------------------------------------------------------------------------------------------------
 # Spec.
@@ -258,6 +202,11 @@ class SweepSpec:
     from step 0). A branch's id, config, metrics and results row are those of the one-piece run
     it equals bitwise; the row adds what the branch itself cost (``own_steps``,
     ``own_compute``), and the sweep's cost is the sum of those."""
+    populations: bool = False
+    """The seeds of a point train as one population (``recscale.train.population``): the trials
+    that differ only in their seed (the stable runs of one size, or its branches of one budget)
+    run as one vmapped program, each in its own run folder with its own results row. Trial ids
+    are those of the separate runs (each member equals its run to float32 rounding)."""
     code_version: str = "auto"
     """Part of every trial id: ``auto`` = package version + git commit (+ hash of uncommitted
     changes to tracked files)."""
@@ -328,6 +277,9 @@ class Trial:
     from, at step ``branch_step``; empty for a run from scratch (a stable run keeps its
     branches' points in ``config["train"]["branch_steps"]``)."""
     branch_step: int = 0
+    population: tuple[str, ...] = ()
+    """With ``SweepSpec.populations``: the trial ids of the population this trial trains in
+    (itself included; sorted), whose members run as one program; empty: a run of its own."""
 
     @property
     def compute(self) -> float:
@@ -493,62 +445,10 @@ def resolve(spec: SweepSpec) -> Resolution:
                         cfgs[tid] = cfg
                         trials.append(t)
     if spec.branches:
-        trials = _as_branches(trials, cfgs, code_version, fingerprints)
+        trials = grouping.as_branches(trials, cfgs, code_version, fingerprints)
+    if spec.populations:
+        trials = grouping.as_populations(trials)
     return Resolution(tuple(trials), tuple(skipped), code_version, fingerprints)
-
-
-def _as_branches(
-    trials: list[Trial], cfgs: dict[str, Any], code_version: str, fingerprints: dict[str, str]
-) -> list[Trial]:
-    """``trials`` as stable runs and cooldown branches (``SweepSpec.branches``), in the same
-    order: per (family, rung, seed, batch, recipe), every budget warms up as its shortest does,
-    the longest is the stable run and the others branch off it."""
-    groups: dict[tuple, list[Trial]] = {}
-    for t in trials:
-        key = (t.family, t.rung, t.seed, t.batch_size, t.lr_rule, t.lr_multiplier)
-        groups.setdefault(key, []).append(t)
-    out: dict[str, Trial] = {}
-    for members in groups.values():
-        warmup = min(cfgs[t.trial_id].dense_optim.warmup_steps for t in members)
-        one_piece = {}
-        for t in members:
-            cfg = cfgs[t.trial_id]
-            for name in ("dense_optim", "embedding_optim"):
-                o = getattr(cfg, name)
-                if o.decay not in ("wsd", "constant"):
-                    raise ValueError(
-                        f"family {t.family}: branches need {name}.decay 'wsd' (or 'constant'), "
-                        f"got {o.decay!r}: a {o.decay} schedule's rates depend on the run's "
-                        "length from its warmup's end, so no run can share another's steps"
-                    )
-                cfg = dataclasses.replace(
-                    cfg, **{name: dataclasses.replace(o, warmup_steps=warmup)}
-                )
-            one_piece[t.trial_id] = cfg
-        by_steps = sorted(members, key=lambda t: t.steps)
-        stable = branches.stable_config(
-            one_piece[by_steps[-1].trial_id], [t.steps for t in by_steps]
-        )
-        stable_id = None
-        for t in reversed(by_steps):
-            cfg = one_piece[t.trial_id]
-            cdict = config_lib.to_dict(cfg)
-            tid = trial_id(t.family, cdict, code_version, fingerprints[t.family], type(cfg))
-            if stable_id is None:  # the longest: the stable run (its checkpoints kept for all)
-                stable_id = tid
-                out[t.trial_id] = dataclasses.replace(
-                    t, trial_id=tid, config=config_lib.to_dict(stable)
-                )
-                continue
-            step = branches.branch_step(cfg)  # 0: a cooldown as long as the run, from scratch
-            out[t.trial_id] = dataclasses.replace(
-                t,
-                trial_id=tid,
-                config=cdict,
-                branch_of=stable_id if step else "",
-                branch_step=step,
-            )
-    return [out[t.trial_id] for t in trials]
 
 
 def _window_on_optimum(

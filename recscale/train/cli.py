@@ -111,3 +111,33 @@ def evaluate_main(family: Family, argv: list[str] | None = None) -> dict:
             result = evaluate_workdir(family.config_cls, family.build_model, args)
         print_result(result)
     return result
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PopulationArgs:
+    package: str
+    """The members' model family, by its package (``dlrm``, ``wukong``, ``baselines.dcnv2``;
+    ``recscale.families``)."""
+    configs: tuple[str, ...]
+    """Each member's config file (``config.json`` as a run or a sweep writes it)."""
+    workdirs: tuple[str, ...]
+    """Each member's run folder, in the order of ``--configs``."""
+
+
+def population_main(argv: list[str] | None = None) -> list[dict]:
+    """``python -m recscale.population --package P --configs C... --workdirs W...``: trains the
+    members as one vmapped population (``recscale.train.population``) and prints
+    ``{"population": [each member's result], "preempted": ...}`` as the last line."""
+    from recscale import families  # noqa: PLC0415
+    from recscale.train.population import train_population  # noqa: PLC0415
+
+    args = sys.argv[1:] if argv is None else argv
+    a = tyro.cli(PopulationArgs, args=args, prog="python -m recscale.population")
+    with exit_at_once_on_error(), one_line_errors():
+        family = families.by_package(a.package)
+        cfgs = [config_lib.load_json(family.config_cls, c) for c in a.configs]
+        results = train_population(
+            cfgs, family.build_model, list(a.workdirs), argv=["-m", "recscale.population", *args]
+        )
+    print_result({"population": results, "preempted": any(r.get("preempted") for r in results)})
+    return results

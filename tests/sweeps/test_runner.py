@@ -78,10 +78,10 @@ def test_a_settled_trial_whose_worker_died_gets_its_row_without_rerunning(
 
 def test_one_failure_within_the_retry_budget_is_not_settled(tmp_path):
     store, t = setup(tmp_path, [{"exit_code": 1, "duration_s": 1.0, "error_tail": "boom"}])
-    from sweeps.runner import _settled_status
+    from sweeps.outcome import settled_status
 
-    assert _settled_status(store.attempts(t.trial_id), max_retries=1) is None
-    assert _settled_status(store.attempts(t.trial_id), max_retries=0) == "FAILED"
+    assert settled_status(store.attempts(t.trial_id), max_retries=1) is None
+    assert settled_status(store.attempts(t.trial_id), max_retries=0) == "FAILED"
 
 
 def test_non_finite_metrics_become_null(tmp_path):
@@ -101,25 +101,25 @@ def test_non_finite_metrics_become_null(tmp_path):
 
 
 def test_a_trial_that_keeps_killing_its_worker_is_failed(tmp_path):
-    from sweeps.runner import TAKEOVER, _settled_status
+    from sweeps.outcome import TAKEOVER, settled_status
 
     lost = {"exit_code": TAKEOVER, "duration_s": 0.0, "error_tail": "its worker died"}
-    assert _settled_status([lost] * 3, max_retries=1, max_takeovers=3) is None
-    assert _settled_status([lost] * 4, max_retries=1, max_takeovers=3) == "FAILED"
+    assert settled_status([lost] * 3, max_retries=1, max_takeovers=3) is None
+    assert settled_status([lost] * 4, max_retries=1, max_takeovers=3) == "FAILED"
     # takeovers are not failures of the trial itself: they do not use up retries
-    assert _settled_status([lost, lost, {"exit_code": 1}], max_retries=1) is None
+    assert settled_status([lost, lost, {"exit_code": 1}], max_retries=1) is None
 
 
 def test_a_preempted_attempt_is_run_again_and_uses_no_retry(tmp_path):
-    from sweeps.runner import _settled_status, _was_preempted
+    from sweeps.outcome import settled_status, was_preempted
 
     preempted = {"exit_code": 0, "duration_s": 1.0, "preempted": True}
-    assert _settled_status([preempted], max_retries=0) is None
-    assert _settled_status([preempted] * 5 + [{"exit_code": 0}], max_retries=0) == "SUCCESS"
+    assert settled_status([preempted], max_retries=0) is None
+    assert settled_status([preempted] * 5 + [{"exit_code": 0}], max_retries=0) == "SUCCESS"
     tail = "restored checkpoint step 4\nSIGTERM: saved checkpoint step 7, stopping\n"
-    assert _was_preempted(tail + '{"preempted": true, "step": 7}\n')
-    assert not _was_preempted(tail + '{"auc": 0.7, "step": 10}\n')
-    assert not _was_preempted("no result line\n")
+    assert was_preempted(tail + '{"preempted": true, "step": 7}\n')
+    assert not was_preempted(tail + '{"auc": 0.7, "step": 10}\n')
+    assert not was_preempted("no result line\n")
 
 
 def test_a_preempted_trial_is_released_not_recorded(tmp_path):

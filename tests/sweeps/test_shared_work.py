@@ -1,6 +1,8 @@
-"""Sweeps whose budgets of one size are one stable run and its cooldown branches
-(``SweepSpec.branches``): how a spec resolves, how workers wait for and settle branches, and
-an end-to-end sweep whose branch rows equal the one-piece runs they stand for."""
+"""Sweeps that share work between trials (``sweeps.grouping``): the budgets of one size as one
+stable run and its cooldown branches (``SweepSpec.branches``), the seeds of a point as one
+population (``SweepSpec.populations``). How a spec resolves, how workers wait for and settle
+branches and run populations, and end-to-end sweeps whose rows are those of the separate runs
+they stand for."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ WSD = {
 }
 
 
-def spec(*, steps=(10, 20, 40), seeds=(0, 1), overrides=WSD, branches=True) -> SweepSpec:
+def spec(
+    *, steps=(10, 20, 40), seeds=(0, 1), overrides=WSD, branches=True, populations=False
+) -> SweepSpec:
     return SweepSpec(
         name="b",
         families=(
@@ -37,6 +41,7 @@ def spec(*, steps=(10, 20, 40), seeds=(0, 1), overrides=WSD, branches=True) -> S
         seeds=seeds,
         min_steps=5,
         branches=branches,
+        populations=populations,
         code_version="test",
     )
 
@@ -132,3 +137,45 @@ def test_a_branched_sweep_gives_the_rows_of_its_one_piece_runs(tmp_path):
     (row,) = read_results(tmp_path / "alone" / "results.jsonl").rows
     assert row["trial_id"] == got[10]["trial_id"]
     assert row["final"] == got[10]["final"]  # bit for bit, every metric
+
+
+def test_the_seeds_of_a_point_resolve_to_one_population():
+    plain = {(t.steps, t.seed): t for t in resolve(spec(seeds=(0, 1, 2))).trials}
+    trials = resolve(spec(seeds=(0, 1, 2), populations=True)).trials
+    assert {(t.steps, t.seed): t.trial_id for t in trials} == {
+        k: t.trial_id for k, t in plain.items()
+    }  # the ids of the separate runs
+    for steps in (10, 20, 40):
+        members = [t for t in trials if t.steps == steps]
+        assert {t.population for t in members} == {tuple(sorted(t.trial_id for t in members))}
+    # branches of one budget, from each seed's own stable run, in one population
+    assert {t.branch_step for t in trials if t.steps == 10} == {8}
+    assert resolve(spec(seeds=(0,), populations=True)).trials[0].population == ()
+
+
+@pytest.mark.slow
+def test_a_sweep_of_populations_gives_the_rows_of_its_separate_runs(tmp_path):
+    overrides = {**WSD, "embeddings.sharding": "auto"}
+    budgets = [s * STEP_FLOPS_D1 for s in (10, 20)]
+    rows = {}
+    for name, extra in (("pop", "populations=True, "), ("alone", "")):
+        path = write_spec(tmp_path / f"{name}.py", budgets=budgets, overrides=overrides)
+        text = path.read_text().replace(
+            "code_version=", f"branches=True, {extra}seeds=(0, 1), code_version="
+        )
+        path.write_text(text)
+        assert run_launch(path, tmp_path / name)["statuses"] == {"SUCCESS": 4}
+        rows[name] = {
+            r["trial_id"]: r for r in read_results(tmp_path / name / "results.jsonl").rows
+        }
+    assert rows["pop"].keys() == rows["alone"].keys()
+    store = SweepStore(tmp_path / "pop")
+    for tid, r in rows["pop"].items():
+        want = rows["alone"][tid]["final"]
+        # each member equals its run to float32 rounding (tests/recscale/test_population.py)
+        assert r["final"]["logloss"] == pytest.approx(want["logloss"], rel=1e-5)
+        (attempt,) = store.attempts(tid)
+        assert attempt["population"] == 2
+        assert "in a population of 2" in (store.trial_dir(tid) / "train.log").read_text()
+    # Two populations (the stable runs, then the branches), each one process: two logs.
+    assert len(list((tmp_path / "pop" / "populations").glob("*.log"))) == 2
