@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from recscale.kernels import common
+from recscale.kernels import common, members
 from recscale.kernels.embedding_bag import pallas_gpu, pallas_tpu, reference
 
 OP = "embedding_bag"
@@ -170,8 +170,11 @@ def pool(
     """
     _check(table, ids, pooling)
     ids = jnp.asarray(ids, jnp.int32)
-    forward = _forward(_choose(table, ids, impl), pooling, interpret)
+    chosen = _choose(table, ids, impl)
+    forward = _forward(chosen, pooling, interpret)
     num_rows, dtype = table.shape[0], table.dtype
+    if chosen.startswith("pallas"):  # a population's members: one kernel over their tables
+        forward = members.stacked_rows(forward, num_rows)
 
     @jax.custom_vjp
     def op(table, ids):

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from recscale.kernels import common
+from recscale.kernels import common, members
 from recscale.kernels.embedding_update import pallas_gpu, pallas_tpu, reference
 
 OP = "embedding_update"
@@ -131,19 +131,29 @@ def update(
             clip=clip,
         )
         return new_table, (new_acc if adagrad else acc), stats
-    keys_nh = reference.pair_keys(ids, v)
     if interpret is None:
         interpret = common.interpret_for(chosen)
-    if chosen == "pallas_gpu":
-        seg = reference.sorted_segments(keys_nh, v, row_block=pallas_gpu.block_rows(d))
-        new_table, new_acc, stats_g2 = pallas_gpu.update(
+
+    def kernel(table, acc_in, ids, g_nd, lr):
+        keys_nh = reference.pair_keys(ids, v)
+        if chosen == "pallas_gpu":
+            seg = reference.sorted_segments(keys_nh, v, row_block=pallas_gpu.block_rows(d))
+            run = pallas_gpu.update
+        else:
+            seg = reference.sorted_segments(
+                keys_nh, v, row_block=pallas_tpu.BLOCK_ROWS, pair_pad=pallas_tpu.CHUNK_PAIRS
+            )
+            run = pallas_tpu.update
+        new_table, new_acc, stats_g2 = run(
             table, acc_in, seg, g_nd, lr, eps=eps, clip=clip, interpret=interpret
         )
-    else:
-        seg = reference.sorted_segments(
-            keys_nh, v, row_block=pallas_tpu.BLOCK_ROWS, pair_pad=pallas_tpu.CHUNK_PAIRS
-        )
-        new_table, new_acc, stats_g2 = pallas_tpu.update(
-            table, acc_in, seg, g_nd, lr, eps=eps, clip=clip, interpret=interpret
-        )
-    return new_table, (new_acc if adagrad else acc), jnp.sum(stats_g2, axis=0)
+        return new_table, new_acc, jnp.sum(stats_g2, axis=0)
+
+    # A population's members: one kernel each, in one program (``members``).
+    if adagrad:
+        new_table, new_acc, stats = members.one_by_one(kernel)(table, acc_in, ids, g_nd, lr)
+        return new_table, new_acc, stats
+    new_table, _, stats = members.one_by_one(lambda t, i, g, r: kernel(t, None, i, g, r))(
+        table, ids, g_nd, lr
+    )
+    return new_table, acc, stats

@@ -5,6 +5,8 @@ outputs and gradients, with the members' data shared (``in_axes=None``) or their
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,8 +81,9 @@ def test_pooled_lookup_and_its_table_gradient(impl, shared_ids):
     _assert_equal(got, want)
 
 
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "sgd"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_row_update_with_each_members_learning_rate(impl):
+def test_row_update_with_each_members_learning_rate(impl, optimizer):
     _needs(impl, update_ffi)
     v, d, n, h = 37, 8, 24, 3
     rng = np.random.default_rng(1)
@@ -91,7 +94,16 @@ def test_row_update_with_each_members_learning_rate(impl):
     lrs = jnp.asarray([0.05, 0.1, 0.2], jnp.float32)
 
     def step(table, acc, ids, grad, lr):
-        return update_api.update(table, acc, ids, grad, lr, impl=impl, interpret=_interpret(impl))
+        return update_api.update(
+            table,
+            None if optimizer == "sgd" else acc,
+            ids,
+            grad,
+            lr,
+            optimizer=optimizer,
+            impl=impl,
+            interpret=_interpret(impl),
+        )
 
     axes = (0, 0, None, 0, 0)
     got = jax.jit(jax.vmap(step, in_axes=axes))(tables, accs, ids, grads, lrs)
@@ -135,26 +147,44 @@ def test_fm_interaction_and_its_gradients(impl):
 
 # (ids that are not the names of the gpu/tpu marks, which would skip the tests off those devices)
 @pytest.mark.parametrize(("platform", "impl", "marker"), PLATFORMS, ids=["triton", "mosaic"])
-def test_kernels_lower_with_a_member_grid_axis(platform, impl, marker):
-    # One kernel per op for all members, not one per member: the batched grid lowers for the
-    # real backends (Triton; Mosaic with a parallel semantic for the member axis).
+def test_kernels_lower_for_all_members_at_once(platform, impl, marker):
     f32, i32 = jnp.float32, jnp.int32
+    kw = {"impl": impl, "interpret": False}
 
-    def step(table, acc, ids, g, x, gx):
-        out, vjp = jax.vjp(lambda t: bag_api.pool(t, ids, impl=impl, interpret=False), table)
-        new = update_api.update(table, acc, ids, g, 0.1, impl=impl, interpret=False)
-        dot = dot_api.dot_interaction(x, impl=impl, interpret=False)
-        return out, vjp(g)[0], new, dot
+    def lower(fn, args, axes):
+        with _tpu_target() if platform == "tpu" else contextlib.nullcontext():
+            traced = jax.jit(jax.vmap(fn, in_axes=axes)).trace(*args)
+            return traced.lower(lowering_platforms=(platform,)).as_text()
 
-    args = (
-        jax.ShapeDtypeStruct((K, 4096, 128), f32),
-        jax.ShapeDtypeStruct((K, 4096), f32),
-        jax.ShapeDtypeStruct((1024, 4), i32),
-        jax.ShapeDtypeStruct((K, 1024, 128), f32),
-        jax.ShapeDtypeStruct((K, 1024, 8, 128), f32),
-        jax.ShapeDtypeStruct((K, 1024, 28), f32),
+    table, ids = jax.ShapeDtypeStruct((K, 4096, 128), f32), jax.ShapeDtypeStruct((1024, 4), i32)
+    g = jax.ShapeDtypeStruct((K, 1024, 128), f32)
+    # One kernel for the K members, no loop: the lookup over the stacked tables, the dot
+    # interaction with a member grid axis.
+    for fn, args, axes in (
+        (lambda t, i: bag_api.pool(t, i, **kw), (table, ids), (0, None)),
+        (
+            lambda x: dot_api.dot_interaction(x, **kw),
+            (jax.ShapeDtypeStruct((K, 1024, 8, 128), f32),),
+            (0,),
+        ),
+    ):
+        text = lower(fn, args, axes)
+        assert text.count(marker) == 1 and "stablehlo.while" not in text
+    # The fused update: one kernel per member in a loop of the one program.
+    acc = jax.ShapeDtypeStruct((K, 4096), f32)
+    text = lower(
+        lambda t, a, i, g: update_api.update(t, a, i, g, 0.1, **kw),
+        (table, acc, ids, g),
+        (0, 0, None, 0),
     )
-    batched = jax.vmap(step, in_axes=(0, 0, None, 0, 0, 0))
-    text = jax.jit(batched).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count(marker) >= 3  # lookup, update, dot: each one call for the K members
-    assert "while" not in text  # no loop over members
+    assert text.count(marker) == 1 and "stablehlo.while" in text
+
+
+def _tpu_target():
+    """An abstract TPU device: Mosaic lowering reads the target chip's tiling, which a CPU
+    host does not have (as ``test_embedding_update``'s lowering tests)."""
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device
+    )
+    return jax.sharding.use_abstract_mesh(mesh)
