@@ -6,14 +6,12 @@ row of the separate run it stands for."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from recscale import config as config_lib
 from recscale.train import branches
 from sweeps.identity import trial_id
-
-if TYPE_CHECKING:
-    from sweeps.spec import Trial
+from sweeps.trial import Trial
 
 
 def as_branches(

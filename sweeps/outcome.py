@@ -9,14 +9,12 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from recscale.train import DIVERGED_EXIT_CODE
-from sweeps.spec import FLOPS_CONVENTION, Trial
+from sweeps.spec import FLOPS_CONVENTION
 from sweeps.store import SweepStore
-
-if TYPE_CHECKING:
-    from sweeps.runner import WorkerOptions
+from sweeps.trial import Trial
 
 TIMEOUT_EXIT_CODE = -1000
 """Recorded exit code of an attempt the worker killed for exceeding ``timeout_s``."""
@@ -102,11 +100,12 @@ def result_row(
     trial: Trial,
     status: str,
     attempts: list[dict],
-    opts: WorkerOptions,
+    opts: Any,
     *,
     error: str = "",
 ) -> dict[str, Any]:
-    """The results.jsonl row of a finished trial."""
+    """The results.jsonl row of a finished trial (``opts``: its worker's
+    ``sweeps.runner.WorkerOptions``)."""
     workdir = store.workdir(trial.trial_id)
     evals = [_finite(r) for r in _jsonl(workdir / "metrics.jsonl") if r.get("split") == "eval"]
     final = evals[-1] if evals and evals[-1].get("step") == trial.steps else None

@@ -80,6 +80,7 @@ class SweepProgress:
         self.stream = stream or sys.stderr
         self.total = sum(own_compute(t) for t in trials)
         self.n_branches = sum(1 for t in trials if t.get("branch_of"))
+        self.n_populations = len({tuple(t["population"]) for t in trials if t.get("population")})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._start_compute = summarise(store, trials)["finished_compute"]
@@ -100,8 +101,13 @@ class SweepProgress:
             f"{c['done']} done, {c['running']} running, {c['failed']} failed, "
             f"{c['remaining']} remaining of {len(self.trials)}"
         )
+        shared = []
         if self.n_branches:
-            text += f" ({len(self.trials) - self.n_branches} runs, {self.n_branches} branches)"
+            shared.append(f"{len(self.trials) - self.n_branches} runs, {self.n_branches} branches")
+        if self.n_populations:
+            shared.append(f"seeds in {self.n_populations} populations")
+        if shared:
+            text += f" ({'; '.join(shared)})"
         eta = self.eta(s)
         if eta is None and s["unfinished"]:
             return text + ", ETA once a trial near the largest size has finished"

@@ -106,6 +106,19 @@ def state_from(trees: dict[str, Any], step: int) -> TrainState:
     return TrainState(step=step_arr, **{**trees, "rng": trees["rng"]["key_data"]})
 
 
+def step_flags(tcfg: Any, done: int, branch_steps: frozenset[int]) -> tuple[bool, bool, bool]:
+    """``(log, checkpoint, evaluate)`` after step ``done`` of a run with ``train`` config
+    ``tcfg``: a train row every ``log_every`` steps and at the end; a checkpoint every
+    ``checkpoint_every`` steps and at the branch points, not at the end (the end saves its
+    own); an evaluation every ``eval_every`` steps, not at the end (the final one is full)."""
+    is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps
+    is_ckpt = done != tcfg.num_steps and (
+        bool(tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0) or done in branch_steps
+    )
+    is_eval = bool(tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps)
+    return is_log, is_ckpt, is_eval
+
+
 def prefetch(
     source: DataSource, start: int, stop: int, data_offset: int = 0
 ) -> Iterator[tuple[int, Batch]]:
@@ -359,14 +372,7 @@ class _TrainRun:
                 self.state, metrics = fn(self.state, batch, self.schedule_args)
                 self.pending.append((step, metrics))
                 done = step + 1
-                is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps
-                is_ckpt = done != tcfg.num_steps and (
-                    bool(tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
-                    or done in self.branch_steps
-                )
-                is_eval = bool(
-                    tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps
-                )
+                is_log, is_ckpt, is_eval = step_flags(tcfg, done, self.branch_steps)
                 self.preempted = preemption.reached(done)  # stop at this step boundary
                 if is_log or is_ckpt or self.preempted:
                     # Read the step flags before a checkpoint is written, so a rollback never

@@ -57,7 +57,7 @@ from recscale.train.experiment import (
     step_function,
 )
 from recscale.train.guards import NonfiniteGuard, Preemption, train_row
-from recscale.train.loop import prefetch, state_from, state_items
+from recscale.train.loop import prefetch, state_from, state_items, step_flags
 from recscale.train.progress import Progress
 from recscale.train.run_files import (
     MetricsWriter,
@@ -313,14 +313,7 @@ class _Population:
                     self.states, metrics = self.step(self.states, batch, self.args)
                     self.pending.append((step, metrics))
                     done = step + 1
-                    is_log = done % tcfg.log_every == 0 or done == tcfg.num_steps
-                    is_ckpt = done != tcfg.num_steps and (
-                        bool(tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
-                        or done in self.branch_steps
-                    )
-                    is_eval = bool(
-                        tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.num_steps
-                    )
+                    is_log, is_ckpt, is_eval = step_flags(tcfg, done, self.branch_steps)
                     preempted = preemption.reached(done)
                     if is_log or is_ckpt or preempted:
                         self._read_flags()

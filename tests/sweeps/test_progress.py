@@ -84,3 +84,10 @@ def test_a_branch_counts_its_own_steps_only(tmp_path):
     progress = SweepProgress(store, [stable, branch], stream=io.StringIO())
     assert progress.total == pytest.approx(5e9 + 0.2e9)
     assert "(1 runs, 1 branches)" in progress.line(summarise(store, [stable, branch]))
+
+
+def test_populations_are_counted(tmp_path):
+    store = SweepStore(tmp_path)
+    trials = [{**trial(t, 1e9), "population": ["a", "b"]} for t in ("a", "b")] + [trial("c", 1e9)]
+    line = SweepProgress(store, trials, stream=io.StringIO()).line(summarise(store, trials))
+    assert "(seeds in 1 populations)" in line
