@@ -28,6 +28,7 @@ RECSCALE_FLOORS = {
     "export": 6,
     "plan": 6,
     "serve": 6,
+    "population": 6,
 }
 # (file, function) -> why it imports a module named at run time.
 DYNAMIC_IMPORTS = {

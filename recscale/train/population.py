@@ -248,7 +248,16 @@ class _Population:
         """Every member's checkpoint at the latest step all of them hold, else every member's
         branch point (``train.init_step``), else a fresh init of all seeds at once."""
         tcfg = self.tcfg
-        common = set.intersection(*(set(m.ckpt.all_steps()) for m in self.members))
+        held = [set(m.ckpt.all_steps()) for m in self.members]
+        common = set.intersection(*held)
+        if any(held) and not common:
+            steps = "; ".join(
+                f"{m.workdir}: {sorted(h)}" for m, h in zip(self.members, held, strict=True)
+            )
+            raise config_lib.ConfigError(
+                f"population members hold checkpoints but no step in common ({steps}): resume "
+                "them alone, or as a population from folders that started together"
+            )
         if common:
             step = max(common)
             restored = [self._restore(m.ckpt, step) for m in self.members]

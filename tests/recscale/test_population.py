@@ -149,3 +149,20 @@ def test_members_must_differ_only_in_seeds_and_rates():
     tiered = dataclasses.replace(a, train=dataclasses.replace(a.train, noise_scale_every=2))
     with pytest.raises(config_lib.ConfigError, match="noise_scale_every"):
         check_members([tiered, tiered])
+
+
+def test_a_diverging_member_stops_alone(tmp_path):
+    ok = _cfg("dlrm/tiny", 0, nonfinite="raise")
+    bad = _cfg("dlrm/tiny", 1, (1e12, 1e12), nonfinite="raise")  # rates that blow up
+    got = train_population([ok, bad], build_dlrm, [tmp_path / "ok", tmp_path / "bad"])
+    assert "non-finite training loss" in got[1]["diverged"]
+    assert "diverged" not in got[0] and got[0]["step"] == STEPS
+    alone = train(ok, build_dlrm, tmp_path / "alone")
+    _assert_close_rows([got[0]], [alone])
+
+
+def test_members_without_a_common_checkpoint_are_refused(tmp_path):
+    cfgs = [_cfg("dlrm/tiny", seed) for seed in (0, 1)]
+    train(cfgs[0], build_dlrm, tmp_path / "m0")  # member 0 alone, to the end
+    with pytest.raises(config_lib.ConfigError, match="no step in common"):
+        train_population(cfgs, build_dlrm, [tmp_path / "m0", tmp_path / "m1"])
