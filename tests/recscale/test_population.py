@@ -24,7 +24,7 @@ from tests.run_files import checkpoint_item, metric_rows
 from wukong.model import build_model as build_wukong
 
 STEPS = 12
-LRS = ((3e-3, 0.05), (3e-3, 0.05), (1e-3, 0.1))  # (dense, embedding) of members 0, 1, 2
+LRS = ((3e-3, 0.05), (1e-3, 0.1))  # (dense, embedding) of members 0 and 1
 
 
 def _cfg(preset: str, seed: int, lrs=(3e-3, 0.05), **train):
@@ -85,8 +85,9 @@ def _assert_close_rows(a: list[dict], b: list[dict]):
     ("preset", "build"), [("dlrm/tiny", build_dlrm), ("wukong/tiny", build_wukong)]
 )
 def test_each_member_equals_its_separate_run(tmp_path, preset, build):
-    cfgs = [_cfg(preset, seed, lrs) for seed, lrs in zip((0, 1, 2), LRS, strict=True)]
-    dirs = [tmp_path / f"member{i}" for i in range(3)]
+    # Two members, as every population of this module (one compiled program for all of them).
+    cfgs = [_cfg(preset, seed, lrs) for seed, lrs in zip((0, 1), LRS, strict=True)]
+    dirs = [tmp_path / f"member{i}" for i in range(2)]
     results = train_population(cfgs, build, dirs)
     for i, cfg in enumerate(cfgs):
         alone = train(cfg, build, tmp_path / f"alone{i}")
