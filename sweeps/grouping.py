@@ -69,12 +69,14 @@ def as_branches(
 
 
 def as_populations(trials: list[Trial]) -> list[Trial]:
-    """``trials`` with each group of seeds of one point (same family, rung, budget, batch and
-    recipe; for a branch, the same branch step) as a population (``Trial.population``); a
-    point with one seed stays a run of its own."""
+    """``trials`` with each group of runs of one point that differ only in their seed and
+    learning-rate multiplier (same family, rung, budget, batch and recipe; for a branch, the
+    same branch step) as a population (``Trial.population``); a lone run stays a run of its
+    own. A multiplier scales both peak rates, which members may differ in
+    (``recscale.train.population.MEMBER_FREE``)."""
     groups: dict[tuple, list[Trial]] = {}
     for t in trials:
-        key = (t.family, t.rung, t.budget, t.batch_size, t.lr_rule, t.lr_multiplier)
+        key = (t.family, t.rung, t.budget, t.batch_size, t.lr_rule)
         groups.setdefault((*key, bool(t.branch_of), t.branch_step), []).append(t)
     members = {}
     for group in groups.values():

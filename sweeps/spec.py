@@ -205,9 +205,10 @@ class SweepSpec:
     ``own_compute``), and the sweep's cost is the sum of those."""
     populations: bool = False
     """The seeds of a point train as one population (``recscale.train.population``): the trials
-    that differ only in their seed (the stable runs of one size, or its branches of one budget)
-    run as one vmapped program, each in its own run folder with its own results row. Trial ids
-    are those of the separate runs (each member equals its run to float32 rounding)."""
+    that differ only in their seed and learning-rate multiplier (``lr_multipliers``; the stable
+    runs of one size, or its branches of one budget) run as one vmapped program, each in its own
+    run folder with its own results row. Trial ids are those of the separate runs (each member
+    equals its run to float32 rounding)."""
     code_version: str = "auto"
     """Part of every trial id: ``auto`` = package version + git commit (+ hash of uncommitted
     changes to tracked files)."""

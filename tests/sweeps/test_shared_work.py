@@ -151,6 +151,15 @@ def test_the_seeds_of_a_point_resolve_to_one_population():
     # branches of one budget, from each seed's own stable run, in one population
     assert {t.branch_step for t in trials if t.steps == 10} == {8}
     assert resolve(spec(seeds=(0,), populations=True)).trials[0].population == ()
+    # learning-rate multipliers of one recipe: one population too (members differ in rates)
+    lrs = dataclasses.replace(
+        spec(seeds=(0,), populations=True), lr_rules=("none",), lr_multipliers=(0.5, 1.0, 2.0)
+    )
+    trials = resolve(lrs).trials
+    for steps in (10, 20, 40):
+        members = [t for t in trials if t.steps == steps]
+        assert sorted(t.lr_multiplier for t in members) == [0.5, 1.0, 2.0]
+        assert len({t.population for t in members}) == 1 and len(members[0].population) == 3
 
 
 @pytest.mark.slow
