@@ -28,7 +28,7 @@ from sweeps import provenance
 from sweeps import surface as surface_lib
 from sweeps.provenance import BOOTSTRAP_SEED
 from sweeps.report import plot, plot_quality_vs_size, plot_sparse_dense, print_report, ylabel
-from sweeps.store import read_results
+from sweeps.table import branch_cost, learning_rate_search, load_results
 
 log = logging.getLogger("sweeps.analyze")
 
@@ -54,38 +54,6 @@ class AnalyzeArgs:
 
 # ------------------------------------------------------------------------------------------------
 # Loading.
-
-
-def load_results(sweep_dir: str | Path, *, all_rows: bool = False) -> pd.DataFrame:
-    """The sweep's results as a DataFrame, one row per trial, metrics flattened
-    (``final_logloss``, ``best_auc``, ...). Rows of trials not in the sweep's current
-    ``sweep.json`` (an older code version or spec) are dropped unless ``all_rows``."""
-    root = Path(sweep_dir)
-    res = read_results(root / "results.jsonl")
-    if res.truncated:
-        log.warning("%s: skipped a truncated last line (its trial will be re-run)", root)
-    rows = []
-    for r in res.rows:
-        flat = {k: v for k, v in r.items() if k not in ("final", "best", "config", "versions")}
-        for which in ("final", "best"):
-            for k, v in (r.get(which) or {}).items():
-                if k not in ("split",):
-                    flat[f"{which}_{k}"] = v
-        flat["versions"] = json.dumps(r.get("versions"), sort_keys=True)
-        flat["config"] = json.dumps(r.get("config"), sort_keys=True)
-        rows.append(flat)
-    df = pd.DataFrame(rows)
-    sweep_json = root / "sweep.json"
-    if not all_rows and sweep_json.exists() and len(df):
-        current = set(json.loads(sweep_json.read_text())["trial_ids"])
-        stale = ~df["trial_id"].isin(current)
-        if stale.any():
-            log.warning(
-                "%d result rows belong to other versions of the sweep; not analysed",
-                int(stale.sum()),
-            )
-            df = df[~stale]
-    return df.reset_index(drop=True)
 
 
 def _quality(df: pd.DataFrame, metric: str, which: str = "final") -> pd.Series:
@@ -138,7 +106,7 @@ def analyze(
         for _, r in bad.iterrows()
     ]
     if "own_compute" in df and df["branch_of"].notna().any():
-        out["cost"] = _branch_cost(df)
+        out["cost"] = branch_cost(df)
     ok = df[df["status"] == "SUCCESS"].copy()
     ok["y"] = _quality(ok, metric)
     missing = ok[~np.isfinite(ok["y"].astype(float))]
@@ -168,22 +136,6 @@ def analyze(
     if lr := _lr_check(ok):
         out["lr_check"] = lr
     return out
-
-
-def _branch_cost(df: pd.DataFrame) -> dict[str, Any]:
-    """What a sweep of stable runs and cooldown branches (``SweepSpec.branches``) cost against
-    what its points stand for: the training FLOPs of its points (each a whole run of its
-    budget) and those it ran (a branch's own steps only), and the summed trial wall time."""
-    branch = df["branch_of"].notna()
-    points, ran = float(df["compute"].sum()), float(df["own_compute"].sum())
-    return {
-        "runs": int((~branch).sum()),
-        "branches": int(branch.sum()),
-        "points_compute": points,
-        "run_compute": ran,
-        "points_per_run_compute": points / ran,
-        "wall_time_s": float(df["wall_time_s"].sum()),
-    }
 
 
 def _successes(df: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -538,6 +490,8 @@ def main(argv: list[str] | None = None) -> dict:
     metric = args.metric or sweep.get("metric", "logloss")
     out_dir.mkdir(parents=True, exist_ok=True)
     df = load_results(root)
+    if search := learning_rate_search(df):
+        raise SystemExit(f"{root}: {search}")
     df.to_csv(out_dir / "results.csv", index=False)
     if args.parquet:
         df.to_parquet(out_dir / "results.parquet", index=False)

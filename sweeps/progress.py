@@ -105,7 +105,7 @@ class SweepProgress:
         if self.n_branches:
             shared.append(f"{len(self.trials) - self.n_branches} runs, {self.n_branches} branches")
         if self.n_populations:
-            shared.append(f"seeds in {self.n_populations} populations")
+            shared.append(f"{self.n_populations} populations")
         if shared:
             text += f" ({'; '.join(shared)})"
         eta = self.eta(s)

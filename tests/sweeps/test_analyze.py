@@ -304,3 +304,17 @@ def test_bayes_reference_reads_the_generator_from_the_results():
         {"config": [json.dumps({"data": config_lib.to_dict(d)}) for d in (a, other)]}
     )
     assert analyze.bayes_reference_of(df2, "logloss") is None
+
+
+def test_a_learning_rate_search_is_not_fitted_as_seeds():
+    import pandas as pd  # noqa: PLC0415
+
+    from sweeps.table import learning_rate_search  # noqa: PLC0415
+
+    row = {"family": "dlrm", "rung": "d1", "budget": 1e10, "seed": 0, "learning_rate": 1e-3}
+    seeds = pd.DataFrame([row, {**row, "seed": 1}])
+    assert learning_rate_search(seeds) == ""
+    search = pd.DataFrame([row, {**row, "learning_rate": 3e-3}])
+    assert "dlrm d1 at budget 1e+10, seed 0, ran at 2 learning rates" in learning_rate_search(
+        search
+    )

@@ -90,4 +90,4 @@ def test_populations_are_counted(tmp_path):
     store = SweepStore(tmp_path)
     trials = [{**trial(t, 1e9), "population": ["a", "b"]} for t in ("a", "b")] + [trial("c", 1e9)]
     line = SweepProgress(store, trials, stream=io.StringIO()).line(summarise(store, trials))
-    assert "(seeds in 1 populations)" in line
+    assert "(1 populations)" in line

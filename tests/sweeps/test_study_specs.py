@@ -25,7 +25,9 @@ def _check_committed(name):
     assert [t.trial_id for t in res.trials] == committed
 
 
-@pytest.mark.parametrize("name", ["study", "study_lr", "study_grid", "study_check", "study_pilot"])
+@pytest.mark.parametrize(
+    "name", ["study", "study_lr", "study_grid", "study_check", "study_pilot", "study_pilot_lr"]
+)
 def test_spec_resolves_to_the_committed_trials(name):
     _check_committed(name)
 
