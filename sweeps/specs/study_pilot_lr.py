@@ -7,7 +7,7 @@ rule's rates too high for its long runs. Branches share a size's stable phase ac
 budgets, so a study with branches cannot give each budget its own rate; this checks whether it
 needs to at the sizes it will run. The best size of each family in ``docs/study_pilot`` (at or
 next to its smallest), trained at 1e10 and 1e11 training FLOPs (a 10x longer run: 2.7k-13.5k
-steps against 27k-135k), with both rates at 1/3, 1 and 3 times the rule's. The three rates of a
+steps against 27k-135k), with both rates at 1/3, 1, 3 and 10 times the rule's. The rates of a
 budget train as one population (``populations``: members differ in their rates), the 1e10
 points as cooldown branches of the 1e11 runs. Seed 0.
 
@@ -39,7 +39,7 @@ SPEC = dataclasses.replace(
     ),
     budgets=(1e10, 1e11),
     lr_rules=("sqrt",),  # the study's rule (square root of the batch ratio for both optimizers)
-    lr_multipliers=(1 / 3, 1.0, 3.0),
+    lr_multipliers=(1 / 3, 1.0, 3.0, 10.0),
     populations=True,
     code_version="study-pilot-lr-v1",
 )
