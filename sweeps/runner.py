@@ -435,22 +435,23 @@ def run_trial(
     preempted = rc == 0 and was_preempted(tail)
     results = _member_results(tail, len(members)) if len(members) > 1 else [{}]
     return [
-        _record(store, t, owner, opts, rc, tail, preempted, res, t0, duration / len(members))
+        _record(store, t, owner, opts, rc, tail, preempted, res, t0, duration, len(members))
         for t, res in zip(members, results, strict=True)
     ]
 
 
-def _record(store, trial, owner, opts, rc, tail, preempted, result, t0, duration) -> str:
-    """Records one trial's attempt and, when it is settled, its results row; its outcome."""
+def _record(store, trial, owner, opts, rc, tail, preempted, result, t0, duration, k) -> str:
+    """Records one trial's attempt (run with ``k - 1`` others: its share of the ``duration``)
+    and, when it is settled, its results row; returns its outcome."""
     attempt = {
         "owner": owner,
         "exit_code": rc,
-        "duration_s": round(duration, 2),
+        "duration_s": round(duration / k, 2),
         "start": t0,
         "error_tail": tail if rc else "",
     }
-    if len(trial.population) > 1:
-        attempt["population"] = len(trial.population)
+    if k > 1:
+        attempt["population"] = k
     if preempted:
         attempt["preempted"] = True
     store.record_attempt(trial.trial_id, attempt)

@@ -12,7 +12,7 @@ budget train as one population (``populations``: members differ in their rates),
 points as cooldown branches of the 1e11 runs. Seed 0.
 
 ``python -m sweeps.launch sweeps.specs.study_pilot_lr --sweep-dir runs/study_pilot_lr
---max-parallel 2`` (5 min 20 s on this 2-core VM); its results are in
+--max-parallel 2`` (about 9 minutes on this 2-core VM); its results are in
 ``docs/study_pilot_lr/results.jsonl`` and compared per rate in the README ("Where the optimum
 is"); ``sweeps.analyze`` refuses it (a learning-rate search is not a grid of seeds).
 """
