@@ -58,8 +58,11 @@ def measure(trial, ks: list[int], steps: int, repeats: int) -> dict:
 
     from recscale import config as config_lib  # noqa: PLC0415
     from recscale import families, sharding  # noqa: PLC0415
-    from recscale.train.experiment import Experiment, schedule_args  # noqa: PLC0415
-    from recscale.train.experiment import train_programs  # noqa: PLC0415
+    from recscale.train.experiment import (  # noqa: PLC0415
+        Experiment,
+        schedule_args,
+        train_programs,
+    )
     from recscale.train.population import population_programs  # noqa: PLC0415
     from sweeps.specs import study  # noqa: PLC0415
 
