@@ -134,7 +134,10 @@ def population_main(argv: list[str] | None = None) -> list[dict]:
     args = sys.argv[1:] if argv is None else argv
     a = tyro.cli(PopulationArgs, args=args, prog="python -m recscale.population")
     with exit_at_once_on_error(), one_line_errors():
-        family = families.by_package(a.package)
+        try:
+            family = families.by_package(a.package)
+        except families.UnknownFamilyError as e:
+            raise SystemExit(f"error: --package: {e}") from None
         cfgs = [config_lib.load_json(family.config_cls, c) for c in a.configs]
         results = train_population(
             cfgs, family.build_model, list(a.workdirs), argv=["-m", "recscale.population", *args]

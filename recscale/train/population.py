@@ -29,6 +29,7 @@ processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -46,7 +47,7 @@ from recscale import config as config_lib
 from recscale import sharding
 from recscale.embeddings import plan_inputs, relayout
 from recscale.train import branches
-from recscale.train.checkpoint import Checkpointer
+from recscale.train.checkpoint import CheckpointCorruptError, Checkpointer
 from recscale.train.experiment import (
     BuildModel,
     Experiment,
@@ -56,7 +57,7 @@ from recscale.train.experiment import (
     state_parts,
     step_function,
 )
-from recscale.train.guards import NonfiniteGuard, Preemption, train_row
+from recscale.train.guards import NonfiniteGuard, Preemption, closed_on_error, train_row
 from recscale.train.loop import prefetch, state_from, state_items, step_flags
 from recscale.train.progress import Progress
 from recscale.train.run_files import (
@@ -171,9 +172,12 @@ def train_population(
             for w in workdirs:
                 write_run_notes(w, exp)
         run = _Population(cfgs, build_model, exp, workdirs, timer)
-        with timer.phase("init"):
-            run.restore_or_init()
-        results = run.run()
+        with contextlib.ExitStack() as stack:  # every member's saves settle before an error
+            for m in run.members:
+                stack.enter_context(closed_on_error(m.ckpt))
+            with timer.phase("init"):
+                run.restore_or_init()
+            results = run.run()
     span = {"start_step": run.start_step, "end_step": int(run.states.step[0])}
     summary = {**span, **timer.summary(), "population": len(cfgs)}
     for w in workdirs:
@@ -244,6 +248,21 @@ class _Population:
         trees, meta = c.restore(step, state_items(self.exp.abstract_state))
         return state_from(trees, step), meta
 
+    def _restore_common(self, steps: list[int]) -> tuple[int, list[tuple[TrainState, dict]]]:
+        """Every member at the latest of ``steps`` (those all of them hold); a corrupt one raises,
+        or with ``train.checkpoint_fallback`` is reported and the step before it tried, as a
+        single run's restore does (``Checkpointer.restore_latest``)."""
+        for step in reversed(steps):
+            try:
+                return step, [self._restore(m.ckpt, step) for m in self.members]
+            except CheckpointCorruptError as e:
+                if not self.tcfg.checkpoint_fallback:
+                    raise
+                print(f"WARNING: {e}; falling back to the previous common step", file=sys.stderr)
+        raise CheckpointCorruptError(
+            f"no step the population's members share is readable (steps {steps})", step=steps[0]
+        )
+
     def restore_or_init(self) -> None:
         """Every member's checkpoint at the latest step all of them hold, else every member's
         branch point (``train.init_step``), else a fresh init of all seeds at once."""
@@ -259,8 +278,7 @@ class _Population:
                 "them alone, or as a population from folders that started together"
             )
         if common:
-            step = max(common)
-            restored = [self._restore(m.ckpt, step) for m in self.members]
+            step, restored = self._restore_common(sorted(common))
             print(f"restored the population at step {step}", file=sys.stderr)
         elif tcfg.init_step:
             restored = []

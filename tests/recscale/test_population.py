@@ -18,6 +18,7 @@ from dlrm.model import build_model as build_dlrm
 from recscale import config as config_lib
 from recscale.config import get_preset
 from recscale.train import branches, population
+from recscale.train.checkpoint import CheckpointCorruptError
 from recscale.train.loop import train
 from recscale.train.population import check_members, train_population
 from tests.run_files import checkpoint_item, metric_rows
@@ -167,3 +168,24 @@ def test_members_without_a_common_checkpoint_are_refused(tmp_path):
     train(cfgs[0], build_dlrm, tmp_path / "m0")  # member 0 alone, to the end
     with pytest.raises(config_lib.ConfigError, match="no step in common"):
         train_population(cfgs, build_dlrm, [tmp_path / "m0", tmp_path / "m1"])
+
+
+# A failed read makes orbax abandon the other reads' coroutines, which complain when garbage
+# collected: orbax's noise, as in test_checkpoint_integrity, not an error of this test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_corrupt_common_step_raises_or_falls_back(tmp_path, monkeypatch):
+    cfgs = [_cfg("dlrm/tiny", seed) for seed in (0, 1)]
+    whole = train_population(cfgs, build_dlrm, [tmp_path / "w0", tmp_path / "w1"])
+    dirs = [tmp_path / "r0", tmp_path / "r1"]
+    with monkeypatch.context() as m:  # stopped after step 9: checkpoints 6 and 9
+        m.setattr(population.Preemption, "reached", lambda self, done: done == 9)
+        train_population(cfgs, build_dlrm, dirs)
+    for f in (dirs[1] / "checkpoints" / "9" / "params").glob("**/d/*"):  # member 1's step 9
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointCorruptError, match="step 9"):
+        train_population(cfgs, build_dlrm, dirs)
+    fallback = [
+        dataclasses.replace(c, train=dataclasses.replace(c.train, checkpoint_fallback=True))
+        for c in cfgs
+    ]
+    assert train_population(fallback, build_dlrm, dirs) == whole  # from step 6, bitwise
