@@ -139,6 +139,15 @@ def _single_us(
 ) -> float:
     """Microseconds per example of the trainer's step (best of three timings of ``reps``
     passes over ``k`` prepared batches)."""
+    with _prepared(rung, batch, k, sharding_mode, kernels) as (exp, single, dev, sargs):
+        best = min(_time(single, exp.init_state(), dev, sargs, reps) for _ in range(3))
+    return best / batch * 1e6
+
+
+@contextlib.contextmanager
+def _prepared(rung: str, batch: int, k: int, sharding_mode: str, kernels: dict | None = None):
+    """``(experiment, jitted single step, k device batches, schedule args)`` of ``rung``, under
+    its mesh."""
     _, family, cfg = _build(rung, batch, sharding_mode, kernels)
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.activate(mesh, cfg.mesh):
@@ -146,19 +155,12 @@ def _single_us(
         sargs = jax.device_put(experiment.schedule_args(cfg), sharding.replicated())
         dev = [exp.device_batch(exp.source.train_batch(s)) for s in range(k)]
         single, _ = _programs(cfg, exp)
-        best = min(_time(single, exp.init_state(), dev, sargs, reps) for _ in range(3))
-    return best / batch * 1e6
+        yield exp, single, dev, sargs
 
 
 def _profile(rung: str, batch: int, k: int, reps: int, sharding_mode: str, top: int = 25) -> None:
     """Prints the step's largest XLA thunks, microseconds per step, from a profiler trace."""
-    _, family, cfg = _build(rung, batch, sharding_mode)
-    mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.activate(mesh, cfg.mesh):
-        exp = experiment.Experiment.build(cfg, family.build_model)
-        sargs = jax.device_put(experiment.schedule_args(cfg), sharding.replicated())
-        dev = [exp.device_batch(exp.source.train_batch(s)) for s in range(k)]
-        single, _ = _programs(cfg, exp)
+    with _prepared(rung, batch, k, sharding_mode) as (exp, single, dev, sargs):
         state = exp.init_state()
         for b in dev:
             state, _ = single(state, b, sargs)
