@@ -13,8 +13,7 @@ from flax import nnx
 from data.batch import Schema
 from dlrm.config import DLRMModelConfig
 from recscale import sharding
-from recscale.config import KernelConfig
-from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.family_model import FamilyModel
 from recscale.embeddings.layout import EngineSpec
 from recscale.kernels.dot_interaction import api as dot_interaction_api
 from recscale.nn import MLP
@@ -31,20 +30,10 @@ def interaction_dim(cfg: DLRMModelConfig, num_vectors: int, has_dense: bool) -> 
     return pairs + (cfg.embed_dim if has_dense else 0)
 
 
-class DLRM(nnx.Module):
-    def __init__(
-        self,
-        cfg: DLRMModelConfig,
-        schema: Schema,
-        *,
-        kernels: KernelConfig | None = None,
-        engine: EngineSpec | None = None,
-        rngs: nnx.Rngs,
-    ):
-        self.cfg = nnx.static(cfg)
-        self.kernels = nnx.static(kernels or KernelConfig())
-        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
-        cfg.check_data(schema)
+class DLRM(FamilyModel):
+    def build_layers(
+        self, cfg: DLRMModelConfig, schema: Schema, *, engine: EngineSpec | None, rngs: nnx.Rngs
+    ) -> None:
         self.has_dense = schema.num_dense > 0
         if self.has_dense:
             self.bottom = MLP(schema.num_dense, cfg.bottom_mlp, final_relu=True, rngs=rngs)
@@ -92,6 +81,4 @@ class DLRM(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> DLRM:
     """Trainer hook: the DLRM of a DLRMConfig for a dataset schema."""
-    return DLRM(
-        cfg.model, schema, kernels=cfg.kernels, engine=EngineSpec.from_config(cfg), rngs=rngs
-    )
+    return DLRM.from_config(cfg, schema, rngs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from data.roles import ARGUMENT, field
 
@@ -36,29 +36,16 @@ def decay_start(cfg: Any, total_steps: int) -> int:
     return min(cfg.warmup_steps, total_steps)
 
 
-def _check_cooldown(section: str, cfg: Any) -> None:
-    if not 0.0 < cfg.cooldown_fraction <= 1.0:
-        raise ValueError(
-            f"{section}.cooldown_fraction must be in (0, 1], got {cfg.cooldown_fraction}"
-        )
-    if cfg.cooldown_shape not in ("1-sqrt", "linear"):
-        raise ValueError(
-            f"{section}.cooldown_shape={cfg.cooldown_shape!r}: expected 1-sqrt or linear"
-        )
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DenseOptimConfig:
-    """Optimizer of the dense (MLP) parameters, built with optax."""
+class ScheduleConfig:
+    """The learning-rate schedule of an optimizer config (``recscale.optim.schedules``): the dense
+    parameters' and the tables' have the same fields, each optimizer its own values."""
 
-    name: Literal["adam", "adamw", "sgd", "adagrad", "lamb", "lars", "hessian_free"] = "adam"
-    """Optimizer family. ``hessian_free``: truncated Newton with Steihaug-CG in a trust region
-    (``recscale.optim.hessian_free``; the learning rate scales its step, 1.0 is Newton's; it
-    needs the embedding engine, whose tables keep their sparse optimizer)."""
-    learning_rate: float = field(1e-3, role=ARGUMENT)
-    """Peak learning rate."""
+    SECTION: ClassVar[str] = ""
+    """The config section its errors name (``dense_optim``, ``embedding_optim``)."""
+
     warmup_steps: int = field(0, role=ARGUMENT)
-    """Linear warmup from 0 to the peak over this many steps."""
+    """Linear warmup from 0 to the peak learning rate over this many steps."""
     decay: Literal["constant", "cosine", "linear", "wsd"] = "constant"
     """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step:
     ``cosine`` / ``linear`` from the warmup's end; ``wsd`` (warmup-stable-decay) holds the peak
@@ -72,6 +59,32 @@ class DenseOptimConfig:
     near-optimal length, ``recscale.optim.schedules``)."""
     cooldown_shape: Literal["1-sqrt", "linear"] = field("1-sqrt", identity_default="1-sqrt")
     """``wsd``: the cooldown's shape, ``1 - sqrt(x)`` or ``1 - x`` of its progress ``x``."""
+
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise ValueError(f"{self.SECTION}.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 < self.cooldown_fraction <= 1.0:
+            raise ValueError(
+                f"{self.SECTION}.cooldown_fraction must be in (0, 1], got {self.cooldown_fraction}"
+            )
+        if self.cooldown_shape not in ("1-sqrt", "linear"):
+            raise ValueError(
+                f"{self.SECTION}.cooldown_shape={self.cooldown_shape!r}: expected 1-sqrt or linear"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DenseOptimConfig(ScheduleConfig):
+    """Optimizer of the dense (MLP) parameters, built with optax."""
+
+    SECTION: ClassVar[str] = "dense_optim"
+
+    name: Literal["adam", "adamw", "sgd", "adagrad", "lamb", "lars", "hessian_free"] = "adam"
+    """Optimizer family. ``hessian_free``: truncated Newton with Steihaug-CG in a trust region
+    (``recscale.optim.hessian_free``; the learning rate scales its step, 1.0 is Newton's; it
+    needs the embedding engine, whose tables keep their sparse optimizer)."""
+    learning_rate: float = field(1e-3, role=ARGUMENT)
+    """Peak learning rate."""
     weight_decay: float = 0.0
     """Decoupled weight decay (adamw, lamb, lars)."""
     b1: float = 0.9
@@ -90,11 +103,9 @@ class DenseOptimConfig:
     """hessian_free: the trust region's initial radius (then adapted)."""
 
     def __post_init__(self):
+        super().__post_init__()
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        _check_cooldown("dense_optim", self)
         if self.name == "hessian_free" and (
             self.grad_clip_norm > 0 or self.warmup_steps or self.decay != "constant"
         ):
@@ -105,8 +116,10 @@ class DenseOptimConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EmbeddingOptimConfig:
+class EmbeddingOptimConfig(ScheduleConfig):
     """Optimizer of the embedding tables (their own, as in DLRM and TorchRec)."""
+
+    SECTION: ClassVar[str] = "embedding_optim"
 
     name: Literal["sgd", "rowwise_adagrad", "adam"] = field(
         "rowwise_adagrad", plan_input="optimizer"
@@ -115,21 +128,6 @@ class EmbeddingOptimConfig:
     ``adam`` (dense Adam on the tables, for comparison)."""
     learning_rate: float = field(0.01, role=ARGUMENT)
     """Learning rate of the tables."""
-    warmup_steps: int = field(0, role=ARGUMENT)
-    """Linear warmup from 0 over this many steps."""
-    decay: Literal["constant", "cosine", "linear", "wsd"] = "constant"
-    """Decay after warmup, down to ``end_lr_fraction * learning_rate`` at the last step:
-    ``cosine`` / ``linear`` from the warmup's end; ``wsd`` (warmup-stable-decay) holds the peak
-    and decays over the last ``cooldown_fraction`` of the steps only
-    (``recscale.optim.schedules``), so that shorter budgets branch off one run
-    (``recscale.train.branches``)."""
-    end_lr_fraction: float = 0.0
-    """Final learning rate as a fraction of the peak (cosine/linear/wsd decay)."""
-    cooldown_fraction: float = field(0.2, role=ARGUMENT, identity_default=0.2)
-    """``wsd``: share of the steps in the cooldown, rounded to a step (0.2: Hägele et al. 2024's
-    near-optimal length, ``recscale.optim.schedules``)."""
-    cooldown_shape: Literal["1-sqrt", "linear"] = field("1-sqrt", identity_default="1-sqrt")
-    """``wsd``: the cooldown's shape, ``1 - sqrt(x)`` or ``1 - x`` of its progress ``x``."""
     initial_accumulator: float = 0.0
     """Initial value of the row-wise Adagrad accumulator."""
     eps: float = 1e-8
@@ -151,7 +149,7 @@ class EmbeddingOptimConfig:
     """CowClip's ``ζ``: the threshold's floor per occurrence, for rows still near zero."""
 
     def __post_init__(self):
-        _check_cooldown("embedding_optim", self)
+        super().__post_init__()
         for name in ("l2", "row_l2", "cowclip_ratio", "cowclip_min_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"embedding_optim.{name}={getattr(self, name)}: must be >= 0")

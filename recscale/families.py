@@ -2,7 +2,8 @@
 
 A family registers itself once, when its package is imported (its ``__init__.py``): its name
 (the prefix of its presets, ``dlrm`` of ``dlrm/tiny``), the package that holds its entry points
-(``python -m PACKAGE.train``), its config class and its model builder. Its presets register in
+(``python -m PACKAGE.train``) and its network (``PACKAGE.model.build_model``), and its config
+class. Its presets register in
 the same import, and its costs come with its config (``cfg.model.cost``, ``recscale.flops``).
 
 Entry points know their family and import it (``dlrm/train.py`` passes ``dlrm.FAMILY`` to
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 KNOWN: dict[str, str] = {
@@ -46,12 +46,17 @@ class Family:
     """The package of its entry points (``baselines.dcnv2``: ``python -m baselines.dcnv2.train``)."""
     config_cls: type
     """Its run config (a ``recscale.config.ExperimentConfig`` with a ``model`` field)."""
-    build_model: Callable[..., Any]
-    """``build_model(cfg, schema, rngs) -> nnx.Module``, the trainer's hook."""
 
     def module(self, entry: str) -> str:
         """The module path of an entry point: ``module("train")`` -> ``dlrm.train``."""
         return f"{self.package}.{entry}"
+
+    def build_model(self, cfg: Any, schema: Any, rngs: Any) -> Any:
+        """The trainer's hook: the network of run config ``cfg`` for a dataset schema, built by
+        the ``build_model`` of the family's ``PACKAGE.model``. That module (and jax) is imported
+        here, on the first build, never at registration; its name is the registered package's
+        own, never one read from a file."""
+        return importlib.import_module(self.module("model")).build_model(cfg, schema, rngs)
 
 
 _REGISTRY: dict[str, Family] = {}

@@ -18,3 +18,9 @@ class TablesConfig:
     """Table init (see recscale.embeddings.TableSpec) of every table the network has."""
     embedding_init_scale: float = 0.01
     """Std of ``normal`` table init."""
+
+    def check_data(self, schema) -> None:
+        """Raises ``ConfigError`` (a one-line message naming the flag that fixes it) when the
+        network cannot be built for the dataset ``schema``; a family that needs something of the
+        data overrides it. Called before the family's layers are built
+        (``recscale.embeddings.family_model``) and by its cost (``recscale.flops``)."""

@@ -246,41 +246,24 @@ def _make_fit(est_p, boot_rp, *, c0, compute_max, ci, n_points, floor_fixed, **k
     )
 
 
-def fit_power_law(
-    compute,
-    loss,
-    *,
-    n_boot: int = 1000,
-    seed: int = 0,
-    ci: float = 0.95,
-    huber_delta=None,
-    floor: float | None = None,
-) -> PowerLawFit:
+def fit_power_law(compute, loss, **options) -> PowerLawFit:
     """Robust fit of L(C) = a·C^(−b) + c with bootstrap intervals (see the module docstring).
 
     Args:
       compute: training FLOPs of each trial [N] (repeats, e.g. seeds, allowed; ≥ 3 distinct).
       loss: loss of each trial [N], finite and > 0.
-      n_boot: bootstrap replicates R (pairs resampling over trials).
-      seed: seed of the resampling.
-      ci: level of the intervals.
-      huber_delta: Huber scale in log-loss units; None for the data-driven default.
-      floor: fix c at this value (e.g. the Bayes-optimal loss) and fit a and b only.
+      **options: :func:`fit_power_law_many`'s keywords: ``n_boot`` bootstrap replicates R
+        (pairs resampling over trials, 1000), ``seed`` of the resampling (0), ``ci`` the level
+        of the intervals (0.95), ``huber_delta`` the Huber scale in log-loss units (None: the
+        data-driven default), ``floor`` to fix c at this value (e.g. the Bayes-optimal loss)
+        and fit a and b only.
 
     Raises:
       ValueError: a non-finite or non-positive value (the index is named), < 3 distinct C
         (2 with a fixed floor), or a floor not below every loss.
     """
     compute, loss = _check_values(compute, loss)  # errors name loss[i], not loss[0, i]
-    return fit_power_law_many(
-        compute,
-        loss[None],
-        n_boot=n_boot,
-        seed=seed,
-        ci=ci,
-        huber_delta=huber_delta,
-        floor=floor,
-    )[0]
+    return fit_power_law_many(compute, loss[None], **options)[0]
 
 
 # --- frontiers with seeds ------------------------------------------------------------------------

@@ -33,6 +33,7 @@ RECSCALE_FLOORS = {
 # (file, function) -> why it imports a module named at run time.
 DYNAMIC_IMPORTS = {
     ("recscale/families.py", "load"): "a KNOWN family's package, from the fixed table",
+    ("recscale/families.py", "build_model"): "a registered family's own PACKAGE.model",
     ("sweeps/spec.py", "load_spec"): "the sweep spec named on the command line",
     ("sweeps/trial_server.py", "run_one"): "python -m MODULE in-process, argv from its worker",
 }

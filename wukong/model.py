@@ -25,7 +25,7 @@ from flax import nnx
 from data.batch import Schema
 from recscale import sharding
 from recscale.config import KernelConfig
-from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.family_model import FamilyModel
 from recscale.embeddings.layout import EngineSpec
 from recscale.kernels.fm_interaction import api as fm_interaction_api
 from recscale.nn import MLP, LayerNorm
@@ -149,19 +149,11 @@ class WukongLayer(nnx.Module):
         return sharding.constrain(y_bod, "batch", None, None)
 
 
-class Wukong(nnx.Module):
-    def __init__(
-        self,
-        cfg: WukongModelConfig,
-        schema: Schema,
-        *,
-        kernels: KernelConfig | None = None,
-        engine: EngineSpec | None = None,
-        rngs: nnx.Rngs,
-    ):
-        self.cfg = nnx.static(cfg)
-        kernels = kernels or KernelConfig()
-        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
+class Wukong(FamilyModel):
+    def build_layers(
+        self, cfg: WukongModelConfig, schema: Schema, *, engine: EngineSpec | None, rngs: nnx.Rngs
+    ) -> None:
+        kernels = self.kernels
         self.num_dense_emb = cfg.dense_embeddings(schema)
         if self.num_dense_emb:
             self.dense = MLP(
@@ -209,6 +201,4 @@ class Wukong(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> Wukong:
     """Trainer hook: the Wukong of a WukongConfig for a dataset schema."""
-    return Wukong(
-        cfg.model, schema, kernels=cfg.kernels, engine=EngineSpec.from_config(cfg), rngs=rngs
-    )
+    return Wukong.from_config(cfg, schema, rngs)

@@ -24,7 +24,7 @@ from flax import nnx
 from baselines.dcnv2.config import DCNv2ModelConfig
 from data.batch import Schema
 from recscale import sharding
-from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.family_model import FamilyModel
 from recscale.embeddings.layout import EngineSpec
 from recscale.nn import MLP, Linear
 
@@ -61,18 +61,10 @@ class CrossLayer(nnx.Module):
         return x0_bi * (xw_bi + self.bias[...]) + x_bi
 
 
-class DCNv2(nnx.Module):
-    def __init__(
-        self,
-        cfg: DCNv2ModelConfig,
-        schema: Schema,
-        *,
-        engine: EngineSpec | None = None,
-        rngs: nnx.Rngs,
-    ):
-        self.cfg = nnx.static(cfg)
-        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
-        cfg.check_data(schema)
+class DCNv2(FamilyModel):
+    def build_layers(
+        self, cfg: DCNv2ModelConfig, schema: Schema, *, engine: EngineSpec | None, rngs: nnx.Rngs
+    ) -> None:
         if cfg.dense_mlp:
             self.dense = MLP(schema.num_dense, cfg.dense_mlp, final_relu=False, rngs=rngs)
             num_dense = cfg.dense_mlp[-1]
@@ -152,4 +144,4 @@ class DCNv2(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> DCNv2:
     """Trainer hook: the DCNv2 of a DCNv2Config for a dataset schema."""
-    return DCNv2(cfg.model, schema, engine=EngineSpec.from_config(cfg), rngs=rngs)
+    return DCNv2.from_config(cfg, schema, rngs)

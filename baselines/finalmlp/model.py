@@ -41,6 +41,7 @@ from baselines.finalmlp.config import FinalMLPModelConfig
 from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.family_model import FamilyModel
 from recscale.embeddings.layout import EngineSpec
 from recscale.nn import MLP
 
@@ -158,19 +159,11 @@ class InteractionAggregation(nnx.Module):
         return linear_b1[:, 0] + bilinear_b
 
 
-class FinalMLP(nnx.Module):
-    def __init__(
-        self,
-        cfg: FinalMLPModelConfig,
-        schema: Schema,
-        *,
-        engine: EngineSpec | None = None,
-        rngs: nnx.Rngs,
-    ):
-        self.cfg = nnx.static(cfg)
-        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
+class FinalMLP(FamilyModel):
+    def build_layers(
+        self, cfg: FinalMLPModelConfig, schema: Schema, *, engine: EngineSpec | None, rngs: nnx.Rngs
+    ) -> None:
         self.in_dim = schema.num_dense + schema.num_sparse * cfg.embed_dim
-        cfg.check_data(schema)
         if cfg.use_fs:
             self.fs1 = FeatureGate(
                 self.in_dim, schema, cfg.fs1_context, cfg, engine=engine, rngs=rngs
@@ -228,4 +221,4 @@ class FinalMLP(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> FinalMLP:
     """Trainer hook: the FinalMLP of a FinalMLPConfig for a dataset schema."""
-    return FinalMLP(cfg.model, schema, engine=EngineSpec.from_config(cfg), rngs=rngs)
+    return FinalMLP.from_config(cfg, schema, rngs)

@@ -31,7 +31,7 @@ from baselines.masknet.config import MaskNetModelConfig
 from baselines.masknet.flops import aggregation_width
 from data.batch import Schema
 from recscale import sharding
-from recscale.embeddings import EmbeddingCollection
+from recscale.embeddings.family_model import FamilyModel
 from recscale.embeddings.layout import EngineSpec
 from recscale.nn import MLP, LayerNorm, Linear, dropout
 
@@ -111,19 +111,11 @@ def num_fields(schema: Schema) -> int:
     return schema.num_sparse + schema.num_dense
 
 
-class MaskNet(nnx.Module):
-    def __init__(
-        self,
-        cfg: MaskNetModelConfig,
-        schema: Schema,
-        *,
-        engine: EngineSpec | None = None,
-        rngs: nnx.Rngs,
-    ):
-        self.cfg = nnx.static(cfg)
-        cfg.check_data(schema)
+class MaskNet(FamilyModel):
+    def build_layers(
+        self, cfg: MaskNetModelConfig, schema: Schema, *, engine: EngineSpec | None, rngs: nnx.Rngs
+    ) -> None:
         d = cfg.embed_dim
-        self.embeddings = EmbeddingCollection.for_model(cfg, schema, rngs=rngs, engine=engine)
         # FuxiCTR's numeric embedding: dense feature j is the field x_j · w_j.
         self.dense_embed = (
             sharding.param(
@@ -230,4 +222,4 @@ class MaskNet(nnx.Module):
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> MaskNet:
     """Trainer hook: the MaskNet of a MaskNetConfig for a dataset schema."""
-    return MaskNet(cfg.model, schema, engine=EngineSpec.from_config(cfg), rngs=rngs)
+    return MaskNet.from_config(cfg, schema, rngs)

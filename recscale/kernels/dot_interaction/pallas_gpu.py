@@ -154,7 +154,8 @@ def _bwd_kernel(x_ref, g_ref, dx_ref, *, b: int, n: int, d: int, bb: int, self_i
     lax.fori_loop(0, bb, example, 0)
 
 
-def _call(x_bnd, g_bp, *, self_interaction: bool, interpret: bool, block_b: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
+def _call(x_bnd, g_bp, *, self_interaction: bool, interpret, block_b: int = BLOCK_B) -> jax.Array:
     """The forward kernel (``g_bp`` None; ``[B, P]``) or the backward one (``dX``, ``[B, N,
     D]``) over a grid of blocks of ``block_b`` examples, every array blocked along ``B`` only."""
     b, n, d = x_bnd.shape
@@ -181,26 +182,12 @@ def _call(x_bnd, g_bp, *, self_interaction: bool, interpret: bool, block_b: int)
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
-def forward(
-    x_bnd: jax.Array, *, self_interaction: bool, interpret: bool, block_b: int = BLOCK_B
-) -> jax.Array:
-    """``[B, P]`` dot interaction of ``x`` (``[B, N, D]``); see the module docstring."""
-    return _call(
-        x_bnd, None, self_interaction=self_interaction, interpret=interpret, block_b=block_b
-    )
+def forward(x_bnd: jax.Array, **options) -> jax.Array:
+    """``[B, P]`` dot interaction of ``x`` (``[B, N, D]``); see the module docstring.
+    ``options``: ``self_interaction``, ``interpret``, ``block_b`` (``backward`` takes the same)."""
+    return _call(x_bnd, None, **options)
 
 
-@functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
-def backward(
-    x_bnd: jax.Array,
-    g_bp: jax.Array,
-    *,
-    self_interaction: bool,
-    interpret: bool,
-    block_b: int = BLOCK_B,
-) -> jax.Array:
+def backward(x_bnd: jax.Array, g_bp: jax.Array, **options) -> jax.Array:
     """``dX`` (``[B, N, D]``) of the dot interaction for the cotangent ``g`` (``[B, P]``)."""
-    return _call(
-        x_bnd, g_bp, self_interaction=self_interaction, interpret=interpret, block_b=block_b
-    )
+    return _call(x_bnd, g_bp, **options)

@@ -179,7 +179,10 @@ def _block_b(x_bnd: jax.Array, self_interaction: bool, backward: bool, bb: int |
     return bb
 
 
-def _call(x_bnd, g_bp, *, self_interaction: bool, interpret, block_b: int | None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
+def _call(
+    x_bnd, g_bp, *, self_interaction: bool, interpret, block_b: int | None = None
+) -> jax.Array:
     """The forward kernel (``g_bp`` None; ``[B, P]``) or the backward one (``dX``, ``[B, N,
     D]``) over a grid of blocks of ``bB`` examples."""
     b, n, d = x_bnd.shape
@@ -217,28 +220,14 @@ def _call(x_bnd, g_bp, *, self_interaction: bool, interpret, block_b: int | None
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
-def forward(
-    x_bnd: jax.Array, *, self_interaction: bool, interpret, block_b: int | None = None
-) -> jax.Array:
+def forward(x_bnd: jax.Array, **options) -> jax.Array:
     """``[B, P]`` dot interaction of ``x`` (``[B, N, D]``); see the module docstring.
+    ``options``: ``self_interaction``, ``interpret``, ``block_b`` (``backward`` takes the same).
     ``interpret``: False, or ``pltpu.InterpretParams`` to run on CPU; ``block_b``: examples
     per grid step (None: the most that fit ``VMEM_BUDGET``)."""
-    return _call(
-        x_bnd, None, self_interaction=self_interaction, interpret=interpret, block_b=block_b
-    )
+    return _call(x_bnd, None, **options)
 
 
-@functools.partial(jax.jit, static_argnames=("self_interaction", "interpret", "block_b"))
-def backward(
-    x_bnd: jax.Array,
-    g_bp: jax.Array,
-    *,
-    self_interaction: bool,
-    interpret,
-    block_b: int | None = None,
-) -> jax.Array:
+def backward(x_bnd: jax.Array, g_bp: jax.Array, **options) -> jax.Array:
     """``dX`` (``[B, N, D]``) of the dot interaction for the cotangent ``g`` (``[B, P]``)."""
-    return _call(
-        x_bnd, g_bp, self_interaction=self_interaction, interpret=interpret, block_b=block_b
-    )
+    return _call(x_bnd, g_bp, **options)
