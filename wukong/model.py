@@ -44,16 +44,10 @@ def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
 class FactorizationMachineBlock(nnx.Module):
     """FMB: optimized FM X (Xᵀ Y) -> flatten -> LN -> MLP -> n_F embeddings."""
 
-    def __init__(
-        self,
-        num_in: int,
-        cfg: WukongModelConfig,
-        *,
-        kernels: KernelConfig | None = None,
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, num_in: int, cfg: WukongModelConfig, *, impl: str = "auto", rngs: nnx.Rngs):
+        """``impl``: the FM core's kernel (``KernelConfig.fm_interaction``)."""
         self.num_in, self.num_out = num_in, cfg.n_fmb
-        self.impl = nnx.static((kernels or KernelConfig()).fm_interaction)
+        self.impl = nnx.static(impl)
         self.rank, self.dim = cfg.fmb_rank, cfg.embed_dim
         self.attentive = cfg.fmb_projection == "attentive"
         if self.attentive:
@@ -111,7 +105,9 @@ class WukongLayer(nnx.Module):
     ):
         self.num_in, self.num_out = num_in, cfg.n_fmb + cfg.n_lcb
         self.fmb = (
-            FactorizationMachineBlock(num_in, cfg, kernels=kernels, rngs=rngs)
+            FactorizationMachineBlock(
+                num_in, cfg, impl=(kernels or KernelConfig()).fm_interaction, rngs=rngs
+            )
             if cfg.n_fmb
             else None
         )

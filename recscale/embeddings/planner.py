@@ -67,6 +67,8 @@ OPTIMIZER_STATE_BYTES = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8
 """(bytes per row, bytes per element) of optimizer state."""
 TERMS = ("lookup", "comm", "compute")
 """The terms of a shard's estimated time (``Shard.lookup_s``, ``comm_s``, ``compute_s``)."""
+MEMORY_FRACTION = 0.8
+"""Share of a device's memory a plan may fill (the rest: activations, the dense model)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -372,7 +374,7 @@ def plan(
     *,
     batch_size: int,
     cost_model: CostModel = CostModel(),
-    memory_fraction: float = 0.8,
+    memory_fraction: float = MEMORY_FRACTION,
 ) -> Plan:
     """Plans ``tables`` on ``num_devices`` devices of ``profile`` (see the module docstring)."""
     if num_devices < 1:
@@ -438,16 +440,10 @@ class _NoPlacement(ValueError):
     pass
 
 
-def round_robin(
-    tables,
-    profile: HardwareProfile,
-    num_devices: int,
-    *,
-    batch_size: int,
-    cost_model: CostModel = CostModel(),
-    memory_fraction: float = 0.8,
-) -> Plan:
-    """The baseline: table ``i`` table-wise on device ``i mod N`` (memory is not checked)."""
+def round_robin(tables, profile: HardwareProfile, num_devices: int, *, batch_size: int) -> Plan:
+    """The baseline: table ``i`` table-wise on device ``i mod N``, costed by the uncalibrated
+    model; memory is not checked (the plan reports :func:`plan`'s default cap)."""
+    cost_model, memory_fraction = CostModel(), MEMORY_FRACTION
     load = np.zeros(num_devices)
     mem = np.zeros(num_devices)
     terms = np.zeros((num_devices, len(TERMS)))
