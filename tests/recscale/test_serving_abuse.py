@@ -335,8 +335,13 @@ def test_malformed_bodies_get_one_line_400s_without_paths_or_long_echoes(art, ca
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
 
-def test_serve_names_the_file_and_key_of_a_malformed_manifest(art, tmp_path):
+def test_serve_names_the_file_and_key_of_a_malformed_manifest(art, tmp_path, monkeypatch):
+    from aiohttp import web
+
     from recscale.serve import main as serve_main
+
+    # a manifest that loads is served: fail here instead of serving until killed
+    monkeypatch.setattr(web, "run_app", lambda *a, **kw: pytest.fail("a malformed manifest loaded"))
 
     def broken(edit):
         out = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
@@ -351,6 +356,15 @@ def test_serve_names_the_file_and_key_of_a_malformed_manifest(art, tmp_path):
         (lambda m: m["inputs"]["features"][1].pop("vocab_size"), "inputs: key 'vocab_size'"),
         (lambda m: m["vocab"].pop("sparse"), "malformed vocab: key 'sparse' is missing"),
         (lambda m: m["vocab"]["tables"].update(city="int64"), "vocab.npz: array 'vocab.city'"),
+        # a feature's keys are checked at load, not at every request (each a 500 KeyError)
+        (lambda m: m["vocab"]["sparse"][0].pop("kind"), "vocab.sparse.city: key 'kind' is missing"),
+        (lambda m: m["vocab"]["dense"][0].pop("clip"), "vocab.dense.price: key 'clip' is missing"),
+        (lambda m: m["vocab"]["sparse"][2].pop("name"), "vocab.sparse[2]: key 'name' is missing"),
+        (lambda m: m["vocab"]["joins"][0].pop("file"), "vocab.joins[0]: key 'file' is missing"),
+        (
+            lambda m: m["vocab"]["sparse"].append("x"),
+            "vocab.sparse[4]: TypeError: an object expected, got str",
+        ),
     ]
     for edit, want in cases:
         path = broken(edit)
