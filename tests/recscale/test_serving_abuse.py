@@ -234,6 +234,46 @@ def test_a_slow_or_idle_head_is_closed(art):
     assert _serve(model, requests, idle_timeout=0.5) == [b"", b""]  # closed, nothing sent
 
 
+def test_a_request_head_over_its_bound_is_refused_and_the_server_answers_meanwhile(art):
+    """A head is bounded in its request line, its fields' values and their number (aiohttp's
+    defaults let one connection hold 128 fields of 8 KiB names and values, 4 MiB of memory, for
+    15 s): past any bound it is refused with 400 or 431 and its connection closed, while the
+    server answers others; a head at the bounds passes."""
+    from recscale.serving.server import MAX_FIELD, MAX_FIELDS, MAX_LINE
+
+    model = Model.load(art)
+    body = json.dumps({"examples": [ROW]}).encode()
+
+    def head(path: str = "/predict", fields: int = 0, value: int = 1) -> bytes:
+        """The head of ``body``: its 4 fields, and ``fields`` more with values of ``value``
+        bytes."""
+        extra = "".join(f"X-{i:03d}: {'v' * value}\r\n" for i in range(fields))
+        return (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+        ).encode()
+
+    async def requests(client):
+        out = []
+        for h in (
+            head(fields=MAX_FIELDS - 3),  # one field too many
+            head(fields=1, value=MAX_FIELD + 1),  # one value too long
+            head(path="/predict?" + "q" * MAX_LINE),  # the request line too long
+        ):
+            out.append(await _raw(client, h, body))
+            out.append((await client.get("/healthz")).status)
+        # at the bounds: as many fields as a head may have, each as long as it may be (its line
+        # a few bytes under MAX_FIELD: aiohttp's pure-Python parser counts the whole line)
+        out.append(await _raw(client, head(fields=MAX_FIELDS - 4, value=MAX_FIELD - 8), body))
+        return out
+
+    out = _serve(model, requests)
+    for refused in out[0:6:2]:
+        assert refused.split(b" ")[1] in (b"400", b"431"), refused[:200]
+    assert out[1:6:2] == [200, 200, 200]
+    assert out[6].startswith(b"HTTP/1.1 200"), out[6][:200]
+
+
 def test_bodies_in_flight_are_bounded_in_bytes(art):
     """A connection holding most of a large body: past ``max_inflight`` bytes in all (a body's
     first 64 KiB not counted), a new large request gets 503 at once instead of its body being
