@@ -413,3 +413,35 @@ def test_serve_names_the_file_and_key_of_a_malformed_manifest(art, tmp_path, mon
         msg = str(e.value)
         assert msg.startswith("error: ") and want in msg and "\n" not in msg, msg
         assert path in msg  # the file is named
+
+
+def test_serve_flags_reach_the_app_and_the_model(art, monkeypatch):
+    """``python -m recscale.serve``'s bounds reach the server and the row encoder: given, and by
+    default (``max_body`` = ``max_batch`` x 8 KiB + 64 KiB, ``max_inflight`` 16 of them, a
+    64 MiB cache)."""
+    import gc as gc_lib
+
+    from aiohttp import web
+
+    from recscale.serve import main as serve_main
+    from recscale.serving.server import BATCHER, LIMITS, MODEL
+
+    served = []
+    monkeypatch.setattr(web, "run_app", lambda app, **kw: served.append((app, kw)))
+    monkeypatch.setattr(gc_lib, "freeze", lambda: None)  # the test process stays collectable
+    flags = ["--max-body", "123456", "--body-timeout-s", "2.5", "--max-inflight", "999999"]
+    flags += ["--cache-mb", "3", "--max-queue", "64", "--max-wait-ms", "7", "--workers", "2"]
+    serve_main([str(art), "--max-batch", "4", "--port", "8123", *flags])
+    serve_main([str(art), "--max-batch", "8"])
+    (given, kw), (default, _) = served
+    assert kw == {"host": "127.0.0.1", "port": 8123, "print": None}
+    lim, batcher = given[LIMITS], given[BATCHER]
+    want = (4, 123456, 2.5, 999999)
+    assert (lim.max_batch, lim.max_body, lim.body_timeout, lim.max_inflight) == want
+    want = (4, 64, 0.007, 2)
+    assert (batcher.max_batch, batcher.max_queue, batcher.max_wait, batcher.workers) == want
+    assert given[MODEL].rows.cache_bytes == 3 << 20
+    lim = default[LIMITS]
+    assert lim.max_body == 8 * (8 << 10) + (64 << 10) and lim.max_inflight == 16 * lim.max_body
+    assert (lim.body_timeout, default[BATCHER].max_queue) == (5.0, 4096)
+    assert default[MODEL].rows.cache_bytes == 64 << 20
