@@ -251,6 +251,40 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+def body_bounds(max_batch: int, max_body: int = 0, max_inflight: int = 0) -> tuple[int, int]:
+    """``(max_body, max_inflight)``, each given or (0) derived: ``max_batch`` x ``EXAMPLE_BYTES``
+    + 64 KiB, and 16 bodies of it."""
+    max_body = max_body or max_batch * EXAMPLE_BYTES + (64 << 10)
+    return max_body, max_inflight or 16 * max_body
+
+
+CONNECTION_BYTES = 600 << 10
+"""Memory one open connection may hold beyond :func:`memory_bound`: a head at its bounds, held
+as about twice its bytes, and the first ``SMALL_BODY`` bytes of its body (0.52 MiB measured with
+tracemalloc; 0.13 MiB with a plain head)."""
+
+
+def memory_bound(
+    *,
+    max_batch: int,
+    max_body: int,
+    max_inflight: int,
+    cache_bytes: int,
+    max_queue: int,
+    workers: int,
+    example_values: int,
+) -> int:
+    """Bytes the server may hold above its idle self, ``CONNECTION_BYTES`` a connection apart
+    (the README's bound): bodies being read (``max_inflight``); bodies being decoded, in each of
+    ``ENCODERS`` threads a body and its JSON, measured at up to 13x its bytes (14 x
+    ``max_body`` each); the row encoder's cache; and encoded examples of ``example_values``
+    4-byte values each (N + F x H: float32 dense, int32 ids), ``max_queue`` of them waiting or
+    being scored and each worker's batch again, concatenated and padded to a power of two (3 x
+    ``max_batch``)."""
+    queue = (max_queue + 3 * workers * max_batch) * example_values * 4
+    return max_inflight + ENCODERS * 14 * max_body + cache_bytes + queue
+
+
 def make_app(
     model: Model,
     *,
@@ -265,8 +299,7 @@ def make_app(
 ) -> web.Application:
     """The server's application (``web.run_app`` it, or ``aiohttp.test_utils`` in tests);
     ``max_body`` and ``max_inflight`` 0: derived from ``max_batch`` (the module's docstring)."""
-    max_body = max_body or max_batch * EXAMPLE_BYTES + (64 << 10)
-    max_inflight = max_inflight or 16 * max_body
+    max_body, max_inflight = body_bounds(max_batch, max_body, max_inflight)
     if max_body < 1 or max_inflight < max_body or body_timeout <= 0:
         raise ValueError(
             f"server: max_body={max_body} >= 1, max_inflight={max_inflight} >= max_body, "

@@ -445,3 +445,30 @@ def test_serve_flags_reach_the_app_and_the_model(art, monkeypatch):
     assert lim.max_body == 8 * (8 << 10) + (64 << 10) and lim.max_inflight == 16 * lim.max_body
     assert (lim.body_timeout, default[BATCHER].max_queue) == (5.0, 4096)
     assert default[MODEL].rows.cache_bytes == 64 << 20
+
+
+def test_the_memory_bound_is_the_readmes_arithmetic():
+    """``memory_bound`` (which ``benchmarks/serving_abuse.py`` prints beside its peaks) gives the
+    README's and BENCHMARKS.md's figures: 40.9 MiB at the benchmark's flags for Frappe's 10
+    one-id features (the queue's 0.16 MiB included), about 155 MiB at the defaults."""
+    from recscale.serving.server import body_bounds, memory_bound
+
+    def bound(max_batch: int, cache_mb: int, values: int) -> float:
+        max_body, max_inflight = body_bounds(max_batch)
+        return (
+            memory_bound(
+                max_batch=max_batch,
+                max_body=max_body,
+                max_inflight=max_inflight,
+                cache_bytes=cache_mb << 20,
+                max_queue=4096,
+                workers=1,
+                example_values=values,
+            )
+            / 2**20
+        )
+
+    assert body_bounds(64) == (576 << 10, 9 << 20)
+    assert bound(64, 16, 10) == 9 + 15.75 + 16 + (4096 + 192) * 10 * 4 / 2**20
+    assert round(bound(64, 16, 10), 1) == 40.9
+    assert round(bound(256, 64, 10)) == round(bound(256, 64, 39)) == 155
