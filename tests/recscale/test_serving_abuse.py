@@ -339,6 +339,7 @@ def test_malformed_bodies_get_one_line_400s_without_paths_or_long_echoes(art, ca
         (b'{"dense": [[' + b"1" * 5000 + b']], "ids": []}', "4300"),
         (json.dumps({"examples": [ROW]}).encode("utf-16"), "not UTF-8"),
         (b'{"examples": [{"uid": "\xff\xfe"}]}', "not UTF-8: byte 23"),
+        (b"{not json", "the body is not JSON: Expecting property name"),
         ({"examples": [{**ROW, "price": big}]}, "column 'price': not a number: 'vvv"),
         ({"examples": [{**ROW, "uid": big}]}, "key not in side table users.csv: 'vvv"),
         ({"examples": [{**ROW, "gender": "f"}]}, "comes from side table users.csv (send"),
