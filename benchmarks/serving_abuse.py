@@ -23,6 +23,11 @@ of their own, run for the whole phase:
 Reported per phase: the well-behaved requests' p50 / p99 latency and their errors, the hostile
 requests' answers by status, and the server's peak RSS (its ``VmHWM``, and ``VmRSS`` sampled
 every 20 ms); then the ratios with hostile clients to alone. ``OUT/results.json`` keeps them.
+Beside each phase's peak above the idle server (its ``VmRSS`` once ready; the sampled peak from
+then, so the start-up's compilations are not counted), the README's bound for the run's flags
+(``recscale.serving.server.memory_bound``, plus ``CONNECTION_BYTES`` for each connection of the
+most the server had open at once, counted from its socket descriptors), and ``BREACH`` where the
+peak passed it.
 """
 
 from __future__ import annotations
@@ -44,7 +49,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from recscale.serving.server import EXAMPLE_BYTES  # noqa: E402
+from recscale.serving.server import (  # noqa: E402
+    CONNECTION_BYTES,
+    EXAMPLE_BYTES,
+    body_bounds,
+    memory_bound,
+)
+
+
+def _sockets(pid: int) -> int:
+    """The process's open sockets (listening ones included)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:  # closed meanwhile
+            pass
+    return n
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -75,13 +96,24 @@ class _Server:
             raise SystemExit(f"error: the server did not start: {line.strip()}")
         threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain its log
         self.peak_rss, self._stop = 0, threading.Event()
+        self.idle_rss = self.idle_sockets = None  # set by ``ready``
+        self.serving_peak = self.peak_sockets = 0
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
+
+    def ready(self) -> None:
+        """The server answers: its RSS and sockets now are the idle ones the bound is above."""
+        self.idle_sockets = _sockets(self.proc.pid)
+        self.serving_peak = self.idle_rss = _status(self.proc.pid)["VmRSS"]
 
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
             try:
-                self.peak_rss = max(self.peak_rss, _status(self.proc.pid)["VmRSS"])
+                rss = _status(self.proc.pid)["VmRSS"]
+                self.peak_rss = max(self.peak_rss, rss)
+                if self.idle_rss is not None:
+                    self.serving_peak = max(self.serving_peak, rss)
+                    self.peak_sockets = max(self.peak_sockets, _sockets(self.proc.pid))
             except (OSError, KeyError):
                 return
 
@@ -91,7 +123,13 @@ class _Server:
         st = _status(self.proc.pid)
         self.proc.terminate()
         self.proc.wait(timeout=30)
-        return {"peak_rss": max(self.peak_rss, st["VmHWM"]), "end_rss": st["VmRSS"]}
+        return {
+            "peak_rss": max(self.peak_rss, st["VmHWM"]),
+            "end_rss": st["VmRSS"],
+            "idle_rss": self.idle_rss,
+            "peak_above_idle": max(self.serving_peak - self.idle_rss, 0),
+            "peak_connections": max(self.peak_sockets - self.idle_sockets, 0),
+        }
 
 
 async def _wait_ready(url: str) -> None:
@@ -249,6 +287,24 @@ def _hostile_process(host, port, columns, args, q) -> None:
     q.put(asyncio.run(_hostile(host, port, columns, args)))
 
 
+def bound(args, example_values: int, connections: int) -> int:
+    """The README's bound on the server's memory above its idle self, for the flags ``phase``
+    starts it with (the others at ``recscale.serve``'s defaults) and ``connections`` open."""
+    max_body, max_inflight = body_bounds(args.max_batch)
+    return (
+        memory_bound(
+            max_batch=args.max_batch,
+            max_body=max_body,
+            max_inflight=max_inflight,
+            cache_bytes=int(args.cache_mb * 2**20),
+            max_queue=4096,
+            workers=1,
+            example_values=example_values,
+        )
+        + connections * CONNECTION_BYTES
+    )
+
+
 def phase(args, hostile: bool, bodies: list[bytes], columns: list[str], port: int) -> dict:
     flags = [
         "--max-batch",
@@ -261,13 +317,14 @@ def phase(args, hostile: bool, bodies: list[bytes], columns: list[str], port: in
     server = _Server(args.model, port, flags)
     url = f"http://127.0.0.1:{port}"
     asyncio.run(_wait_ready(url))
+    server.ready()
     proc = q = None
     if hostile:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         hargs = {
             "duration": args.duration,
-            "max_body": args.max_batch * EXAMPLE_BYTES + (64 << 10),
+            "max_body": body_bounds(args.max_batch)[0],
             "max_batch": args.max_batch,
             "slow": args.slow,
         }
@@ -304,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = Model.load(args.model)
     rows_file = args.rows or man["source"]["eval_path"]
     fmt, columns = man["vocab"]["format"], model.rows.columns
+    example_values = len(model.dense_names) + len(model.features) * model.max_hotness
     rows = list(itertools.islice(read_rows(rows_file, fmt, columns), 512))
     del model
     bodies = [json.dumps({"examples": [r]}).encode() for r in rows]
@@ -318,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
         range(args.repeats), (("alone", False), ("hostile", True))
     ):
         r = phase(args, hostile, bodies, columns, port)
+        r["bound"] = bound(args, example_values, r["peak_connections"])
         out["phases"].append({"phase": name, "repeat": rep, **r})
         print(
             f"{name:8s}: p50 {r['p50_ms']:6.2f} ms, p99 {r['p99_ms']:6.2f} ms "
@@ -325,9 +384,23 @@ def main(argv: list[str] | None = None) -> dict:
             f" (at the end {r['end_rss'] / 2**20:.0f} MiB)",
             flush=True,
         )
+        print(
+            f"  peak above the idle server {r['peak_above_idle'] / 2**20:.1f} MiB, the README's "
+            f"bound {r['bound'] / 2**20:.1f} MiB (with {r['peak_connections']} connections at "
+            f"most): {'within' if r['peak_above_idle'] <= r['bound'] else 'BREACH'}",
+            flush=True,
+        )
         if hostile:
             for kind, c in r["hostile"].items():
                 print(f"  hostile {kind:10s}: {c}")
+    breaches = [r for r in out["phases"] if r["peak_above_idle"] > r["bound"]]
+    out["bound_breaches"] = len(breaches)
+    flat = bound(args, example_values, 0)
+    print(
+        f"the README's bound for these flags: {flat / 2**20:.1f} MiB above the idle server, "
+        f"+ {CONNECTION_BYTES / 2**20:.1f} MiB a connection; "
+        + (f"BREACHED in {len(breaches)} phases" if breaches else "held in every phase")
+    )
     for key in ("p50_ms", "p99_ms", "peak_rss"):  # medians over the repeats
         for name in ("alone", "hostile"):
             out[f"{name}_{key}"] = float(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import threading
 from collections.abc import Mapping
@@ -249,9 +250,20 @@ def ray_task_options(hw: tpu_gpu_configs.LaunchPreset, cpus_per_trial: float) ->
 
 
 RAY_AUTH_ENV = "RAY_AUTH_MODE"
+RAY_MIN_LOCAL = (2, 59)
+"""The oldest Ray that starts a local cluster with token authentication by default."""
 
 
-def ray_init_kwargs(address: str, env: Mapping[str, str]) -> dict:
+def _ray_version() -> str:
+    """The installed Ray's ``__version__`` (imported here: the launch uses it next)."""
+    try:
+        import ray  # noqa: PLC0415
+    except ImportError:
+        raise SystemExit("error: --backend ray needs Ray: pip install 'recscale[ray]'") from None
+    return str(getattr(ray, "__version__", ""))
+
+
+def ray_init_kwargs(address: str, env: Mapping[str, str], version: str | None = None) -> dict:
     """``ray.init``'s arguments for ``--ray-address`` ``address`` (empty: a cluster this launch
     starts on this machine), checked against the environment ``env``.
 
@@ -261,8 +273,9 @@ def ray_init_kwargs(address: str, env: Mapping[str, str]) -> dict:
     Ray's token authentication, on by default for a new local cluster since Ray 2.59 (the
     oldest this project allows; Ray writes the token to ``~/.ray/auth_token``), so an
     environment that turns it off (``RAY_AUTH_MODE`` other than ``token``) is refused. Its
-    dashboard is off, and bound to 127.0.0.1 should a Ray version start it anyway. A cluster
-    given by address is the user's, with its own settings."""
+    dashboard is off, and bound to 127.0.0.1 should a Ray version start it anyway. An older Ray
+    (``version``; None: the installed one's) is refused: pyproject's floor binds only installs
+    through the ``ray`` extra. A cluster given by address is the user's, with its own settings."""
     if address:
         return {"address": address, "include_dashboard": False, "log_to_driver": False}
     mode = env.get(RAY_AUTH_ENV, "token")
@@ -271,6 +284,16 @@ def ray_init_kwargs(address: str, env: Mapping[str, str]) -> dict:
             f"error: --backend ray without --ray-address starts a Ray cluster here, which "
             f"listens on every interface: it needs token authentication, but {RAY_AUTH_ENV}="
             f"{mode}; unset it, or start a cluster yourself and pass --ray-address"
+        )
+    version = _ray_version() if version is None else version
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < RAY_MIN_LOCAL:
+        floor = ".".join(map(str, RAY_MIN_LOCAL))
+        raise SystemExit(
+            f"error: --backend ray without --ray-address starts a Ray cluster here, which "
+            f"listens on every interface: it needs Ray {floor} or later (token authentication "
+            f"by default), found Ray {version!r}; pip install 'ray>={floor}', or start a "
+            f"cluster yourself and pass --ray-address"
         )
     return {
         "address": None,

@@ -32,6 +32,18 @@ class ArtifactError(ValueError):
         self.example, self.detail = example, detail or msg
 
 
+class Malformed(ArtifactError):
+    """A manifest field that is missing or of the wrong type (``Model.load`` names the file)."""
+
+    def __init__(self, where: str, e: Exception):
+        what = (
+            f"key {e.args[0]!r} is missing"
+            if isinstance(e, KeyError)
+            else f"{type(e).__name__}: {e}"
+        )
+        super().__init__(f"malformed {where}: {what}")
+
+
 def _row_error(r: int, detail: str) -> ArtifactError:
     return ArtifactError(f"example {r}: {detail}", r, detail)
 
@@ -100,6 +112,37 @@ MAX_CACHED_CHARS = 256
 """Longer values are parsed at every sight, never remembered."""
 
 
+ENTRY_KEYS = {
+    "dense": ("name", "column", "dtype", "clip", "log", "standardize", "fill"),
+    "sparse": (
+        *("name", "column", "kind", "dtype", "parse", "vocab", "hash_buckets", "hash_key"),
+        *("separator", "max_hotness", "boundaries"),
+    ),
+    "joins": ("key", "file", "columns"),
+}
+"""The keys :class:`RowEncoder` reads of each entry of a spec's lists (``data.tabular.serving``
+writes them all): checked at load, where a missing one would fail every request instead."""
+
+
+def _check_entries(spec: dict) -> None:
+    """Raises :class:`Malformed` naming the entry (``vocab.sparse.city``) and the key."""
+    for part, keys in ENTRY_KEYS.items():
+        if not isinstance(spec[part], list):
+            raise Malformed(
+                f"vocab.{part}", TypeError(f"a list expected, got {type(spec[part]).__name__}")
+            )
+        for i, f in enumerate(spec[part]):
+            if not isinstance(f, dict):
+                raise Malformed(
+                    f"vocab.{part}[{i}]", TypeError(f"an object expected, got {type(f).__name__}")
+                )
+            name = f.get("name")
+            where = f"vocab.{part}.{name}" if isinstance(name, str) else f"vocab.{part}[{i}]"
+            for k in keys:
+                if k not in f:
+                    raise Malformed(where, KeyError(k))
+
+
 class RowEncoder:
     """Raw rows -> ``(dense [B, N], ids [B, F, H])`` by a feature spec's rules, with the
     vocabularies, numeric moments and side tables ``prepare`` built from the training split:
@@ -130,6 +173,7 @@ class RowEncoder:
         max_hotness: int,
         cache_bytes: int = CACHE_BYTES,
     ):
+        _check_entries(spec)
         self.dense, self.sparse = spec["dense"], spec["sparse"]
         self.nulls = set(spec["null_values"])
         self.max_hotness = max_hotness

@@ -43,24 +43,19 @@ TABULAR = "tabular/1"
 ROWS = "recscale_rows.py"  # the artifact's copy of ``recscale/serving/rows.py``, beside this file
 
 if __package__ == "recscale.serving":
-    from recscale.serving.rows import CACHE_BYTES, ArtifactError, RowEncoder, read_rows, show
+    from recscale.serving.rows import (
+        CACHE_BYTES,
+        ArtifactError,
+        Malformed,
+        RowEncoder,
+        read_rows,
+        show,
+    )
 else:  # an artifact's recscale_model.py: its encoder is the recscale_rows.py beside it (the
     # folder is on sys.path, as for recscale_model itself)
-    from recscale_rows import CACHE_BYTES, ArtifactError, RowEncoder, read_rows, show
+    from recscale_rows import CACHE_BYTES, ArtifactError, Malformed, RowEncoder, read_rows, show
 
 __all__ = ["FORMAT", "ArtifactError", "Model", "RowEncoder", "main", "read_rows"]
-
-
-class _Malformed(ArtifactError):
-    """A manifest field that is missing or of the wrong type (``load`` names the file)."""
-
-    def __init__(self, where: str, e: Exception):
-        what = (
-            f"key {e.args[0]!r} is missing"
-            if isinstance(e, KeyError)
-            else f"{type(e).__name__}: {e}"
-        )
-        super().__init__(f"malformed {where}: {what}")
 
 
 class _Arrays(dict):
@@ -97,7 +92,7 @@ class Model:
             for f in self.features:
                 str(f["name"])
         except (KeyError, TypeError, ValueError) as e:
-            raise _Malformed("inputs", e) from None
+            raise Malformed("inputs", e) from None
         self.exported = exported
         self.device = device or jax.devices()[0]
         self.weights = jax.device_put(weights, self.device)
@@ -113,7 +108,7 @@ class Model:
         except ArtifactError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise _Malformed("vocab", e) from None
+            raise Malformed("vocab", e) from None
 
     @classmethod
     def load(cls, path: str | Path, device: Any = None, cache_bytes: int = CACHE_BYTES) -> Model:
@@ -148,7 +143,7 @@ class Model:
                     weights[name] = a.view(jnp.bfloat16) if meta["dtype"] == "bfloat16" else a
                     want = list(meta["shape"])
                 except (KeyError, TypeError) as e:
-                    raise ArtifactError(f"{man_path}: {_Malformed(f'weights.{name}', e)}") from None
+                    raise ArtifactError(f"{man_path}: {Malformed(f'weights.{name}', e)}") from None
                 if list(weights[name].shape) != want:
                     raise ArtifactError(
                         f"{path / WEIGHTS}: weight {name!r} has shape "
@@ -182,7 +177,7 @@ class Model:
                 raise ArtifactError(f"{path / VOCAB}: not a vocabulary archive ({e})") from None
         try:
             return cls(manifest, weights, exported, device, arrays, cache_bytes)
-        except _Malformed as e:
+        except Malformed as e:
             raise ArtifactError(f"{man_path}: {e}") from None
 
     def encode(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:

@@ -19,7 +19,9 @@ connection closed where the body was not read whole:
   refused with ``413`` from its ``Content-Length`` before a byte is read (a chunked one once it
   passes the bound); read within ``body_timeout`` seconds, else ``408``;
 * a connection without a whole request head for ``idle_timeout`` seconds (idle, or sending its
-  head slowly) is closed; a head has at most 128 fields of 8 KiB (aiohttp's bounds);
+  head slowly) is closed; a head has a request line of at most ``MAX_LINE`` bytes and at most
+  ``MAX_FIELDS`` fields, each name and value at most ``MAX_FIELD`` bytes (0.34 MiB held),
+  else it is refused with 400 (aiohttp's answer) and the connection closed;
 * bodies being read or decoded hold at most ``max_inflight`` bytes in all beyond their first
   ``SMALL_BODY`` bytes each (by default 16 bodies of ``max_body``): a request past it gets
   ``503`` at once, as one the batcher's bounded queue cannot take
@@ -61,6 +63,17 @@ LINGER = 1.0
 """Seconds a connection whose body was refused stays open, its bytes dropped (aiohttp's
 ``lingering_time``, 10 s by default)."""
 IDLE_TIMEOUT = 15.0
+MAX_LINE = 2048
+"""The longest request line (aiohttp's ``max_line_size``, 8190 by default): the server's paths
+are short and take no query."""
+MAX_FIELD = 4096
+"""The longest name, and the longest value, of a head's field (``max_field_size``, 8190 by
+default): a bearer token or a tracing header fits."""
+MAX_FIELDS = 32
+"""The most fields of a head (``max_headers``, 128 by default): a client sends about 8, proxies
+and a service mesh add about as many. A head is at most 2 KiB + 32 x 8 KiB (aiohttp's compiled
+parser checks a name and a value each against ``MAX_FIELD``), held as about twice its bytes:
+0.34 MiB a connection at these bounds, 2 MiB and more at aiohttp's defaults (tracemalloc)."""
 """Seconds a connection may stay open without a whole request head (idle between requests,
 or sending its head slowly) before it is closed (aiohttp's ``keepalive_timeout``)."""
 MAX_ERROR_CHARS = 300
@@ -238,6 +251,40 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+def body_bounds(max_batch: int, max_body: int = 0, max_inflight: int = 0) -> tuple[int, int]:
+    """``(max_body, max_inflight)``, each given or (0) derived: ``max_batch`` x ``EXAMPLE_BYTES``
+    + 64 KiB, and 16 bodies of it."""
+    max_body = max_body or max_batch * EXAMPLE_BYTES + (64 << 10)
+    return max_body, max_inflight or 16 * max_body
+
+
+CONNECTION_BYTES = 600 << 10
+"""Memory one open connection may hold beyond :func:`memory_bound`: a head at its bounds, held
+as about twice its bytes, and the first ``SMALL_BODY`` bytes of its body (0.52 MiB measured with
+tracemalloc; 0.13 MiB with a plain head)."""
+
+
+def memory_bound(
+    *,
+    max_batch: int,
+    max_body: int,
+    max_inflight: int,
+    cache_bytes: int,
+    max_queue: int,
+    workers: int,
+    example_values: int,
+) -> int:
+    """Bytes the server may hold above its idle self, ``CONNECTION_BYTES`` a connection apart
+    (the README's bound): bodies being read (``max_inflight``); bodies being decoded, in each of
+    ``ENCODERS`` threads a body and its JSON, measured at up to 13x its bytes (14 x
+    ``max_body`` each); the row encoder's cache; and encoded examples of ``example_values``
+    4-byte values each (N + F x H: float32 dense, int32 ids), ``max_queue`` of them waiting or
+    being scored and each worker's batch again, concatenated and padded to a power of two (3 x
+    ``max_batch``)."""
+    queue = (max_queue + 3 * workers * max_batch) * example_values * 4
+    return max_inflight + ENCODERS * 14 * max_body + cache_bytes + queue
+
+
 def make_app(
     model: Model,
     *,
@@ -252,8 +299,7 @@ def make_app(
 ) -> web.Application:
     """The server's application (``web.run_app`` it, or ``aiohttp.test_utils`` in tests);
     ``max_body`` and ``max_inflight`` 0: derived from ``max_batch`` (the module's docstring)."""
-    max_body = max_body or max_batch * EXAMPLE_BYTES + (64 << 10)
-    max_inflight = max_inflight or 16 * max_body
+    max_body, max_inflight = body_bounds(max_batch, max_body, max_inflight)
     if max_body < 1 or max_inflight < max_body or body_timeout <= 0:
         raise ValueError(
             f"server: max_body={max_body} >= 1, max_inflight={max_inflight} >= max_body, "
@@ -270,7 +316,13 @@ def make_app(
     # LINGER seconds, before closing: the client then reads the answer instead of a reset
     app = web.Application(
         client_max_size=max_body,
-        handler_args={"lingering_time": LINGER, "keepalive_timeout": idle_timeout},
+        handler_args={
+            "lingering_time": LINGER,
+            "keepalive_timeout": idle_timeout,
+            "max_line_size": MAX_LINE,
+            "max_field_size": MAX_FIELD,
+            "max_headers": MAX_FIELDS,
+        },
     )
     app[MODEL], app[BATCHER] = model, batcher
     per_example = 2 * len(model.features) + 8  # bags as lists, the example, dense, features

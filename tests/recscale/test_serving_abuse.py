@@ -234,6 +234,46 @@ def test_a_slow_or_idle_head_is_closed(art):
     assert _serve(model, requests, idle_timeout=0.5) == [b"", b""]  # closed, nothing sent
 
 
+def test_a_request_head_over_its_bound_is_refused_and_the_server_answers_meanwhile(art):
+    """A head is bounded in its request line, its fields' values and their number (aiohttp's
+    defaults let one connection hold 128 fields of 8 KiB names and values, 4 MiB of memory, for
+    15 s): past any bound it is refused with 400 or 431 and its connection closed, while the
+    server answers others; a head at the bounds passes."""
+    from recscale.serving.server import MAX_FIELD, MAX_FIELDS, MAX_LINE
+
+    model = Model.load(art)
+    body = json.dumps({"examples": [ROW]}).encode()
+
+    def head(path: str = "/predict", fields: int = 0, value: int = 1) -> bytes:
+        """The head of ``body``: its 4 fields, and ``fields`` more with values of ``value``
+        bytes."""
+        extra = "".join(f"X-{i:03d}: {'v' * value}\r\n" for i in range(fields))
+        return (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+        ).encode()
+
+    async def requests(client):
+        out = []
+        for h in (
+            head(fields=MAX_FIELDS - 3),  # one field too many
+            head(fields=1, value=MAX_FIELD + 1),  # one value too long
+            head(path="/predict?" + "q" * MAX_LINE),  # the request line too long
+        ):
+            out.append(await _raw(client, h, body))
+            out.append((await client.get("/healthz")).status)
+        # at the bounds: as many fields as a head may have, each as long as it may be (its line
+        # a few bytes under MAX_FIELD: aiohttp's pure-Python parser counts the whole line)
+        out.append(await _raw(client, head(fields=MAX_FIELDS - 4, value=MAX_FIELD - 8), body))
+        return out
+
+    out = _serve(model, requests)
+    for refused in out[0:6:2]:
+        assert refused.split(b" ")[1] in (b"400", b"431"), refused[:200]
+    assert out[1:6:2] == [200, 200, 200]
+    assert out[6].startswith(b"HTTP/1.1 200"), out[6][:200]
+
+
 def test_bodies_in_flight_are_bounded_in_bytes(art):
     """A connection holding most of a large body: past ``max_inflight`` bytes in all (a body's
     first 64 KiB not counted), a new large request gets 503 at once instead of its body being
@@ -299,6 +339,7 @@ def test_malformed_bodies_get_one_line_400s_without_paths_or_long_echoes(art, ca
         (b'{"dense": [[' + b"1" * 5000 + b']], "ids": []}', "4300"),
         (json.dumps({"examples": [ROW]}).encode("utf-16"), "not UTF-8"),
         (b'{"examples": [{"uid": "\xff\xfe"}]}', "not UTF-8: byte 23"),
+        (b"{not json", "the body is not JSON: Expecting property name"),
         ({"examples": [{**ROW, "price": big}]}, "column 'price': not a number: 'vvv"),
         ({"examples": [{**ROW, "uid": big}]}, "key not in side table users.csv: 'vvv"),
         ({"examples": [{**ROW, "gender": "f"}]}, "comes from side table users.csv (send"),
@@ -335,8 +376,13 @@ def test_malformed_bodies_get_one_line_400s_without_paths_or_long_echoes(art, ca
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
 
-def test_serve_names_the_file_and_key_of_a_malformed_manifest(art, tmp_path):
+def test_serve_names_the_file_and_key_of_a_malformed_manifest(art, tmp_path, monkeypatch):
+    from aiohttp import web
+
     from recscale.serve import main as serve_main
+
+    # a manifest that loads is served: fail here instead of serving until killed
+    monkeypatch.setattr(web, "run_app", lambda *a, **kw: pytest.fail("a malformed manifest loaded"))
 
     def broken(edit):
         out = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
@@ -351,6 +397,15 @@ def test_serve_names_the_file_and_key_of_a_malformed_manifest(art, tmp_path):
         (lambda m: m["inputs"]["features"][1].pop("vocab_size"), "inputs: key 'vocab_size'"),
         (lambda m: m["vocab"].pop("sparse"), "malformed vocab: key 'sparse' is missing"),
         (lambda m: m["vocab"]["tables"].update(city="int64"), "vocab.npz: array 'vocab.city'"),
+        # a feature's keys are checked at load, not at every request (each a 500 KeyError)
+        (lambda m: m["vocab"]["sparse"][0].pop("kind"), "vocab.sparse.city: key 'kind' is missing"),
+        (lambda m: m["vocab"]["dense"][0].pop("clip"), "vocab.dense.price: key 'clip' is missing"),
+        (lambda m: m["vocab"]["sparse"][2].pop("name"), "vocab.sparse[2]: key 'name' is missing"),
+        (lambda m: m["vocab"]["joins"][0].pop("file"), "vocab.joins[0]: key 'file' is missing"),
+        (
+            lambda m: m["vocab"]["sparse"].append("x"),
+            "vocab.sparse[4]: TypeError: an object expected, got str",
+        ),
     ]
     for edit, want in cases:
         path = broken(edit)
@@ -359,3 +414,62 @@ def test_serve_names_the_file_and_key_of_a_malformed_manifest(art, tmp_path):
         msg = str(e.value)
         assert msg.startswith("error: ") and want in msg and "\n" not in msg, msg
         assert path in msg  # the file is named
+
+
+def test_serve_flags_reach_the_app_and_the_model(art, monkeypatch):
+    """``python -m recscale.serve``'s bounds reach the server and the row encoder: given, and by
+    default (``max_body`` = ``max_batch`` x 8 KiB + 64 KiB, ``max_inflight`` 16 of them, a
+    64 MiB cache)."""
+    import gc as gc_lib
+
+    from aiohttp import web
+
+    from recscale.serve import main as serve_main
+    from recscale.serving.server import BATCHER, LIMITS, MODEL
+
+    served = []
+    monkeypatch.setattr(web, "run_app", lambda app, **kw: served.append((app, kw)))
+    monkeypatch.setattr(gc_lib, "freeze", lambda: None)  # the test process stays collectable
+    flags = ["--max-body", "123456", "--body-timeout-s", "2.5", "--max-inflight", "999999"]
+    flags += ["--cache-mb", "3", "--max-queue", "64", "--max-wait-ms", "7", "--workers", "2"]
+    serve_main([str(art), "--max-batch", "4", "--port", "8123", *flags])
+    serve_main([str(art), "--max-batch", "8"])
+    (given, kw), (default, _) = served
+    assert kw == {"host": "127.0.0.1", "port": 8123, "print": None}
+    lim, batcher = given[LIMITS], given[BATCHER]
+    want = (4, 123456, 2.5, 999999)
+    assert (lim.max_batch, lim.max_body, lim.body_timeout, lim.max_inflight) == want
+    want = (4, 64, 0.007, 2)
+    assert (batcher.max_batch, batcher.max_queue, batcher.max_wait, batcher.workers) == want
+    assert given[MODEL].rows.cache_bytes == 3 << 20
+    lim = default[LIMITS]
+    assert lim.max_body == 8 * (8 << 10) + (64 << 10) and lim.max_inflight == 16 * lim.max_body
+    assert (lim.body_timeout, default[BATCHER].max_queue) == (5.0, 4096)
+    assert default[MODEL].rows.cache_bytes == 64 << 20
+
+
+def test_the_memory_bound_is_the_readmes_arithmetic():
+    """``memory_bound`` (which ``benchmarks/serving_abuse.py`` prints beside its peaks) gives the
+    README's and BENCHMARKS.md's figures: 40.9 MiB at the benchmark's flags for Frappe's 10
+    one-id features (the queue's 0.16 MiB included), about 155 MiB at the defaults."""
+    from recscale.serving.server import body_bounds, memory_bound
+
+    def bound(max_batch: int, cache_mb: int, values: int) -> float:
+        max_body, max_inflight = body_bounds(max_batch)
+        return (
+            memory_bound(
+                max_batch=max_batch,
+                max_body=max_body,
+                max_inflight=max_inflight,
+                cache_bytes=cache_mb << 20,
+                max_queue=4096,
+                workers=1,
+                example_values=values,
+            )
+            / 2**20
+        )
+
+    assert body_bounds(64) == (576 << 10, 9 << 20)
+    assert bound(64, 16, 10) == 9 + 15.75 + 16 + (4096 + 192) * 10 * 4 / 2**20
+    assert round(bound(64, 16, 10), 1) == 40.9
+    assert round(bound(256, 64, 10)) == round(bound(256, 64, 39)) == 155

@@ -267,8 +267,9 @@ def os_environ_without_recscale() -> dict[str, str]:
 class _FakeRay(types.ModuleType):
     """Records ``ray.init``; its tasks return a worker's counts without running anything."""
 
-    def __init__(self):
+    def __init__(self, version: str = "2.60.0"):
         super().__init__("ray")
+        self.__version__ = version
         self.inits: list[dict] = []
 
     def init(self, **kw):
@@ -284,6 +285,45 @@ class _FakeRay(types.ModuleType):
         pass
 
 
+def _ray_spec(tmp_path) -> Path:
+    spec = tmp_path / "spec.py"
+    spec.write_text(
+        "from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder\n"
+        "SPEC = SweepSpec(name='t', families=(FamilySpec(family='dlrm', preset='dlrm/tiny', "
+        "ladder=dlrm_ladder(((4, (8, 4), (8, 1)),))),), budgets=(2e7,), min_steps=5, "
+        "code_version='x')\n"
+    )
+    return spec
+
+
+def test_a_local_ray_cluster_needs_a_ray_with_token_auth_by_default(tmp_path, monkeypatch):
+    """A Ray older than 2.59 starts a local cluster without token authentication, listening on
+    every interface: ``--backend ray`` without an address refuses it in one line, before
+    anything is written (pyproject's floor binds only installs through the ``ray`` extra). A
+    cluster given by address is the user's, whatever the Ray here."""
+    from sweeps import launch as sweep_launch
+
+    spec = _ray_spec(tmp_path)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    argv = [str(spec), "--backend", "ray", "--progress-every", "60"]
+    for version in ("2.58.1", "1.13.0", "", "nightly"):
+        fake = _FakeRay(version)
+        monkeypatch.setitem(sys.modules, "ray", fake)
+        with pytest.raises(SystemExit) as e:
+            sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / "a")])
+        msg = str(e.value)
+        assert msg.startswith("error: ") and "\n" not in msg, msg
+        assert f"Ray {version!r}" in msg and "2.59 or later" in msg, msg
+        assert fake.inits == [] and not (tmp_path / "a").exists()
+    for version in ("2.59.0", "2.60.0", "3.0.0.dev0"):
+        monkeypatch.setitem(sys.modules, "ray", fake := _FakeRay(version))
+        sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / version)])
+        assert fake.inits[-1]["address"] is None
+    monkeypatch.setitem(sys.modules, "ray", fake := _FakeRay("2.40.0"))
+    sweep_launch.main([*argv, "--sweep-dir", str(tmp_path / "c"), "--ray-address", "h:6379"])
+    assert fake.inits[-1]["address"] == "h:6379"
+
+
 def test_a_local_ray_cluster_is_started_with_token_auth_and_no_open_dashboard(
     tmp_path, monkeypatch
 ):
@@ -293,13 +333,7 @@ def test_a_local_ray_cluster_is_started_with_token_auth_and_no_open_dashboard(
     off and on 127.0.0.1. A cluster given by address is left to its own settings."""
     from sweeps import launch as sweep_launch
 
-    spec = tmp_path / "spec.py"
-    spec.write_text(
-        "from sweeps.spec import FamilySpec, SweepSpec, dlrm_ladder\n"
-        "SPEC = SweepSpec(name='t', families=(FamilySpec(family='dlrm', preset='dlrm/tiny', "
-        "ladder=dlrm_ladder(((4, (8, 4), (8, 1)),))),), budgets=(2e7,), min_steps=5, "
-        "code_version='x')\n"
-    )
+    spec = _ray_spec(tmp_path)
     fake = _FakeRay()
     monkeypatch.setitem(sys.modules, "ray", fake)
     argv = [str(spec), "--backend", "ray", "--progress-every", "60"]
