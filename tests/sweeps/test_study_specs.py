@@ -79,3 +79,36 @@ def test_frappe_rerun_on_another_cpu_agrees_within_seed_noise():
         se = np.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b))
         assert abs(np.mean(a) - np.mean(b)) <= 3 * se, (key, np.mean(a), np.mean(b), se)
     assert any(first[t]["best"] != r["best"] for t, r in rerun.items())  # not a copy
+
+
+def test_the_study_at_the_optimum_is_a_full_seeded_grid_around_the_pilots_best_sizes():
+    """``sweeps.specs.study_opt``: every size at every budget, 3 seeds as populations of one
+    size's runs, one stable run per (size, seed), and every pilot's best size (each family, each
+    pilot budget) within the family's ladder, at its smallest size only where the family has no
+    smaller working one (DCNv2's and FinalMLP's d = 2, DLRM's floor)."""
+    sp = spec_lib.load_spec("sweeps.specs.study_opt")
+    res = spec_lib.resolve(sp)
+    assert sp.branches and sp.populations and sp.seeds == (0, 1, 2)
+    assert len(sp.budgets) == 7 and np.allclose(np.diff(np.log10(sp.budgets)), 0.25)
+    stable = [t for t in res.trials if not t.branch_of]
+    assert len(res.trials) == 7 * 20 * 3 and len(stable) == 20 * 3
+    assert {t.budget for t in stable} == {max(sp.budgets)}
+    members: dict[tuple[str, ...], list[int]] = {}
+    for t in res.trials:
+        members.setdefault(t.population, []).append(t.seed)
+    assert sorted(map(sorted, members.values())) == [[0, 1, 2]] * 140
+    rows = [
+        json.loads(x) for x in (DOCS / "study_pilot" / "results.jsonl").read_text().splitlines()
+    ]
+    for fam in sp.families:
+        fpe = sorted({t.flops_per_example for t in res.trials if t.family == fam.family})
+        assert len(fpe) == 5
+        pilot = [r for r in rows if r["family"] == fam.family and r["status"] == "SUCCESS"]
+        for b in {r["budget"] for r in pilot}:
+            best = min((r for r in pilot if r["budget"] == b), key=lambda r: r["final"]["logloss"])
+            smallest_working = min(
+                r["flops_per_example"] for r in pilot if r["final"]["logloss"] < 0.54
+            )
+            assert fpe[0] <= best["flops_per_example"] < fpe[-1], (fam.family, b)
+            if best["flops_per_example"] == fpe[0]:
+                assert fpe[0] == smallest_working, (fam.family, b)
