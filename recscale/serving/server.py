@@ -46,6 +46,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from recscale.serving.batcher import DynamicBatcher, Overloaded
 from recscale.serving.runtime import ArtifactError, Model, show
@@ -331,11 +332,13 @@ def make_app(
     )
     app[COUNTS] = {
         "malformed": 0,
+        "malformed_heads": 0,
         "internal_errors": 0,
         "unseen_values": 0,
         "missing_features": 0,
         "out_of_vocab_ids": 0,
     }
+    head_errors = _HeadErrors(app[COUNTS])
     app.router.add_post("/predict", predict)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
@@ -343,11 +346,30 @@ def make_app(
     async def start(app: web.Application) -> None:
         app[POOL] = concurrent.futures.ThreadPoolExecutor(ENCODERS, thread_name_prefix="encode")
         batcher.start()
+        logging.getLogger("aiohttp.server").addFilter(head_errors)
 
     async def stop(app: web.Application) -> None:
+        logging.getLogger("aiohttp.server").removeFilter(head_errors)
         await batcher.close()
         app[POOL].shutdown(wait=True)
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     return app
+
+
+class _HeadErrors(logging.Filter):
+    """aiohttp logs a head it cannot parse (too long, too many fields, not HTTP) at ERROR with
+    its traceback, one per request, which a hostile client turns into a flood of the log; this
+    drops those records and counts them (``/metrics``: ``malformed_heads``) while this server
+    runs. Every other record passes."""
+
+    def __init__(self, counts: dict[str, int]):
+        super().__init__()
+        self.counts = counts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], HttpProcessingError):
+            self.counts["malformed_heads"] += 1
+            return False
+        return True
