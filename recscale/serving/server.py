@@ -64,6 +64,8 @@ LINGER = 1.0
 """Seconds a connection whose body was refused stays open, its bytes dropped (aiohttp's
 ``lingering_time``, 10 s by default)."""
 IDLE_TIMEOUT = 15.0
+"""Seconds a connection may stay open without a whole request head (idle between requests,
+or sending its head slowly) before it is closed (aiohttp's ``keepalive_timeout``)."""
 MAX_LINE = 2048
 """The longest request line (aiohttp's ``max_line_size``, 8190 by default): the server's paths
 are short and take no query."""
@@ -75,8 +77,6 @@ MAX_FIELDS = 32
 and a service mesh add about as many. A head is at most 2 KiB + 32 x 8 KiB (aiohttp's compiled
 parser checks a name and a value each against ``MAX_FIELD``), held as about twice its bytes:
 0.34 MiB a connection at these bounds, 2 MiB and more at aiohttp's defaults (tracemalloc)."""
-"""Seconds a connection may stay open without a whole request head (idle between requests,
-or sending its head slowly) before it is closed (aiohttp's ``keepalive_timeout``)."""
 MAX_ERROR_CHARS = 300
 """The longest error message sent (values in it are cut to ~80 characters before)."""
 
