@@ -26,7 +26,16 @@ def _check_committed(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["study", "study_lr", "study_grid", "study_check", "study_pilot", "study_pilot_lr"]
+    "name",
+    [
+        "study",
+        "study_lr",
+        "study_grid",
+        "study_check",
+        "study_pilot",
+        "study_pilot_lr",
+        "study_opt",
+    ],
 )
 def test_spec_resolves_to_the_committed_trials(name):
     _check_committed(name)
