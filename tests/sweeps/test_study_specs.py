@@ -35,6 +35,7 @@ def _check_committed(name):
         "study_pilot",
         "study_pilot_lr",
         "study_opt",
+        "study_opt_check",
     ],
 )
 def test_spec_resolves_to_the_committed_trials(name):
