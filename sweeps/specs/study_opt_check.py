@@ -26,19 +26,15 @@ import dataclasses
 
 from sweeps.specs import study_opt
 
-
-def _rung(fam, name: str):
-    return dataclasses.replace(fam, ladder=tuple(r for r in fam.ladder if r.name == name))
-
+CELLS = {"wukong": "w4", "dlrm": "d4", "dcnv2": "c4", "finalmlp": "f4"}
+"""Each family's size checked: its fourth in ``study_opt``."""
 
 SPEC = dataclasses.replace(
     study_opt.SPEC,
     name="study_opt_check",
-    families=(
-        _rung(study_opt.WUKONG, "w4"),
-        _rung(study_opt.DLRM, "d4"),
-        _rung(study_opt.DCNV2, "c4"),
-        _rung(study_opt.FINALMLP, "f4"),
+    families=tuple(
+        dataclasses.replace(f, ladder=tuple(r for r in f.ladder if r.name == CELLS[f.family]))
+        for f in study_opt.SPEC.families
     ),
     budgets=(1e12,),
     seeds=(0,),
