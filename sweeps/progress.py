@@ -39,6 +39,7 @@ def summarise(store: SweepStore, trials: list[dict]) -> dict[str, Any]:
     finished_compute = 0.0
     walls: list[tuple[float, float]] = []  # (compute, wall seconds) of finished trials
     unfinished: list[float] = []  # compute of running and remaining trials
+    units: set = set()  # what the workers run now: a population's members run as one process
     for t in trials:
         status = store.status(t["trial_id"], rows)
         state = {
@@ -55,8 +56,11 @@ def summarise(store: SweepStore, trials: list[dict]) -> dict[str, Any]:
                 walls.append((compute, float(rows[t["trial_id"]].get("wall_time_s") or 0.0)))
         else:
             unfinished.append(compute)
+            if state == "running":
+                units.add(tuple(t.get("population") or ()) or t["trial_id"])
     return {
         "counts": counts,
+        "running_units": len(units),
         "finished_compute": finished_compute,
         "walls": walls,
         "unfinished": unfinished,
@@ -116,18 +120,25 @@ class SweepProgress:
     def eta(self, s: dict[str, Any]) -> float | None:
         """Seconds left: each unfinished trial's wall time predicted as ``a + b * compute`` (a
         least-squares line through the finished trials: a trial costs a fixed overhead plus
-        its compute), summed and shared among the trials running at once. Before two trials
-        of different sizes have finished, the FLOP rate of this launch so far. None (no ETA)
-        while an unfinished trial is more than 10x the largest finished one: small trials are
-        mostly fixed overhead, and their line says nothing of what a large one costs."""
-        walls, running = s["walls"], max(s["counts"]["running"], 1)
+        its compute), summed and shared among the processes running at once (a population's
+        members are one process, and each records its share of the population's wall time).
+        While the finished trials are all of about one size (within 2x: a line through them
+        would have its slope set by their wall times' noise, e.g. hours per FLOP for the
+        trials of one budget), their mean wall time per FLOP; with no finished trial, the FLOP
+        rate of this launch so far. None (no ETA) while an unfinished trial is more than 10x
+        the largest finished one: small trials are mostly fixed overhead, and their line says
+        nothing of what a large one costs."""
+        walls, running = s["walls"], max(s.get("running_units", s["counts"]["running"]), 1)
         if s["unfinished"] and max(s["unfinished"]) > 10 * max((c for c, _ in walls), default=0):
             return None
-        if len({c for c, _ in walls}) >= 2:
+        if walls:
             x = np.array([c for c, _ in walls])
             y = np.array([w for _, w in walls])
-            b, a = np.polyfit(x, y, 1)
-            a, b = max(a, 0.0), max(b, 0.0)
+            if x.max() >= 2 * x.min():
+                b, a = np.polyfit(x, y, 1)
+                a, b = max(a, 0.0), max(b, 0.0)
+            else:
+                a, b = 0.0, float(y.sum() / x.sum())
             return float(sum(a + b * c for c in s["unfinished"])) / running
         done_here = s["finished_compute"] - self._start_compute
         if done_here <= 0:

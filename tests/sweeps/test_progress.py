@@ -91,3 +91,23 @@ def test_populations_are_counted(tmp_path):
     trials = [{**trial(t, 1e9), "population": ["a", "b"]} for t in ("a", "b")] + [trial("c", 1e9)]
     line = SweepProgress(store, trials, stream=io.StringIO()).line(summarise(store, trials))
     assert "(1 populations)" in line
+
+
+def test_eta_from_trials_of_one_size_and_populations_as_one_process(tmp_path):
+    """Finished trials of one budget differ in compute by a few FLOPs in 1e12: a line through
+    them would price the rest at hours per FLOP; their mean cost per FLOP prices it instead.
+    The running population's two members are one process, not two."""
+    store = SweepStore(tmp_path)
+    done = [trial(t, 1e12 + d) for t, d in (("a", 0.0), ("b", 4.8e6), ("c", -1.0))]
+    pop = [{**trial(t, 1e12), "population": ["p", "q"]} for t in ("p", "q")]
+    trials = [*done, *pop, trial("r", 1e12)]
+    for t, wall in zip(("a", "b", "c"), (500.0, 600.0, 700.0), strict=True):
+        finish(store, t, "SUCCESS", wall)
+    for t in ("p", "q"):
+        store.trial_dir(t).mkdir(parents=True)
+        assert store.claim(t, "worker-1")
+    s = summarise(store, trials)
+    assert s["running_units"] == 1
+    # Three unfinished trials of 1e12 FLOPs at 1,800 s per 3e12 finished, one process running.
+    per_flop = 1800.0 / (3e12 + 4.8e6 - 1.0)
+    assert SweepProgress(store, trials).eta(s) == pytest.approx(3e12 * per_flop, rel=1e-9)
