@@ -9,6 +9,34 @@ Bayes-optimal next-item loss). No jax import: a ``JaggedBatch`` is a NamedTuple,
 Item ids are ``1..V``; 0 is the padding id everywhere in this package.
 """
 
-from data.sequences.histories import Histories, HistoryCounters, build_histories
+from data.sequences.histories import (
+    Histories,
+    HistoryCounters,
+    HistoryError,
+    build_histories,
+    histories_from_arrow,
+)
+from data.sequences.jagged import JaggedBatch, PackConfig, Packer
+from data.sequences.planted import PlantedConfig, PlantedSequences
+from data.sequences.sasrec import SasrecFormatError, data_partition, read_sasrec
+from data.sequences.splits import LeaveOneOut, TimeCutoff, leave_one_out, time_cutoff
 
-__all__ = ["Histories", "HistoryCounters", "build_histories"]
+__all__ = [
+    "Histories",
+    "HistoryCounters",
+    "HistoryError",
+    "JaggedBatch",
+    "LeaveOneOut",
+    "PackConfig",
+    "Packer",
+    "PlantedConfig",
+    "PlantedSequences",
+    "SasrecFormatError",
+    "TimeCutoff",
+    "build_histories",
+    "data_partition",
+    "histories_from_arrow",
+    "leave_one_out",
+    "read_sasrec",
+    "time_cutoff",
+]

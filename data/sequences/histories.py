@@ -125,6 +125,16 @@ class Histories:
         """V: item ids are ``1..V``."""
         return int(self.item_raw.shape[0])
 
+    def encode_items(self, raw: np.ndarray) -> np.ndarray:
+        """int32 ids (``1..V``) of raw item ids ``raw``; 0 for a raw id not in the vocabulary."""
+        raw = np.asarray(raw)
+        if self.n_items == 0:
+            return np.zeros(raw.shape, np.int32)
+        order = np.argsort(self.item_raw, kind="stable")
+        pos = np.minimum(np.searchsorted(self.item_raw[order], raw), self.n_items - 1)
+        hit = self.item_raw[order][pos] == raw
+        return np.where(hit, order[pos] + 1, 0).astype(np.int32)
+
     def lengths(self) -> np.ndarray:
         """int64 [U]: events per user."""
         return np.diff(self.offsets)

@@ -56,6 +56,7 @@ def test_rejects_counted_by_reason_and_users_all_rejected():
     assert c.users_all_rejected == 1  # user 3: both items unknown
     assert _as_lists(h) == {1: [7], 2: [9, 7]}
     assert h.n_items == 3 and h.user_items(1).tolist() == [3, 1]
+    assert h.encode_items(np.array([9, 5, 7])).tolist() == [3, 0, 1]  # 0: not in the vocabulary
 
 
 def test_side_columns_follow_their_events():
