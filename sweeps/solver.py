@@ -57,7 +57,9 @@ def _objective(theta_rp, lx_rn, y_rn, m_r, delta_r) -> np.ndarray:
     return _huber(_residuals(theta_rp, lx_rn, y_rn, m_r), delta_r[:, None]).sum(-1)
 
 
-def levenberg_marquardt(theta_rp, residuals, delta_r, max_iter: int = 100):
+def levenberg_marquardt(
+    theta_rp, residuals, delta_r, max_iter: int = 100, ftol: float | None = None
+):
     """Minimise R Huber objectives of log residuals at once, from θ [R, P].
 
     ``residuals(rows, θ [A, P], jac)`` returns the log residuals r = log L − log(pred) [A, N] of
@@ -89,11 +91,14 @@ def levenberg_marquardt(theta_rp, residuals, delta_r, max_iter: int = 100):
         damp = lam_r[act, None] * np.diagonal(hess, axis1=1, axis2=2) + 1e-12
         step = np.linalg.solve(hess + damp[:, :, None] * eye, grad[..., None])[..., 0]
         new_obj = _huber(residuals(act, th + step, False), d[:, None]).sum(-1)
-        ok = new_obj <= obj_r[act]  # NaN/inf trial points count as rejected
+        old = obj_r[act]
+        ok = new_obj <= old  # NaN/inf trial points count as rejected
         theta_rp[act[ok]] = th[ok] + step[ok]
         obj_r[act[ok]] = new_obj[ok]
         lam_r[act] = np.where(ok, lam_r[act] / 3, lam_r[act] * 4)
         done = np.abs(step).max(-1) <= 1e-10 * (1 + np.abs(th).max(-1))
+        if ftol is not None:  # as scipy: an accepted step that gains < ftol of the objective
+            done |= ok & (old - new_obj < ftol * old)
         act = act[~(done | (lam_r[act] > 1e10))]
     converged = np.ones(len(theta_rp), dtype=bool)
     converged[act] = False
