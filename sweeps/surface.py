@@ -246,6 +246,14 @@ def _refit_replicates(th, e_est, n, d, boot_rk, idx_rk, delta, floor) -> np.ndar
     ok &= np.isfinite(obj)
     if floor is not None:
         tb = np.column_stack([np.zeros(len(tb)), tb])
+    # A row still moving at the cap (an ill-determined surface's flat valley) is finished by
+    # scipy from where the batched solve left it, so that no replicate is dropped for the
+    # batched solver's sake: only one that neither converges is (dropping them cuts off an
+    # interval's end, ``_fit_one``'s note).
+    for r in np.flatnonzero(~ok):
+        idx = idx_rk[r]
+        tb[r], cost = _fit_one(n[idx], d[idx], y_log[r], delta, floor, m_r[r], tb[r])
+        ok[r] = np.isfinite(cost)
     return _unpack(tb[ok], floor, m_r[ok])
 
 
