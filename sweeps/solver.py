@@ -57,36 +57,52 @@ def _objective(theta_rp, lx_rn, y_rn, m_r, delta_r) -> np.ndarray:
     return _huber(_residuals(theta_rp, lx_rn, y_rn, m_r), delta_r[:, None]).sum(-1)
 
 
-def _levenberg_marquardt(theta_rp, lx_rn, y_rn, m_r, delta_r, max_iter: int = 100):
-    """Minimise every row's Huber objective; returns (θ [R, P], objective [R]).
+def levenberg_marquardt(
+    theta_rp, residuals, delta_r, max_iter: int = 100, ftol: float | None = None
+):
+    """Minimise R Huber objectives of log residuals at once, from θ [R, P].
+
+    ``residuals(rows, θ [A, P], jac)`` returns the log residuals r = log L − log(pred) [A, N] of
+    problems ``rows`` (an index array into the R) at θ, and with ``jac`` also ∂log(pred)/∂θ
+    [A, N, P]; N may differ between calls, not between the rows of one call. Returns (θ [R, P],
+    objective [R], converged [R]).
 
     IRLS Gauss–Newton steps (weights min(1, δ/|r|)) with per-row Marquardt damping; a row stops
-    once its step is below 1e-10 relative or its damping explodes, and only moving rows are
-    computed. Its fixed point is the Huber stationarity condition Jᵀψ(r) = 0, as in scipy.
+    once its step is below 1e-10 relative or its damping explodes (no step lowers its objective:
+    it sits at a minimum to rounding), and only moving rows are computed. Rows still moving after
+    ``max_iter`` steps are not ``converged``. Its fixed point is the Huber stationarity condition
+    Jᵀψ(r) = 0, as in scipy.
     """
     theta_rp = theta_rp.copy()
-    obj_r = _objective(theta_rp, lx_rn, y_rn, m_r, delta_r)
+    every = np.arange(len(theta_rp))
+    obj_r = _huber(residuals(every, theta_rp, False), delta_r[:, None]).sum(-1)
     lam_r = np.full(len(theta_rp), 1e-3)
-    act = np.arange(len(theta_rp))
+    eye = np.eye(theta_rp.shape[-1])
+    act = every
     for _ in range(max_iter):
         if act.size == 0:
             break
-        th, lx, y, m, d = theta_rp[act], lx_rn[act], y_rn[act], m_r[act], delta_r[act]
-        r, jac = _residuals(th, lx, y, m, jac=True)
+        th, d = theta_rp[act], delta_r[act]
+        r, jac = residuals(act, th, True)
         w = np.minimum(1.0, d[:, None] / np.maximum(np.abs(r), 1e-300))
         jw_apn = (jac * w[..., None]).transpose(0, 2, 1)
         hess = jw_apn @ jac
         grad = (jw_apn @ r[..., None])[..., 0]
         damp = lam_r[act, None] * np.diagonal(hess, axis1=1, axis2=2) + 1e-12
-        step = np.linalg.solve(hess + damp[:, :, None] * np.eye(3), grad[..., None])[..., 0]
-        new_obj = _objective(th + step, lx, y, m, d)
-        ok = new_obj <= obj_r[act]  # NaN/inf trial points count as rejected
+        step = np.linalg.solve(hess + damp[:, :, None] * eye, grad[..., None])[..., 0]
+        new_obj = _huber(residuals(act, th + step, False), d[:, None]).sum(-1)
+        old = obj_r[act]
+        ok = new_obj <= old  # NaN/inf trial points count as rejected
         theta_rp[act[ok]] = th[ok] + step[ok]
         obj_r[act[ok]] = new_obj[ok]
         lam_r[act] = np.where(ok, lam_r[act] / 3, lam_r[act] * 4)
         done = np.abs(step).max(-1) <= 1e-10 * (1 + np.abs(th).max(-1))
+        if ftol is not None:  # as scipy: an accepted step that gains < ftol of the objective
+            done |= ok & (old - new_obj < ftol * old)
         act = act[~(done | (lam_r[act] > 1e10))]
-    return theta_rp, obj_r
+    converged = np.ones(len(theta_rp), dtype=bool)
+    converged[act] = False
+    return theta_rp, obj_r, converged
 
 
 def _starts(lx_rn, y_rn, m_r, delta_r):
@@ -132,8 +148,11 @@ def solve(lx_rn, y_rn, delta_r, floor_r=None) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         th0, rows2, th2 = _starts(lx_rn, y_rn, m_r, delta_r)
         idx = np.concatenate([np.arange(r), rows2])
-        th, obj = _levenberg_marquardt(
-            np.concatenate([th0, th2]), lx_rn[idx], y_rn[idx], m_r[idx], delta_r[idx]
+        lx, y, m = lx_rn[idx], y_rn[idx], m_r[idx]
+        th, obj, _ = levenberg_marquardt(
+            np.concatenate([th0, th2]),
+            lambda rows, theta, jac: _residuals(theta, lx[rows], y[rows], m[rows], jac),
+            delta_r[idx],
         )
     better = obj[r:] < obj[rows2]
     th[rows2[better]] = th[r:][better]

@@ -15,13 +15,19 @@ price: N_opt is read off a fitted formula, so where it falls outside the sizes a
 it is an extrapolation, and ``optimum`` says so per budget.
 
 Fit: Huber regression of log L on the cells' seed means (as Chinchilla, and as ``fit`` does for
-L(C)), E = min(L)·expit(θ_E) (or fixed at a known floor), A, α, B, β = exp(θ); scipy's
-``least_squares`` (five parameters, one problem: no need for ``fit``'s batched solver) from a
-grid of exponent starts with A and B by non-negative least squares. Huber δ = 1.345·σ̂ from a
-least-squares fit's residuals (as ``fit``). Intervals: the seed bootstrap of
-``fit.seed_bootstrap_frontier`` (each cell's seeds redrawn, same replicates for the same
-``seed``), each replicate refitted from the estimate; with one seed per cell, a pairs bootstrap
-over the cells instead. Percentile intervals. Their coverage, measured on 60 simulated grids like
+L(C)), E = min(L)·expit(θ_E) (or fixed at a known floor), A, α, B, β = exp(θ). The estimate:
+scipy's ``least_squares`` (one problem) from a grid of exponent starts with A and B by
+non-negative least squares. Huber δ = 1.345·σ̂ from a least-squares fit's residuals (as
+``fit``). Intervals: the seed bootstrap of ``fit.seed_bootstrap_frontier`` (each cell's seeds
+redrawn, same replicates for the same ``seed``); with one seed per cell, a pairs bootstrap over
+the cells instead. Every replicate is refitted from the estimate (θ_E re-expressed against the
+replicate's own minimum), all at once: ``solver.levenberg_marquardt``, ``fit``'s batched IRLS
+Levenberg–Marquardt, over R problems of 5 parameters (4 with a fixed floor). A row stops, as
+scipy did, once an accepted step gains less than 1e-8 of its objective (or its step or damping
+says it is at a minimum); a row still gaining after 1,000 steps is dropped and counted
+(``replicates_dropped``). On well-determined surfaces its refits agree with scipy's to ~1e-4
+(where scipy's own stop leaves them); on ill-determined ones (a flat valley in E, A, α) both stop
+at points along the valley that depend on the path, so the two solvers' replicates differ there. Percentile intervals. Their coverage, measured on 60 simulated grids like
 the study's (7 budgets × 5 sizes, 3 seeds, log-normal seed noise σ = 0.003, 200 replicates;
 ``tests/sweeps/test_surface.py``'s generator): E 0.95, α 0.92, β 0.97, a 0.92, so slightly
 narrow, as plain percentile intervals are at this size (``fit``'s docstring). With one seed per
@@ -44,6 +50,8 @@ _EXPONENT_STARTS = (0.1, 0.3, 1.0)
 _FLOOR_STARTS = (0.3, 0.7, 0.95)  # E as a fraction of min(L)
 _NAMES = ("E", "A", "alpha", "B", "beta", "a")
 _MIN_CELLS = 10
+_FTOL = 1e-8  # scipy's default: stop once a step gains less than this of the objective
+_MAX_ITER = 1000  # as scipy's max_nfev before: a row still gaining after it is dropped
 
 
 def _unpack(theta: np.ndarray, floor: float | None, min_loss: float) -> np.ndarray:
@@ -195,6 +203,60 @@ def _fit_one(n, d, y_log, delta, floor, min_loss, theta0=None) -> tuple[np.ndarr
     return best
 
 
+def _log_residuals(theta, ln_n, ln_d, y_log, min_loss, floor, jac: bool):
+    """Log residuals [R, K] of R problems (cells ``ln_n``, ``ln_d``, ``y_log`` [R, K], E's bound
+    ``min_loss`` [R]) at θ [R, 5], or [R, 4] without θ_E for a fixed floor; and ∂log(pred)/∂θ
+    [R, K, P] with ``jac`` (``solver.levenberg_marquardt``'s convention)."""
+    if floor is None:
+        s = special.expit(theta[:, 0])
+        e, rest = min_loss * s, theta[:, 1:]
+    else:
+        e, rest = np.full(len(theta), floor), theta
+    ca, al, cb, be = (v[:, None] for v in np.exp(rest).T)
+    tn, td = ca * np.exp(-al * ln_n), cb * np.exp(-be * ln_d)
+    pred = e[:, None] + tn + td
+    r = y_log - np.log(pred)
+    if not jac:
+        return r
+    cols = [tn, -al * ln_n * tn, td, -be * ln_d * td]
+    if floor is None:
+        cols.insert(0, np.broadcast_to((e * (1 - s))[:, None], tn.shape))
+    return r, np.stack(cols, -1) / pred[..., None]
+
+
+def _refit_replicates(th, e_est, n, d, boot_rk, idx_rk, delta, floor) -> np.ndarray:
+    """The bootstrap replicates' refits [R', 5] (E, A, α, B, β) from the estimate θ ``th``: one
+    batched solve (``solver.levenberg_marquardt``); replicates that do not converge are left
+    out."""
+    m_r = boot_rk.min(-1)  # E's bound follows each replicate's own minimum
+    ln_n, ln_d, y_log = np.log(n)[idx_rk], np.log(d)[idx_rk], np.log(boot_rk)
+    t0 = np.tile(th, (len(boot_rk), 1))
+    if floor is None:  # the same E in each replicate's coordinates (off the bound, where
+        t0[:, 0] = special.logit(np.minimum(e_est / m_r, 0.99))  # ∂E/∂θ would vanish)
+    else:
+        t0 = t0[:, 1:]
+
+    def residuals(rows, theta, jac):
+        return _log_residuals(theta, ln_n[rows], ln_d[rows], y_log[rows], m_r[rows], floor, jac)
+
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        tb, obj, ok = solver.levenberg_marquardt(
+            t0, residuals, np.full(len(t0), delta), max_iter=_MAX_ITER, ftol=_FTOL
+        )
+    ok &= np.isfinite(obj)
+    if floor is not None:
+        tb = np.column_stack([np.zeros(len(tb)), tb])
+    # A row still moving at the cap (an ill-determined surface's flat valley) is finished by
+    # scipy from where the batched solve left it, so that no replicate is dropped for the
+    # batched solver's sake: only one that neither converges is (dropping them cuts off an
+    # interval's end, ``_fit_one``'s note).
+    for r in np.flatnonzero(~ok):
+        idx = idx_rk[r]
+        tb[r], cost = _fit_one(n[idx], d[idx], y_log[r], delta, floor, m_r[r], tb[r])
+        ok[r] = np.isfinite(cost)
+    return _unpack(tb[ok], floor, m_r[ok])
+
+
 def fit_loss_surface(
     budget,
     size,
@@ -255,18 +317,9 @@ def fit_loss_surface(
     delta = 1.345 * max(1.4826 * mad * np.sqrt(n.size / max(n.size - k, 1)), solver.SIGMA_FLOOR)
     th, _ = _fit_one(n, d, np.log(mean_k), delta, floor, min_loss)
     est = _unpack(th, floor, min_loss)
-    boot = []
-    for y, idx in zip(boot_rk, idx_rk, strict=True):
-        m = float(y.min())  # E's bound follows the replicate's own minimum
-        t0 = th.copy()
-        if floor is None:  # the same E in the replicate's coordinates (off the bound, where
-            t0[0] = special.logit(min(est[0] / m, 0.99))  # ∂E/∂θ would vanish)
-        tb, cost = _fit_one(n[idx], d[idx], np.log(y), delta, floor, m, t0)
-        if np.isfinite(cost):
-            boot.append(_unpack(tb, floor, m))
+    boot = _refit_replicates(th, est[0], n, d, boot_rk, idx_rk, delta, floor)
     if len(boot) < max(20, n_boot // 2):
         raise ValueError(f"only {len(boot)} of {n_boot} bootstrap refits converged")
-    boot = np.array(boot)
     q = np.column_stack([boot, boot[:, 4] / (boot[:, 2] + boot[:, 4])])
     # Pairs over cells: t-expanded tails on K - (fitted parameters) degrees of freedom, as fit.py.
     df = None if seeded else size.size - k
