@@ -88,6 +88,21 @@ def mlp_flops(in_dim: int, sizes: Sequence[int]) -> float:
     return float(sum(2 * a * b for a, b in zip(dims[:-1], dims[1:], strict=True)))
 
 
+def causal_attention_flops(seq_len: float, heads: int, d_qk: int, d_v: int) -> float:
+    """Forward FLOPs per token of causal self-attention within a sequence of ``seq_len``
+    tokens, 2 per multiply-add: the scores ``q·k`` and the weighted sum of values over the
+    ``(n + 1) / 2`` keys a token sees on average, i.e. ``2 · H · (d_qk + d_v) · (n + 1) / 2``.
+
+    **The causal half, of the sequence's own length** (``n(n+1)/2`` query-key pairs of its
+    ``n²``), the convention of the scaling literature for decoder attention and what the block
+    kernels execute up to their block granularity; an exception to this module's "count what
+    XLA executes": the XLA paths (``hstu_attention``'s reference, SASRec's padded attention)
+    form every pair of the sequence padded to ``N``, ``2N / (n + 1)`` times as many. Softmax or
+    SiLU, masks, biases and scales are not counted. For a batch of jagged lengths, the per-token
+    mean is ``Σ_b n_b · f(n_b) / Σ_b n_b`` (``f`` this function)."""
+    return 2.0 * heads * (d_qk + d_v) * (seq_len + 1.0) / 2.0
+
+
 def _hotness(schema: Schema, mean_hotness: float | Sequence[float] | None) -> list[float]:
     if mean_hotness is None:
         return [float(f.max_hotness) for f in schema.features]
