@@ -70,7 +70,7 @@ def l2_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 
 def _reduce(loss_t: jax.Array, w_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jnp.sum(loss_t * w_t), jnp.sum(w_t)
+    return jnp.sum(jnp.where(w_t > 0, loss_t * w_t, 0.0)), jnp.sum(w_t)
 
 
 def sampled_softmax(
@@ -88,7 +88,7 @@ def sampled_softmax(
     rows ``[T, D]`` and ids ``[T]``, the shared negatives' rows ``[K, D]``, ids ``[K]`` and
     corrections ``c [K]`` (embeddings already normalised as wanted)."""
     pos_t = jnp.sum(user_td * pos_td, axis=-1) / temperature
-    neg_tk = (user_td @ neg_kd.T) / temperature - neg_log_count_k[None, :]
+    neg_tk = jnp.matmul(user_td, neg_kd.T) / temperature - neg_log_count_k[None, :]
     neg_tk = jnp.where(neg_ids_k[None, :] == targets_t[:, None], -jnp.inf, neg_tk)
     lse_t = jax.nn.logsumexp(jnp.concatenate([pos_t[:, None], neg_tk], axis=1), axis=1)
     return _reduce(lse_t - pos_t, weights_t)
@@ -104,9 +104,10 @@ def full_softmax(
 ) -> tuple[jax.Array, jax.Array]:
     """``(Σ w ℓ, Σ w)`` of the softmax over items ``1..V`` (``table [V + 1, D]``, row 0
     padding)."""
-    logits_tv = (user_td @ table_vd.T) / temperature
-    logits_tv = logits_tv.at[:, 0].set(-jnp.inf)
-    pos_t = jnp.take_along_axis(logits_tv, targets_t[:, None], axis=1)[:, 0]
+    logits_tv = jnp.matmul(user_td, table_vd.T) / temperature
+    logits_tv = jnp.where(jnp.arange(table_vd.shape[0]) == 0, -jnp.inf, logits_tv)
+    safe_t = jnp.maximum(jnp.asarray(targets_t), 1)  # padding targets (weight 0): any item
+    pos_t = jnp.take_along_axis(logits_tv, safe_t[:, None], axis=1)[:, 0]
     return _reduce(jax.nn.logsumexp(logits_tv, axis=1) - pos_t, weights_t)
 
 
