@@ -19,6 +19,9 @@ Conventions (what is counted, and how):
   operand gradients of the same size), **plus the embeddings' backward, counted as the scatter
   of each pooled gradient into its rows**: ``hotness · d`` adds (1 FLOP each) per feature.
   Optimizer updates are not counted. ``train_flops = forward_flops + backward_flops``.
+* **Attention is counted over the causal half of a sequence's own length**
+  (:func:`causal_attention_flops`, for the sequential models of ``sequential/``), an exception
+  to the rule above: their XLA paths form every pair of the padded sequence.
 * **Sparse parameters are logical rows × dim**: ``vocab_size · embed_dim`` per table, excluding
   the padding rows the tables are stored with (``sharding.padded_rows``), which are never read.
   Dense parameters are every other parameter (MLP kernels and biases, LayerNorm scales and

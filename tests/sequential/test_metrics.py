@@ -1,6 +1,7 @@
 """Ranking metrics (sequential/metrics.py) against brute-force numpy on tiny cases, ties
 included (small integer embeddings make many exact ties), and SASRec's sampled negatives."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,19 +137,28 @@ def test_model_metrics_match_numpy():
         vals, offsets, tg, np.zeros(b, np.int32), np.array([1, 1, 1, 0], np.float32),
         np.array([0, 1, 2, -1], np.int32), {},
     )  # fmt: skip
-    user = np.asarray(model(batch.values, batch.offsets))[[2, 6, 8]]
-    table = np.asarray(model.item_table())
+    negs = np.array([[5, 6, 7], [1, 2, 3], [1, 2, 3], [0, 0, 0]], np.int32)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit  # one program: the model's ops one by one would each compile
+    def run(state):
+        m = nnx.merge(graphdef, state)
+        full = metrics.full_metrics(m, batch, ks=(5,), chunk=5)
+        sampled = metrics.sampled_metrics(m, batch, negs, ks=(2,))
+        return m(batch.values, batch.offsets), m.item_table(), full, sampled
+
+    user, table, full, sampled = run(state)
+    user, table = np.asarray(user)[[2, 6, 8]], np.asarray(table)
     unit = table / np.linalg.norm(table, axis=1, keepdims=True)
     history = np.array([[1, 2, 3, 0], [4, 5, 6, 7], [9, 0, 0, 0]], np.int32)
     rank = _rank_np(user, unit, np.array([4, 8, 9]), history)
     assert rank[2] == np.inf  # the target 9 is in its own history
-    got = metrics.finalize(metrics.full_metrics(model, batch, ks=(5,), chunk=5))
+    got = metrics.finalize(full)
     np.testing.assert_allclose(got["mrr"], np.mean(1 / rank), rtol=1e-6)
     np.testing.assert_allclose(got["hr@5"], np.mean(rank <= 5), rtol=1e-6)
     assert got["count"] == 3
 
-    negs = np.array([[5, 6, 7], [1, 2, 3], [1, 2, 3], [0, 0, 0]], np.int32)
-    got = metrics.finalize(metrics.sampled_metrics(model, batch, negs, ks=(2,)))
+    got = metrics.finalize(sampled)
     cand = np.concatenate([[[4], [8], [9]], negs[:3]], axis=1)
     s = np.einsum("bd,bsd->bs", user, table[cand])
     srank = 1 + (s[:, 1:] >= s[:, :1]).sum(1)
