@@ -18,7 +18,9 @@ L2 normalisation ``x / max(|x|, eps)`` (``l2_norm``) or the identity:
   tends to the full softmax's as ``K`` grows; with ``K = V`` negatives ``1..V`` and uniform
   ``q`` it is the full softmax exactly. A negative equal to the target (an accidental hit) is
   dropped, as the reference's ``-5e4`` does; generative-recommenders' uniform sampler is
-  ``logq_correction=False`` (``c = 0``).
+  ``logq_correction=False`` (``c = 0``) with one difference: its ``LocalNegativesSampler``
+  draws ``K`` negatives per position (``[T, K]`` rows), where these are shared by the batch
+  (one ``[K, D]`` gather and a ``[T, D] × [D, K]`` matmul).
 * **full softmax**: ``ℓ_t = -s(t, y_t) + log Σ_{j=1..V} exp s(t, j)`` (padding row 0
   excluded); logits ``[T, V]``, for small catalogues and as the sampled softmax's oracle.
 * **BCE** (SASRec's, github:kang205/SASRec at ``e3738967fddab206d6eeb4fda433e7a7034dd8b1``,
