@@ -19,6 +19,9 @@ Conventions (what is counted, and how):
   operand gradients of the same size), **plus the embeddings' backward, counted as the scatter
   of each pooled gradient into its rows**: ``hotness · d`` adds (1 FLOP each) per feature.
   Optimizer updates are not counted. ``train_flops = forward_flops + backward_flops``.
+* **Attention is counted over the causal half of a sequence's own length**
+  (:func:`causal_attention_flops`, for the sequential models of ``sequential/``), an exception
+  to the rule above: their XLA paths form every pair of the padded sequence.
 * **Sparse parameters are logical rows × dim**: ``vocab_size · embed_dim`` per table, excluding
   the padding rows the tables are stored with (``sharding.padded_rows``), which are never read.
   Dense parameters are every other parameter (MLP kernels and biases, LayerNorm scales and
@@ -86,6 +89,21 @@ def mlp_flops(in_dim: int, sizes: Sequence[int]) -> float:
     """Forward matmul FLOPs of ``recscale.nn.MLP`` per example (2 per multiply-add)."""
     dims = (in_dim, *sizes)
     return float(sum(2 * a * b for a, b in zip(dims[:-1], dims[1:], strict=True)))
+
+
+def causal_attention_flops(seq_len: float, heads: int, d_qk: int, d_v: int) -> float:
+    """Forward FLOPs per token of causal self-attention within a sequence of ``seq_len``
+    tokens, 2 per multiply-add: the scores ``q·k`` and the weighted sum of values over the
+    ``(n + 1) / 2`` keys a token sees on average, i.e. ``2 · H · (d_qk + d_v) · (n + 1) / 2``.
+
+    **The causal half, of the sequence's own length** (``n(n+1)/2`` query-key pairs of its
+    ``n²``), the convention of the scaling literature for decoder attention and what the block
+    kernels execute up to their block granularity; an exception to this module's "count what
+    XLA executes": the XLA paths (``hstu_attention``'s reference, SASRec's padded attention)
+    form every pair of the sequence padded to ``N``, ``2N / (n + 1)`` times as many. Softmax or
+    SiLU, masks, biases and scales are not counted. For a batch of jagged lengths, the per-token
+    mean is ``Σ_b n_b · f(n_b) / Σ_b n_b`` (``f`` this function)."""
+    return 2.0 * heads * (d_qk + d_v) * (seq_len + 1.0) / 2.0
 
 
 def _hotness(schema: Schema, mean_hotness: float | Sequence[float] | None) -> list[float]:

@@ -4,8 +4,8 @@ that must (``STYLE.md``: a lazy import that goes up or closes a circle means a p
 wrong place; families are found through one registry, ``recscale.families``).
 
 Floors, bottom up: ``data`` and ``tpu_gpu_configs`` (nothing of the project), ``recscale``, the
-families (``dlrm``, ``wukong``, ``baselines.*``, never one another), ``sweeps``; inside
-``recscale``: the base (config, sharding, kernels, nn, metrics, flops, launch, families), then
+families (``dlrm``, ``wukong``, ``baselines.*``, ``sequential``, never one another), ``sweeps``;
+inside ``recscale``: the base (config, sharding, kernels, nn, metrics, flops, launch, families), then
 ``optim``, ``embeddings``, ``analysis``, ``train``, ``serving``, and the commands ``export``,
 ``plan``, ``serve``. Function-level imports count as much as module-level ones.
 """
@@ -16,9 +16,18 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("data", "tpu_gpu_configs", "recscale", "dlrm", "wukong", "baselines", "sweeps")
+PACKAGES = (
+    "data",
+    "tpu_gpu_configs",
+    "recscale",
+    "dlrm",
+    "wukong",
+    "baselines",
+    "sequential",
+    "sweeps",
+)
 FLOORS = {"data": 0, "tpu_gpu_configs": 0, "recscale": 1, "dlrm": 2, "wukong": 2}
-FLOORS.update(baselines=2, sweeps=3)
+FLOORS.update(baselines=2, sequential=2, sweeps=3)
 RECSCALE_FLOORS = {
     "optim": 1,
     "embeddings": 2,

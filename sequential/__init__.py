@@ -1,0 +1,24 @@
+"""Sequential recommenders over jagged histories: HSTU (Zhai et al., ICML 2024) and SASRec
+(Kang & McAuley, ICDM 2018), their next-item losses and ranking metrics.
+
+Modules: ``config`` (model and loss configs, no jax import), ``flops`` (parameters and FLOPs
+per token, no jax import), ``layers`` (the shared item table, input and jagged layout),
+``hstu``, ``sasrec``, ``losses`` (sampled softmax, full softmax, BCE), ``metrics`` (HR@K,
+NDCG@K, MRR: full ranking and SASRec's sampled protocol). Models read a
+``data.sequences.JaggedBatch``; the losses and metrics are pure functions of (model, batch).
+
+Not a registered family yet (``recscale.families``): that needs the trainer's integration.
+This package imports no jax at import time; import the model modules for the networks.
+"""
+
+from sequential.config import HSTUConfig, LossConfig, SASRecConfig, SeqModelConfig
+from sequential.flops import hstu_cost, sasrec_cost
+
+__all__ = [
+    "HSTUConfig",
+    "LossConfig",
+    "SASRecConfig",
+    "SeqModelConfig",
+    "hstu_cost",
+    "sasrec_cost",
+]
