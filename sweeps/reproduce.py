@@ -13,19 +13,22 @@ What holds (measured on the committed ``docs/`` analyses, issue 36):
   integers and Nones (which family is best, which IsoFLOP vertices are interior, which cells lie
   inside their intervals, how many replicates converged), and every float within
   ``|x - y| <= ATOL + rtol·max(|x|, |y|)``: rtol ``SURFACE_RTOL`` for the loss surfaces
-  (``loss_surface*``, ``surface_check``: scipy's ``least_squares`` stops where its tolerances
-  say, and a last-bit change in the data moves each of the thousand bootstrap refits within
+  (``loss_surface*``, ``surface_check``: the bootstrap refits, a batched Levenberg-Marquardt
+  with scipy's ``least_squares`` finishing the rows it leaves moving, stop where their
+  tolerances say, and a last-bit change in the data moves each of the thousand refits within
   them) and ``RTOL`` for everything else. The PNGs are compared by their pixel size only (a
   band drawn from the surface's replicates moves by a fraction of a pixel, which changes bytes).
 
-Measured, this AMD EPYC VM against the committed files (same library versions, analyses made on
-other hosts): ``docs/study`` 657 of 1,269 floats differ, the worst 3.9e-4 relative (an interval
-bound of FinalMLP's fixed-floor surface optimum at 1e12; 2.9e-5 for a free-floor surface), and
-outside the surfaces 7.9e-8; ``docs/study_check`` 18 floats, at most 5.7e-8; the Frappe re-run
-17, at most 3.1e-14 (an IsoFLOP parabola's vertex); ``study_grid`` (with its 200 replicates),
-``study_lr`` and ``study_frappe`` bit for bit. SURFACE_RTOL is 2.6x the worst surface difference
-seen and RTOL 13x the worst elsewhere; ATOL (far below any loss's last printed digit) covers
-interval bounds near zero (the c of a power law, ~1e-11). ``docs/showcase`` (older code, no
+Measured (2026-11-27, with a scipy refit per replicate), this AMD EPYC VM against the committed
+files (same library versions, analyses made on other hosts): ``docs/study`` 657 of 1,269 floats
+differ, the worst 3.9e-4 relative (an interval bound of FinalMLP's fixed-floor surface optimum
+at 1e12; 2.9e-5 for a free-floor surface), and outside the surfaces 7.9e-8;
+``docs/study_check`` 18 floats, at most 5.7e-8; the Frappe re-run 17, at most 3.1e-14 (an
+IsoFLOP parabola's vertex); ``study_grid`` (with its 200 replicates), ``study_lr`` and
+``study_frappe`` bit for bit. SURFACE_RTOL is 2.6x the worst surface difference seen and RTOL
+13x the worst elsewhere; ATOL (far below any loss's last printed digit) covers interval bounds
+near zero (the c of a power law, ~1e-11). Since the refits were batched (2026-11-28) every
+committed analysis with results has been regenerated on this VM. ``docs/showcase`` (older code, no
 results.jsonl) is checked by ``tests/sweeps/test_committed_analyses.py`` on the keys it has.
 """
 
