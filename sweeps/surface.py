@@ -23,12 +23,15 @@ redrawn, same replicates for the same ``seed``); with one seed per cell, a pairs
 the cells instead. Every replicate is refitted from the estimate (θ_E re-expressed against the
 replicate's own minimum), all at once: ``solver.levenberg_marquardt``, ``fit``'s batched IRLS
 Levenberg–Marquardt, over R problems of 5 parameters (4 with a fixed floor). A row stops, as
-scipy did, once an accepted step gains less than 1e-8 of its objective (or its step or damping
-says it is at a minimum); a row still gaining after 1,000 steps is dropped and counted
-(``replicates_dropped``). On well-determined surfaces its refits agree with scipy's to ~1e-4
-(where scipy's own stop leaves them); on ill-determined ones (a flat valley in E, A, α) both stop
-at points along the valley that depend on the path, so the two solvers' replicates differ there. Percentile intervals. Their coverage, measured on 60 simulated grids like
-the study's (7 budgets × 5 sizes, 3 seeds, log-normal seed noise σ = 0.003, 200 replicates;
+scipy does, once an accepted step gains less than 1e-8 of its objective (or its step or damping
+says it is at a minimum). A row still gaining after 1,000 steps (an ill-determined surface's
+flat valley in E, A, α) is finished by scipy's ``least_squares`` from where it stopped; only one
+that neither solver converges is dropped and counted (``replicates_dropped``). On
+well-determined surfaces the batched refits agree with scipy's to ~1e-4; on ill-determined ones
+both stop at points along the valley that depend on the path. Against a scipy refit per
+replicate (before 2026-11-28) this is 3x less CPU for the committed analyses and drops fewer
+replicates (``docs/study_opt``'s DLRM 19 of 400 then, none now). Percentile intervals. Their
+coverage (measured with a scipy refit per replicate), on 60 simulated grids like the study's (7 budgets × 5 sizes, 3 seeds, log-normal seed noise σ = 0.003, 200 replicates;
 ``tests/sweeps/test_surface.py``'s generator): E 0.95, α 0.92, β 0.97, a 0.92, so slightly
 narrow, as plain percentile intervals are at this size (``fit``'s docstring). With one seed per
 cell (pairs over cells, t-expanded tails) a's coverage was lower, 0.83-0.87 over 30 grids:
