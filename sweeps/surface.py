@@ -31,7 +31,8 @@ well-determined surfaces the batched refits agree with scipy's to ~1e-4; on ill-
 both stop at points along the valley that depend on the path. Against a scipy refit per
 replicate (before 2026-11-28) this is 3x less CPU for the committed analyses and drops fewer
 replicates (``docs/study_opt``'s DLRM 19 of 400 then, none now). Percentile intervals. Their
-coverage (measured with a scipy refit per replicate), on 60 simulated grids like the study's (7 budgets × 5 sizes, 3 seeds, log-normal seed noise σ = 0.003, 200 replicates;
+coverage (measured with a scipy refit per replicate), on 60 simulated grids like the study's
+(7 budgets × 5 sizes, 3 seeds, log-normal seed noise σ = 0.003, 200 replicates;
 ``tests/sweeps/test_surface.py``'s generator): E 0.95, α 0.92, β 0.97, a 0.92, so slightly
 narrow, as plain percentile intervals are at this size (``fit``'s docstring). With one seed per
 cell (pairs over cells, t-expanded tails) a's coverage was lower, 0.83-0.87 over 30 grids:
