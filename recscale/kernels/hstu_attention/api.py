@@ -154,12 +154,7 @@ def hstu_attention(
     """
     _check(q, k, v, seq_offsets, num_targets, rel_bias)
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    cfg = dict(
-        max_seq_len=int(max_seq_len),
-        alpha=float(alpha),
-        contextual_seq_len=int(contextual_seq_len),
-        max_attn_len=int(max_attn_len),
-    )
+    cfg = reference.static_config(max_seq_len, alpha, contextual_seq_len, max_attn_len)
     statics = {
         name: layout.Static(
             **cfg,

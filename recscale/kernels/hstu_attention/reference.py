@@ -148,7 +148,8 @@ def _scores(q, k, seq_offsets, num_targets, rel_bias, cfg):
     return qp, kp, s, valid, n_b
 
 
-def _config(max_seq_len, alpha, contextual_seq_len, max_attn_len):
+def static_config(max_seq_len, alpha, contextual_seq_len, max_attn_len) -> dict:
+    """The static options as the reference, the api and the kernels take them."""
     return dict(
         max_seq_len=int(max_seq_len),
         alpha=float(alpha),
@@ -171,7 +172,7 @@ def hstu_attention(
     max_attn_len: int = 0,
 ) -> jax.Array:
     """``out [T, H, E]`` of the module docstring, in ``q``'s dtype. Differentiable by JAX."""
-    cfg = _config(max_seq_len, alpha, contextual_seq_len, max_attn_len)
+    cfg = static_config(max_seq_len, alpha, contextual_seq_len, max_attn_len)
     _, _, s, valid, n_b = _scores(q, k, seq_offsets, num_targets, rel_bias, cfg)
     attn = jnp.where(valid, jax.nn.silu(s) / cfg["max_seq_len"], 0.0).astype(v.dtype)
     vp = _to_padded(v.astype(q.dtype), seq_offsets, n_b, cfg["max_seq_len"])
@@ -196,7 +197,7 @@ def hstu_attention_vjp(
     """``(dq, dk, dv, drab)`` for the cotangent ``g [T, H, E]``, written out from the module
     docstring's backward and rounded as the kernels round (``drab`` None without a bias). The
     XLA path's backward; the tests check it against ``jax.vjp`` of :func:`hstu_attention`."""
-    cfg = _config(max_seq_len, alpha, contextual_seq_len, max_attn_len)
+    cfg = static_config(max_seq_len, alpha, contextual_seq_len, max_attn_len)
     cd, f32, n_max = q.dtype, jnp.float32, cfg["max_seq_len"]
     qp, kp, s, valid, n_b = _scores(q, k, seq_offsets, num_targets, rel_bias, cfg)
     vp = _to_padded(v.astype(cd), seq_offsets, n_b, n_max)
