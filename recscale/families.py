@@ -28,6 +28,8 @@ KNOWN: dict[str, str] = {
     "dcnv2": "baselines.dcnv2",
     "finalmlp": "baselines.finalmlp",
     "masknet": "baselines.masknet",
+    "hstu": "sequential.hstu",
+    "sasrec": "sequential.sasrec",
 }
 """The project's families: name -> the package whose import registers it."""
 
