@@ -48,6 +48,8 @@ class Family:
     """The package of its entry points (``baselines.dcnv2``: ``python -m baselines.dcnv2.train``)."""
     config_cls: type
     """Its run config (a ``recscale.config.ExperimentConfig`` with a ``model`` field)."""
+    entries: tuple[str, ...] = ("train", "evaluate", "export")
+    """Its entry points (``python -m PACKAGE.ENTRY``)."""
 
     def module(self, entry: str) -> str:
         """The module path of an entry point: ``module("train")`` -> ``dlrm.train``."""

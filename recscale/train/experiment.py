@@ -302,9 +302,7 @@ class Experiment:
         abstract_state = jax.eval_shape(jit_init, seed)  # with the state's shardings
         init = functools.partial(jit_init, seed)
         eval_step = cached_program(key("eval"), lambda: jax.jit(task.eval_step(graphdef)))
-        return cls(
-            cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step, task
-        )
+        return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step, task)
 
     def embedding_plans(self) -> dict[str, str]:
         """``{collection path: the rendered plan}`` of the model's engine-backed tables."""

@@ -169,6 +169,7 @@ def _gradients(graphdef, emb, dense, batch_stats_in, batch: Any, key, loss_fn: L
     (loss, (batch_stats, keys, metrics)), (g_dense, g_delta) = jax.value_and_grad(
         value_and_aux, argnums=(0, 1), has_aux=True
     )(dense, deltas)
+
     def value_fn(d):
         return value_and_aux(d, deltas)[0]
 
