@@ -29,8 +29,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from data.pipeline import host_batch_size
-from data.sequences import Histories, JaggedBatch, PackConfig, Packer, PlantedSequences
-from data.sequences import leave_one_out, read_sasrec
+from data.sequences import (
+    Histories,
+    JaggedBatch,
+    PackConfig,
+    Packer,
+    PlantedSequences,
+    leave_one_out,
+    read_sasrec,
+)
 from data.sequences.histories import last_per_user
 from recscale.config import ConfigError
 from sequential.metrics import sasrec_negatives

@@ -7,8 +7,8 @@ or trained (``sequential.task``, the trainer's hooks of every sequential run).
 """
 
 from recscale import families
-from sequential.sasrec import presets as _presets  # noqa: F401  (registers the presets)
 from sequential.run_config import SASRecRunConfig
+from sequential.sasrec import presets as _presets  # noqa: F401  (registers the presets)
 
 FAMILY = families.register(
     families.Family(
