@@ -65,7 +65,8 @@ def planted() -> dict[str, Any]:
 def games(*, epochs: int = 201) -> dict[str, Any]:
     """SASRec's Video.txt ("Amazon Games") with SASRec's partition, batching and optimizer
     (github:kang205/SASRec ``main.py`` defaults: batch 128 users, Adam lr 1e-3, ``beta2 = 0.98``
-    in its one optimizer, 201 epochs, evaluation every 20 epochs, 100 sampled negatives):
+    in its one optimizer, 201 epochs, evaluation every 20 epochs of 10,000 sampled users
+    against 100 sampled negatives each):
     one pack of 128 histories (of at most 50 items) a step; the validation item evaluated.
     The tables' Adam keeps ``b2 = 0.999`` (``EmbeddingOptimConfig`` has no ``b2``)."""
     return dict(
@@ -77,6 +78,7 @@ def games(*, epochs: int = 201) -> dict[str, Any]:
             token_budget=128 * 50,
             max_sequences=128,
             eval_split="valid",
+            eval_users=10_000,
             sampled_negatives=100,
         ),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, b2=0.98),

@@ -49,6 +49,9 @@ class SequenceDataConfig:
     eval_split: Literal["valid", "test"] = "valid"
     """kind sasrec: the held-out item evaluated (``valid``: after the training items; ``test``:
     after those and the validation item)."""
+    eval_users: int = 0
+    """Evaluate this many held-out users, a fixed seeded sample (0: all). SASRec's own
+    ``evaluate`` scores 10,000 sampled users where there are more (a new sample each time)."""
     sampled_negatives: int = 0
     """Also rank each held-out item among this many sampled negatives (SASRec's protocol, 100
     in its paper; ``sequential.metrics.sasrec_negatives``); 0: full ranking only."""
@@ -59,8 +62,10 @@ class SequenceDataConfig:
         for name in ("num_train_users", "batch_size", "eval_batch_size", "token_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_sequences < 1 or self.block_size < 1 or self.sampled_negatives < 0:
-            raise ValueError("data.max_sequences, block_size >= 1 and sampled_negatives >= 0")
+        if self.max_sequences < 1 or self.block_size < 1:
+            raise ValueError("data.max_sequences and data.block_size must be >= 1")
+        if self.sampled_negatives < 0 or self.eval_users < 0:
+            raise ValueError("data.sampled_negatives and data.eval_users must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

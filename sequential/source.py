@@ -7,7 +7,7 @@ Shapes (dimension glossary): ``P`` packs per step (``data.batch_size``; this hos
 * Training step ``s`` is the packs ``s·P .. s·P + P - 1`` of the training ``Packer``'s stream
   (seeded epoch orders, one fixed shape), stacked: a ``JaggedBatch`` whose leaves have ``P``
   on their leading axis, which the trainer shards over the data-parallel devices.
-* Evaluation reads the held-out users once, in row order (``shuffle=False``), ``eval_batch_size``
+* Evaluation reads the held-out users (or a seeded sample of ``data.eval_users``) once, in row order (``shuffle=False``), ``eval_batch_size``
   packs a step (the last step padded with empty packs), as :class:`EvalPacks`: the packs and
   each history's sampled negatives (``data.sampled_negatives``; None without them).
 
@@ -152,6 +152,12 @@ class SequenceSource:
         self.packs, self.eval_packs = d.batch_size, d.eval_batch_size
         self.process_index = process_index
         parts = (_planted if d.kind == "planted" else _sasrec)(d, eval_only)
+        if d.eval_users and d.eval_users < parts["context"].num_users:
+            rng = np.random.default_rng(d.shuffle_seed)
+            keep = np.sort(rng.choice(parts["context"].num_users, d.eval_users, replace=False))
+            for k in ("context", "rated"):
+                parts[k] = parts[k].select(keep)
+            parts["final"] = parts["final"][keep]
         context = recent(parts["context"], n)
         if context.n_items != cfg.model.n_items:
             raise ConfigError(

@@ -148,13 +148,30 @@ class SequentialTask:
         return loss_sum / jnp.maximum(weight, 1.0), out
 
     def eval_step(self, graphdef: nnx.GraphDef) -> Any:
-        lcfg = self.cfg.loss
+        lcfg, n = self.cfg.loss, self.cfg.model.max_seq_len
         full_loss = dataclasses.replace(lcfg, kind="full_softmax")
+        # Only the last token of a sasrec pack has a target: scored alone, [B, V] not [T, V].
+        last_only = self.cfg.data.kind == "sasrec"
 
         def one(model, pack, negatives):
             user_td = model(pack.values, pack.offsets)
-            _, sums = losses.next_item_loss(model, pack, None, full_loss, user_td=user_td)
-            out = dict(sums)
+            if last_only:
+                q = metrics.last_token_queries(pack, n)
+                user_bd, table_vd = user_td[q.index], model.item_table()
+                if lcfg.l2_norm:
+                    user_bd = losses.l2_normalize(user_bd, lcfg.l2_eps)
+                    table_vd = losses.l2_normalize(table_vd, lcfg.l2_eps)
+                loss_sum, weight = losses.full_softmax(
+                    user_bd,
+                    table_vd,
+                    q.target,
+                    q.valid.astype(jnp.float32),
+                    temperature=lcfg.temperature,
+                )
+                out = {"loss_sum": loss_sum, "weight": weight}
+            else:
+                _, out = losses.next_item_loss(model, pack, None, full_loss, user_td=user_td)
+            out = dict(out)
             out.update(
                 metrics.full_metrics(model, pack, ks=FULL_KS, l2_norm=lcfg.l2_norm, user_td=user_td)
             )
