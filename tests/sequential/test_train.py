@@ -6,6 +6,7 @@ do not support fail with a clear error; a few steps on SASRec's real Video.txt."
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import shutil
 
 import jax
@@ -19,6 +20,7 @@ from tests.data.sequences.video import video_path
 from tests.run_files import checkpoint_item, metric_rows
 
 STEPS, RESUME_AT = 12, 6
+FAMILIES = {name: families.load(name) for name in ("hstu", "sasrec")}  # registers the presets
 
 
 def _cfg(name: str, **train_kw):
@@ -32,38 +34,37 @@ def _cfg(name: str, **train_kw):
     )
 
 
-@pytest.mark.parametrize("name", ["hstu", "sasrec"])
-def test_tiny_trains_loss_falls_and_reports_flops_per_token(name, tmp_path):
-    fam = families.load(name)
-    cfg = dataclasses.replace(get_preset(f"{name}/tiny"), train=_cfg(name).train)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=30))
-    result = train(cfg, fam.build_model, tmp_path)
-    rows = metric_rows(tmp_path)
+@pytest.fixture(scope="module", params=["hstu", "sasrec"])
+def straight(request, tmp_path_factory):
+    """A tiny run of ``STEPS`` steps with dropout, a checkpoint and an evaluation every
+    ``RESUME_AT``."""
+    cfg = _cfg(request.param, checkpoint_every=RESUME_AT, max_checkpoints=5, eval_every=RESUME_AT)
+    wd = tmp_path_factory.mktemp(f"straight-{request.param}")
+    result = train(cfg, FAMILIES[request.param].build_model, wd)
+    return FAMILIES[request.param], cfg, wd, result
+
+
+def test_tiny_trains_loss_falls_and_reports_flops_per_token(straight):
+    _, cfg, wd, result = straight
+    rows = metric_rows(wd)
     first, last = np.mean([r["loss"] for r in rows[:3]]), np.mean([r["loss"] for r in rows[-3:]])
     assert last < 0.8 * first, (first, last)
     for key in ("loss", "hr@10", "ndcg@10", "mrr", "bayes_loss", "num_examples"):
         assert np.isfinite(result[key]), key
     assert result["num_examples"] == cfg.data.planted.num_eval_users
     assert 0 <= result["hr@10"] <= 1 and result["loss"] > result["bayes_loss"]
+    assert len(metric_rows(wd, "eval")) == 2  # at RESUME_AT and at the end
     row = rows[-1]  # FLOPs: the config's cost per real token, at the batch's history lengths
     cost = cfg.model.cost(seq_len=row["tokens_x_len"] / row["tokens"], loss=cfg.loss)
     assert row["train_flops"] == pytest.approx(row["tokens"] * cost.train_flops)
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    cfg = _cfg("sasrec", checkpoint_every=RESUME_AT, max_checkpoints=5, eval_every=RESUME_AT)
-    wd = tmp_path_factory.mktemp("straight")
-    result = train(cfg, families.load("sasrec").build_model, wd)
-    return cfg, wd, result
-
-
 def test_resume_equals_straight_run_bitwise(straight, tmp_path):
-    cfg, full, _ = straight
+    fam, cfg, full, _ = straight
     shutil.copy(full / "config.json", tmp_path / "config.json")
     ckpt = f"checkpoints/{RESUME_AT}"
     shutil.copytree(full / ckpt, tmp_path / ckpt)
-    train(cfg, families.load("sasrec").build_model, tmp_path)
+    train(cfg, fam.build_model, tmp_path)
 
     def losses(wd):
         return {r["step"]: r["loss"] for r in metric_rows(wd) if r["step"] > RESUME_AT}
@@ -79,9 +80,8 @@ def test_resume_equals_straight_run_bitwise(straight, tmp_path):
 
 
 def test_evaluate_command_reproduces_the_final_evaluation(straight, tmp_path):
-    from sequential.sasrec import evaluate  # noqa: PLC0415
-
-    _, wd, result = straight
+    fam, _, wd, result = straight
+    evaluate = importlib.import_module(fam.module("evaluate"))
     out = evaluate.main(["--workdir", str(wd), "--output", str(tmp_path / "ev.json")])
     assert out["step"] == STEPS
     for key in ("loss", "hr@10", "ndcg@10", "hr@50", "mrr", "num_examples", "bayes_loss"):
@@ -123,7 +123,15 @@ def test_sasrec_games_steps_on_the_real_video_txt(tmp_path):
     cfg = get_preset("sasrec/games")
     cfg = dataclasses.replace(
         cfg,
-        data=dataclasses.replace(cfg.data, sasrec_path=video_path(tmp_path), batch_size=8),
+        data=dataclasses.replace(
+            cfg.data,
+            sasrec_path=video_path(tmp_path),
+            batch_size=8,
+            eval_batch_size=8,
+            eval_users=64,
+            max_sequences=8,
+            token_budget=8 * 50,
+        ),
         model=dataclasses.replace(cfg.model, d_model=8, num_layers=1),
         mesh=dataclasses.replace(cfg.mesh, data_parallel=8),
         embeddings=EmbeddingShardingConfig(sharding="off"),
@@ -132,8 +140,6 @@ def test_sasrec_games_steps_on_the_real_video_txt(tmp_path):
         ),
     )
     # 64 of the 30,901 users with a validation item: one evaluation step of 8 packs.
-    data = dataclasses.replace(cfg.data, eval_batch_size=8, eval_users=64, max_sequences=8)
-    cfg = dataclasses.replace(cfg, data=data)
-    result = train(cfg, families.load("sasrec").build_model, tmp_path / "run")
+    result = train(cfg, FAMILIES["sasrec"].build_model, tmp_path / "run")
     assert result["num_examples"] == 64
     assert 0 <= result["sampled_hr@10"] <= 1 and np.isfinite(result["loss"])
