@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from data.sequences.planted import PlantedConfig
+from recscale import recipes as recscale_recipes
 from recscale.config import DenseOptimConfig, EmbeddingOptimConfig, TrainConfig
 from sequential.run_config import SequenceDataConfig
 
@@ -45,20 +46,15 @@ def tiny() -> dict[str, Any]:
 def planted() -> dict[str, Any]:
     """The sequential */planted presets: ``PlantedConfig()`` (V = 10,000, histories of 20-100
     items; held-out Bayes-optimal loss 3.56 nats at seed 0), 65,536 training users (about 480
-    packs of 8,192 tokens an epoch), Adam 1e-3 on every parameter, 3,000 steps."""
+    packs of 8,192 tokens an epoch), Adam 1e-3 on every parameter, ``recscale.recipes.synthetic``'s
+    loop (3,000 steps, an evaluation of 4 packs every 1,000)."""
     return dict(
         data=SequenceDataConfig(
             kind="planted", num_train_users=65536, token_budget=8192, max_sequences=256
         ),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3),
         embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-3),
-        train=TrainConfig(
-            num_steps=3000,
-            log_every=100,
-            eval_every=1000,
-            eval_max_batches=4,
-            checkpoint_every=1000,
-        ),
+        train=recscale_recipes.synthetic()["train"],  # 3,000 steps, evaluations of 4 packs
     )
 
 
