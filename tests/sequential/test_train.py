@@ -16,6 +16,7 @@ import pytest
 from recscale import families
 from recscale.config import ConfigError, EmbeddingShardingConfig, get_preset
 from recscale.train.loop import train
+from recscale.train.population import check_members
 from tests.data.sequences.video import video_path
 from tests.run_files import checkpoint_item, metric_rows
 
@@ -116,7 +117,8 @@ def test_unsupported_settings_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="data.planted.n_items=200 but model.n_items=7"):
         cfg = get_preset("hstu/tiny")
         dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_items=7))
-    assert isinstance(ConfigError("x"), ValueError)
+    with pytest.raises(ConfigError, match="populations train the CTR families only"):
+        check_members([get_preset("hstu/tiny")])
 
 
 def test_sasrec_games_steps_on_the_real_video_txt(tmp_path):
