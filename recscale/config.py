@@ -328,6 +328,8 @@ class KernelConfig:
     """DLRM's dot interaction (lower triangle of X·Xᵀ)."""
     fm_interaction: KernelImpl = "auto"
     """Wukong's FMB core X·(Xᵀ·Y)."""
+    hstu_attention: KernelImpl = field("auto", identity_default="auto")
+    """HSTU's jagged SiLU attention (``recscale.kernels.hstu_attention``)."""
 
     def __post_init__(self):
         for name, tp in typing.get_type_hints(type(self)).items():

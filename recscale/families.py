@@ -28,6 +28,8 @@ KNOWN: dict[str, str] = {
     "dcnv2": "baselines.dcnv2",
     "finalmlp": "baselines.finalmlp",
     "masknet": "baselines.masknet",
+    "hstu": "sequential.hstu",
+    "sasrec": "sequential.sasrec",
 }
 """The project's families: name -> the package whose import registers it."""
 
@@ -46,6 +48,8 @@ class Family:
     """The package of its entry points (``baselines.dcnv2``: ``python -m baselines.dcnv2.train``)."""
     config_cls: type
     """Its run config (a ``recscale.config.ExperimentConfig`` with a ``model`` field)."""
+    entries: tuple[str, ...] = ("train", "evaluate", "export")
+    """Its entry points (``python -m PACKAGE.ENTRY``)."""
 
     def module(self, entry: str) -> str:
         """The module path of an entry point: ``module("train")`` -> ``dlrm.train``."""

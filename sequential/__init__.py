@@ -3,11 +3,14 @@
 
 Modules: ``config`` (model and loss configs, no jax import), ``flops`` (parameters and FLOPs
 per token, no jax import), ``layers`` (the shared item table, input and jagged layout),
-``hstu``, ``sasrec``, ``losses`` (sampled softmax, full softmax, BCE), ``metrics`` (HR@K,
+``hstu.model``, ``sasrec.model``, ``losses`` (sampled softmax, full softmax, BCE), ``metrics`` (HR@K,
 NDCG@K, MRR: full ranking and SASRec's sampled protocol). Models read a
 ``data.sequences.JaggedBatch``; the losses and metrics are pure functions of (model, batch).
 
-Not a registered family yet (``recscale.families``): that needs the trainer's integration.
+Two registered families (``recscale.families``), ``sequential.hstu`` and ``sequential.sasrec``
+(``model.py``, ``presets.py``, ``train.py``, ``evaluate.py``), trained by the project's trainer
+through ``task`` (the trainer's hooks: packs of histories from ``source``, the next-item loss,
+ranking metrics); their run configs are ``run_config``'s, their shared presets ``recipes``'.
 This package imports no jax at import time; import the model modules for the networks.
 """
 

@@ -43,7 +43,7 @@ class SeqModelConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HSTUConfig(SeqModelConfig):
     """HSTU (Zhai et al., ICML 2024), the research form of generative-recommenders
-    (``sequential/hstu.py``)."""
+    (``sequential/hstu/model.py``)."""
 
     d_qk: int = 25
     """Query/key width per head."""
@@ -73,7 +73,7 @@ class HSTUConfig(SeqModelConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SASRecConfig(SeqModelConfig):
-    """SASRec (Kang & McAuley, ICDM 2018), as its official code (``sequential/sasrec.py``)."""
+    """SASRec (Kang & McAuley, ICDM 2018), as its official code (``sequential/sasrec/model.py``)."""
 
     ffn_dim: int = 0
     """Hidden width of the point-wise feed-forward network (0: ``d_model``, the paper's)."""

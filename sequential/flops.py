@@ -61,7 +61,7 @@ def _assemble(
 def hstu_cost(
     cfg: Any, *, seq_len: float | None = None, loss: Any = None, bytes_per_param: int = 4
 ) -> ModelCost:
-    """Costs per token of ``sequential.hstu.HSTU`` built from an ``HSTUConfig`` ``cfg``, for
+    """Costs per token of ``sequential.hstu.model.HSTU`` built from an ``HSTUConfig`` ``cfg``, for
     sequences of ``seq_len`` tokens (None: ``max_seq_len``)."""
     d, h, n_layers = cfg.d_model, cfg.num_heads, cfg.num_layers
     n = float(cfg.max_seq_len if seq_len is None else seq_len)
@@ -80,7 +80,7 @@ def hstu_cost(
 def sasrec_cost(
     cfg: Any, *, seq_len: float | None = None, loss: Any = None, bytes_per_param: int = 4
 ) -> ModelCost:
-    """Costs per token of ``sequential.sasrec.SASRec`` built from a ``SASRecConfig`` ``cfg``,
+    """Costs per token of ``sequential.sasrec.model.SASRec`` built from a ``SASRecConfig`` ``cfg``,
     for sequences of ``seq_len`` tokens (None: ``max_seq_len``)."""
     d, h, n_layers, f = cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.ffn_width
     n = float(cfg.max_seq_len if seq_len is None else seq_len)

@@ -187,11 +187,13 @@ def next_item_loss(
     *,
     item_log_q: jax.Array | None = None,
     dropout_key: jax.Array | None = None,
+    user_td: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(loss, {"loss_sum", "weight"})`` of ``model`` on a ``JaggedBatch`` (module
     docstring): the mean over supervised tokens and its two sums. ``key`` draws the negatives;
     ``dropout_key`` makes it a training call; ``item_log_q`` is the popularity sampler's
-    ``log q [V + 1]``. Jit-able; the trainer's loss hook."""
+    ``log q [V + 1]``; ``user_td``: the model's output on the batch, if already computed (an
+    evaluation's). Jit-able; the trainer's loss hook (``sequential.task``)."""
     mcfg = model.cfg
     n_items, eps = mcfg.n_items, cfg.l2_eps
 
@@ -199,7 +201,9 @@ def next_item_loss(
         return l2_normalize(x, eps) if cfg.l2_norm else x
 
     sup = supervision(batch, mcfg.max_seq_len)
-    user_td = norm(model(batch.values, batch.offsets, dropout_key=dropout_key))
+    if user_td is None:
+        user_td = model(batch.values, batch.offsets, dropout_key=dropout_key)
+    user_td = norm(user_td)
     if cfg.kind == "full_softmax":
         sums = full_softmax(
             user_td, norm(model.item_table()), sup.targets, sup.weights, temperature=cfg.temperature

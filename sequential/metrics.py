@@ -149,6 +149,13 @@ def finalize(sums: dict[str, Any]) -> dict[str, float]:
     return {k: (float(v) / max(n, 1.0) if k != "count" else n) for k, v in sums.items()}
 
 
+def _user_rows(model: SeqModel, batch: Any, user_td: jax.Array | None, q: Queries) -> jax.Array:
+    """``[B, D]``: the model's output at each query's token."""
+    if user_td is None:
+        user_td = model(batch.values, batch.offsets)
+    return user_td[q.index]
+
+
 def full_metrics(
     model: SeqModel,
     batch: Any,
@@ -157,12 +164,14 @@ def full_metrics(
     l2_norm: bool = True,
     exclude_history: bool = True,
     chunk: int = 8192,
+    user_td: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """:func:`metric_sums` of the full ranking of each sequence's held-out target (module
-    docstring). ``l2_norm`` must match the training loss's ``LossConfig.l2_norm``."""
+    docstring). ``l2_norm`` must match the training loss's ``LossConfig.l2_norm``;
+    ``user_td``: ``model(batch.values, batch.offsets)``, if already computed."""
     n = model.cfg.max_seq_len
     q = last_token_queries(batch, n)
-    user_bd = model(batch.values, batch.offsets)[q.index]
+    user_bd = _user_rows(model, batch, user_td, q)
     history = None
     if exclude_history:
         history, _ = to_padded(jnp.asarray(batch.values, jnp.int32), batch.offsets, n)
@@ -177,11 +186,13 @@ def sampled_metrics(
     *,
     ks: Sequence[int] = (10,),
     l2_norm: bool = False,
+    user_td: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """:func:`metric_sums` of SASRec's sampled protocol: each sequence's target against its
-    negatives ``[B, S]`` (:func:`sasrec_negatives` of the batch's ``user_rows``)."""
+    negatives ``[B, S]`` (:func:`sasrec_negatives` of the batch's ``user_rows``); ``user_td``
+    as :func:`full_metrics`'."""
     q = last_token_queries(batch, model.cfg.max_seq_len)
-    user_bd = model(batch.values, batch.offsets)[q.index]
+    user_bd = _user_rows(model, batch, user_td, q)
     cand = model.item_embeddings(jnp.concatenate([q.target[:, None], negatives_bs], axis=1))
     if l2_norm:
         cand = l2_normalize(cand, 1e-6)

@@ -218,6 +218,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         train_batches=args.curvature or args.comm_sensitivity,
     ) as r:
         exp, params, batch_stats = r.exp, r.params, r.batch_stats
+        exp.task.check_eval(args)
         graphdef = None
         if args.embeddings_int8:
             graphdef, params, batch_stats = quantize_embeddings_int8(
@@ -244,7 +245,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
             )
     if args.embeddings_int8:
         result["embeddings"] = "int8"
-    result["data_path"] = args.data_path or cfg.data.eval_path or f"synthetic:{cfg.data.kind}"
+    result["data_path"] = exp.task.eval_data(cfg, args.data_path)
     eval_stats = (getattr(exp.source, "stats", None) or {}).get("eval")
     if isinstance(eval_stats, dict) and "oov" in eval_stats:
         result["eval_data"] = eval_stats  # rows read and rejected, unseen values per feature

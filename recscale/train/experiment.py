@@ -1,9 +1,11 @@
 """Experiment assembly: a model, its data, its optimizer and its state's shardings, and the
 jitted programs (init, train step, eval step) kept across the runs of one process.
 
-Model families plug in with ``build_model(cfg, schema, rngs) -> nnx.Module`` whose
-``__call__(dense_bn, ids_bfh, *, dropout_key=None)`` returns logits ``[B]``. The config is any
-family config with the fields ``data``, ``dense_optim``, ``embedding_optim``, ``train``, ``mesh``.
+Model families plug in with ``build_model(cfg, schema, rngs) -> nnx.Module``; what the model is
+called on, its loss and its evaluation metrics are the run's task (``recscale.train.task``: for
+the CTR families, ``__call__(dense_bn, ids_bfh, *, dropout_key=None)`` returning logits ``[B]``).
+The config is any family config with the fields ``data``, ``dense_optim``, ``embedding_optim``,
+``train``, ``mesh``.
 """
 
 from __future__ import annotations
@@ -21,22 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from data import roles
-from data.batch import Batch, Schema
-from data.builders import make_source
+from data.batch import Schema
 from data.sources import DataSource
 from recscale import config as config_lib
 from recscale import optim, sharding
 from recscale.embeddings import EmbeddingTable, engine
 from recscale.embeddings import tiers as tiers_lib
-from recscale.metrics import EvalAccumulator
+from recscale.train import task as task_lib
 from recscale.train.steps import (
     SparseOptimizer,
     TrainState,
     initial_rng,
-    make_eval_step,
     make_train_step,
 )
 
@@ -236,6 +235,8 @@ class Experiment:
     state_sharding: Any
     _init: Callable[[], TrainState]
     _eval_step: Callable
+    task: task_lib.Task = task_lib.CTR
+    """What the run trains and evaluates (``recscale.train.task``)."""
 
     @classmethod
     def build(
@@ -256,6 +257,8 @@ class Experiment:
         mesh = sharding.active_mesh()
         if mesh is None:
             raise RuntimeError("Experiment.build needs an active mesh (sharding.activate)")
+        task = task_lib.of(cfg)
+        task.check(cfg)
         data_size = sharding.axis_size("batch")
         pcount = jax.process_count()
         for name, b in (
@@ -267,8 +270,8 @@ class Experiment:
                     f"{name}={b} must be divisible by the {data_size} data-parallel devices and "
                     f"{pcount} processes"
                 )
-        source = make_source(
-            cfg.data,
+        source = task.make_source(
+            cfg,
             process_index=jax.process_index(),
             process_count=pcount,
             eval_path=eval_path,
@@ -298,8 +301,8 @@ class Experiment:
         )
         abstract_state = jax.eval_shape(jit_init, seed)  # with the state's shardings
         init = functools.partial(jit_init, seed)
-        eval_step = cached_program(key("eval"), lambda: jax.jit(make_eval_step(graphdef)))
-        return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step)
+        eval_step = cached_program(key("eval"), lambda: jax.jit(task.eval_step(graphdef)))
+        return cls(cfg, source, graphdef, tx, abstract_state, state_sharding, init, eval_step, task)
 
     def embedding_plans(self) -> dict[str, str]:
         """``{collection path: the rendered plan}`` of the model's engine-backed tables."""
@@ -331,15 +334,14 @@ class Experiment:
         """A freshly initialised state, created directly in its shardings."""
         return self._init()
 
-    def device_batch(self, batch: Batch) -> Batch:
-        """Host-local numpy batch -> global jax arrays sharded over ``batch``."""
-        return Batch(
-            *(
-                jax.make_array_from_process_local_data(
-                    sharding.batch_sharding(np.ndim(x)), np.asarray(x)
-                )
-                for x in batch
-            )
+    def device_batch(self, batch: Any) -> Any:
+        """Host-local numpy batch (a pytree of arrays, the batch on their leading axis) ->
+        global jax arrays sharded over ``batch``."""
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(
+                sharding.batch_sharding(np.ndim(x)), np.asarray(x)
+            ),
+            batch,
         )
 
     def evaluate(
@@ -349,15 +351,17 @@ class Experiment:
         *,
         max_batches: int = 0,
         graphdef: nnx.GraphDef | None = None,
-        prepare: Callable[[Batch], tuple[Any, Batch]] | None = None,
+        prepare: Callable[[Any], tuple[Any, Any]] | None = None,
     ) -> dict:
         """Exact metrics over the evaluation set (or its first ``max_batches`` batches).
 
         ``graphdef``: evaluate a model of another structure than the trained one (e.g. with
         int8 tables, ``EmbeddingCollection.quantize_int8``). ``prepare(batch) -> (params,
         batch)`` before each batch: the tiered tables' caches (``recscale.embeddings.tiers``)."""
-        eval_step = self._eval_step if graphdef is None else jax.jit(make_eval_step(graphdef))
-        acc = EvalAccumulator()
+        eval_step = self._eval_step
+        if graphdef is not None:
+            eval_step = jax.jit(self.task.eval_step(graphdef))
+        acc = self.task.accumulator(self.source)
         batches = self.source.eval_batches()
         if max_batches:
             batches = itertools.islice(batches, max_batches)
@@ -365,12 +369,7 @@ class Experiment:
             if prepare is not None:
                 params, batch = prepare(batch)
             dbatch = self.device_batch(batch)
-            logits = eval_step(params, batch_stats, dbatch)
-            logits, labels, weights = (
-                np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                for x in (logits, dbatch.labels_b, dbatch.weights_b)
-            )
-            acc.update(logits, labels, weights)
+            acc.update(eval_step(params, batch_stats, dbatch), dbatch)
         return acc.result()
 
 
@@ -388,16 +387,25 @@ def bound_phases(cfg: Any) -> list[tuple[int, float, float]]:
 
 
 def step_function(cfg: Any, graphdef: nnx.GraphDef, params: Any) -> Callable:
-    """The pure train step ``(state, batch, schedule_args) -> (state, metrics)`` of ``cfg``'s
-    model ``graphdef`` (``params``: its abstract parameters), before jitting: what
+    """The pure train step ``(state, batch, args) -> (state, metrics)`` of ``cfg``'s model
+    ``graphdef`` (``params``: its abstract parameters; ``args``: ``schedule_args`` and the
+    task's ``step_args``), before jitting: what
     :func:`train_programs` compiles, and a population (``recscale.train.population``) vmaps."""
     nonfinite, clip = cfg.train.nonfinite, optim.cowclip.from_config(cfg.embedding_optim)
+    task = task_lib.of(cfg)
 
-    def train_step(state: TrainState, batch: Batch, args: dict) -> tuple[TrainState, dict]:
+    def train_step(state: TrainState, batch: Any, args: dict) -> tuple[TrainState, dict]:
         # The optimizer is rebuilt at trace time around the traced schedule numbers: the
         # same structure and state as ``exp.tx``, without run-specific constants.
         tx = make_optimizer(cfg, params, args)
-        return make_train_step(graphdef, tx, nonfinite=nonfinite, embedding_clip=clip)(state, batch)
+
+        def loss_fn(model, batch, key):
+            return task.loss(model, batch, key, args)
+
+        step = make_train_step(
+            graphdef, tx, nonfinite=nonfinite, embedding_clip=clip, loss_fn=loss_fn
+        )
+        return step(state, batch)
 
     return train_step
 

@@ -195,7 +195,9 @@ class _TrainRun:
         self._train_step, self._phase_steps = train_programs(cfg, build_model, exp)
         # Per-iteration error bounds of the compressed exchange: one compiled step per pair.
         self.bound_phases = bound_phases(cfg)
-        self.schedule_args = jax.device_put(schedule_args(cfg), sharding.replicated())
+        # The schedule's numbers and the task's arrays (``Task.step_args``), e.g. a sampler's.
+        args = {**schedule_args(cfg), **exp.task.step_args(exp.source)}
+        self.schedule_args = jax.device_put(args, sharding.replicated())
 
     def _bounds(self, step: int) -> tuple[float, float]:
         """The compressed exchange's ``(eps, eps_grad)`` at ``step``
@@ -416,11 +418,13 @@ class _TrainRun:
     def _log(self, done: int, prog: Progress) -> None:
         """A train row: the window's mean metrics, examples/s and the non-finite counts."""
         now = time.perf_counter()
-        eps = (done - self.step_last) * self.cfg.data.batch_size / max(now - self.t_last, 1e-9)
+        steps, seconds = done - self.step_last, max(now - self.t_last, 1e-9)
+        eps = steps * self.cfg.data.batch_size / seconds
         self.t_last, self.step_last = now, done
         row = train_row(self.window, self.tcfg.nonfinite, done)
         self.window = []
         row.update(step=done, split="train", examples_per_sec=eps)
+        row.update(self.exp.task.rates(row, steps, seconds))
         row["nonfinite_total"] = self.guard.total
         if len(self.bound_phases) > 1:  # the exchange's bounds in force at the last step
             row["comm_error_bound"], row["comm_error_bound_grad"] = self._bounds(done - 1)

@@ -47,6 +47,7 @@ from recscale import config as config_lib
 from recscale import sharding
 from recscale.embeddings import plan_inputs, relayout
 from recscale.train import branches
+from recscale.train import task as task_lib
 from recscale.train.checkpoint import CheckpointCorruptError, Checkpointer
 from recscale.train.experiment import (
     BuildModel,
@@ -87,6 +88,11 @@ def check_members(cfgs: list[Any]) -> None:
     for :data:`MEMBER_FREE`, and nothing a population does not run (module docstring)."""
     if not cfgs:
         raise config_lib.ConfigError("a population needs at least one member")
+    if task_lib.of(cfgs[0]) is not task_lib.CTR:
+        raise config_lib.ConfigError(
+            f"{type(cfgs[0]).__name__}: populations train the CTR families only (their batches, "
+            "loss and evaluation); train its members one by one"
+        )
     first = config_lib.to_dict(cfgs[0])
     for i, cfg in enumerate(cfgs[1:], 1):
         diffs = roles.config_diffs(first, config_lib.to_dict(cfg), MEMBER_FREE)

@@ -8,6 +8,7 @@ replays bitwise.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,6 +57,18 @@ def weighted_bce(logits_b: jax.Array, labels_b: jax.Array, weights_b: jax.Array)
     """Mean binary cross-entropy with logits over the weighted (non-padding) examples."""
     per_b = optax.sigmoid_binary_cross_entropy(logits_b, labels_b)
     return jnp.sum(per_b * weights_b) / jnp.maximum(jnp.sum(weights_b), 1.0)
+
+
+LossFn = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, dict]]
+"""A train step's loss hook: ``(model, device batch, key) -> (batch-mean loss, metrics)``.
+``key`` is the step's key split off ``TrainState.rng`` (the CTR loss's dropout key; a loss that
+draws more, e.g. negatives, splits it); ``metrics`` are scalars added to the step's metrics."""
+
+
+def bce_loss(model: nnx.Module, batch: Batch, key: jax.Array) -> tuple[jax.Array, dict]:
+    """The CTR families' loss hook: :func:`weighted_bce` of ``model(dense, ids)``'s logits."""
+    logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=key)
+    return weighted_bce(logits_b, batch.labels_b, batch.weights_b), {}
 
 
 def _norm(tree: Any) -> jax.Array:
@@ -121,10 +134,11 @@ def _split_tables(params: Any, sparse: bool) -> tuple[Any, Any]:
     return None, params
 
 
-def _gradients(graphdef, emb, dense, batch_stats_in, batch: Batch, dropout_key):
+def _gradients(graphdef, emb, dense, batch_stats_in, batch: Any, key, loss_fn: LossFn = bce_loss):
     """The batch-mean loss and its gradients: ``(loss, new batch statistics, the engine's
     looked-up keys, gradients of ``dense`` (the per-table path's tables included), gradients of
-    the engine lookups' zero deltas)``; ``emb``: the engine's buffers, or None."""
+    the engine lookups' zero deltas, the loss of ``dense``, the loss hook's metrics)``; ``emb``:
+    the engine's buffers, or None."""
 
     def forward(dense_params, deltas):
         # copy=True: fresh Variables at this trace level, so BatchNorm may update its
@@ -133,30 +147,33 @@ def _gradients(graphdef, emb, dense, batch_stats_in, batch: Batch, dropout_key):
         dense_params = sharding.gather_fsdp(dense_params)
         model = nnx.merge(graphdef, *tables, dense_params, batch_stats_in, copy=True)
         with engine.step_context(model, deltas) as ctx:
-            logits_b = model(batch.dense_bn, batch.ids_bfh, dropout_key=dropout_key)
-        return logits_b, model, ctx
+            loss, metrics = loss_fn(model, batch, key)
+        return loss, metrics, model, ctx
 
     deltas = {}
     if emb is not None:  # the deltas' shapes: one per buffer of every engine collection
         shapes = {}
 
         def discover(dense_params):
-            _, _, ctx = forward(dense_params, None)
+            _, _, _, ctx = forward(dense_params, None)
             shapes.update(ctx.shapes)
             return 0.0
 
         jax.eval_shape(discover, dense)
         deltas = {ck: {bk: _zeros(sds) for bk, sds in per.items()} for ck, per in shapes.items()}
 
-    def loss_fn(dense_params, deltas):
-        logits_b, model, ctx = forward(dense_params, deltas)
-        loss = weighted_bce(logits_b, batch.labels_b, batch.weights_b)
-        return loss, (nnx.state(model, nnx.BatchStat), ctx.keys)
+    def value_and_aux(dense_params, deltas):
+        loss, metrics, model, ctx = forward(dense_params, deltas)
+        return loss, (nnx.state(model, nnx.BatchStat), ctx.keys, metrics)
 
-    (loss, (batch_stats, keys)), (g_dense, g_delta) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True
+    (loss, (batch_stats, keys, metrics)), (g_dense, g_delta) = jax.value_and_grad(
+        value_and_aux, argnums=(0, 1), has_aux=True
     )(dense, deltas)
-    return loss, batch_stats, keys, g_dense, g_delta, lambda d: loss_fn(d, deltas)[0]
+
+    def value_fn(d):
+        return value_and_aux(d, deltas)[0]
+
+    return loss, batch_stats, keys, g_dense, g_delta, value_fn, metrics
 
 
 def make_train_step(
@@ -165,9 +182,11 @@ def make_train_step(
     *,
     nonfinite: str = "skip",
     embedding_clip: cowclip.CowClip | None = None,
+    loss_fn: LossFn = bce_loss,
 ):
     """The pure train step of a model ``graphdef`` with optimizer ``tx``, whatever stores its
-    tables.
+    tables, minimising ``loss_fn`` (:data:`LossFn`; the CTR families' :func:`bce_loss` by
+    default), whose metrics join the step's.
 
     - ``tx`` an optax transformation (``embeddings.sharding=off``): every parameter, tables
       included (one array each), gets its gradient and goes through ``tx``
@@ -197,12 +216,12 @@ def make_train_step(
     sparse = isinstance(tx, SparseOptimizer)
     dense_tx = tx.dense if sparse else tx
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         rng, dropout_key = _split_rng(state.rng)
         emb, dense = _split_tables(state.params, sparse)
         dense_opt = state.opt_state["dense"] if sparse else state.opt_state
-        loss, batch_stats, keys, g_dense, g_delta, value_fn = _gradients(
-            graphdef, emb, dense, state.batch_stats, batch, dropout_key
+        loss, batch_stats, keys, g_dense, g_delta, value_fn, loss_metrics = _gradients(
+            graphdef, emb, dense, state.batch_stats, batch, dropout_key, loss_fn
         )
         g_dense = sharding.constrain_state(g_dense)  # FSDP / TP: into the parameters' shards
         if embedding_clip is not None and not sparse:
@@ -220,7 +239,7 @@ def make_train_step(
             new_dense, new_opt, batch_stats = _keep_if(
                 ok, (new_dense, new_opt, batch_stats), (dense, dense_opt, state.batch_stats)
             )
-        metrics = {"loss": loss, "nonfinite": 1.0 - ok.astype(jnp.float32)}
+        metrics = {"loss": loss, "nonfinite": 1.0 - ok.astype(jnp.float32), **loss_metrics}
         for s in jax.tree.leaves(new_opt, is_leaf=lambda x: isinstance(x, HessianFreeState)):
             if isinstance(s, HessianFreeState):  # the trust region's own account of the step
                 metrics.update(
@@ -326,7 +345,7 @@ def make_gradient_sq_norms(graphdef: nnx.GraphDef, *, sparse: bool):
     def sq_norms(state: TrainState, batch: Batch) -> dict:
         _, dropout_key = _split_rng(state.rng)
         emb, dense = _split_tables(state.params, sparse)
-        _, _, keys, g_dense, g_delta, _ = _gradients(
+        _, _, keys, g_dense, g_delta, _, _ = _gradients(
             graphdef, emb, dense, state.batch_stats, batch, dropout_key
         )
         parts = {"dense": jnp.zeros((), jnp.float32), "embedding": jnp.zeros((), jnp.float32)}

@@ -10,7 +10,7 @@ from flax import nnx
 from data.sequences import Histories, JaggedBatch
 from sequential import metrics
 from sequential.config import SASRecConfig
-from sequential.sasrec import SASRec
+from sequential.sasrec.model import SASRec
 
 R = np.random.default_rng(0)
 V, D, B, M = 13, 3, 12, 4

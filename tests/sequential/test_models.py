@@ -14,9 +14,9 @@ from flax import nnx
 from data.sequences import JaggedBatch, PackConfig, Packer, PlantedConfig, PlantedSequences
 from recscale.kernels import common
 from sequential.config import HSTUConfig, LossConfig, SASRecConfig
-from sequential.hstu import HSTU
+from sequential.hstu.model import HSTU
 from sequential.losses import next_item_loss
-from sequential.sasrec import SASRec
+from sequential.sasrec.model import SASRec
 
 V, N = 20, 6
 HSTU_CFG = HSTUConfig(

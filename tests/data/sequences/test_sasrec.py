@@ -2,23 +2,18 @@
 
 The real ``data/Video.txt`` is read in place from a snapshot of github:kang205/SASRec (a bare
 git directory, ``RECSCALE_SASREC_REPO``, default ``/work/.mirror/kang205+SASRec/repo``) or from
-a plain file named by ``RECSCALE_SASREC_VIDEO``; the test skips when neither is there. The data
-is never copied into the project.
+a plain file named by ``RECSCALE_SASREC_VIDEO`` (``tests/data/sequences/video.py``); the test
+skips when neither is there. The data is never copied into the project.
 """
 
-import os
-import shutil
-import subprocess
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from data.sequences import sasrec
 from data.sequences.sasrec import SasrecFormatError, data_partition, read_sasrec, sasrec_stats
-
-SASREC_REPO = Path(os.environ.get("RECSCALE_SASREC_REPO", "/work/.mirror/kang205+SASRec/repo"))
+from tests.data.sequences.video import video_txt
 
 
 def reference_partition(lines: list[str]) -> list:
@@ -93,31 +88,8 @@ def test_bytes_source_is_named():
     assert hist.user_items(0).tolist() == [1, 2]
 
 
-def _video_txt() -> tuple[bytes, str]:
-    plain = os.environ.get("RECSCALE_SASREC_VIDEO")
-    if plain:
-        if not Path(plain).is_file():
-            pytest.skip(f"RECSCALE_SASREC_VIDEO={plain} is not a file")
-        return Path(plain).read_bytes(), plain
-    if not SASREC_REPO.is_dir():
-        pytest.skip(
-            f"no SASRec snapshot at {SASREC_REPO} (set RECSCALE_SASREC_REPO to a clone of "
-            "github:kang205/SASRec, or RECSCALE_SASREC_VIDEO to its data/Video.txt)"
-        )
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed (needed to read Video.txt from the bare snapshot)")
-    out = subprocess.run(
-        ["git", "-C", str(SASREC_REPO), "show", "HEAD:data/Video.txt"],
-        capture_output=True,
-        check=False,
-    )
-    if out.returncode != 0:
-        pytest.skip(f"{SASREC_REPO} has no data/Video.txt: {out.stderr.decode()[:200]}")
-    return out.stdout, f"{SASREC_REPO}:data/Video.txt"
-
-
 def test_video_txt_statistics_match_the_paper():
-    data, name = _video_txt()
+    data, name = video_txt()
     hist = read_sasrec(data, name=name)
     stats = sasrec_stats(hist)
     # Measured on the snapshot; the paper's Table II (sasrec.PAPER_GAMES) rounds them.

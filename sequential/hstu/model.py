@@ -109,3 +109,10 @@ class HSTU(SeqModel):
         for i, layer in enumerate(self.layers):
             x_td = layer(x_td, offsets, dropout_key=fold(dropout_key, i))
         return x_td
+
+
+def build_model(cfg, schema, rngs: nnx.Rngs) -> HSTU:
+    """The trainer's hook (``recscale.families``): the HSTU of a run config
+    (``sequential.run_config.HSTURunConfig``), its attention kernel from ``kernels``."""
+    del schema  # the item count is the config's (``sequential.source`` checks the data's)
+    return HSTU(cfg.model, impl=cfg.kernels.hstu_attention, rngs=rngs)

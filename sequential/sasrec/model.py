@@ -93,3 +93,10 @@ class SASRec(SeqModel):
         for i, block in enumerate(self.blocks):
             x_bnd = block(x_bnd, mask_bn, dropout_key=fold(dropout_key, i))
         return to_jagged(self.ln_out(x_bnd), tokens)
+
+
+def build_model(cfg, schema, rngs: nnx.Rngs) -> SASRec:
+    """The trainer's hook (``recscale.families``): the SASRec of a run config
+    (``sequential.run_config.SASRecRunConfig``)."""
+    del schema  # the item count is the config's (``sequential.source`` checks the data's)
+    return SASRec(cfg.model, rngs=rngs)

@@ -1,0 +1,111 @@
+"""Run configs of the sequential families (no jax import): the data, the loss and the network.
+
+A run trains on packs of whole histories (``data.sequences.Packer``, one fixed shape): its
+``data.batch_size`` counts packs, each of at most ``max_sequences`` histories and
+``token_budget`` tokens, and the data-parallel devices split the packs (a history never spans
+two devices). Histories are cut to their most recent ``model.max_seq_len`` events.
+
+Data (``data.kind``): ``planted`` (``data.sequences.planted``: training users
+``[0, num_train_users)``, the generator's held-out users evaluated on every next item of their
+histories, beside the Bayes-optimal loss) or ``sasrec`` (a file in SASRec's format, split as
+its ``data_partition``: training on each user's items but the last two, evaluation of the
+validation or test item).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from data.roles import LOCATION, RUNTIME, field
+from data.sequences.planted import PlantedConfig
+from recscale.config import EmbeddingShardingConfig, ExperimentConfig
+from sequential.config import HSTUConfig, LossConfig, SASRecConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceDataConfig:
+    """Which histories, and how they are packed (module docstring)."""
+
+    kind: Literal["planted", "sasrec"] = "planted"
+    """``planted``: generated histories with a known Bayes-optimal loss; ``sasrec``: a file in
+    SASRec's ``user item`` format (``sasrec_path``)."""
+    sasrec_path: str = field("", role=LOCATION)
+    """kind sasrec: the file (e.g. ``data/Video.txt`` of github:kang205/SASRec, read in place)."""
+    planted: PlantedConfig = PlantedConfig()
+    """kind planted: the generator (its ``n_items`` must be ``model.n_items``)."""
+    num_train_users: int = 65536
+    """kind planted: training users (indices ``[0, num_train_users)``, one epoch of packs)."""
+    batch_size: int = 1
+    """Packs per training step (split over the data-parallel devices)."""
+    eval_batch_size: int = field(1, role=RUNTIME)
+    """Packs per evaluation step; the last step is padded with empty packs."""
+    token_budget: int = 8192
+    """Most real tokens in a pack."""
+    max_sequences: int = 256
+    """Most histories in a pack (B)."""
+    block_size: int = 128
+    """A pack's token slots are ``token_budget`` rounded up to a multiple of this."""
+    eval_split: Literal["valid", "test"] = "valid"
+    """kind sasrec: the held-out item evaluated (``valid``: after the training items; ``test``:
+    after those and the validation item)."""
+    eval_users: int = 0
+    """Evaluate this many held-out users, a fixed seeded sample (0: all). SASRec's own
+    ``evaluate`` scores 10,000 sampled users where there are more (a new sample each time)."""
+    sampled_negatives: int = 0
+    """Also rank each held-out item among this many sampled negatives (SASRec's protocol, 100
+    in its paper; ``sequential.metrics.sasrec_negatives``); 0: full ranking only."""
+    shuffle_seed: int = 0
+    """Seed of the packs' epoch order, of the planted generator and of the sampled negatives."""
+
+    def __post_init__(self):
+        for name in ("num_train_users", "batch_size", "eval_batch_size", "token_budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_sequences < 1 or self.block_size < 1:
+            raise ValueError("data.max_sequences and data.block_size must be >= 1")
+        if self.sampled_negatives < 0 or self.eval_users < 0:
+            raise ValueError("data.sampled_negatives and data.eval_users must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SequentialConfig(ExperimentConfig):
+    """A sequential recommender's run: packs of histories, a next-item loss, ranking metrics.
+    Its item table is trained on the per-table path (``embeddings.sharding`` off)."""
+
+    data: SequenceDataConfig = SequenceDataConfig()
+    """Histories and their packing."""
+    loss: LossConfig = LossConfig()
+    """The training loss (``sequential.losses``)."""
+    embeddings: EmbeddingShardingConfig = EmbeddingShardingConfig(sharding="off")
+    """The item table's storage: the per-table path only (``sharding`` off)."""
+
+    def __post_init__(self):
+        d, n_items = self.data, self.model.n_items
+        if d.kind == "planted" and d.planted.n_items != n_items:
+            raise ValueError(
+                f"data.planted.n_items={d.planted.n_items} but model.n_items={n_items}: "
+                "set both to the same V"
+            )
+
+    def task(self):
+        """The trainer's hooks of this run (``recscale.train.task``; imports jax)."""
+        from sequential.task import SequentialTask  # noqa: PLC0415  (jax, on first use)
+
+        return SequentialTask(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HSTURunConfig(SequentialConfig):
+    """A whole HSTU run."""
+
+    model: HSTUConfig = HSTUConfig(n_items=10_000)
+    """The network."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SASRecRunConfig(SequentialConfig):
+    """A whole SASRec run."""
+
+    model: SASRecConfig = SASRecConfig(n_items=10_000)
+    """The network."""
