@@ -36,6 +36,7 @@ def _check_committed(name):
         "study_pilot_lr",
         "study_opt",
         "study_opt_check",
+        "study_opt_1e12",
     ],
 )
 def test_spec_resolves_to_the_committed_trials(name):
@@ -122,3 +123,31 @@ def test_the_study_at_the_optimum_is_a_full_seeded_grid_around_the_pilots_best_s
             assert fpe[0] <= best["flops_per_example"] < fpe[-1], (fam.family, b)
             if best["flops_per_example"] == fpe[0]:
                 assert fpe[0] == smallest_working, (fam.family, b)
+
+
+def test_the_study_to_1e12_reuses_study_opt_and_adds_a_seeded_slice_at_1e12():
+    """``sweeps.specs.study_opt_1e12``: every ``study_opt`` trial by id, and at 1e12 at least
+    three sizes of every family (the sizes under ``max_steps``), each size's three seeds one
+    population and a new stable run whose smaller budgets are ``study_opt``'s branches."""
+    sp = spec_lib.load_spec("sweeps.specs.study_opt_1e12")
+    res = spec_lib.resolve(sp)
+    opt = json.loads((DOCS / "study_opt" / "sweep.json").read_text())["trial_ids"]
+    ids = [t.trial_id for t in res.trials]
+    assert set(opt) <= set(ids) and len(ids) == len(opt) + 42
+    top = [t for t in res.trials if t.budget == 1e12]
+    assert {t.trial_id for t in top}.isdisjoint(opt) and all(not t.branch_of for t in top)
+    assert max(t.steps for t in res.trials if t.budget < 1e12) < sp.max_steps
+    for fam in sp.families:
+        sizes = {t.rung for t in top if t.family == fam.family}
+        assert len(sizes) >= 3, (fam.family, sizes)
+        for rung in sizes:
+            members = [t for t in top if t.family == fam.family and t.rung == rung]
+            assert sorted(t.seed for t in members) == [0, 1, 2]
+            assert len({t.population for t in members}) == 1
+            # the size's branches below 1e12 branch off this stable run
+            branches = [
+                t
+                for t in res.trials
+                if t.family == fam.family and t.rung == rung and t.budget < 1e12
+            ]
+            assert {t.branch_of for t in branches} <= {t.trial_id for t in members}
