@@ -22,7 +22,7 @@ from data.batch import Batch
 from dlrm.model import build_model as dlrm_build_model
 from recscale import sharding
 from recscale.config import EmbeddingShardingConfig, get_preset
-from recscale.train import experiment
+from recscale.train import task as task_lib
 from recscale.train.experiment import Experiment
 from recscale.train.loop import train
 from recscale.train.steps import make_train_step
@@ -147,7 +147,7 @@ def test_ignore_applies_the_nonfinite_step(emb):
 def bad_batches(monkeypatch):
     """``bad_batches(steps)``: training batches at those step indices get a NaN dense value."""
     bad: set[int] = set()
-    make_source = experiment.make_source
+    make_source = task_lib.make_source  # the CTR task's (recscale.train.task.CTRTask)
 
     class Corrupting:
         def __init__(self, source):
@@ -160,7 +160,7 @@ def bad_batches(monkeypatch):
             b = self._source.train_batch(step)
             return _nan_dense(b) if step in bad else b
 
-    monkeypatch.setattr(experiment, "make_source", lambda *a, **k: Corrupting(make_source(*a, **k)))
+    monkeypatch.setattr(task_lib, "make_source", lambda *a, **k: Corrupting(make_source(*a, **k)))
     return bad.update
 
 
