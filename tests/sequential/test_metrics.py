@@ -134,9 +134,14 @@ def test_model_metrics_match_numpy():
         tg[o + len(s) - 1] = y
     tg[6] = 8  # sequence 1's slot at position N - 1 carries the target of its query
     batch = JaggedBatch(
-        vals, offsets, tg, np.zeros(b, np.int32), np.array([1, 1, 1, 0], np.float32),
-        np.array([0, 1, 2, -1], np.int32), {},
-    )  # fmt: skip
+        vals,
+        offsets,
+        tg,
+        np.zeros(b, np.int32),
+        np.array([1, 1, 1, 0], np.float32),
+        np.array([0, 1, 2, -1], np.int32),
+        {},
+    )
     negs = np.array([[5, 6, 7], [1, 2, 3], [1, 2, 3], [0, 0, 0]], np.int32)
     graphdef, state = nnx.split(model)
 
