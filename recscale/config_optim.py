@@ -132,6 +132,10 @@ class EmbeddingOptimConfig(ScheduleConfig):
     """Initial value of the row-wise Adagrad accumulator."""
     eps: float = 1e-8
     """Numerical epsilon of row-wise Adagrad / Adam."""
+    b1: float = field(0.9, identity_default=0.9)
+    """adam: first-moment decay."""
+    b2: float = field(0.999, identity_default=0.999)
+    """adam: second-moment decay (SASRec's recipe sets 0.98 on every parameter)."""
     l2: float = field(0.0, plan_input="l2")
     """Coupled L2 regularisation of whole tables: adds ``l2 * W`` to the gradient of every row
     every step (FuxiCTR's ``embedding_regularizer``), so every row is updated. The engine keeps

@@ -63,8 +63,7 @@ def games(*, epochs: int = 201) -> dict[str, Any]:
     (github:kang205/SASRec ``main.py`` defaults: batch 128 users, Adam lr 1e-3, ``beta2 = 0.98``
     in its one optimizer, 201 epochs, evaluation every 20 epochs of 10,000 sampled users
     against 100 sampled negatives each):
-    one pack of 128 histories (of at most 50 items) a step; the validation item evaluated.
-    The tables' Adam keeps ``b2 = 0.999`` (``EmbeddingOptimConfig`` has no ``b2``)."""
+    one pack of 128 histories (of at most 50 items) a step; the validation item evaluated."""
     return dict(
         data=SequenceDataConfig(
             kind="sasrec",
@@ -78,7 +77,7 @@ def games(*, epochs: int = 201) -> dict[str, Any]:
             sampled_negatives=100,
         ),
         dense_optim=DenseOptimConfig(name="adam", learning_rate=1e-3, b2=0.98),
-        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-3),
+        embedding_optim=EmbeddingOptimConfig(name="adam", learning_rate=1e-3, b2=0.98),
         train=TrainConfig(
             num_steps=epochs * GAMES_PACKS_PER_EPOCH,
             log_every=GAMES_PACKS_PER_EPOCH,

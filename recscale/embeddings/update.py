@@ -70,7 +70,7 @@ class UpdateRule:
     @classmethod
     def from_config(cls, e: Any) -> UpdateRule:
         """The rule of an ``EmbeddingOptimConfig``."""
-        return cls(e.name, eps=e.eps, clip=cowclip.from_config(e), l2=e.l2)
+        return cls(e.name, eps=e.eps, b1=e.b1, b2=e.b2, clip=cowclip.from_config(e), l2=e.l2)
 
 
 def apply_update(

@@ -165,7 +165,7 @@ def embedding_optimizer(
     """Builds the optimizer of the embedding tables from its config.
 
     ``sgd``: ``optax.sgd`` (no momentum). ``rowwise_adagrad``: ``rowwise_adagrad`` with
-    ``cfg.initial_accumulator`` and ``cfg.eps``. ``adam``: ``optax.adam(b1=0.9, b2=0.999,
+    ``cfg.initial_accumulator`` and ``cfg.eps``. ``adam``: ``optax.adam(b1=cfg.b1, b2=cfg.b2,
     eps=cfg.eps)`` on whole tables (moments of untouched rows still decay and move them; for
     comparison only). All use ``config_schedule(cfg, total_steps)``.
     """
@@ -175,7 +175,7 @@ def embedding_optimizer(
     elif cfg.name == "rowwise_adagrad":
         tx = rowwise_adagrad(lr, initial_accumulator=cfg.initial_accumulator, eps=cfg.eps)
     elif cfg.name == "adam":
-        tx = optax.adam(lr, eps=cfg.eps)
+        tx = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     else:
         raise ValueError(f"unknown embedding optimizer {cfg.name!r}")
     if cfg.l2 > 0:

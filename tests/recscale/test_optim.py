@@ -425,6 +425,31 @@ def test_embedding_optimizer_builds_and_warms_up(name):
         np.testing.assert_array_equal(np.asarray(u1["t"][1:]), 0.0)
 
 
+def test_embedding_adam_takes_its_betas_on_both_paths():
+    """``embedding_optim.b1/b2`` (SASRec sets b2 = 0.98) reach the per-table optax Adam and the
+    engine's update rule: two steps equal numpy Adam with those betas, not the defaults."""
+    from recscale.embeddings.update import UpdateRule
+
+    cfg = EmbeddingOptimConfig(name="adam", learning_rate=0.1, b1=0.5, b2=0.9)
+    rule = UpdateRule.from_config(cfg)
+    assert (rule.b1, rule.b2, rule.eps) == (0.5, 0.9, cfg.eps)
+    tx = embedding_optimizer(cfg, total_steps=10)
+    params = {"t": jnp.zeros((1, 3))}
+    grads = [np.array([[1.0, -2.0, 0.5]]), np.array([[0.3, 1.0, -1.0]])]
+    state = tx.init(params)
+    m = v = np.zeros((1, 3))
+    for t, g in enumerate(grads, 1):
+        u, state = tx.update({"t": jnp.asarray(g, jnp.float32)}, state, params)
+        m, v = 0.5 * m + 0.5 * g, 0.9 * v + 0.1 * g * g
+        want = -0.1 * (m / (1 - 0.5**t)) / (np.sqrt(v / (1 - 0.9**t)) + cfg.eps)
+        np.testing.assert_allclose(np.asarray(u["t"]), want, rtol=1e-5)
+    default = embedding_optimizer(EmbeddingOptimConfig(name="adam", learning_rate=0.1), 10)
+    st = default.init(params)
+    for g in grads:
+        u_default, st = default.update({"t": jnp.asarray(g, jnp.float32)}, st, params)
+    assert not np.allclose(np.asarray(u_default["t"]), want, rtol=1e-3)
+
+
 class EmbeddingTable(nnx.Param):
     """Stand-in for the embedding engine's table variable type."""
 
