@@ -92,7 +92,7 @@ class _Columns:
         checks.append((_null(users), seq.user, "missing user", users))
         raw = col(seq.item)
         items, bad = parse_categorical(_text_blank_null(raw), seq.item_parse)
-        checks.append((bad, seq.item, f"item not a {seq.item_parse} value", raw))
+        checks.append((bad, seq.item, "item not an integer", raw))
         checks.append((_null(items) & ~bad, seq.item, "missing item", raw))
         times = None
         if seq.time:
@@ -105,7 +105,7 @@ class _Columns:
             raw = col(s.source)
             if s.kind == "categorical":
                 vals, bad = parse_categorical(_text_blank_null(raw), s.parse)
-                checks.append((bad, s.source, f"{s.name}: not a {s.parse} value", raw))
+                checks.append((bad, s.source, f"{s.name}: not an integer", raw))
             elif s.source == seq.time and times is not None:
                 vals = (times, _null(raw))  # the parsed time (datetimes in microseconds)
             else:
