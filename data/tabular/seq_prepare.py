@@ -12,7 +12,7 @@ file's path, size and modification time) holds only data, never read as code:
 
 * ``events.arrow``: one row per kept event, users one after another, each oldest first:
   ``item`` (int32 id ``1..V``), ``time`` (int64 or float64; absent without a time column) and
-  each side column (int32 ids);
+  each side column, ``side.<name>`` (int32 ids);
 * ``users.arrow``: one row per user, in the order of ``events.arrow``: ``user`` (the raw id
   as a string) and ``length`` (events);
 * ``vocab/item.arrow``: the item vocabulary, raw value of id ``i`` in row ``i - 1``;
@@ -28,6 +28,7 @@ file's path, size and modification time) holds only data, never read as code:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -327,7 +328,7 @@ class PreparedSequences:
                 user_raw=users.column("user").to_numpy(),
                 item_raw=items.to_numpy(),
                 times=col(events, "time") if seq.time else None,
-                side={s.name: col(events, s.name).astype(np.int32) for s in seq.side},
+                side={s.name: col(events, f"side.{s.name}").astype(np.int32) for s in seq.side},
             )
             stats = dict(m["stats"])
         except (OSError, KeyError, TypeError, ValueError, pa.ArrowException) as e:
@@ -350,8 +351,6 @@ class PreparedSequences:
 
 def prepared_folder(spec: SequenceSpec, root: str = "") -> str:
     """``<root>/<name>-<fingerprint>`` (module docstring)."""
-    import hashlib
-
     h = hashlib.sha256(sequence_digest(spec).encode())
     for path in expand(spec, spec.train, "train file"):
         st = os.stat(path)
@@ -384,7 +383,7 @@ def _write(spec: SequenceSpec, folder: str) -> None:
     events = {"item": hist.items}
     if hist.times is not None:
         events["time"] = hist.times
-    events.update(hist.side)
+    events.update({f"side.{k}": v for k, v in hist.side.items()})
     atomic_write(os.path.join(folder, "events.arrow"), _arrow_bytes(pa.table(events)))
     users = pa.table({"user": pa.array(hist.user_raw, pa.string()), "length": hist.lengths()})
     atomic_write(os.path.join(folder, "users.arrow"), _arrow_bytes(users))

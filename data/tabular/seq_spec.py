@@ -83,21 +83,27 @@ def parse_datetimes(arr) -> tuple[np.ndarray, np.ndarray]:
     )
     out, bad = np.zeros(n, np.int64), np.zeros(n, bool)
     for mask, typ in ((~zoned, pa.timestamp("us")), (zoned, pa.timestamp("us", tz="UTC"))):
-        if not mask.any():
-            continue
-        part = text.filter(pa.array(mask))
-        try:
-            done = pc.fill_null(pc.cast(part, typ).cast(pa.int64()), 0)
-            out[mask] = done.to_numpy(zero_copy_only=False)
-        except pa.ArrowInvalid:  # some value does not parse: find which, one by one
-            for i, v in zip(np.flatnonzero(mask), part.to_pylist(), strict=True):
-                try:
-                    out[i] = (
-                        0 if v is None else pc.cast(pa.array([v]), typ).cast(pa.int64())[0].as_py()
-                    )
-                except pa.ArrowInvalid:
-                    bad[i] = True
+        if mask.any():
+            out[mask], bad[mask] = _cast_micros(text.filter(pa.array(mask)), typ)
     return out, bad
+
+
+def _cast_micros(text, typ) -> tuple[np.ndarray, np.ndarray]:
+    """pyarrow's cast of strings to timestamps, as int64 microseconds and a bad mask: a part
+    that fails is halved until the values that do not parse are found (a few bad values cost
+    a few casts per value, not one per row)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        us = pc.fill_null(pc.cast(text, typ).cast(pa.int64()), 0)
+        return us.to_numpy(zero_copy_only=False), np.zeros(len(text), bool)
+    except pa.ArrowInvalid:
+        if len(text) == 1:
+            return np.zeros(1, np.int64), np.ones(1, bool)
+    half = len(text) // 2
+    (a, bad_a), (b, bad_b) = (_cast_micros(p, typ) for p in (text[:half], text[half:]))
+    return np.concatenate([a, b]), np.concatenate([bad_a, bad_b])
 
 
 def datetime_micros(text: str) -> int | None:
@@ -130,6 +136,8 @@ class SideColumn:
         where = f"side column {self.name!r}"
         if not self.name:
             raise SpecError("a side column has an empty name")
+        if self.name == "time":  # the packs' side entry ``time`` is the event times
+            raise SpecError(f"{where}: the name 'time' is reserved for the event times")
         if self.kind not in ("categorical", "numeric"):
             raise SpecError(f"{where}: unknown kind {self.kind!r}")
         if self.kind == "numeric" and not self.boundaries:
@@ -145,7 +153,7 @@ class SideColumn:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Sequence:
+class SequenceColumns:
     """Which columns make the histories (module docstring)."""
 
     user: str
@@ -205,7 +213,7 @@ class SequenceSpec:
     """Event files or globs (every event; the split holds targets out)."""
     format: FileFormat = FileFormat()
     """How to read the files."""
-    sequence: Sequence
+    sequence: SequenceColumns
     """Which columns make the histories."""
     split: SequenceSplit = SequenceSplit()
     """Validation and test targets."""

@@ -84,6 +84,11 @@ def _prepare(path: Path, **kw):
             r"test_from must be >= valid_from",
         ),
         ({"user": "u", "item": "i"}, {"kind": "leave_one_out", "valid_from": 3}, r"kind time"),
+        (
+            {"user": "u", "item": "i", "side": [{"name": "time", "kind": "categorical"}]},
+            None,
+            r"side column 'time': the name 'time' is reserved",
+        ),
     ],
 )
 def test_spec_errors_name_the_file_and_the_field(tmp_path, section, split, message):
@@ -181,6 +186,20 @@ def test_datetimes_order_events_in_utc(tmp_path):
     p = _prepare(_spec(tmp_path, HEADER + rows, time_parse="datetime"))
     assert p.hist.item_raw[p.hist.items - 1].tolist() == ["i2", "i1", "i4", "i3"]
     assert int(p.hist.times[-1]) == 1704153600 * 10**6  # 2024-01-02 00:00 UTC, microseconds
+    # Lenient: a value that is no datetime is found among good ones and counted.
+    bad = rows + "b,i5,2024-02-30,v\nb,i6,2024-03-01,v\n"
+    p = _prepare(_spec(tmp_path, HEADER + bad, time_parse="datetime"), strict=False)
+    assert p.stats["rejected"] == {"time not an ISO 8601 datetime": 1}
+    assert p.stats["reject_examples"] == [
+        f"{tmp_path / 'events.csv'}: line 6: column 'ts': time not an ISO 8601 datetime: "
+        "'2024-02-30'"
+    ]
+
+
+def test_without_a_time_column_the_files_order_is_the_order(tmp_path):
+    p = _prepare(_spec(tmp_path, HEADER + "a,z,9,v\nb,y,1,v\na,x,1,v\n", time=""))
+    assert p.hist.items.tolist() == [3, 1, 2] and p.hist.times is None  # a: z then x
+    assert (p.stats["ties"], p.stats["out_of_order"]) == (0, 0)
 
 
 # ----------------------------------------------------------------------------- splits
