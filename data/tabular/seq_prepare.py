@@ -34,6 +34,7 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -70,15 +71,16 @@ class _Columns:
         self.examples: list[str] = []
         self.read = 0
 
-    def reject(self, where: str, column: str, reason: str, value: Any) -> None:
+    def reject(self, where: Callable[[], str], column: str, reason: str, value: Any) -> None:
+        """Counts a rejected event; the first few are listed with ``where()`` they are."""
         self.rejected[reason] += 1
         if len(self.examples) < MAX_REJECT_EXAMPLES:
             col = f"column {column!r}: " if column else ""
-            self.examples.append(f"{where}: {col}{reason}: {str(value)[:80]!r}")
+            self.examples.append(f"{where()}: {col}{reason}: {_show(value)[:80]!r}")
 
     def on_reject(self, r: Reject) -> None:  # a malformed row or bad bytes (``read.py``)
         self.read += 1
-        self.reject(f"{r.file}: {r.where()}", r.column, r.reason, r.text)
+        self.reject(lambda: f"{r.file}: {r.where()}", r.column, r.reason, r.text)
 
     def add(self, chunk) -> None:
         """Parses one chunk: bad events raise (strict) or are rejected (lenient)."""
@@ -128,12 +130,8 @@ class _Columns:
             )
         for r in rows.tolist():
             _, column, reason, values = checks[first[r]]
-            self.reject(
-                f"{chunk.file}: {chunk.locate(chunk.first_row + r)}",
-                column,
-                reason,
-                _show(values[r]),
-            )
+            where = lambda r=r: f"{chunk.file}: {chunk.locate(chunk.first_row + r)}"  # noqa: E731
+            self.reject(where, column, reason, values[r])
         keep = first == len(checks)
         mask = pa.array(keep)
         self.parts["user"].append(users.filter(mask))
