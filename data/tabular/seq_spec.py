@@ -6,7 +6,7 @@ A spec of the CTR path (``spec.py``) with a ``sequence`` section in place of ``l
 :func:`load_sequence_spec` (paths relative to the file's folder). Example (YAML)::
 
     name: shop_events
-    train: [events.csv]                 # files or globs, read in sorted order
+    train: [events.csv]                 # files or globs (a glob's matches in sorted order)
     format: {delimiter: ",", header: true}
     sequence:
       user: user_id                     # whose history an event belongs to
@@ -25,7 +25,7 @@ How an event log becomes histories (``data/tabular/seq_prepare.py`` implements i
 
 * Every event of the ``train`` files is read (the whole log is held in memory: histories need
   a global sort). A user's events are ordered by ``time``, stably: events with equal times keep
-  the files' order (files in sorted order) and are counted as ``ties``; events earlier than the
+  the files' order (``train``'s order) and are counted as ``ties``; events earlier than the
   user's previous one in the files are counted as ``out_of_order`` (the sort puts them right).
 * Each user keeps the most recent ``max_len`` events (the others counted as truncated).
 * Items are mapped to dense ids ``1..V`` by their sorted raw values (numerically with
@@ -231,7 +231,7 @@ class SequenceSpec:
         if s.kind == "time":
             if not seq.time:
                 raise SpecError("split kind time needs sequence.time (a time column)")
-            want = str if seq.time_parse == "datetime" else float
+            want = str if seq.time_parse == "datetime" else (int, float)
             for key in ("valid_from", "test_from"):
                 v = getattr(s, key)
                 if v is not None and not isinstance(v, want):

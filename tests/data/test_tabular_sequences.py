@@ -156,7 +156,10 @@ def test_lenient_rejects_every_bad_event_and_counts_it_by_reason(tmp_path):
 
 def test_histories_are_ordered_by_time_with_ties_late_rows_and_truncation_counted(tmp_path):
     rows = "u2,b,5,view\nu1,c,3,view\nu1,a,1,cart\nu1,b,3,buy\nu2,a,2,\nu1,d,4,view\n"
-    side = [{"name": "action", "kind": "categorical"}]
+    side = [
+        {"name": "action", "kind": "categorical"},
+        {"name": "band", "column": "ts", "kind": "numeric", "boundaries": [3]},
+    ]
     p = _prepare(_spec(tmp_path, HEADER + rows, max_len=3, side=side))
     h, s = p.hist, p.stats
     # items a..d are ids 1..4; u1 by time: a(1) c(3) b(3, after c: the file's order) d(4).
@@ -168,8 +171,9 @@ def test_histories_are_ordered_by_time_with_ties_late_rows_and_truncation_counte
     # actions buy, cart, view are ids 1..3; 0 is a missing value (counted)
     assert h.side["action"].tolist() == [3, 1, 3, 0, 3]
     assert p.side_vocabs["action"].to_pylist() == ["buy", "cart", "view"]
+    assert h.side["band"].tolist() == [2, 2, 2, 1, 2]  # 1 + (time >= 3)
     assert (s["ties"], s["out_of_order"], s["truncated_events"]) == (1, 2, 1)
-    assert s["side_missing"] == {"action": 1} and s["items"] == 4
+    assert s["side_missing"] == {"action": 1, "band": 0} and s["items"] == 4
     # The vocabulary is saved beside the histories, and a second prepare loads the folder.
     again = _prepare(tmp_path / "spec.yaml")
     assert again.folder == p.folder and again.hist.items.tolist() == h.items.tolist()
