@@ -7,9 +7,11 @@ two devices). Histories are cut to their most recent ``model.max_seq_len`` event
 
 Data (``data.kind``): ``planted`` (``data.sequences.planted``: training users
 ``[0, num_train_users)``, the generator's held-out users evaluated on every next item of their
-histories, beside the Bayes-optimal loss) or ``sasrec`` (a file in SASRec's format, split as
+histories, beside the Bayes-optimal loss), ``sasrec`` (a file in SASRec's format, split as
 its ``data_partition``: training on each user's items but the last two, evaluation of the
-validation or test item).
+validation or test item) or ``tabular`` (your own event log through a sequence spec,
+``data/tabular/seq_spec.py``: CSV/TSV/Parquet, prepared once into histories, split
+leave-one-out or by time, evaluation of each user's validation or test item).
 """
 
 from __future__ import annotations
@@ -24,14 +26,31 @@ from sequential.config import HSTUConfig, LossConfig, SASRecConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceTabularConfig:
+    """An event log read through a sequence spec (``data/tabular/seq_spec.py``); the flags are
+    the CTR families' ``--data.tabular.*``."""
+
+    spec: str = field("", role=LOCATION)
+    """Sequence spec file (.yaml/.json/.toml): files, user, item, time, side columns, split."""
+    prepared_dir: str = field("", role=RUNTIME)
+    """Root of prepared data ('' = ``~/.cache/recscale/tabular``); each spec and file set gets
+    its own fingerprinted folder, prepared on first use and reused after."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SequenceDataConfig:
     """Which histories, and how they are packed (module docstring)."""
 
-    kind: Literal["planted", "sasrec"] = "planted"
+    kind: Literal["planted", "sasrec", "tabular"] = "planted"
     """``planted``: generated histories with a known Bayes-optimal loss; ``sasrec``: a file in
-    SASRec's ``user item`` format (``sasrec_path``)."""
+    SASRec's ``user item`` format (``sasrec_path``); ``tabular``: an event log of a sequence
+    spec (``tabular.spec``)."""
     sasrec_path: str = field("", role=LOCATION)
     """kind sasrec: the file (e.g. ``data/Video.txt`` of github:kang205/SASRec, read in place)."""
+    tabular: SequenceTabularConfig = field(
+        SequenceTabularConfig(), identity_default=SequenceTabularConfig()
+    )
+    """kind tabular: the sequence spec and where its prepared histories go."""
     planted: PlantedConfig = PlantedConfig()
     """kind planted: the generator (its ``n_items`` must be ``model.n_items``)."""
     num_train_users: int = 65536
@@ -47,8 +66,9 @@ class SequenceDataConfig:
     block_size: int = 128
     """A pack's token slots are ``token_budget`` rounded up to a multiple of this."""
     eval_split: Literal["valid", "test"] = "valid"
-    """kind sasrec: the held-out item evaluated (``valid``: after the training items; ``test``:
-    after those and the validation item)."""
+    """kinds sasrec and tabular: the held-out item evaluated (``valid``: after the training
+    items; ``test``: after those and the validation item, or, split by time, each user's first
+    item at or after ``test_from``)."""
     eval_users: int = 0
     """Evaluate this many held-out users, a fixed seeded sample (0: all). SASRec's own
     ``evaluate`` scores 10,000 sampled users where there are more (a new sample each time)."""
@@ -66,6 +86,11 @@ class SequenceDataConfig:
             raise ValueError("data.max_sequences and data.block_size must be >= 1")
         if self.sampled_negatives < 0 or self.eval_users < 0:
             raise ValueError("data.sampled_negatives and data.eval_users must be >= 0")
+        if self.kind == "tabular" and not self.tabular.spec:
+            raise ValueError(
+                "data.kind='tabular' needs data.tabular.spec (a sequence spec file: "
+                "--data.tabular.spec SPEC.yaml)"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

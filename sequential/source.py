@@ -15,7 +15,8 @@ Planted data: the held-out users' whole histories, each token predicting the nex
 context is the history but its last item, whose target is that item), so the model's eval
 loss is over the positions ``t >= 1`` that ``PlantedSequences.losses`` scores; its
 ``bayes`` (and ``taste_known``) loss is in every evaluation and in ``data_stats.json`` with the
-baselines'. SASRec files: only the held-out item is a target (``targets="final"``).
+baselines'. SASRec files and event logs of a sequence spec (``data.tabular.seq_prepare``,
+prepared on first use): only the held-out item is a target (``targets="final"``).
 """
 
 from __future__ import annotations
@@ -140,6 +141,32 @@ def _sasrec(d: Any, eval_only: bool) -> dict[str, Any]:
     }
 
 
+def _tabular(d: Any, eval_only: bool) -> dict[str, Any]:
+    from data.tabular.seq_prepare import prepare_sequences, split_histories  # pyarrow
+
+    prepared = prepare_sequences(d.tabular.spec, d.tabular.prepared_dir)
+    split = split_histories(prepared.spec, prepared.hist)
+    if d.eval_split not in split.held_out:
+        raise ConfigError(
+            f"data.eval_split={d.eval_split!r}: the spec {d.tabular.spec} holds out no "
+            f"{d.eval_split} item (split kind time without test_from); set "
+            "--data.eval-split valid or give the split a test_from"
+        )
+    context, final = split.held_out[d.eval_split]
+    return {
+        "train": None if eval_only else split.train,
+        "context": context,
+        "final": final,
+        "rated": context,  # the user's items before the target: excluded from negatives
+        "targets": "final",
+        "stats": {"prepared": prepared.folder, "preparation": prepared.stats, **split.stats},
+        "reference": {},
+    }
+
+
+_KINDS = {"planted": _planted, "sasrec": _sasrec, "tabular": _tabular}
+
+
 class SequenceSource:
     """The packs of a ``SequentialConfig`` run (module docstring)."""
 
@@ -151,7 +178,7 @@ class SequenceSource:
         self.eval_per_host = host_batch_size(d.eval_batch_size, process_count)
         self.packs, self.eval_packs = d.batch_size, d.eval_batch_size
         self.process_index = process_index
-        parts = (_planted if d.kind == "planted" else _sasrec)(d, eval_only)
+        parts = _KINDS[d.kind](d, eval_only)
         if d.eval_users and d.eval_users < parts["context"].num_users:
             rng = np.random.default_rng(d.shuffle_seed)
             keep = np.sort(rng.choice(parts["context"].num_users, d.eval_users, replace=False))

@@ -150,8 +150,9 @@ class SequentialTask:
     def eval_step(self, graphdef: nnx.GraphDef) -> Any:
         lcfg, n = self.cfg.loss, self.cfg.model.max_seq_len
         full_loss = dataclasses.replace(lcfg, kind="full_softmax")
-        # Only the last token of a sasrec pack has a target: scored alone, [B, V] not [T, V].
-        last_only = self.cfg.data.kind == "sasrec"
+        # Only the last token of a sasrec or tabular pack has a target: scored alone, [B, V]
+        # not [T, V].
+        last_only = self.cfg.data.kind in ("sasrec", "tabular")
 
         def one(model, pack, negatives):
             user_td = model(pack.values, pack.offsets)
@@ -207,6 +208,8 @@ class SequentialTask:
     def eval_data(self, cfg: Any, data_path: str | None) -> str:
         del data_path
         d = cfg.data
+        if d.kind == "tabular":
+            return d.tabular.spec
         return d.sasrec_path if d.kind == "sasrec" else f"planted:{d.shuffle_seed}"
 
     def check_eval(self, args: Any) -> None:

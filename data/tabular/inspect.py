@@ -1,7 +1,11 @@
-"""``python -m data.tabular.inspect FILE [SIDE_FILE ...] [--rows N] [--out spec.yaml]``
+"""``python -m data.tabular.inspect FILE [SIDE_FILE ...] [--rows N] [--kind auto|ctr|sequence]
+[--out spec.yaml]``
 
 Reads a sample of each file (the first ``--rows`` rows), prints per column its inferred type,
-missing rate, distinct values in the sample and top values, and proposes a feature spec to edit:
+missing rate, distinct values in the sample and top values, and proposes a spec to edit: a
+feature spec for the CTR families (``--kind ctr``), or a sequence spec for the sequential ones
+(``--kind sequence``); ``auto`` (the default) proposes a CTR spec when the first file has a
+label, else a sequence spec when it is an event log. A CTR spec:
 
 * the first file holds the interactions; each further file is a side table, joined on the column
   it shares with the interactions whose values are unique in the side file;
@@ -14,6 +18,14 @@ missing rate, distinct values in the sample and top values, and proposes a featu
   non-negative values, else ``standardize``);
 * a time-like column (``time``, ``timestamp``, ``date``, ``ts``) proposes a time split at the
   sample's 90th percentile; otherwise a seeded random 10% validation split.
+
+A sequence spec (``data/tabular/seq_spec.py``), when the first file is an event log: a
+user-like id column (``user``, ``uid``, ``customer``, ``visitor``, ``session``, ... with repeated
+values), an item-like one (``item``, ``movie``, ``product``, ``sku``, ``song``, ...) and a
+time-like one (an integer or decimal column named like a time, or one of datetimes: a
+timestamp column, or strings that parse as ISO 8601). ``max_len`` is the 95th percentile of
+the sample's history lengths (events per user); the other low-cardinality columns (at most 50
+values) become categorical side columns; the split is leave-one-out.
 
 The proposal is a starting point: it only sees the sample, so check cardinalities and the split.
 """
@@ -33,10 +45,23 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from data.tabular.seq_spec import parse_datetimes
+
 _LABEL_NAMES = ("label", "click", "clicked", "is_click", "y", "target", "clk", "conversion")
 _TIME_NAMES = re.compile(r"(^|_)(time|timestamp|date|ts|datetime)($|_)", re.I)
 _ID_NAMES = re.compile(r"(^|_)(id|uid|iid|user|item|movie|ad|product|category|cat)($|_|id)", re.I)
 _SEPARATORS = ("|", ";", ",")
+_ID_SUFFIX = r"(_?id)?($|_)"
+_USER_NAMES = re.compile(
+    r"(^|_)(user|uid|customer|visitor|member|session|account|client|reader|viewer|buyer|"
+    r"player|listener)" + _ID_SUFFIX,
+    re.I,
+)
+_ITEM_NAMES = re.compile(
+    r"(^|_)(item|iid|movie|product|sku|article|song|track|video|book|asin|business|poi|ad|"
+    r"content|post|artist|game|doc|recipe|course|offer|listing)" + _ID_SUFFIX,
+    re.I,
+)
 
 
 def read_sample(path: str, rows: int) -> tuple[pa.Table, dict[str, Any]]:
@@ -194,9 +219,10 @@ def _feature(c: dict, hash_above: int) -> dict[str, Any]:
 
 
 def propose(
-    paths: list[str], rows: int = 100_000, hash_above: int = 100_000
+    paths: list[str], rows: int = 100_000, hash_above: int = 100_000, kind: str = "auto"
 ) -> tuple[dict, list, list[str]]:
-    """(spec dict, per-file column descriptions, notes for the user)."""
+    """(spec dict, per-file column descriptions, notes for the user); ``kind`` is ``auto``,
+    ``ctr`` or ``sequence`` (module docstring)."""
     tables, hows, descs = [], [], []
     for p in paths:
         t, how = read_sample(p, rows)
@@ -204,6 +230,23 @@ def propose(
         hows.append(how)
         descs.append(describe(t))
     main = descs[0]
+    events, why_not = event_columns(tables[0], main)
+    label = _label(main)
+    if kind == "sequence" or (kind == "auto" and label is None and events is not None):
+        if events is None:
+            raise ValueError(f"{paths[0]}: not an event log for a sequence spec: {why_not}")
+        return _sequence_spec(paths, tables[0], hows[0], main, events), descs, events["notes"]
+    if label is None:
+        extra = f"; nor an event log for a sequence spec: {why_not}" if kind == "auto" else ""
+        raise ValueError(
+            f"{paths[0]}: no label column found (name one label/click/y, or edit){extra}"
+        )
+    notes = []
+    if events is not None:
+        notes.append(
+            f"{events['user']!r}, {events['item']!r} and {events['time']!r} also make an event "
+            "log: --kind sequence proposes a sequence spec for the sequential families"
+        )
     spec: dict[str, Any] = {
         "name": re.sub(r"\W+", "_", os.path.basename(paths[0]).split(".")[0]),
         "train": [os.path.abspath(paths[0])],
@@ -226,13 +269,9 @@ def propose(
         side_cols += [c for c in desc if c["name"] != shared[0]]
     if joins:
         spec["joins"] = joins
-    label = _label(main)
-    if label is None:
-        raise ValueError(f"{paths[0]}: no label column found (name one label/click/y, or edit)")
     time_col = next(
         (c for c in main if _TIME_NAMES.search(c["name"]) and c["type"] in ("int", "float")), None
     )
-    notes = []
     if time_col is not None and not hows[0]["whole"]:
         notes.append(
             f"time column {time_col['name']!r} found, but the sample is not the whole file: "
@@ -260,6 +299,113 @@ def propose(
     return spec, descs, notes
 
 
+def event_columns(table: pa.Table, desc: list[dict]) -> tuple[dict | None, str]:
+    """The user, item and time columns of an event log (and how its times parse), or None and
+    what is missing."""
+    by = {c["name"]: c for c in desc}
+    user = next(
+        (
+            c["name"]
+            for c in desc
+            if _USER_NAMES.search(c["name"]) and 1 < c["distinct"] < table.num_rows
+        ),
+        None,
+    )
+    item = next(
+        (
+            c["name"]
+            for c in desc
+            if _ITEM_NAMES.search(c["name"]) and c["name"] != user and c["distinct"] > 1
+        ),
+        None,
+    )
+    time, parse = None, ""
+    for name in table.column_names:
+        t = table.schema.field(name).type
+        if pa.types.is_timestamp(t) or pa.types.is_date(t):
+            time, parse = name, "datetime"
+        elif _TIME_NAMES.search(name) and by[name]["type"] in ("int", "float"):
+            time, parse = name, by[name]["type"]
+        elif _TIME_NAMES.search(name) and by[name]["type"] == "string" and _datetimes(table, name):
+            time, parse = name, "datetime"
+        if time:
+            break
+    missing = [
+        what
+        for what, col in (
+            ("no user-like id column with repeated values (user, uid, customer, ...)", user),
+            ("no item-like id column (item, movie, product, ...)", item),
+            ("no time-like column (a time-named number, or datetimes)", time),
+        )
+        if col is None
+    ]
+    if missing:
+        return None, "; ".join(missing)
+    return {"user": user, "item": item, "time": time, "time_parse": parse, "notes": []}, ""
+
+
+def _datetimes(table: pa.Table, name: str) -> bool:
+    """Whether at least 99% of a string column's present values parse as ISO 8601."""
+    col = table.column(name).combine_chunks().drop_null()
+    if not len(col):
+        return False
+    _, bad = parse_datetimes(col)
+    return bad.mean() <= 0.01
+
+
+def _sequence_spec(
+    paths: list[str], table: pa.Table, how: dict, desc: list[dict], ev: dict
+) -> dict[str, Any]:
+    """A sequence spec of the event log ``table`` (columns ``ev``); says why in ``ev["notes"]``."""
+    notes = ev["notes"]
+    users = table.column(ev["user"]).combine_chunks().drop_null()
+    counts = pc.value_counts(users).field("counts").to_numpy()
+    p95 = int(np.ceil(np.percentile(counts, 95)))
+    max_len = max(3, p95)
+    by = {c["name"]: c for c in desc}
+    item = by[ev["item"]]
+    notes.append(
+        f"an event log: user {ev['user']!r} ({len(counts):,} users in the sample), item "
+        f"{ev['item']!r} ({item['distinct']:,} items), time {ev['time']!r} "
+        f"({ev['time_parse']}); a sequence spec for the sequential families"
+    )
+    notes.append(
+        f"max_len {max_len}: the 95th percentile of the sample's history lengths (median "
+        f"{np.median(counts):g}, max {counts.max()}); longer histories keep their most recent "
+        f"{max_len} events"
+        + ("" if how["whole"] else " (the sample is the file's first rows: check on all of it)")
+    )
+    seq: dict[str, Any] = {"user": ev["user"], "item": ev["item"]}
+    if item["type"] == "int":
+        seq["item_parse"] = "int"
+    seq.update(time=ev["time"], time_parse=ev["time_parse"], max_len=max_len)
+    used = {ev["user"], ev["item"], ev["time"]}
+    side = []
+    for c in desc:
+        if c["name"] in used or not (1 < c["distinct"] <= 50) or c["type"] == "float":
+            continue
+        side.append({"name": c["name"], "kind": "categorical"})
+        if c["type"] == "int":
+            side[-1]["parse"] = "int"
+    if side:
+        seq["side"] = side
+        notes.append(
+            "side columns (at most 50 values, carried beside the items): "
+            + ", ".join(s["name"] for s in side)
+        )
+    if len(paths) > 1:
+        notes.append("side tables are not joined into a sequence spec: " + ", ".join(paths[1:]))
+    spec: dict[str, Any] = {
+        "name": re.sub(r"\W+", "_", os.path.basename(paths[0]).split(".")[0]),
+        "train": [os.path.abspath(paths[0])],
+    }
+    if "delimiter" in how and (how["delimiter"] != "," or not how["header"]):
+        spec["format"] = _format(how)
+    spec.update(sequence=seq, split={"kind": "leave_one_out"})
+    notes.append("split leave_one_out: each user's last event test, the one before it validation")
+    return spec
+
+
 def _format(how: dict) -> dict:
     out: dict[str, Any] = {"delimiter": how["delimiter"]}
     if not how["header"]:
@@ -281,10 +427,16 @@ def main(argv: list[str] | None = None) -> int:
         default=100_000,
         help="hash a categorical with more distinct values than this in the sample",
     )
+    ap.add_argument(
+        "--kind",
+        choices=("auto", "ctr", "sequence"),
+        default="auto",
+        help="propose a CTR feature spec or a sequence spec (auto: CTR if a label is found)",
+    )
     ap.add_argument("--out", default="", help="write the proposed spec here (else stdout)")
     args = ap.parse_args(argv)
     try:
-        spec, descs, notes = propose(args.files, args.rows, args.hash_above)
+        spec, descs, notes = propose(args.files, args.rows, args.hash_above, args.kind)
     except (ValueError, OSError, pa.ArrowInvalid) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -320,10 +472,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text)
-        console.print(
-            f"wrote {args.out}: edit it, then train with --data.kind tabular "
-            f"--data.tabular.spec {args.out}"
-        )
+        if "sequence" in spec:
+            item = spec["sequence"]["item"]
+            n = next(c["distinct"] for c in descs[0] if c["name"] == item)
+            console.print(
+                f"wrote {args.out}: edit it, then train with python -m sequential.sasrec.train "
+                f"sasrec/tiny --data.kind tabular --data.tabular.spec {args.out} "
+                f"--model.n-items {n} (the sample's items; the run names the log's count if "
+                "it differs)"
+            )
+        else:
+            console.print(
+                f"wrote {args.out}: edit it, then train with --data.kind tabular "
+                f"--data.tabular.spec {args.out}"
+            )
     else:
         print(text)
     return 0

@@ -122,7 +122,7 @@ def parse_numbers(
         return np.where(bad, 0.0, values), missing, bad
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
         # Some value does not cast: the regex names which (spaces around a number are allowed).
-        arr = _blank_is_null(arr)
+        arr = blank_is_null(arr)
         missing = arr.is_null().to_numpy(zero_copy_only=False)
         ok = _mask(pc.match_substring_regex(arr, _INT_RE if integer else _FLOAT_RE))
         bad = ~ok & ~missing
@@ -200,7 +200,7 @@ def _parse_hex_words(words: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return out, bad
 
 
-def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
+def parse_categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
     """Categorical values as their vocabulary type (string, int64 or uint64), and a bad mask."""
     n = len(arr)
     if parse == "string":
@@ -234,7 +234,7 @@ def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
     fast = _cast_or_none(arr, pa.int64()) if _plain_ints(arr) else None
     if fast is not None:
         return fast, np.zeros(n, bool)
-    arr = _blank_is_null(arr)  # only here: an empty string fails the cast above
+    arr = blank_is_null(arr)  # only here: an empty string fails the cast above
     ok = _mask(pc.match_substring_regex(arr, _INT_RE))
     missing = arr.is_null().to_numpy(zero_copy_only=False)
     bad = ~ok & ~missing
@@ -242,7 +242,7 @@ def _categorical(arr: pa.Array, parse: str) -> tuple[pa.Array, np.ndarray]:
     return pc.cast(clean, pa.int64()), bad
 
 
-def _blank_is_null(arr: pa.Array) -> pa.Array:
+def blank_is_null(arr: pa.Array) -> pa.Array:
     """Empty or all-blank strings (a quoted "" in CSV, "" in Parquet, an empty list token) as
     missing values, as an unquoted empty CSV field already is."""
     blank = pc.equal(pc.utf8_trim_whitespace(arr), "")
@@ -353,7 +353,7 @@ def parse_chunk(
                 x = np.sign(x) * np.log1p(np.abs(x))
             values[f.name] = (x, missing)
         elif f.kind == "categorical":
-            vals, badc = _categorical(arr, f.parse)
+            vals, badc = parse_categorical(arr, f.parse)
             bad.add(
                 badc, f.source, f"not a {f.parse} value" if f.parse != "hex" else "bad hex", arr
             )
@@ -361,7 +361,7 @@ def parse_chunk(
         else:
             tokens = pc.split_pattern(pc.cast(arr, pa.string()), f.separator)
             flat = pc.utf8_trim_whitespace(pc.list_flatten(tokens))
-            vals, badt = _categorical(flat, f.parse)
+            vals, badt = parse_categorical(flat, f.parse)
             if badt.any():
                 row_of = pc.list_parent_indices(tokens).to_numpy()
                 rows = np.zeros(n, bool)

@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import os
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -40,6 +41,8 @@ COUNTS_SUFFIX = ".arrow"
 """A count part's file (``.pkl`` before: such files are never opened, and their parts are
 counted again)."""
 REJECTS_HEADER = "file\tline\treason\tcolumn\trow\n"
+DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "recscale", "tabular")
+"""Where prepared datasets go unless a root is given."""
 RECORD_OPTIONS = "group_size:16,uncompressed"
 """16 records per chunk: writes 2.6x faster than one per chunk and random reads as fast or faster
 (measured, 164-byte records: 0.74 against 1.91 us per write, 7.4 against 12.0 ms per 4,096 random
@@ -174,6 +177,29 @@ def _parts(chunks: Iterator[Chunk], rows: int) -> Iterator[tuple[int, Chunk, boo
 def _one_line(text: str) -> str:
     """A reject's text on one line of the rejects file (a malformed record may span lines)."""
     return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+@contextlib.contextmanager
+def exclusive(folder: str):
+    """An exclusive ``flock`` on ``<folder>/.lock`` (local filesystems; on a shared one,
+    prepare once before launching the hosts)."""
+    import fcntl
+
+    lock = os.path.join(folder, ".lock")
+    try:  # never truncated, nor followed if a symbolic link was planted in its place
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise TabularFormatError(f"{lock}: cannot open the lock file ({e.strerror})") from None
+    with os.fdopen(fd, "r+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process preparing {folder}", file=sys.stderr)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def atomic_write(path: str, data: bytes) -> None:

@@ -29,7 +29,6 @@ they are, so take prepared folders only from whoever you would take the data fro
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import json
@@ -50,8 +49,10 @@ from data.record_files import ArrayRecordFiles
 from data.tabular import encode as enc
 from data.tabular import parse, passes
 from data.tabular.passes import (
+    DEFAULT_ROOT,
     Inputs,
     atomic_write,
+    exclusive,
     expand,
     interaction_columns,
     load_sides,
@@ -65,9 +66,9 @@ from data.tabular.read import (
     file_columns,
     iter_chunks,
 )
+from data.tabular.seq_prepare import prepare_sequences
+from data.tabular.seq_spec import is_sequence_spec
 from data.tabular.spec import TabularSpec, load_spec, spec_from_dict
-
-DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "recscale", "tabular")
 
 
 def decode_records(records, dtype: np.dtype) -> Batch:
@@ -239,34 +240,11 @@ def prepare(
     if os.path.exists(os.path.join(folder, "manifest.json")):
         return Prepared.load(folder, spec)
     os.makedirs(folder, exist_ok=True)
-    with _exclusive(folder):  # two processes (e.g. a multi-process run's) prepare it once
+    with exclusive(folder):  # two processes (e.g. a multi-process run's) prepare it once
         if os.path.exists(os.path.join(folder, "manifest.json")):
             return Prepared.load(folder, spec)
         _prepare_locked(spec, inputs, folder, workers, progress)
     return Prepared.load(folder, spec)
-
-
-@contextlib.contextmanager
-def _exclusive(folder: str):
-    """An exclusive ``flock`` on ``<folder>/.lock`` (local filesystems; on a shared one,
-    prepare once before launching the hosts)."""
-    import fcntl
-
-    lock = os.path.join(folder, ".lock")
-    try:  # never truncated, nor followed if a symbolic link was planted in its place
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-        raise TabularFormatError(f"{lock}: cannot open the lock file ({e.strerror})") from None
-    with os.fdopen(fd, "r+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another process preparing {folder}", file=sys.stderr)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _prepare_locked(
@@ -500,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.spec:
             ap.error("a spec file is required")
+        if is_sequence_spec(args.spec):  # an event log: histories, in this process
+            q = prepare_sequences(args.spec, args.root)
+            print(q.summary())
+            return 0
         p = prepare(args.spec, args.root, workers=args.workers)
     except (TabularFormatError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

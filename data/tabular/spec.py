@@ -389,9 +389,9 @@ def spec_from_dict(data: Any, *, where: str = "spec", base_dir: str = "") -> Tab
         raise SpecError(f"{where}: {e}") from None
 
 
-def load_spec(path: str | os.PathLike) -> TabularSpec:
-    """Loads a spec from a ``.yaml``/``.yml``, ``.json`` or ``.toml`` file (paths inside it are
-    relative to its folder)."""
+def read_spec_file(path: str | os.PathLike) -> tuple[Any, str]:
+    """The plain data of a ``.yaml``/``.yml``, ``.json`` or ``.toml`` spec file and the folder
+    its relative paths are resolved against (shared by the CTR and the sequence spec)."""
     path = os.fspath(path)
     suffix = Path(path).suffix.lower()
     try:
@@ -415,7 +415,21 @@ def load_spec(path: str | os.PathLike) -> TabularSpec:
         raise
     except Exception as e:  # the parsers' own errors carry line and column
         raise SpecError(f"{path}: not valid {suffix[1:]}: {e}") from None
-    return spec_from_dict(data, where=path, base_dir=os.path.dirname(os.path.abspath(path)))
+    return data, os.path.dirname(os.path.abspath(path))
+
+
+def load_spec(path: str | os.PathLike) -> TabularSpec:
+    """Loads a spec from a ``.yaml``/``.yml``, ``.json`` or ``.toml`` file (paths inside it are
+    relative to its folder)."""
+    path = os.fspath(path)
+    data, base_dir = read_spec_file(path)
+    if isinstance(data, dict) and "sequence" in data:
+        raise SpecError(
+            f"{path}: a sequence spec (it has a sequence section): the sequential families read "
+            "it (python -m sequential.sasrec.train ... --data.kind tabular --data.tabular.spec "
+            f"{path}), the CTR families need label and features"
+        )
+    return spec_from_dict(data, where=path, base_dir=base_dir)
 
 
 def spec_digest(spec: TabularSpec) -> str:

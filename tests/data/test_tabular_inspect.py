@@ -47,5 +47,6 @@ def test_help_gives_the_whole_description(capsys):
         inspect.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "proposes a feature spec to edit:" in out
+    assert "and proposes a spec to edit:" in out
+    assert "A sequence spec (``data/tabular/seq_spec.py``), when the first file" in out
     assert "so check cardinalities and the split." in out
