@@ -88,7 +88,10 @@ class _Scorer:
             ids_c = start + jnp.arange(c, dtype=jnp.int32)
             block_cd = self.items(jax.lax.dynamic_slice_in_dim(table, start, c))
             s_c = jnp.einsum("d,cd->c", user_d, block_cd, precision=HIGHEST)
-            rel = jnp.where(seen_n > 0, seen_n - start, c)  # a history item's row in the chunk
+            # a history item's row in the chunk; c (dropped) for none or another chunk's (a
+            # negative index would wrap around)
+            rel = seen_n - start
+            rel = jnp.where((seen_n > 0) & (rel >= 0) & (rel < c), rel, c)
             seen_c = jnp.zeros(c, bool).at[rel].set(True, mode="drop")
             ok = (ids_c >= 1) & (ids_c <= v) & ~seen_c
             s = jnp.concatenate([best_s, jnp.where(ok, s_c, -jnp.inf)])
