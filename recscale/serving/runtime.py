@@ -16,6 +16,10 @@ feature's vocabulary is treated as a missing id (padding) and counted in
 ``Model.counters["out_of_vocab_ids"]``; nothing else is changed silently. Batches are padded to
 the next power of two, so a server's varying batch sizes compile a handful of programs.
 
+A next-item model's artifact (HSTU, SASRec: ``manifest["task"] == "next_item"``) is loaded by
+``recscale_next_item.NextItemModel`` beside this file, which reads it with
+:func:`read_artifact`; :class:`Model` refuses it, naming that loader.
+
 A model trained on a feature spec (``data.kind=tabular``), Frappe or Criteo also takes raw rows,
 as in its data files: ``model.encode(rows)`` gives the inputs training gave them
 (:class:`RowEncoder`), and ``python recscale_model.py MODEL FILE [--out SCORES]`` scores a whole
