@@ -99,7 +99,7 @@ NEXT_ITEM_FIELDS = ("history", "k", "exclude_history", "candidates")
 NEXT_ITEM_CONTAINERS = 8
 """Most ``{`` and ``[`` of a next-item request (it needs 3: the object and two lists)."""
 DEFAULT_K = 10
-"""A top-K request's ``k`` where it gives none."""
+"""A top-K request's ``k`` where it gives none (at most the model's ``max_k``)."""
 
 BATCHER = web.AppKey("batcher", DynamicBatcher)
 MODEL = web.AppKey("model", object)  # a Model or a NextItemModel
@@ -256,7 +256,7 @@ def _next_item(model: NextItemModel, body: dict) -> tuple:
             return {"scores": [float(s) for s in scores[0, :n]], "truncated_events": cut}
 
         return next_item.SCORE, (*hist, cands[None]), scored
-    k = model.k(body.get("k", DEFAULT_K))
+    k = model.k(body.get("k", min(DEFAULT_K, model.max_k)))
     exclude = body.get("exclude_history", True)
     if not isinstance(exclude, bool):
         raise ArtifactError(
