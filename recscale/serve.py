@@ -1,7 +1,8 @@
 """``python -m recscale.serve MODEL [--host H] [--port P] [--max-batch N] [--max-wait-ms T]
 [--max-queue Q] [--workers W] [--max-body B] [--body-timeout-s S] [--max-inflight I]
-[--cache-mb C]``: an HTTP server of an exported model (``recscale.serving.server``, which says
-what each bound refuses and with which status)."""
+[--cache-mb C]``: an HTTP server of an exported model, a CTR model's or a next-item model's
+(``recscale.serving.server``, which says what each request holds and what each bound refuses
+and with which status)."""
 
 from __future__ import annotations
 
@@ -43,11 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(ServeArgs, args=argv, prog="python -m recscale.serve")
     from aiohttp import web  # noqa: PLC0415
 
-    from recscale.serving.runtime import ArtifactError, Model  # noqa: PLC0415
-    from recscale.serving.server import make_app  # noqa: PLC0415
+    from recscale.serving.runtime import ArtifactError  # noqa: PLC0415
+    from recscale.serving.server import load_model, make_app  # noqa: PLC0415
 
     try:
-        model = Model.load(args.model, cache_bytes=int(args.cache_mb * 2**20))
+        model = load_model(args.model, cache_bytes=int(args.cache_mb * 2**20))
         app = make_app(
             model,
             max_batch=args.max_batch,

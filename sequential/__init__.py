@@ -4,11 +4,12 @@
 Modules: ``config`` (model and loss configs, no jax import), ``flops`` (parameters and FLOPs
 per token, no jax import), ``layers`` (the shared item table, input and jagged layout),
 ``hstu.model``, ``sasrec.model``, ``losses`` (sampled softmax, full softmax, BCE), ``metrics`` (HR@K,
-NDCG@K, MRR: full ranking and SASRec's sampled protocol). Models read a
+NDCG@K, MRR: full ranking and SASRec's sampled protocol), ``serving`` (the export's programs:
+top-K next items and candidate scores of histories). Models read a
 ``data.sequences.JaggedBatch``; the losses and metrics are pure functions of (model, batch).
 
 Two registered families (``recscale.families``), ``sequential.hstu`` and ``sequential.sasrec``
-(``model.py``, ``presets.py``, ``train.py``, ``evaluate.py``), trained by the project's trainer
+(``model.py``, ``presets.py``, ``train.py``, ``evaluate.py``, ``export.py``), trained by the project's trainer
 through ``task`` (the trainer's hooks: packs of histories from ``source``, the next-item loss,
 ranking metrics); their run configs are ``run_config``'s, their shared presets ``recipes``'.
 This package imports no jax at import time; import the model modules for the networks.

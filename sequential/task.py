@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from recscale.config import ConfigError
-from sequential import losses, metrics
+from sequential import losses, metrics, serving
 from sequential.source import SequenceSource
 
 FULL_KS = (10, 50)
@@ -211,6 +211,11 @@ class SequentialTask:
         if d.kind == "tabular":
             return d.tabular.spec
         return d.sasrec_path if d.kind == "sasrec" else f"planted:{d.shuffle_seed}"
+
+    def serving_parts(self, restored: Any, args: Any) -> Any:
+        """The export's hook (``recscale.serving.export``): this run's next-item programs and
+        manifest fields (``sequential.serving``)."""
+        return serving.serving_parts(restored, args)
 
     def check_eval(self, args: Any) -> None:
         for flag in ("curvature", "comm_sensitivity", "embeddings_int8"):

@@ -5,7 +5,9 @@ free, a batch is formed from the oldest request and the next ones while it stays
 ``max_batch`` examples and the oldest has waited less than ``max_wait`` seconds; it is scored in
 that thread (the event loop keeps accepting requests) and every request of it answered.
 ``workers`` > 1: co-located model instances in one process (DeepRecSys's co-location; the
-weights are shared, XLA runs the batches concurrently).
+weights are shared, XLA runs the batches concurrently). A model with several programs (a
+next-item model's top-K and candidate scoring) names each request's ``entry``: a batch holds
+requests of one entry, the oldest request's and the next ones of it.
 
 Memory is bounded: a request that would take the queue beyond ``max_queue`` examples is refused
 at once (:class:`Overloaded`, counted in ``shed``), never queued without limit. Hand-written:
@@ -32,10 +34,14 @@ class Overloaded(RuntimeError):
 
 @dataclasses.dataclass
 class _Pending:
-    dense: np.ndarray
-    ids: np.ndarray
+    inputs: tuple[np.ndarray, ...]
     future: asyncio.Future
     arrived: float
+    entry: str = ""
+
+    @property
+    def size(self) -> int:
+        return int(self.inputs[0].shape[0])
 
 
 @dataclasses.dataclass
@@ -66,14 +72,17 @@ class DynamicBatcher:
     """``await batcher.score(dense [b, N], ids [b, F, H]) -> [b]``, batched with other calls.
 
     One collector forms batches in arrival order, each as soon as a worker is free: from the
-    oldest waiting request, adding the next ones while the batch stays within ``max_batch``
-    examples and the oldest has waited less than ``max_wait``. ``predict(dense, ids) -> scores``
-    runs in one of ``workers`` threads. Start with :meth:`start` (inside the running loop); stop
-    with :meth:`close`, which fails every request not yet answered."""
+    oldest waiting request, adding the next ones of its entry while the batch stays within
+    ``max_batch`` examples and the oldest has waited less than ``max_wait``.
+    ``predict(*inputs) -> outputs`` (``predict[entry]``, where it is a dict of entries) runs in
+    one of ``workers`` threads on the requests' inputs concatenated along their first axis; its
+    output, an array or a tuple of them, is split back along theirs. Start with :meth:`start`
+    (inside the running loop); stop with :meth:`close`, which fails every request not yet
+    answered."""
 
     def __init__(
         self,
-        predict: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        predict: Callable[..., Any] | dict[str, Callable[..., Any]],
         *,
         max_batch: int = 256,
         max_wait: float = 0.002,
@@ -114,14 +123,14 @@ class DynamicBatcher:
     def _fail_pending(self, err: Exception) -> None:
         while self._pending:
             p = self._pending.popleft()
-            self.stats.queued_examples -= int(p.dense.shape[0])
+            self.stats.queued_examples -= p.size
             if not p.future.done():
                 p.future.set_exception(err)
 
-    async def score(self, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    async def score(self, *inputs: np.ndarray, entry: str = "") -> Any:
         if self._closed:
             raise RuntimeError("the batcher is closed")
-        n = int(dense.shape[0])
+        n = int(inputs[0].shape[0])
         if n > self.max_batch:
             raise ValueError(f"a request of {n} examples exceeds max_batch={self.max_batch}")
         if self.stats.queued_examples + n > self.max_queue:
@@ -133,7 +142,7 @@ class DynamicBatcher:
         fut = asyncio.get_running_loop().create_future()
         self.stats.queued_examples += n
         self.stats.requests += 1
-        self._pending.append(_Pending(dense, ids, fut, time.perf_counter()))
+        self._pending.append(_Pending(inputs, fut, time.perf_counter(), entry))
         self._arrived.set()
         return await fut
 
@@ -145,16 +154,17 @@ class DynamicBatcher:
                 await self._arrived.wait()
             first = self._pending[0]
             deadline = first.arrived + self.max_wait
-            size = 0
             while True:  # wait for the batch to fill, until the oldest's deadline
-                size = 0
-                fits = 0
+                size, batch, full = 0, [], False
                 for p in self._pending:
-                    if size + p.dense.shape[0] > self.max_batch:
+                    if p.entry != first.entry:
+                        continue
+                    if size + p.size > self.max_batch:
+                        full = True
                         break
-                    size += int(p.dense.shape[0])
-                    fits += 1
-                full = fits < len(self._pending) or size >= self.max_batch
+                    size += p.size
+                    batch.append(p)
+                full = full or size >= self.max_batch
                 left = deadline - time.perf_counter()
                 if full or left <= 0:
                     break
@@ -163,7 +173,8 @@ class DynamicBatcher:
                     await asyncio.wait_for(self._arrived.wait(), left)
                 except TimeoutError:
                     pass
-            batch = [self._pending.popleft() for _ in range(fits)]
+            taken = {id(p) for p in batch}
+            self._pending = collections.deque(p for p in self._pending if id(p) not in taken)
             task = asyncio.create_task(self._run(batch, size))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
@@ -171,9 +182,9 @@ class DynamicBatcher:
     async def _run(self, batch: list[_Pending], size: int) -> None:
         loop = asyncio.get_running_loop()
         try:
-            dense = np.concatenate([p.dense for p in batch])
-            ids = np.concatenate([p.ids for p in batch])
-            scores = await loop.run_in_executor(self._pool, self.predict, dense, ids)
+            inputs = [np.concatenate(x) for x in zip(*(p.inputs for p in batch), strict=True)]
+            fn = self.predict[batch[0].entry] if isinstance(self.predict, dict) else self.predict
+            out = await loop.run_in_executor(self._pool, fn, *inputs)
         except BaseException as e:  # every request of the batch gets the error
             self.stats.errors += 1
             err = e if isinstance(e, Exception) else RuntimeError("scoring was cancelled")
@@ -193,7 +204,12 @@ class DynamicBatcher:
             self._free.release()
         start = 0
         for p in batch:
-            n = int(p.dense.shape[0])
+            n = p.size
+            part = (
+                tuple(o[start : start + n] for o in out)
+                if isinstance(out, tuple)
+                else out[start : start + n]
+            )
             if not p.future.done():
-                p.future.set_result(scores[start : start + n])
+                p.future.set_result(part)
             start += n

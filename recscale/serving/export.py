@@ -17,10 +17,16 @@
   ``data.kind=tabular`` run, or Frappe's and Criteo's as their specs state them
   (``data/tabular/serving.py``);
 * ``vocab.npz``: that encoding's vocabularies and side tables;
-* ``recscale_model.py`` and ``recscale_rows.py``: the loader (``recscale/serving/runtime.py``
-  and its raw-row encoder ``rows.py``, which import only numpy and jax):
-  ``Model.load(MODEL).predict(dense, ids)``, ``Model.encode(rows)`` of raw rows, and
-  ``python recscale_model.py MODEL FILE`` to score a raw data file.
+* ``recscale_model.py``, ``recscale_rows.py`` and ``recscale_next_item.py``: the loader
+  (``recscale/serving/runtime.py``, its raw-row encoder ``rows.py`` and ``next_item.py``, which
+  import only numpy and jax): ``Model.load(MODEL).predict(dense, ids)``, ``Model.encode(rows)``
+  of raw rows, and ``python recscale_model.py MODEL FILE`` to score a raw data file.
+
+A next-item model's run (``sequential``: HSTU, SASRec) is exported by its task's
+``serving_parts`` hook instead (``sequential/serving.py``): ``top_k.jax`` and ``score.jax`` over
+histories, the item table in float32, and ``task: next_item`` in the manifest, loaded by
+``recscale_next_item.NextItemModel``; the folder, the weights, the checks and the loader files
+are the same.
 
 The engine's sharded buffers are exported to one array per table first
 (``engine.export_tables``), so the artifact does not depend on the mesh or plan the run trained
@@ -32,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -49,13 +54,18 @@ from recscale.config import KernelConfig
 from recscale.embeddings import EmbeddingCollection, collection, engine
 from recscale.kernels.quantized_embedding_bag import precision as prec
 from recscale.metrics import EvalAccumulator
-from recscale.serving import rows, runtime
+from recscale.serving import runtime
+from recscale.serving.artifact import LOADER_FILES, ArtifactParts, check_out, swap_in
 from recscale.train.evaluation import restored
 from recscale.train.experiment import BuildModel
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 XLA_KERNELS = KernelConfig(
-    embedding_bag="xla", embedding_update="xla", dot_interaction="xla", fm_interaction="xla"
+    embedding_bag="xla",
+    embedding_update="xla",
+    dot_interaction="xla",
+    fm_interaction="xla",
+    hstu_attention="xla",
 )
 """The artifact's forward is plain StableHLO: every hot op in its jnp reference (a Pallas or
 FFI kernel is a custom call of one backend; XLA compiles the references for each)."""
@@ -151,37 +161,52 @@ def flat_weights(model: nnx.Module) -> tuple[nnx.GraphDef, dict[str, jax.Array],
     return graphdef, weights, [path for path, _ in flat]
 
 
+def merged(graphdef: nnx.GraphDef, paths: list, weights: dict[str, jax.Array]) -> nnx.Module:
+    """The model ``graphdef`` whose state is ``weights`` ``{name: array}`` (names and paths as
+    :func:`flat_weights` gives them): what an exported program rebuilds from its arguments."""
+    state = nnx.from_flat_state([(path, weights["/".join(map(str, path))]) for path in paths])
+    return nnx.merge(graphdef, state)
+
+
 def forward_fn(graphdef: nnx.GraphDef, paths: list) -> Any:
     """``f(weights, dense_bn, ids_bfh) -> probabilities [B]`` of the model ``graphdef`` whose
-    state is ``weights`` ``{name: array}`` (names as :func:`flat_weights` gives them)."""
+    state is ``weights`` (:func:`merged`)."""
 
     def forward(weights: dict[str, jax.Array], dense_bn: jax.Array, ids_bfh: jax.Array):
-        state = nnx.from_flat_state([(path, weights["/".join(map(str, path))]) for path in paths])
-        model = nnx.merge(graphdef, state)
+        model = merged(graphdef, paths, weights)
         return jax.nn.sigmoid(model(dense_bn, ids_bfh).astype(jnp.float32))
 
     return forward
+
+
+def host_weights(model: nnx.Module) -> tuple[nnx.GraphDef, dict[str, np.ndarray], list]:
+    """:func:`flat_weights` as host arrays (what the artifact stores)."""
+    graphdef, weights, paths = flat_weights(model)
+    return graphdef, {k: np.asarray(jax.device_get(v)) for k, v in weights.items()}, paths
+
+
+def lower(fn: Any, weights: dict[str, np.ndarray], inputs: tuple, platforms: tuple[str, ...]):
+    """The serialised ``jax.export`` of ``jit(fn)(weights, *inputs)`` (``inputs``:
+    ``jax.ShapeDtypeStruct`` s, symbolic dimensions allowed), lowered for ``platforms``."""
+    unknown = set(platforms) - set(PLATFORMS)
+    if unknown or not platforms:
+        raise ValueError(f"platforms {list(platforms)}: expected some of {', '.join(PLATFORMS)}")
+    specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in weights.items()}
+    exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(specs, *inputs)
+    return bytes(exported.serialize())
 
 
 def export_model(
     model: nnx.Module, num_dense: int, num_features: int, hotness: int, platforms: tuple[str, ...]
 ) -> tuple[bytes, dict[str, np.ndarray]]:
     """``(serialised exported forward, weights)`` of a serving model, for a symbolic batch."""
-    unknown = set(platforms) - set(PLATFORMS)
-    if unknown or not platforms:
-        raise ValueError(f"platforms {list(platforms)}: expected some of {', '.join(PLATFORMS)}")
-    graphdef, weights, paths = flat_weights(model)
-    weights = {k: np.asarray(jax.device_get(v)) for k, v in weights.items()}
+    graphdef, weights, paths = host_weights(model)
     (b,) = jax.export.symbolic_shape("b")
-    specs = (
-        {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in weights.items()},
+    inputs = (
         jax.ShapeDtypeStruct((b, num_dense), jnp.float32),
         jax.ShapeDtypeStruct((b, num_features, hotness), jnp.int32),
     )
-    exported = jax.export.export(jax.jit(forward_fn(graphdef, paths)), platforms=tuple(platforms))(
-        *specs
-    )
-    return bytes(exported.serialize()), weights
+    return lower(forward_fn(graphdef, paths), weights, inputs, platforms), weights
 
 
 def _vocab(source: Any) -> tuple[dict | None, dict[str, np.ndarray]]:
@@ -404,81 +429,6 @@ def choose_precisions(
     }
 
 
-ARTIFACT_FILES = frozenset(
-    {
-        runtime.MANIFEST,
-        runtime.WEIGHTS,
-        runtime.FORWARD,
-        runtime.VOCAB,
-        runtime.ROWS,
-        "recscale_model.py",
-    }
-)
-"""What an export writes: the only entries (with a ``__pycache__`` of the loader's) of a folder
-``--replace`` may replace."""
-
-
-def _not_an_artifact(path: Path) -> str | None:
-    """Why ``path`` is not a serving artifact folder export may replace, or None."""
-    if path.is_symlink() or not path.is_dir():
-        return "is not a folder"
-    try:
-        fmt = json.loads((path / runtime.MANIFEST).read_text()).get("format")
-    except (OSError, ValueError, AttributeError):
-        fmt = None
-    if fmt != runtime.FORMAT:
-        return f"has no {runtime.FORMAT} manifest.json"
-    for entry in path.iterdir():
-        if entry.name == "__pycache__" and not entry.is_symlink() and entry.is_dir():
-            if all(p.suffix == ".pyc" and not p.is_symlink() for p in entry.iterdir()):
-                continue
-        elif entry.name in ARTIFACT_FILES and not entry.is_symlink() and entry.is_file():
-            continue
-        return f"holds {entry.name!r}, which no export writes"
-    return None
-
-
-def _check_out(out: Path, workdir: Path, replace: bool = False) -> None:
-    """``out`` may be written: it is new, or (``replace``) a serving artifact; never the run's
-    folder, inside it or above it."""
-    o, w = out.resolve(), workdir.resolve()
-    if o == w or o in w.parents or w in o.parents:
-        raise ValueError(
-            f"--out {out}: must not be the run's folder {workdir}, inside it or above it"
-        )
-    if os.path.lexists(out):
-        _check_replaceable(out, replace)
-
-
-def _check_replaceable(out: Path, replace: bool) -> None:
-    """An existing ``out`` is replaced only when asked, and only if it is a serving artifact."""
-    if not replace:
-        raise ValueError(f"--out {out}: exists; pass --replace to replace a serving artifact")
-    why = _not_an_artifact(out)
-    if why:
-        raise ValueError(f"--out {out}: {why}; not a serving artifact, not replacing it")
-
-
-def _swap_in(tmp: Path, out: Path, replace: bool) -> None:
-    """Renames the finished artifact ``tmp`` to ``out``. An existing ``out`` (checked again
-    here: it may have changed during the export) is moved into a fresh folder of its own first
-    and deleted only once ``tmp`` is in its place; without ``replace`` an existing ``out`` is
-    refused (``os.rename`` would replace an empty folder made since the first check)."""
-    if not os.path.lexists(out):
-        os.rename(tmp, out)
-        return
-    _check_replaceable(out, replace)
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".replaced", dir=out.parent))
-    os.rename(out, old / out.name)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old / out.name, out)
-        old.rmdir()
-        raise
-    shutil.rmtree(old)  # the artifact _check_replaceable recognised, in the folder made for it
-
-
 def manifest_inputs(schema) -> dict:
     """The manifest's ``inputs``: what a request carries (dense names, each feature's table,
     vocabulary and bag size, the padding id), as the loader (``runtime.Model``) reads it."""
@@ -498,13 +448,67 @@ def manifest_inputs(schema) -> dict:
     }
 
 
+def _ctr_parts(r: Any, args: ExportArgs, log) -> ArtifactParts:
+    """A CTR model's part of the artifact: its forward (``forward.jax``), its tables in their
+    serving precisions, and its data's encoding of raw rows."""
+    schema = r.exp.source.schema
+    names = sorted({f.table_name for f in schema.features})
+    auto = None
+    if args.precision == "auto":
+        pinned = dict(item.split("=", 1) for item in args.table_precision)
+        table_precisions(names, "float32", args.table_precision)  # checked before the search
+        auto = choose_precisions(
+            r.exp,
+            r.exp.graphdef,
+            r.params,
+            r.batch_stats,
+            names,
+            budget=args.auc_budget,
+            candidates=args.auto_candidates,
+            pinned=pinned,
+            log=log,
+        )
+        precisions = auto["precisions"]
+    else:
+        precisions = table_precisions(names, args.precision, args.table_precision)
+    model, precisions = serving_model(r.exp.graphdef, r.params, r.batch_stats, precisions)
+    blob, weights = export_model(
+        model, schema.num_dense, schema.num_sparse, schema.max_hotness, tuple(args.platforms)
+    )
+    table_bytes = dict.fromkeys(names, 0)  # summed over the collections holding a table
+    dims = {}
+    for coll in _collections(model):
+        for t in coll.table_specs:
+            table_bytes[t.name] += prec.nbytes({k: v[...] for k, v in coll.tables[t.name].items()})
+            dims.setdefault(t.name, t.dim)
+    vocab, vocab_arrays = _vocab(r.exp.source)
+    manifest = {
+        "task": runtime.CTR,
+        "inputs": manifest_inputs(schema),
+        "output": "probability of a positive label, float32 [B]",
+        "tables": {
+            n: {"precision": precisions[n], "dim": dims[n], "bytes": table_bytes[n]} for n in names
+        },
+        "table_bytes": sum(table_bytes.values()),
+        "vocab": vocab,
+        "auto_precision": auto,
+    }
+    # (no vocab.npz where every table is hashed and nothing is joined)
+    arrays = vocab_arrays if vocab is not None else None
+    return ArtifactParts(
+        manifest=manifest, weights=weights, programs={runtime.FORWARD: blob}, arrays=arrays
+    )
+
+
 def export_workdir(
     config_cls: type, build_model: BuildModel, args: ExportArgs, family: str = "", log=None
 ) -> dict:
     """Writes the artifact of ``args`` and returns its manifest (``log``: progress lines, to
-    stderr by default)."""
+    stderr by default). The run's task makes its programs and manifest fields where it has a
+    ``serving_parts(restored, args) -> ArtifactParts`` hook (``sequential.task``'s next-item
+    models); else they are a CTR model's (:func:`_ctr_parts`)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    _check_out(Path(args.out), Path(args.workdir), args.replace)
+    check_out(Path(args.out), Path(args.workdir), args.replace)
     t0 = time.perf_counter()
     with restored(
         config_cls,
@@ -515,40 +519,10 @@ def export_workdir(
         num_devices=1,
         kernels=XLA_KERNELS,
     ) as r:
-        schema = r.exp.source.schema
-        names = sorted({f.table_name for f in schema.features})
-        auto = None
-        if args.precision == "auto":
-            pinned = dict(item.split("=", 1) for item in args.table_precision)
-            table_precisions(names, "float32", args.table_precision)  # checked before the search
-            auto = choose_precisions(
-                r.exp,
-                r.exp.graphdef,
-                r.params,
-                r.batch_stats,
-                names,
-                budget=args.auc_budget,
-                candidates=args.auto_candidates,
-                pinned=pinned,
-                log=log,
-            )
-            precisions = auto["precisions"]
-        else:
-            precisions = table_precisions(names, args.precision, args.table_precision)
-        model, precisions = serving_model(r.exp.graphdef, r.params, r.batch_stats, precisions)
-        blob, weights = export_model(
-            model, schema.num_dense, schema.num_sparse, schema.max_hotness, tuple(args.platforms)
-        )
-        table_bytes = dict.fromkeys(names, 0)  # summed over the collections holding a table
-        dims = {}
-        for coll in _collections(model):
-            for t in coll.table_specs:
-                table_bytes[t.name] += prec.nbytes(
-                    {k: v[...] for k, v in coll.tables[t.name].items()}
-                )
-                dims.setdefault(t.name, t.dim)
-        vocab, vocab_arrays = _vocab(r.exp.source)
+        hook = getattr(r.exp.task, "serving_parts", None)
+        parts = hook(r, args) if hook is not None else _ctr_parts(r, args, log)
         cfg, step = r.cfg, r.step
+    weights = parts.weights
     stored = {k: (v.view(np.uint16) if v.dtype == jnp.bfloat16 else v) for k, v in weights.items()}
     manifest = {
         "format": runtime.FORMAT,
@@ -557,18 +531,11 @@ def export_workdir(
             "workdir": str(Path(args.workdir).resolve()),
             "step": step,
             "data": cfg.data.kind,
-            "eval_path": cfg.data.eval_path,
+            "eval_path": getattr(cfg.data, "eval_path", None),
         },
         "platforms": list(args.platforms),
-        "inputs": manifest_inputs(schema),
-        "output": "probability of a positive label, float32 [B]",
-        "tables": {
-            n: {"precision": precisions[n], "dim": dims[n], "bytes": table_bytes[n]} for n in names
-        },
-        "table_bytes": sum(table_bytes.values()),
+        **parts.manifest,
         "weights": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in weights.items()},
-        "vocab": vocab,
-        "auto_precision": auto,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -577,13 +544,14 @@ def export_workdir(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         np.savez(tmp / runtime.WEIGHTS, **stored)
-        (tmp / runtime.FORWARD).write_bytes(blob)
-        if vocab is not None:  # (empty where every table is hashed and nothing is joined)
-            np.savez(tmp / runtime.VOCAB, **vocab_arrays)
+        for name, blob in parts.programs.items():
+            (tmp / name).write_bytes(blob)
+        if parts.arrays is not None:
+            np.savez(tmp / runtime.VOCAB, **parts.arrays)
         (tmp / runtime.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        shutil.copyfile(Path(runtime.__file__), tmp / "recscale_model.py")
-        shutil.copyfile(Path(rows.__file__), tmp / runtime.ROWS)  # the loader reads it
-        _swap_in(tmp, out, args.replace)
+        for name, module in LOADER_FILES.items():  # the jax-only loader
+            shutil.copyfile(Path(module), tmp / name)
+        swap_in(tmp, out, args.replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

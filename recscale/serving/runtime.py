@@ -16,6 +16,10 @@ feature's vocabulary is treated as a missing id (padding) and counted in
 ``Model.counters["out_of_vocab_ids"]``; nothing else is changed silently. Batches are padded to
 the next power of two, so a server's varying batch sizes compile a handful of programs.
 
+A next-item model's artifact (HSTU, SASRec: ``manifest["task"] == "next_item"``) is loaded by
+``recscale_next_item.NextItemModel`` beside this file, which reads it with
+:func:`read_artifact`; :class:`Model` refuses it, naming that loader.
+
 A model trained on a feature spec (``data.kind=tabular``), Frappe or Criteo also takes raw rows,
 as in its data files: ``model.encode(rows)`` gives the inputs training gave them
 (:class:`RowEncoder`), and ``python recscale_model.py MODEL FILE [--out SCORES]`` scores a whole
@@ -41,6 +45,10 @@ MANIFEST, WEIGHTS, FORWARD = "manifest.json", "weights.npz", "forward.jax"
 VOCAB = "vocab.npz"  # the arrays of the data's encoding (``RowEncoder``)
 TABULAR = "tabular/1"
 ROWS = "recscale_rows.py"  # the artifact's copy of ``recscale/serving/rows.py``, beside this file
+NEXT_ITEM = "recscale_next_item.py"  # ... of ``recscale/serving/next_item.py``
+CTR = "ctr"  # a manifest's task: probabilities of examples (this module's Model)
+LOADERS = {CTR: "recscale_model.Model", "next_item": "recscale_next_item.NextItemModel"}
+"""Each task's loader, in an artifact's folder (named in the error for a model of another)."""
 
 if __package__ == "recscale.serving":
     from recscale.serving.rows import (
@@ -55,7 +63,71 @@ else:  # an artifact's recscale_model.py: its encoder is the recscale_rows.py be
     # folder is on sys.path, as for recscale_model itself)
     from recscale_rows import CACHE_BYTES, ArtifactError, Malformed, RowEncoder, read_rows, show
 
-__all__ = ["FORMAT", "ArtifactError", "Model", "RowEncoder", "main", "read_rows"]
+__all__ = ["FORMAT", "ArtifactError", "Model", "RowEncoder", "main", "read_artifact", "read_rows"]
+
+
+def read_artifact(
+    path: Path, task: str, programs: tuple[str, ...]
+) -> tuple[dict, dict[str, np.ndarray], dict[str, Any]]:
+    """``(manifest, {name: weight}, {file: jax.export.Exported})`` of the artifact at ``path``,
+    a model of ``task`` (``ctr`` or ``next_item``) whose programs are the files ``programs``:
+    the format, the task and every weight's shape against the manifest checked; an
+    :class:`ArtifactError` naming the file and field where it is malformed."""
+    man_path = path / MANIFEST
+    if not man_path.is_file():
+        raise ArtifactError(f"{man_path}: not found (is {path} a recscale serving artifact?)")
+    try:
+        manifest = json.loads(man_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{man_path}: not JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        fmt = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ArtifactError(f"{man_path}: format {fmt!r}, expected {FORMAT}")
+    found = manifest.get("task", CTR)  # artifacts before next-item models have no task
+    if found != task:
+        raise ArtifactError(
+            f"{man_path}: a model of task {show(found)}; this loader reads {task} models "
+            f"({LOADERS.get(found, 'none of ours')} reads {show(found)})"
+        )
+    for key in ("inputs", "weights"):
+        if not isinstance(manifest.get(key), dict):
+            raise ArtifactError(f"{man_path}: the {key!r} field is missing")
+    try:
+        z = np.load(path / WEIGHTS, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ArtifactError(f"{path / WEIGHTS}: not a weights archive ({e})") from None
+    with z:
+        weights = {}
+        for name, meta in manifest["weights"].items():
+            if name not in z:
+                raise ArtifactError(f"{path / WEIGHTS}: weight {name!r} is missing")
+            a = z[name]
+            try:
+                weights[name] = a.view(jnp.bfloat16) if meta["dtype"] == "bfloat16" else a
+                want = list(meta["shape"])
+            except (KeyError, TypeError) as e:
+                raise ArtifactError(f"{man_path}: {Malformed(f'weights.{name}', e)}") from None
+            if list(weights[name].shape) != want:
+                raise ArtifactError(
+                    f"{path / WEIGHTS}: weight {name!r} has shape "
+                    f"{list(a.shape)}, the manifest says {meta['shape']}"
+                )
+    try:
+        import flatbuffers  # noqa: F401, PLC0415
+    except ImportError:
+        raise ArtifactError(
+            f"reading {path / programs[0]} needs the flatbuffers package (jax.export's format; "
+            "jax does not install it): pip install flatbuffers"
+        ) from None
+    exported = {}
+    for name in programs:
+        try:
+            exported[name] = jax.export.deserialize(bytearray((path / name).read_bytes()))
+        except Exception as e:  # noqa: BLE001 - flatbuffers and jax raise many kinds
+            raise ArtifactError(
+                f"{path / name}: not a serialised jax.export module ({type(e).__name__}: {e})"
+            ) from None
+    return manifest, weights, exported
 
 
 class _Arrays(dict):
@@ -116,57 +188,12 @@ class Model:
         remembers, :class:`RowEncoder`); an :class:`ArtifactError` naming the file and field
         where it is malformed."""
         path = Path(path)
-        man_path = path / MANIFEST
-        if not man_path.is_file():
-            raise ArtifactError(f"{man_path}: not found (is {path} a recscale serving artifact?)")
-        try:
-            manifest = json.loads(man_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ArtifactError(f"{man_path}: not JSON ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            fmt = manifest.get("format") if isinstance(manifest, dict) else None
-            raise ArtifactError(f"{man_path}: format {fmt!r}, expected {FORMAT}")
-        for key in ("inputs", "weights"):
-            if not isinstance(manifest.get(key), dict):
-                raise ArtifactError(f"{man_path}: the {key!r} field is missing")
-        try:
-            z = np.load(path / WEIGHTS, allow_pickle=False)
-        except (OSError, ValueError, zipfile.BadZipFile) as e:
-            raise ArtifactError(f"{path / WEIGHTS}: not a weights archive ({e})") from None
-        with z:
-            weights = {}
-            for name, meta in manifest["weights"].items():
-                if name not in z:
-                    raise ArtifactError(f"{path / WEIGHTS}: weight {name!r} is missing")
-                a = z[name]
-                try:
-                    weights[name] = a.view(jnp.bfloat16) if meta["dtype"] == "bfloat16" else a
-                    want = list(meta["shape"])
-                except (KeyError, TypeError) as e:
-                    raise ArtifactError(f"{man_path}: {Malformed(f'weights.{name}', e)}") from None
-                if list(weights[name].shape) != want:
-                    raise ArtifactError(
-                        f"{path / WEIGHTS}: weight {name!r} has shape "
-                        f"{list(a.shape)}, the manifest says {meta['shape']}"
-                    )
-        try:
-            import flatbuffers  # noqa: F401, PLC0415
-        except ImportError:
-            raise ArtifactError(
-                f"reading {path / FORWARD} needs the flatbuffers package (jax.export's format; "
-                "jax does not install it): pip install flatbuffers"
-            ) from None
-        try:
-            exported = jax.export.deserialize(bytearray((path / FORWARD).read_bytes()))
-        except Exception as e:  # noqa: BLE001 - flatbuffers and jax raise many kinds
-            raise ArtifactError(
-                f"{path / FORWARD}: not a serialised jax.export module ({type(e).__name__}: {e})"
-            ) from None
+        manifest, weights, programs = read_artifact(path, CTR, (FORWARD,))
         arrays, vocab = None, manifest.get("vocab")
         if vocab is not None and (not isinstance(vocab, dict) or vocab.get("kind") != TABULAR):
             kind = vocab.get("kind") if isinstance(vocab, dict) else vocab
             raise ArtifactError(
-                f"{man_path}: vocabulary kind {kind!r} is not supported by this "
+                f"{path / MANIFEST}: vocabulary kind {kind!r} is not supported by this "
                 f"loader ({TABULAR}): export the model again"
             )
         if vocab:
@@ -176,9 +203,9 @@ class Model:
             except (OSError, ValueError, zipfile.BadZipFile) as e:
                 raise ArtifactError(f"{path / VOCAB}: not a vocabulary archive ({e})") from None
         try:
-            return cls(manifest, weights, exported, device, arrays, cache_bytes)
+            return cls(manifest, weights, programs[FORWARD], device, arrays, cache_bytes)
         except Malformed as e:
-            raise ArtifactError(f"{man_path}: {e}") from None
+            raise ArtifactError(f"{path / MANIFEST}: {e}") from None
 
     def encode(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         """``(dense [B, N], ids [B, F, H], counts)`` from JSON-like requests, one per example.

@@ -9,8 +9,19 @@
   artifact has its data's encoding; else ``{"dense": {...}, "features": {...}}`` of ids) or
   ``{"dense": [[...]], "ids": [[[...]]]}`` (encoded arrays); answers ``{"scores": [...],
   "unseen_values": n, "missing_features": n}`` (and ``truncated_tokens`` for raw rows).
+* a next-item model's (``recscale.serving.next_item``, HSTU, SASRec) ``POST /predict`` takes
+  one history, item ids oldest first: ``{"history": [...], "k": 10, "exclude_history": true}``
+  answers its ``k`` best next items (at most ``max_k``; ``exclude_history`` true by default,
+  the history's own items left out as the ranking metrics do; fewer where fewer are left),
+  ``{"items": [...], "scores": [...], "truncated_events": n}``; ``{"history": [...],
+  "candidates": [...]}`` answers ``{"scores": [...]}`` of the candidates in their order (at most
+  ``max_candidates``). A history longer than the model's ``max_seq_len`` is cut to its most
+  recent events, as training cut it, and the events cut are counted (in the answer and
+  ``/metrics``); an id outside ``1..V``, a wrong type or a ``k`` out of range is a 400 naming
+  the field and the id. Requests of one program are batched together.
 * ``GET /healthz``: ``{"ok": true}``; ``GET /metrics``: the counters (requests, examples,
-  batches, mean batch, shed, malformed requests, out-of-vocabulary ids and unseen values).
+  batches, mean batch, shed, malformed requests, out-of-vocabulary ids and unseen values, or
+  a next-item model's truncated events).
 
 What a client can hold (issue 35), each refused with a one-line ``{"error": "..."}`` and the
 connection closed where the body was not read whole:
@@ -43,13 +54,17 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from recscale.serving import next_item
 from recscale.serving.batcher import DynamicBatcher, Overloaded
-from recscale.serving.runtime import ArtifactError, Model, show
+from recscale.serving.next_item import NextItemModel
+from recscale.serving.runtime import CACHE_BYTES, MANIFEST, ArtifactError, Model, show
 
 EXAMPLE_BYTES = 8 << 10
 """A request's bytes an example allows: ``max_body`` defaults to ``max_batch`` times this, plus
@@ -79,9 +94,15 @@ parser checks a name and a value each against ``MAX_FIELD``), held as about twic
 0.34 MiB a connection at these bounds, 2 MiB and more at aiohttp's defaults (tracemalloc)."""
 MAX_ERROR_CHARS = 300
 """The longest error message sent (values in it are cut to ~80 characters before)."""
+NEXT_ITEM_FIELDS = ("history", "k", "exclude_history", "candidates")
+"""A next-item request's fields (the module's docstring)."""
+NEXT_ITEM_CONTAINERS = 8
+"""Most ``{`` and ``[`` of a next-item request (it needs 3: the object and two lists)."""
+DEFAULT_K = 10
+"""A top-K request's ``k`` where it gives none (at most the model's ``max_k``)."""
 
 BATCHER = web.AppKey("batcher", DynamicBatcher)
-MODEL = web.AppKey("model", Model)
+MODEL = web.AppKey("model", object)  # a Model or a NextItemModel
 COUNTS = web.AppKey("counts", dict)
 POOL = web.AppKey("pool", concurrent.futures.ThreadPoolExecutor)
 log = logging.getLogger(__name__)
@@ -155,14 +176,17 @@ async def _read(request: web.Request, lim: Limits, held: list[int]) -> bytearray
     return buf
 
 
-def _decode(model: Model, raw: bytearray, lim: Limits) -> tuple:
-    """``(dense, ids, counts, out-of-vocabulary ids)`` of a body (in a thread)."""
+def _decode(model: Model | NextItemModel, raw: bytearray, lim: Limits) -> tuple:
+    """``(entry, inputs, finish)`` of a body (in a thread): the batcher's entry and inputs,
+    and ``finish(outputs, counts) -> answer``, which adds the request's counts."""
     containers = raw.count(b"{") + raw.count(b"[")  # before parsing: C speed, no objects
     if containers > lim.containers:
-        raise ArtifactError(
-            f"the body has {containers} objects and arrays, more than {lim.max_batch} "
-            f"examples (max_batch) hold"
+        holds = (
+            "a history request holds"
+            if isinstance(model, NextItemModel)
+            else f"{lim.max_batch} examples (max_batch) hold"
         )
+        raise ArtifactError(f"the body has {containers} objects and arrays, more than {holds}")
     try:
         text = raw.decode()
     except UnicodeDecodeError as e:
@@ -176,6 +200,10 @@ def _decode(model: Model, raw: bytearray, lim: Limits) -> tuple:
     except ValueError as e:  # JSONDecodeError; an integer past 4,300 digits
         raise ArtifactError(f"the body is not JSON: {show(str(e))[1:-1]}") from None
     del text
+    if isinstance(model, NextItemModel):
+        if not isinstance(body, dict):
+            raise ArtifactError("the body must be a JSON object with a history")
+        return _next_item(model, body)
     if not isinstance(body, dict):
         raise ArtifactError("the body must be a JSON object with examples (or dense and ids)")
     enc: dict[str, Any] = {"unseen_values": 0, "missing_features": 0}
@@ -195,7 +223,57 @@ def _decode(model: Model, raw: bytearray, lim: Limits) -> tuple:
             f"unknown fields {show(sorted(body))}: expected examples, or dense and ids"
         )
     dense, ids, oov = model.check(dense, ids)
-    return dense, ids, enc, oov
+
+    def finish(scores: np.ndarray, counts: dict) -> dict:
+        for k, v in enc.items():
+            counts[k] = counts.get(k, 0) + v
+        counts["out_of_vocab_ids"] += oov
+        return {"scores": [float(s) for s in scores], **enc}
+
+    return "", (dense, ids), finish
+
+
+def _next_item(model: NextItemModel, body: dict) -> tuple:
+    """:func:`_decode` of a next-item request (the module's docstring)."""
+    unknown = sorted(set(body) - set(NEXT_ITEM_FIELDS))
+    if unknown:
+        raise ArtifactError(
+            f"unknown field {show(unknown[0])} (expected {', '.join(NEXT_ITEM_FIELDS)})"
+        )
+    if "history" not in body:
+        raise ArtifactError("history: missing (a list of item ids, oldest first)")
+    items, length, cut = model.history(body["history"])
+    hist = (items[None], np.array([length], np.int32))
+    if "candidates" in body:
+        if "k" in body or "exclude_history" in body:
+            raise ArtifactError(
+                "candidates: scored as given; k and exclude_history are a top-K request's"
+            )
+        cands, n = model.candidates(body["candidates"])
+
+        def scored(scores: np.ndarray, counts: dict) -> dict:
+            counts["truncated_events"] += cut
+            return {"scores": [float(s) for s in scores[0, :n]], "truncated_events": cut}
+
+        return next_item.SCORE, (*hist, cands[None]), scored
+    k = model.k(body.get("k", min(DEFAULT_K, model.max_k)))
+    exclude = body.get("exclude_history", True)
+    if not isinstance(exclude, bool):
+        raise ArtifactError(
+            f"exclude_history: expected true or false, got {type(exclude).__name__} {show(exclude)}"
+        )
+
+    def ranked(out: tuple, counts: dict) -> dict:
+        ids, scores = out[0][0, :k], out[1][0, :k]
+        real = np.isfinite(scores)  # fewer than k items left once the history is excluded
+        counts["truncated_events"] += cut
+        return {
+            "items": ids[real].tolist(),
+            "scores": [float(s) for s in scores[real]],
+            "truncated_events": cut,
+        }
+
+    return next_item.TOP_K, (*hist, np.array([exclude])), ranked
 
 
 def _count(n: int, lim: Limits) -> None:
@@ -218,7 +296,7 @@ async def predict(request: web.Request) -> web.Response:
             return _error(e.status, str(e), close=True)
         loop = asyncio.get_running_loop()
         try:
-            dense, ids, enc, oov = await loop.run_in_executor(app[POOL], _decode, model, raw, lim)
+            entry, inputs, finish = await loop.run_in_executor(app[POOL], _decode, model, raw, lim)
         except ArtifactError as e:
             counts["malformed"] += 1
             return _error(400, str(e))
@@ -230,14 +308,11 @@ async def predict(request: web.Request) -> web.Response:
         lim.inflight -= held[0]
     del raw
     try:
-        scores = await batcher.score(dense, ids)
+        out = await batcher.score(*inputs, entry=entry)
     except Overloaded as e:
         return _error(503, str(e))
     # counted for answered requests only (a shed request is sent again)
-    for k, v in enc.items():
-        counts[k] = counts.get(k, 0) + v
-    counts["out_of_vocab_ids"] += oov
-    return web.json_response({"scores": [float(s) for s in scores], **enc})
+    return web.json_response(finish(out, counts))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -286,8 +361,20 @@ def memory_bound(
     return max_inflight + ENCODERS * 14 * max_body + cache_bytes + queue
 
 
+def load_model(path: str | Path, cache_bytes: int = CACHE_BYTES) -> Model | NextItemModel:
+    """The artifact at ``path``, by its manifest's ``task``: a next-item model's loader or the
+    CTR one (which names what is wrong with a manifest it cannot read)."""
+    try:
+        task = json.loads((Path(path) / MANIFEST).read_text()).get("task")
+    except (OSError, ValueError, AttributeError):
+        task = None
+    if task == next_item.TASK:
+        return NextItemModel.load(path)
+    return Model.load(path, cache_bytes=cache_bytes)
+
+
 def make_app(
-    model: Model,
+    model: Model | NextItemModel,
     *,
     max_batch: int = 256,
     max_wait: float = 0.002,
@@ -306,8 +393,20 @@ def make_app(
             f"server: max_body={max_body} >= 1, max_inflight={max_inflight} >= max_body, "
             f"body_timeout={body_timeout} > 0"
         )
+    if isinstance(model, NextItemModel):
+        predict_fn: Any = {
+            next_item.TOP_K: model.top_k_checked,
+            next_item.SCORE: model.score_checked,
+        }
+        containers = NEXT_ITEM_CONTAINERS
+        counts = {"truncated_events": 0}
+    else:
+        predict_fn = model.predict_checked
+        per_example = 2 * len(model.features) + 8  # bags as lists, the example, dense, features
+        containers = 8 + max_batch * per_example
+        counts = {"unseen_values": 0, "missing_features": 0, "out_of_vocab_ids": 0}
     batcher = DynamicBatcher(
-        model.predict_checked,
+        predict_fn,
         max_batch=max_batch,
         max_wait=max_wait,
         max_queue=max_queue,
@@ -326,18 +425,8 @@ def make_app(
         },
     )
     app[MODEL], app[BATCHER] = model, batcher
-    per_example = 2 * len(model.features) + 8  # bags as lists, the example, dense, features
-    app[LIMITS] = Limits(
-        max_batch, max_body, body_timeout, max_inflight, 8 + max_batch * per_example
-    )
-    app[COUNTS] = {
-        "malformed": 0,
-        "malformed_heads": 0,
-        "internal_errors": 0,
-        "unseen_values": 0,
-        "missing_features": 0,
-        "out_of_vocab_ids": 0,
-    }
+    app[LIMITS] = Limits(max_batch, max_body, body_timeout, max_inflight, containers)
+    app[COUNTS] = {"malformed": 0, "malformed_heads": 0, "internal_errors": 0, **counts}
     head_errors = _HeadErrors(app[COUNTS])
     app.router.add_post("/predict", predict)
     app.router.add_get("/healthz", healthz)
