@@ -66,13 +66,13 @@ def _unsupported(cfg: Any) -> list[str]:
     """What the sequential families do not train with yet, each with the flag to change."""
     out = []
     e = cfg.embeddings
-    for name, on in (
-        ("tiers", e.tiers),
-        ("measure_skew", e.measure_skew),
-        ("calibrate", e.calibrate),
+    for name, on, why in (
+        ("tiers", e.tiers, "tiered tables fill their caches from CTR batches' ids"),
+        ("measure_skew", e.measure_skew, "it counts CTR batches' ids"),
+        ("calibrate", e.calibrate, "it times lookups at a CTR model's embed_dim"),
     ):
         if on:
-            out.append(f"embeddings.{name}: it reads CTR batches' ids; leave it off")
+            out.append(f"embeddings.{name}: {why}; leave it off")
     if cfg.embedding_optim.cowclip_ratio:
         out.append("embedding_optim.cowclip_ratio: CowClip counts CTR batches' ids; set it to 0")
     if cfg.train.noise_scale_every:

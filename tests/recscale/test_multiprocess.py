@@ -6,8 +6,8 @@ against the one-process run on the same 8-device mesh (this pytest process).
   losses and end in the same state, to float32 rounding (``RTOL`` below says why not bitwise).
 - Each process reads only its share of every batch (``data_reads.jsonl``), on feature-spec
   files too: no process reads the whole dataset.
-- SASRec with its item table row-wise in the engine (2 processes) equals one process, and each
-  process materialises only its packs of histories.
+- SASRec with its item table row-wise in the engine (2 processes) equals one process, each
+  process materialises only its packs of histories, and its checkpoint evaluates on 2 devices.
 - Checkpoints written by every process together (orbax's multi-process protocol) restore in one
   process and in a run with another process count; a process SIGKILLed mid-step takes the run
   down (the launcher stops the others) and the relaunch of all resumes bitwise.
@@ -429,6 +429,21 @@ def test_a_multiprocess_checkpoint_is_relaid_out_for_fewer_devices(runs, process
     )
     assert got["step"] == want["step"] == STEPS and got["num_examples"] == want["num_examples"]
     for k in ("auc", "logloss"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+
+
+def test_a_sequential_multiprocess_checkpoint_is_relaid_out_for_fewer_devices(runs):
+    """The same for the 2-process SASRec run: its item table re-laid out for 2 devices, the
+    run's own final ranking metrics, to float32 rounding."""
+    fam = families.load("sasrec")
+    wd = runs / "p2" / SEQ_JOB[0]
+    rows = map(json.loads, (wd / "metrics.jsonl").read_text().splitlines())
+    want = [r for r in rows if r["split"] == "eval"][-1]
+    got = evaluate_workdir(
+        fam.config_cls, fam.build_model, EvalArgs(workdir=str(wd), num_devices=2)
+    )
+    assert got["step"] == want["step"] == STEPS and got["num_examples"] == want["num_examples"]
+    for k in ("loss", "hr@10", "ndcg@10", "mrr"):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
 
 

@@ -95,7 +95,7 @@ def test_evaluate_command_reproduces_the_final_evaluation(straight, tmp_path):
 def test_unsupported_settings_fail_clearly(tmp_path):
     from sequential.hstu import train as hstu_train  # noqa: PLC0415
 
-    with pytest.raises(SystemExit, match="embeddings.measure_skew: it reads CTR batches' ids"):
+    with pytest.raises(SystemExit, match="embeddings.measure_skew: it counts CTR batches' ids"):
         hstu_train.main(
             ["hstu/tiny", "--workdir", str(tmp_path / "a"), "--embeddings.measure-skew", "2"]
         )
