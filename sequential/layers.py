@@ -5,7 +5,10 @@ Both models read packed tokens (``data.sequences.JaggedBatch``'s ``values`` and 
 and return one user embedding per token slot, ``[T, D]``, zero for slots that are not a token
 of a sequence within its first ``N`` positions; a user embedding is scored against item
 embeddings of the same table the input reads (``item_embeddings``, ``item_table``), after an
-optional L2 normalisation (``sequential.losses``, ``sequential.metrics``).
+optional L2 normalisation (``sequential.losses``, ``sequential.metrics``). The table is an
+``EmbeddingCollection``'s, one array or laid out by the sharded embedding engine
+(:func:`engine_spec`); the model can be handed rows looked up beforehand (``items_td``), as a
+train step looks up all of its ids at once (``sequential.task``).
 
 Input (generative-recommenders' ``LearnablePositionalEmbeddingInputFeaturesPreprocessor``, as
 SASRec's official ``model.py``): ``x_t = sqrt(D) · E[item_t] + P[pos_t]``, dropout, zero at
@@ -19,14 +22,18 @@ model width, ``V`` items (table rows ``V + 1``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from data.sequences import PackConfig
 from recscale import sharding
 from recscale.embeddings.collection import EmbeddingCollection
+from recscale.embeddings.layout import EngineSpec
 from recscale.embeddings.spec import FeatureSpec, TableSpec
 from recscale.nn import dropout
 from sequential.config import SeqModelConfig
@@ -104,12 +111,51 @@ def fold(key: jax.Array | None, i: int) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, i)
 
 
+def lookup_ids_per_step(cfg: Any) -> int:
+    """Item ids a training step of run config ``cfg`` looks up (``sequential.task``): per pack
+    its ``T_pad`` token slots, their ``T_pad`` targets and the negatives (``K`` shared ones of
+    the sampled softmax, ``T_pad`` of the BCE, none of the full softmax), times the packs;
+    plus the ``V + 1`` rows of the whole table for the full softmax."""
+    t = PackConfig(
+        token_budget=cfg.data.token_budget, block_size=cfg.data.block_size
+    ).max_tokens_padded
+    loss = cfg.loss
+    negatives = {"sampled_softmax": loss.num_negatives, "bce": t}.get(loss.kind, 0)
+    table = cfg.model.n_items + 1 if loss.kind == "full_softmax" else 0
+    return cfg.data.batch_size * (2 * t + negatives) + table
+
+
+def engine_spec(cfg: Any) -> EngineSpec | None:
+    """The item table's ``EngineSpec`` of run config ``cfg`` (None: the per-table path): the
+    config's, with the planner's batch the ids a step looks up (:func:`lookup_ids_per_step`)
+    instead of the packs ``data.batch_size`` counts."""
+    spec = EngineSpec.from_config(cfg)
+    if spec is None:
+        return None
+    return dataclasses.replace(spec, batch_size=lookup_ids_per_step(cfg))
+
+
+def table_rows(table_vd: jax.Array, ids: jax.Array) -> jax.Array:
+    """``[..., D]``: rows ``ids`` (``[...]`` int) of a whole item table ``[V + 1, D]``, zero
+    for padding (id 0) and ids past ``V``, as :meth:`SeqModel.item_embeddings` reads them."""
+    ids = jnp.asarray(ids, jnp.int32)
+    ok = (ids > 0) & (ids < table_vd.shape[0])
+    rows = jnp.take(table_vd, jnp.where(ok, ids, 0), axis=0)
+    return jnp.where(ok[..., None], rows, 0.0)
+
+
 class SeqModel(nnx.Module):
     """The base of HSTU and SASRec: the item table (an ``EmbeddingCollection`` of one table
     ``item`` ``[V + 1, D]``, so optimizers see an ``EmbeddingTable``), the positional embedding
-    ``[N, D]``, the input, and the call ``(values, offsets) -> user embeddings [T, D]``."""
+    ``[N, D]``, the input, and the call ``(values, offsets) -> user embeddings [T, D]``.
 
-    def __init__(self, cfg: SeqModelConfig, *, rngs: nnx.Rngs):
+    ``engine``: the item table lives in the sharded embedding engine
+    (``recscale.embeddings.engine``; :func:`engine_spec`), laid out by its planner and looked
+    up by its ``shard_map`` collectives; None: one ``[V + 1, D]`` array (the per-table path).
+    Either way :meth:`item_embeddings` is one lookup of the collection, the one a train step
+    may make (the engine records the rows it read for its sparse update)."""
+
+    def __init__(self, cfg: SeqModelConfig, *, rngs: nnx.Rngs, engine: EngineSpec | None = None):
         self.cfg = nnx.static(cfg)
         d = cfg.d_model
         table = TableSpec(
@@ -120,28 +166,45 @@ class SeqModel(nnx.Module):
             init_scale=cfg.embedding_init_scale,
         )
         self.embeddings = EmbeddingCollection(
-            (table,), (FeatureSpec(name=ITEM_TABLE, table=ITEM_TABLE),), rngs=rngs
+            (table,), (FeatureSpec(name=ITEM_TABLE, table=ITEM_TABLE),), rngs=rngs, engine=engine
         )
         pos_nd = jax.random.truncated_normal(rngs.params(), -2.0, 2.0, (cfg.max_seq_len, d))
         self.positions = sharding.param(nnx.Param, pos_nd * (1.0 / d) ** 0.5, None, "embed")
 
     def item_embeddings(self, ids: jax.Array) -> jax.Array:
-        """``[..., D]``: the rows of items ``ids`` (``[...]`` int), zero for padding (id 0)."""
+        """``[..., D]``: the rows of items ``ids`` (``[...]`` int), zero for padding (id 0),
+        in one lookup of the item table (each id a bag of one)."""
         flat = jnp.asarray(ids, jnp.int32).reshape(-1)
         flat = jnp.where((flat > 0) & (flat <= self.cfg.n_items), flat, -1)  # -1: not read
-        emb = self.embeddings(flat[:, None, None])[:, 0]
+        # The lookup splits its bags evenly over the batch devices (the engine's over its own).
+        layout = self.embeddings.layout
+        split = math.lcm(sharding.axis_size("batch"), layout.num_devices if layout else 1)
+        n = flat.shape[0]
+        flat = jnp.pad(flat, (0, -n % split), constant_values=-1)
+        emb = self.embeddings(flat[:, None, None])[:n, 0]
         return emb.reshape(*ids.shape, self.cfg.d_model)
 
     def item_table(self) -> jax.Array:
-        """``[V + 1, D]``: the whole item table (row 0 is padding: callers exclude it)."""
+        """``[V + 1, D]``: the whole item table (row 0 is padding: callers exclude it). The
+        engine's is gathered by a lookup of every item (row 0 then zero), which serves every
+        layout alike; it is not a train step's lookup (that one is :meth:`item_embeddings`)."""
+        if self.embeddings.layout is not None:
+            return self.item_embeddings(jnp.arange(self.cfg.n_items + 1, dtype=jnp.int32))
         return self.embeddings.tables[ITEM_TABLE][...][: self.cfg.n_items + 1]
 
     def embed(
-        self, values_t: jax.Array, tokens: Tokens, dropout_key: jax.Array | None
+        self,
+        values_t: jax.Array,
+        tokens: Tokens,
+        dropout_key: jax.Array | None,
+        items_td: jax.Array | None = None,
     ) -> jax.Array:
-        """``x [T, D] = sqrt(D) · E[item] + P[pos]``, dropout, zero at invalid slots."""
+        """``x [T, D] = sqrt(D) · E[item] + P[pos]``, dropout, zero at invalid slots
+        (``items_td``: the rows ``E[item]``, if already looked up)."""
         cfg = self.cfg
-        x = self.item_embeddings(values_t) * cfg.d_model**0.5
+        if items_td is None:
+            items_td = self.item_embeddings(values_t)
+        x = items_td * cfg.d_model**0.5
         x = x + self.positions[...][jnp.clip(tokens.pos, 0, cfg.max_seq_len - 1)]
         x = dropout(x, cfg.dropout, dropout_key)
         return jnp.where(tokens.valid[:, None], x, 0.0)
@@ -153,14 +216,20 @@ class SeqModel(nnx.Module):
         raise NotImplementedError
 
     def __call__(
-        self, values: jax.Array, offsets: jax.Array, *, dropout_key: jax.Array | None = None
+        self,
+        values: jax.Array,
+        offsets: jax.Array,
+        *,
+        dropout_key: jax.Array | None = None,
+        items_td: jax.Array | None = None,
     ) -> jax.Array:
         """User embeddings ``[T, D]`` of packed tokens ``values [T]`` with boundaries
         ``offsets [B + 1]``: row t summarises its sequence up to and including token t; zero
         at invalid slots (the tail, positions ``>= N``). A training call passes
-        ``dropout_key``."""
+        ``dropout_key``; ``items_td [T, D]``: the tokens' item rows, if already looked up (a
+        train step looks up every id it needs at once, ``sequential.task``)."""
         values, offsets = jnp.asarray(values, jnp.int32), jnp.asarray(offsets, jnp.int32)
         tokens = token_layout(offsets, values.shape[0], self.cfg.max_seq_len)
-        x_td = self.embed(values, tokens, fold(dropout_key, 0))
+        x_td = self.embed(values, tokens, fold(dropout_key, 0), items_td)
         out_td = self.encode(x_td, offsets, tokens, fold(dropout_key, 1))
         return jnp.where(tokens.valid[:, None], out_td, 0.0)

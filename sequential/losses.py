@@ -67,8 +67,11 @@ def supervision(batch: Any, max_seq_len: int) -> Supervision:
 
 
 def l2_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """``x / max(|x|, eps)`` over the last axis."""
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+    """``x / max(|x|, eps)`` over the last axis, with a finite gradient at ``x = 0`` (a
+    padding row's: ``|x|``'s own is 0/0 there, and the engine's sparse update sees the rows'
+    gradients before any mask, ``recscale.embeddings.update``)."""
+    sq = jnp.sum(x * x, axis=-1, keepdims=True)
+    return x / jnp.sqrt(jnp.maximum(sq, eps * eps))
 
 
 def _reduce(loss_t: jax.Array, w_t: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -179,6 +182,81 @@ def bce_negatives(
     return chosen
 
 
+class Negatives(NamedTuple):
+    """A pack's negatives: ``ids`` int32 ``[K]`` (the sampled softmax's, shared by its
+    tokens), ``[T]`` (the BCE's, one per token slot) or ``[0]`` (the full softmax scores every
+    item), and ``log_count`` float32 ``[K]``, the sampled softmax's corrections ``c``
+    (``[0]`` otherwise)."""
+
+    ids: jax.Array
+    log_count: jax.Array
+
+
+def draw_negatives(
+    batch: Any,
+    key: jax.Array | None,
+    cfg: LossConfig,
+    *,
+    n_items: int,
+    max_seq_len: int,
+    item_log_q: jax.Array | None = None,
+) -> Negatives:
+    """The :class:`Negatives` loss ``cfg`` draws with ``key`` for a ``JaggedBatch`` (ids only:
+    a train step looks up their rows with the batch's tokens and targets, in one lookup)."""
+    none = jnp.zeros((0,), jnp.float32)
+    if cfg.kind == "full_softmax":
+        return Negatives(jnp.zeros((0,), jnp.int32), none)
+    if cfg.kind == "sampled_softmax":
+        return Negatives(*sample_negatives(key, cfg, n_items, item_log_q))
+    sup = supervision(batch, max_seq_len)
+    ids = bce_negatives(
+        key,
+        batch.values,
+        batch.offsets,
+        sup.targets,
+        sup.tokens,
+        n_items=n_items,
+        max_seq_len=max_seq_len,
+        exclude_history=cfg.bce_exclude_history,
+    )
+    return Negatives(ids, none)
+
+
+def loss_sums(
+    user_td: jax.Array,
+    sup: Supervision,
+    cfg: LossConfig,
+    *,
+    pos_td: jax.Array | None = None,
+    neg: Negatives | None = None,
+    neg_rows: jax.Array | None = None,
+    table_vd: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(Σ w ℓ, Σ w)`` of loss ``cfg`` (module docstring) from looked-up rows, before any
+    normalisation: the model's output ``[T, D]``, the targets' rows ``pos_td [T, D]`` and the
+    negatives' ``neg_rows`` (``[K, D]`` or ``[T, D]``) with their :class:`Negatives`, or the
+    whole table ``[V + 1, D]`` for the full softmax."""
+
+    def norm(x):
+        return l2_normalize(x, cfg.l2_eps) if cfg.l2_norm else x
+
+    user_td, tau = norm(user_td), cfg.temperature
+    if cfg.kind == "full_softmax":
+        return full_softmax(user_td, norm(table_vd), sup.targets, sup.weights, temperature=tau)
+    if cfg.kind == "sampled_softmax":
+        return sampled_softmax(
+            user_td,
+            norm(pos_td),
+            sup.targets,
+            norm(neg_rows),
+            neg.ids,
+            neg.log_count,
+            sup.weights,
+            temperature=tau,
+        )
+    return bce(user_td, norm(pos_td), norm(neg_rows), sup.weights, temperature=tau)
+
+
 def next_item_loss(
     model: SeqModel,
     batch: Any,
@@ -188,55 +266,35 @@ def next_item_loss(
     item_log_q: jax.Array | None = None,
     dropout_key: jax.Array | None = None,
     user_td: jax.Array | None = None,
+    table_vd: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(loss, {"loss_sum", "weight"})`` of ``model`` on a ``JaggedBatch`` (module
     docstring): the mean over supervised tokens and its two sums. ``key`` draws the negatives;
     ``dropout_key`` makes it a training call; ``item_log_q`` is the popularity sampler's
     ``log q [V + 1]``; ``user_td``: the model's output on the batch, if already computed (an
-    evaluation's). Jit-able; the trainer's loss hook (``sequential.task``)."""
+    evaluation's); ``table_vd``: the whole item table, if already gathered (the full softmax,
+    ``SeqModel.item_table``). Jit-able. Rows are looked up here, one call each; the trainer's
+    loss hook (``sequential.task``) draws the negatives of all its packs first and looks every
+    row up at once."""
     mcfg = model.cfg
-    n_items, eps = mcfg.n_items, cfg.l2_eps
-
-    def norm(x):
-        return l2_normalize(x, eps) if cfg.l2_norm else x
-
     sup = supervision(batch, mcfg.max_seq_len)
     if user_td is None:
         user_td = model(batch.values, batch.offsets, dropout_key=dropout_key)
-    user_td = norm(user_td)
+    neg = draw_negatives(
+        batch,
+        key,
+        cfg,
+        n_items=mcfg.n_items,
+        max_seq_len=mcfg.max_seq_len,
+        item_log_q=item_log_q,
+    )
     if cfg.kind == "full_softmax":
-        sums = full_softmax(
-            user_td, norm(model.item_table()), sup.targets, sup.weights, temperature=cfg.temperature
-        )
-    elif cfg.kind == "sampled_softmax":
-        neg_ids, log_count = sample_negatives(key, cfg, n_items, item_log_q)
-        sums = sampled_softmax(
-            user_td,
-            norm(model.item_embeddings(sup.targets)),
-            sup.targets,
-            norm(model.item_embeddings(neg_ids)),
-            neg_ids,
-            log_count,
-            sup.weights,
-            temperature=cfg.temperature,
-        )
+        rows = {"table_vd": model.item_table() if table_vd is None else table_vd}
     else:
-        neg_t = bce_negatives(
-            key,
-            batch.values,
-            batch.offsets,
-            sup.targets,
-            sup.tokens,
-            n_items=n_items,
-            max_seq_len=mcfg.max_seq_len,
-            exclude_history=cfg.bce_exclude_history,
-        )
-        sums = bce(
-            user_td,
-            norm(model.item_embeddings(sup.targets)),
-            norm(model.item_embeddings(neg_t)),
-            sup.weights,
-            temperature=cfg.temperature,
-        )
-    loss_sum, weight = sums
+        rows = {
+            "pos_td": model.item_embeddings(sup.targets),
+            "neg": neg,
+            "neg_rows": model.item_embeddings(neg.ids),
+        }
+    loss_sum, weight = loss_sums(user_td, sup, cfg, **rows)
     return loss_sum / jnp.maximum(weight, 1.0), {"loss_sum": loss_sum, "weight": weight}

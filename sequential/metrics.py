@@ -51,7 +51,7 @@ import numpy as np
 
 from data import counter_rng as rng
 from data.sequences.histories import Histories
-from sequential.layers import SeqModel, to_padded
+from sequential.layers import SeqModel, table_rows, to_padded
 from sequential.losses import l2_normalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -165,17 +165,20 @@ def full_metrics(
     exclude_history: bool = True,
     chunk: int = 8192,
     user_td: jax.Array | None = None,
+    table_vd: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """:func:`metric_sums` of the full ranking of each sequence's held-out target (module
     docstring). ``l2_norm`` must match the training loss's ``LossConfig.l2_norm``;
-    ``user_td``: ``model(batch.values, batch.offsets)``, if already computed."""
+    ``user_td``: ``model(batch.values, batch.offsets)``, if already computed; ``table_vd``:
+    ``model.item_table()``, if already gathered."""
     n = model.cfg.max_seq_len
     q = last_token_queries(batch, n)
     user_bd = _user_rows(model, batch, user_td, q)
     history = None
     if exclude_history:
         history, _ = to_padded(jnp.asarray(batch.values, jnp.int32), batch.offsets, n)
-    rank = rank_full(user_bd, model.item_table(), q.target, history, l2_norm=l2_norm, chunk=chunk)
+    table_vd = model.item_table() if table_vd is None else table_vd
+    rank = rank_full(user_bd, table_vd, q.target, history, l2_norm=l2_norm, chunk=chunk)
     return metric_sums(rank, q.valid, ks)
 
 
@@ -187,13 +190,18 @@ def sampled_metrics(
     ks: Sequence[int] = (10,),
     l2_norm: bool = False,
     user_td: jax.Array | None = None,
+    table_vd: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """:func:`metric_sums` of SASRec's sampled protocol: each sequence's target against its
     negatives ``[B, S]`` (:func:`sasrec_negatives` of the batch's ``user_rows``); ``user_td``
-    as :func:`full_metrics`'."""
+    and ``table_vd`` as :func:`full_metrics`' (with the table, candidates are its rows)."""
     q = last_token_queries(batch, model.cfg.max_seq_len)
     user_bd = _user_rows(model, batch, user_td, q)
-    cand = model.item_embeddings(jnp.concatenate([q.target[:, None], negatives_bs], axis=1))
+    cand_ids = jnp.concatenate([q.target[:, None], negatives_bs], axis=1)
+    if table_vd is None:
+        cand = model.item_embeddings(cand_ids)
+    else:
+        cand = table_rows(table_vd, cand_ids)
     if l2_norm:
         cand = l2_normalize(cand, 1e-6)
     return metric_sums(rank_sampled(user_bd, cand), q.valid, ks)

@@ -96,14 +96,17 @@ class SequenceDataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequentialConfig(ExperimentConfig):
     """A sequential recommender's run: packs of histories, a next-item loss, ranking metrics.
-    Its item table is trained on the per-table path (``embeddings.sharding`` off)."""
+    Its item table is one ``EmbeddingCollection`` table: in the sharded embedding engine
+    (``embeddings.sharding`` row_wise, table_wise, data_parallel, auto, ...; sparse row updates
+    by ``embedding_optim``) or one array on the per-table path (``off``; optax)."""
 
     data: SequenceDataConfig = SequenceDataConfig()
     """Histories and their packing."""
     loss: LossConfig = LossConfig()
     """The training loss (``sequential.losses``)."""
     embeddings: EmbeddingShardingConfig = EmbeddingShardingConfig(sharding="off")
-    """The item table's storage: the per-table path only (``sharding`` off)."""
+    """The item table's storage (``sequential.task``: a step's ids in one lookup); the per-table
+    path (``off``) by default."""
 
     def __post_init__(self):
         d, n_items = self.data, self.model.n_items

@@ -6,6 +6,19 @@ the model and the loss are ``jax.vmap``-ed over the pack axis, so each device ru
 histories and the batch-mean loss is the sum over packs of the losses' sums over their sum of
 weights (each supervised token weighs the same, whatever pack it is in).
 
+Lookups: a training step first draws every pack's negatives (ids only), then looks up all
+the item ids it reads, ``[P, T_pad + T_pad + K]`` (the packs' tokens, their targets, the
+negatives: ``K`` shared ones of the sampled softmax, ``T_pad`` of the BCE) in **one** call of the
+item table, each id a bag of one (``SeqModel.item_embeddings``), and vmaps the model and the
+loss over the packs with those rows. With the sharded engine (``embeddings.sharding`` other than
+off) that is one all-to-all each way, and the gradients of the looked-up rows go to the engine's
+sparse row update (SGD, row-wise Adagrad or lazy Adam, ``embedding_optim``), never a table
+gradient; per-table, to the table's optax update. The full softmax scores every item: its
+step's lookup appends ids ``0..V`` (the whole table, ``[V + 1, D]``), so the engine serves it
+too, at the cost of moving the whole table through the all-to-all each way and updating every
+row each step (its lazy Adam then is the per-table path's dense Adam); the sampled losses move
+``P·(2·T_pad + K)`` rows.
+
 Randomness: the step's key (split off ``TrainState.rng``, checkpointed) is split into a
 negatives key and a dropout key, and each pack ``p`` folds in ``p``: pack ``p`` draws its own
 sampled-softmax negatives (shared by its tokens) or BCE negatives, and its own dropout masks.
@@ -16,7 +29,12 @@ softmax-trained model's is comparable with the planted data's ``bayes_loss``), t
 of each history's held-out item (``hr@10``, ``ndcg@10``, ``hr@50``, ``ndcg@50``, ``mrr``,
 ``sequential.metrics.full_metrics``) and, with ``data.sampled_negatives``, SASRec's sampled
 protocol (``sampled_hr@10``, ``sampled_ndcg@10``, ``sampled_mrr``). All are sums over packs and
-batches, divided at the end (``sequential.metrics.finalize``).
+batches, divided at the end (``sequential.metrics.finalize``). Every pack reads one copy of the
+whole table, gathered once per step (``SeqModel.item_table``; the engine's by one lookup of ids
+``0..V``, which serves every layout alike): exact ranks for every K (``metrics.rank_full``'s
+chunked count), at ``[V + 1, D]`` on each device during evaluation. Scoring shard by shard and
+summing each target's count of better items over the shards would bound that at a shard's rows
+(exact too, unlike a top-K merge for K fixed in advance); not needed at the catalogue sizes here.
 
 Cost: the train rows' ``tokens`` (real tokens per step) and ``tokens_x_len`` (the sum over those
 tokens of their history's length) give the per-token cost ``cfg.model.cost(seq_len=...,
@@ -37,6 +55,7 @@ from flax import nnx
 
 from recscale.config import ConfigError
 from sequential import losses, metrics, serving
+from sequential.layers import table_rows
 from sequential.source import SequenceSource
 
 FULL_KS = (10, 50)
@@ -46,12 +65,14 @@ SAMPLED_KS = (10,)
 def _unsupported(cfg: Any) -> list[str]:
     """What the sequential families do not train with yet, each with the flag to change."""
     out = []
-    if cfg.embeddings.sharding != "off":
-        out.append(
-            f"embeddings.sharding={cfg.embeddings.sharding!r}: the sharded embedding engine does "
-            "not serve the item table yet (three lookups of different sizes per step and a "
-            "full-table scoring); set --embeddings.sharding off (the per-table path)"
-        )
+    e = cfg.embeddings
+    for name, on, why in (
+        ("tiers", e.tiers, "tiered tables fill their caches from CTR batches' ids"),
+        ("measure_skew", e.measure_skew, "it counts CTR batches' ids"),
+        ("calibrate", e.calibrate, "it times lookups at a CTR model's embed_dim"),
+    ):
+        if on:
+            out.append(f"embeddings.{name}: {why}; leave it off")
     if cfg.embedding_optim.cowclip_ratio:
         out.append("embedding_optim.cowclip_ratio: CowClip counts CTR batches' ids; set it to 0")
     if cfg.train.noise_scale_every:
@@ -127,22 +148,48 @@ class SequentialTask:
         lcfg, n = self.cfg.loss, self.cfg.model.max_seq_len
         neg_key, drop_key = jax.random.split(key)
         log_q = args.get("item_log_q")
+        packs, t = batch.values.shape
+        pack_ids = jnp.arange(packs)
 
-        def one(pack, p):
-            _, sums = losses.next_item_loss(
-                model,
-                pack,
-                jax.random.fold_in(neg_key, p),
-                lcfg,
-                item_log_q=log_q,
+        def draw(pack, p):
+            k = jax.random.fold_in(neg_key, p)
+            return losses.draw_negatives(
+                pack, k, lcfg, n_items=model.cfg.n_items, max_seq_len=n, item_log_q=log_q
+            )
+
+        neg = jax.vmap(draw)(batch, pack_ids)
+        # Every row the step reads, in one lookup of the item table: the engine's one
+        # all-to-all each way, and one sparse update that sees each row's gradient once.
+        ids_pm = jnp.concatenate([batch.values, batch.targets, neg.ids], axis=1)
+        flat = ids_pm.reshape(-1)
+        if lcfg.kind == "full_softmax":  # every item is a negative: the table joins the lookup
+            flat = jnp.concatenate([flat, jnp.arange(model.cfg.n_items + 1, dtype=jnp.int32)])
+        rows = model.item_embeddings(flat)
+        rows_pmd = rows[: ids_pm.size].reshape(*ids_pm.shape, -1)
+        table_vd = rows[ids_pm.size :] if lcfg.kind == "full_softmax" else None
+
+        def one(pack, rows_md, neg_p, p):
+            user_td = model(
+                pack.values,
+                pack.offsets,
                 dropout_key=jax.random.fold_in(drop_key, p),
+                items_td=rows_md[:t],
+            )
+            sup = losses.supervision(pack, n)
+            loss_sum, weight = losses.loss_sums(
+                user_td,
+                sup,
+                lcfg,
+                pos_td=rows_md[t : 2 * t],
+                neg=neg_p,
+                neg_rows=rows_md[2 * t :],
+                table_vd=table_vd,
             )
             n_b = jnp.minimum(jnp.diff(pack.offsets), n).astype(jnp.float32)
-            return sums["loss_sum"], sums["weight"], n_b.sum(), jnp.sum(n_b * n_b)
+            return loss_sum, weight, n_b.sum(), jnp.sum(n_b * n_b)
 
-        packs = batch.offsets.shape[0]
         loss_sum, weight, tokens, tokens_x_len = (
-            x.sum() for x in jax.vmap(one)(batch, jnp.arange(packs))
+            x.sum() for x in jax.vmap(one)(batch, rows_pmd, neg, pack_ids)
         )
         out = {"tokens": tokens, "tokens_x_len": tokens_x_len, "targets": weight}
         return loss_sum / jnp.maximum(weight, 1.0), out
@@ -154,38 +201,59 @@ class SequentialTask:
         # not [T, V].
         last_only = self.cfg.data.kind in ("sasrec", "tabular")
 
-        def one(model, pack, negatives):
-            user_td = model(pack.values, pack.offsets)
+        def one(model, table_vd, pack, negatives):
+            items_td = table_rows(table_vd, pack.values)
+            user_td = model(pack.values, pack.offsets, items_td=items_td)
             if last_only:
                 q = metrics.last_token_queries(pack, n)
-                user_bd, table_vd = user_td[q.index], model.item_table()
+                user_bd, tab_vd = user_td[q.index], table_vd
                 if lcfg.l2_norm:
                     user_bd = losses.l2_normalize(user_bd, lcfg.l2_eps)
-                    table_vd = losses.l2_normalize(table_vd, lcfg.l2_eps)
+                    tab_vd = losses.l2_normalize(tab_vd, lcfg.l2_eps)
                 loss_sum, weight = losses.full_softmax(
                     user_bd,
-                    table_vd,
+                    tab_vd,
                     q.target,
                     q.valid.astype(jnp.float32),
                     temperature=lcfg.temperature,
                 )
                 out = {"loss_sum": loss_sum, "weight": weight}
             else:
-                _, out = losses.next_item_loss(model, pack, None, full_loss, user_td=user_td)
+                _, out = losses.next_item_loss(
+                    model, pack, None, full_loss, user_td=user_td, table_vd=table_vd
+                )
             out = dict(out)
             out.update(
-                metrics.full_metrics(model, pack, ks=FULL_KS, l2_norm=lcfg.l2_norm, user_td=user_td)
+                metrics.full_metrics(
+                    model,
+                    pack,
+                    ks=FULL_KS,
+                    l2_norm=lcfg.l2_norm,
+                    user_td=user_td,
+                    table_vd=table_vd,
+                )
             )
             if negatives is not None:
                 sampled = metrics.sampled_metrics(
-                    model, pack, negatives, ks=SAMPLED_KS, l2_norm=lcfg.l2_norm, user_td=user_td
+                    model,
+                    pack,
+                    negatives,
+                    ks=SAMPLED_KS,
+                    l2_norm=lcfg.l2_norm,
+                    user_td=user_td,
+                    table_vd=table_vd,
                 )
                 out.update({f"sampled_{k}": v for k, v in sampled.items()})
             return out
 
         def eval_step(params, batch_stats, batch) -> dict:
             model = nnx.merge(graphdef, params, batch_stats)
-            per_pack = jax.vmap(lambda pk, ng: one(model, pk, ng))(batch.pack, batch.negatives)
+            # The table once for every pack (the engine's gathered by one lookup): the tokens'
+            # rows, the full ranking and the candidates of the sampled protocol read it.
+            table_vd = model.item_table()
+            per_pack = jax.vmap(lambda pk, ng: one(model, table_vd, pk, ng))(
+                batch.pack, batch.negatives
+            )
             return {k: v.sum() for k, v in per_pack.items()}
 
         return eval_step

@@ -180,6 +180,9 @@ class Layout:
     """Implementation of the fused backward + row update (``kernels.embedding_update``)."""
     compression: Compression = Compression()
     """The pooled outputs' all-to-all compression (``recscale.embeddings.compress``)."""
+    lookup_batch: int = 0
+    """Bags of a step's lookup the plan was costed for (``EngineSpec.batch_size``: a CTR
+    batch's examples, a sequential step's item ids)."""
 
     def buffer(self, key: str) -> BufferLayout:
         return next(b for b in self.buffers if b.key == key)
@@ -427,6 +430,7 @@ def build_layout(
         bag_kernel=spec.bag_kernel,
         update_kernel=spec.update_kernel,
         compression=spec.compression,
+        lookup_batch=spec.batch_size,
     )
 
 

@@ -246,7 +246,8 @@ def restore_relaid(
     old_cfg = cfg if saved["engine"] is None else _saved_config(saved, cfg)
     # the saved buffers' layout: data axis only (the engine ignores a model axis)
     schema = exp.source.schema
-    old_schema = tiers_lib.model_schema(schema, saved_tiers)  # a tiered table: its cache
+    # a tiered table: its cache (a sequential model's schema has no features, nor tiers)
+    old_schema = tiers_lib.model_schema(schema, saved_tiers) if saved_tiers else schema
     with sharding.activate(mesh, dataclasses.replace(cfg.mesh, model_parallel=1, fsdp=False)):
         old_model = nnx.eval_shape(
             lambda: build_model(old_cfg, old_schema, nnx.Rngs(params=cfg.train.seed))
@@ -301,7 +302,7 @@ def restore_relaid(
     new_arrays: dict[tuple, jax.Array] = {}
     new_state: dict[str, dict[str, jax.Array]] = {}
     init_acc = cfg.embedding_optim.initial_accumulator
-    vocab = {f.table_name: f.vocab_size for f in schema.features}
+    vocab = {f.table_name: f.vocab_size for f in schema.features} if whole else {}
     for path, new in new_colls.items():
         old = old_colls[path]
         _check_same_tables(old, new, path, {t: vocab[t] for t in whole})

@@ -311,7 +311,7 @@ class Experiment:
         )
         out = {}
         for k, c in engine.engine_collections(model).items():
-            x = c.layout.exchange_bytes(self.cfg.data.batch_size)
+            x = c.layout.exchange_bytes(c.layout.lookup_batch)
             sent = x["forward"] + x["backward"]
             scaled = any(b.scaled for b in c.layout.buffers)
             out[k] = (

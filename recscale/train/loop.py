@@ -24,6 +24,7 @@ from recscale import config as config_lib
 from recscale import sharding
 from recscale.embeddings import plan_inputs, relayout
 from recscale.train import branches
+from recscale.train import task as task_lib
 from recscale.train.checkpoint import Checkpointer
 from recscale.train.early_stopping import BEST_DIR as BEST_DIR  # re-exported (evaluation.py)
 from recscale.train.early_stopping import EarlyStopping
@@ -72,6 +73,7 @@ def train(
     cfg = config_lib.absolute_paths(cfg)
     timer = PhaseTimer()
     with timer.phase("setup"):
+        task_lib.of(cfg).check(cfg)  # before the measurements, which may read its data
         cfg = plan_inputs.resolve(cfg, workdir)  # measured skew, lookup calibration
         write_run_files(workdir, cfg, argv)
         mesh = sharding.make_mesh(cfg.mesh)

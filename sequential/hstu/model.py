@@ -36,10 +36,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from recscale import sharding
+from recscale.embeddings.layout import EngineSpec
 from recscale.kernels.hstu_attention import api as hstu_api
 from recscale.nn import dropout
 from sequential.config import HSTUConfig
-from sequential.layers import SeqModel, Tokens, fold, glorot_uniform, layer_norm
+from sequential.layers import (
+    SeqModel,
+    Tokens,
+    engine_spec,
+    fold,
+    glorot_uniform,
+    layer_norm,
+)
 
 LN_EPS = 1e-6
 
@@ -94,10 +102,17 @@ class HSTU(SeqModel):
     """HSTU over a ``JaggedBatch``: ``model(values [T], offsets [B + 1]) -> [T, D]`` user
     embeddings (``sequential.layers.SeqModel``). ``impl``: the attention kernel's
     implementation (``auto``, ``xla``, ``pallas_gpu``, ``pallas_tpu``; ``KernelConfig``'s
-    convention)."""
+    convention); ``engine``: the item table's storage (``SeqModel``)."""
 
-    def __init__(self, cfg: HSTUConfig, *, impl: str = "auto", rngs: nnx.Rngs):
-        super().__init__(cfg, rngs=rngs)
+    def __init__(
+        self,
+        cfg: HSTUConfig,
+        *,
+        impl: str = "auto",
+        engine: EngineSpec | None = None,
+        rngs: nnx.Rngs,
+    ):
+        super().__init__(cfg, rngs=rngs, engine=engine)
         self.layers = nnx.List(
             [HSTULayer(cfg, impl=impl, rngs=rngs) for _ in range(cfg.num_layers)]
         )
@@ -113,6 +128,7 @@ class HSTU(SeqModel):
 
 def build_model(cfg, schema, rngs: nnx.Rngs) -> HSTU:
     """The trainer's hook (``recscale.families``): the HSTU of a run config
-    (``sequential.run_config.HSTURunConfig``), its attention kernel from ``kernels``."""
+    (``sequential.run_config.HSTURunConfig``), its attention kernel from ``kernels``, its item
+    table in the sharded engine unless ``embeddings.sharding`` is off."""
     del schema  # the item count is the config's (``sequential.source`` checks the data's)
-    return HSTU(cfg.model, impl=cfg.kernels.hstu_attention, rngs=rngs)
+    return HSTU(cfg.model, impl=cfg.kernels.hstu_attention, engine=engine_spec(cfg), rngs=rngs)

@@ -30,9 +30,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from recscale.embeddings.layout import EngineSpec
 from recscale.nn import LayerNorm, dropout
 from sequential.config import SASRecConfig
-from sequential.layers import Dense, SeqModel, Tokens, fold, to_jagged, to_padded
+from sequential.layers import (
+    Dense,
+    SeqModel,
+    Tokens,
+    engine_spec,
+    fold,
+    to_jagged,
+    to_padded,
+)
 
 LN_EPS = 1e-8
 
@@ -79,10 +88,10 @@ class SASRecBlock(nnx.Module):
 
 class SASRec(SeqModel):
     """SASRec over a ``JaggedBatch``: ``model(values [T], offsets [B + 1]) -> [T, D]`` user
-    embeddings (``sequential.layers.SeqModel``)."""
+    embeddings (``sequential.layers.SeqModel``; ``engine``: the item table's storage)."""
 
-    def __init__(self, cfg: SASRecConfig, *, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs=rngs)
+    def __init__(self, cfg: SASRecConfig, *, engine: EngineSpec | None = None, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs, engine=engine)
         self.blocks = nnx.List([SASRecBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.ln_out = LayerNorm(cfg.d_model, eps=LN_EPS)
 
@@ -97,6 +106,7 @@ class SASRec(SeqModel):
 
 def build_model(cfg, schema, rngs: nnx.Rngs) -> SASRec:
     """The trainer's hook (``recscale.families``): the SASRec of a run config
-    (``sequential.run_config.SASRecRunConfig``)."""
+    (``sequential.run_config.SASRecRunConfig``), its item table in the sharded engine unless
+    ``embeddings.sharding`` is off."""
     del schema  # the item count is the config's (``sequential.source`` checks the data's)
-    return SASRec(cfg.model, rngs=rngs)
+    return SASRec(cfg.model, engine=engine_spec(cfg), rngs=rngs)

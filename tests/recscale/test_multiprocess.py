@@ -6,6 +6,8 @@ against the one-process run on the same 8-device mesh (this pytest process).
   losses and end in the same state, to float32 rounding (``RTOL`` below says why not bitwise).
 - Each process reads only its share of every batch (``data_reads.jsonl``), on feature-spec
   files too: no process reads the whole dataset.
+- SASRec with its item table row-wise in the engine (2 processes) equals one process, each
+  process materialises only its packs of histories, and its checkpoint evaluates on 2 devices.
 - Checkpoints written by every process together (orbax's multi-process protocol) restore in one
   process and in a run with another process count; a process SIGKILLed mid-step takes the run
   down (the launcher stops the others) and the relaunch of all resumes bitwise.
@@ -38,6 +40,7 @@ from recscale import families
 from recscale.config import parse_preset_cli
 from recscale.train.evaluation import EvalArgs, evaluate_workdir
 from recscale.train.loop import train
+from sequential.source import SequenceSource
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("multiprocess_child.py")
@@ -52,6 +55,15 @@ engine's tables and the logged losses agree to the same rounding. Within one pro
 run is bitwise reproducible (the kill/resume test)."""
 
 JOBS = [("dlrm", "row_wise"), ("dlrm", "table_wise"), ("dlrm", "auto"), ("wukong", "auto")]
+SEQ_JOB = (
+    "sasrec_row_wise",
+    "sasrec",
+    "row_wise",
+    ("--dense-optim.name", "sgd", "--dense-optim.learning-rate", "0.05"),
+)
+"""A sequential family (2 processes only): packs of histories, its item table row-wise. Dense
+SGD: SASRec's attention key bias has a gradient that is 0 but for rounding (a softmax ignores a
+constant), which Adam would turn into steps of +-lr, a different one in each process count."""
 # 4 processes: a subset. On 2 cores four processes each compile every job (CPU runs keep no
 # persistent cache across processes, ``recscale.launch``): Wukong at 4 cost about 35 s of the
 # suite and its multi-process path is the 2-process case's. Column-wise runs only here: its
@@ -217,7 +229,7 @@ def runs(tmp_path_factory, shop) -> Path:
     for n in (1, 2, 4):
         shutil.copytree(killed, root / f"p{n}" / "resumed")
     shop_job = ("shop", "dlrm", "auto", _shop_args(shop))
-    every = [(f"{f}_{s}", f, s, ()) for f, s in JOBS] + [shop_job]
+    every = [(f"{f}_{s}", f, s, ()) for f, s in JOBS] + [shop_job, SEQ_JOB]
     four = [(f"{f}_{s}", f, s, ()) for f, s in JOBS_4]
     resume = ("resumed", "dlrm", "row_wise", ())
     relaid = ("relaid", "dlrm", "table_wise", ())
@@ -300,6 +312,48 @@ def test_each_process_reads_only_its_share(runs, processes):
         assert [p["rows_held"] for p in per] == [0] * processes
 
 
+def test_sequential_processes_train_as_one_and_read_only_their_packs(runs):
+    """SASRec with its item table row-wise in the engine, 2 processes: the one-process run to
+    rounding, and each process read the histories of its own packs, no more: process ``i`` the
+    ``i``-th half of every training step's packs and of every evaluation step's; together,
+    once each, what the one process read."""
+    name = SEQ_JOB[0]
+    one, two = runs / "p1" / name, runs / "p2" / name
+    _compare(one, two, 2)
+    families.load("sasrec")
+    _, cfg = parse_preset_cli("sasrec/", ["sasrec/tiny", "--workdir", str(one)], prog="test")
+    src = SequenceSource(cfg)  # the packers every process builds alike (seeded)
+    train_half, eval_half = cfg.data.batch_size // 2, cfg.data.eval_batch_size // 2
+    n_eval = src.eval_packer.num_batches(0)
+
+    def histories(pack) -> int:
+        return int((pack.weights > 0).sum())
+
+    want_train = [
+        sum(
+            histories(src.train_packer.batch(s * cfg.data.batch_size + i * train_half + j))
+            for s in range(STEPS)
+            for j in range(train_half)
+        )
+        for i in range(2)
+    ]
+    want_eval = [
+        sum(
+            histories(src.eval_packer.batch_at(0, k))
+            for s in range(0, n_eval, cfg.data.eval_batch_size)
+            for k in range(s + i * eval_half, s + (i + 1) * eval_half)
+            if k < n_eval
+        )
+        for i in range(2)
+    ]
+    per = json.loads((two / "data_reads.jsonl").read_text().splitlines()[-1])["processes"]
+    (whole,) = json.loads((one / "data_reads.jsonl").read_text().splitlines()[-1])["processes"]
+    assert [p["train"] for p in per] == want_train and min(want_train) > 0
+    assert [p["eval"] for p in per] == want_eval and min(want_eval) > 0
+    assert sum(want_train) == whole["train"]
+    assert sum(want_eval) == whole["eval"] == _eval_examples(one)
+
+
 def _eval_examples(workdir: Path) -> int:
     rows = map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
     return next(r["num_examples"] for r in rows if r["split"] == "eval")
@@ -375,6 +429,21 @@ def test_a_multiprocess_checkpoint_is_relaid_out_for_fewer_devices(runs, process
     )
     assert got["step"] == want["step"] == STEPS and got["num_examples"] == want["num_examples"]
     for k in ("auc", "logloss"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+
+
+def test_a_sequential_multiprocess_checkpoint_is_relaid_out_for_fewer_devices(runs):
+    """The same for the 2-process SASRec run: its item table re-laid out for 2 devices, the
+    run's own final ranking metrics, to float32 rounding."""
+    fam = families.load("sasrec")
+    wd = runs / "p2" / SEQ_JOB[0]
+    rows = map(json.loads, (wd / "metrics.jsonl").read_text().splitlines())
+    want = [r for r in rows if r["split"] == "eval"][-1]
+    got = evaluate_workdir(
+        fam.config_cls, fam.build_model, EvalArgs(workdir=str(wd), num_devices=2)
+    )
+    assert got["step"] == want["step"] == STEPS and got["num_examples"] == want["num_examples"]
+    for k in ("loss", "hr@10", "ndcg@10", "mrr"):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
 
 

@@ -95,9 +95,9 @@ def test_evaluate_command_reproduces_the_final_evaluation(straight, tmp_path):
 def test_unsupported_settings_fail_clearly(tmp_path):
     from sequential.hstu import train as hstu_train  # noqa: PLC0415
 
-    with pytest.raises(SystemExit, match=r"embeddings.sharding='row_wise'.*sharding off"):
+    with pytest.raises(SystemExit, match="embeddings.measure_skew: it counts CTR batches' ids"):
         hstu_train.main(
-            ["hstu/tiny", "--workdir", str(tmp_path / "a"), "--embeddings.sharding", "row_wise"]
+            ["hstu/tiny", "--workdir", str(tmp_path / "a"), "--embeddings.measure-skew", "2"]
         )
     with pytest.raises(SystemExit, match="embedding_optim.cowclip_ratio"):
         hstu_train.main(
