@@ -214,10 +214,14 @@ def test_the_serve_command_answers_history_requests_in_batches(runs, monkeypatch
         return got, await (await client.get("/metrics")).json()
 
     got, stats = _serve(app, requests)
+    # The server runs batches of 1-2 requests, the reference all 5 histories at once: XLA:CPU
+    # rounds a matmul of another batch shape differently (measured up to 1.3e-6 relative once
+    # the engine's merge changed the model's graph), so scores agree to float32 rounding, not
+    # to the bit; the ids must be equal.
     for i in range(len(histories)):
         assert got[i]["items"] == want_ids[i].tolist()
-        np.testing.assert_allclose(got[i]["scores"], want_scores[i], rtol=1e-6)
-        np.testing.assert_allclose(got[5 + i]["scores"], want_cands[i], rtol=1e-6)
+        np.testing.assert_allclose(got[i]["scores"], want_scores[i], rtol=1e-5)
+        np.testing.assert_allclose(got[5 + i]["scores"], want_cands[i], rtol=1e-5)
     assert [g["truncated_events"] for g in got[:5]] == [0, 0, 0, 7, 0]
     assert stats["truncated_events"] == 14 and stats["malformed"] == 0
     # ten requests of two programs, batched per program within --max-batch 2
