@@ -20,8 +20,9 @@ a GPU is TF32 (10 mantissa bits); ``--ref-precision default`` times that cheaper
 
 Shapes: Criteo-Terabyte-like embedding work (26 tables, dim 128, 1 or 20 ids per bag; the
 bag kernels see one buffer of 26 x 100,000 rows and 26·B bags, as the engine calls them),
-DLRM interaction over 27 vectors of dim 128, and Wukong Table 5-like FMB layers (E = 32 or 56
-embeddings of dim 128 (or 192), rank K = 24 or 32).
+DLRM interaction over 27 vectors of dim 128, Wukong Table 5-like FMB layers (E = 32 or 56
+embeddings of dim 128 (or 192), rank K = 24 or 32), and HSTU's jagged attention at sequence
+4,096 and 8,192 (``hstu_cases``; FLOP/s over peak, causal pairs only).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from recscale.kernels.embedding_bag import cpu_ffi as bag_ffi
 from recscale.kernels.embedding_update import api as update_api
 from recscale.kernels.embedding_update import cpu_ffi as update_ffi
 from recscale.kernels.fm_interaction import api as fm_api
+from recscale.kernels.hstu_attention import api as hstu_api
 from recscale.kernels.quantized_embedding_bag import api as q_api
 from tpu_gpu_configs.profiles import get_profile
 
@@ -48,6 +50,7 @@ OPS = (
     "quantized_embedding_bag",
     "dot_interaction",
     "fm_interaction",
+    "hstu_attention",
 )
 TABLES, ROWS, DIM = 26, 100_000, 128
 
@@ -110,9 +113,55 @@ def kernel_impl(op: str, named: str | None = None) -> str | None:
     return "cpu_ffi" if cpu_ffi is not None and cpu_ffi.available() else None
 
 
+HSTU_SHAPES = ((4096, 8, 2, 128, jnp.bfloat16), (8192, 4, 1, 256, jnp.float32))
+"""``(N, sequences, heads, head width, dtype)`` of :func:`hstu_cases`."""
+
+
+def hstu_cases(key: jax.Array, shapes=HSTU_SHAPES):
+    """HSTU's jagged causal SiLU attention at the issue's production shapes (``--batches`` does
+    not apply): 8 sequences of 2,048-4,096 tokens (N = 4,096, 2 heads of 128, bfloat16) and
+    4 of 4,096-8,192 (N = 8,192, one head of 256, float32), seeded lengths, a learned relative
+    bias. FLOPs count the causal pairs only (``Σ n(n+1)/2 · H · 2(d_qk + d_v)`` forward; the
+    backward's four products make fwd+bwd three times that)."""
+    for n_max, seqs, heads, d, dtype in shapes:
+        lengths = jax.random.randint(key, (seqs,), n_max // 2, n_max + 1)
+        offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)]).astype(
+            jnp.int32
+        )
+        t = int(offsets[-1])
+        kq, kk, kv, kb = jax.random.split(key, 4)
+        q = (jax.random.normal(kq, (t, heads, d)) * d**-0.5).astype(dtype)
+        k = (jax.random.normal(kk, (t, heads, d)) * d**-0.5).astype(dtype)
+        v = jax.random.normal(kv, (t, heads, d)).astype(dtype)
+        rab = jax.random.normal(kb, (1, 32), jnp.float32) * 0.1
+        pairs = int(jnp.sum(lengths * (lengths + 1) // 2))
+        flops = pairs * heads * 2 * (d + d)
+        moved = 4 * t * heads * d * jnp.dtype(dtype).itemsize  # q, k, v in, out
+
+        def make(impl, q=q, k=k, v=v, offsets=offsets, rab=rab, n_max=n_max):
+            def attn(q_, k_, v_, r_):
+                return hstu_api.hstu_attention(
+                    q_, k_, v_, offsets, None, r_, max_seq_len=n_max, impl=impl
+                )
+
+            fwd = jax.jit(attn)
+
+            def loss(q_, k_, v_, r_):
+                return attn(q_, k_, v_, r_).astype(jnp.float32).sum()
+
+            bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+            return (lambda: fwd(q, k, v, rab)), (lambda: bwd(q, k, v, rab))
+
+        label = f"B={seqs} T={t} N={n_max} H={heads} D={d} {jnp.dtype(dtype).name}"
+        yield label, make, moved, flops
+
+
 def cases(op: str, batches: list[int]):
     """``(label, make_fns(impl) -> (fwd, fwd_bwd or None), bytes, flops)`` per case."""
     key = jax.random.key(0)
+    if op == "hstu_attention":
+        yield from hstu_cases(key)
+        return
     for b in batches:
         if op in ("embedding_bag", "embedding_update", "quantized_embedding_bag"):
             for h in (1, 20):
@@ -250,7 +299,7 @@ def main() -> None:
                 t_ker = best_time(kf, args.reps) if kf is not None else float("nan")
 
                 def frac(t, scale=scale, op=op, flops=flops, moved=moved):
-                    if op == "fm_interaction":
+                    if op in ("fm_interaction", "hstu_attention"):
                         return f"{100 * scale * flops / t / roof['flops']:.1f}% FLOP/s"
                     return f"{100 * scale * moved / t / roof['memory_bytes_per_s']:.1f}% BW"
 
