@@ -20,7 +20,7 @@ from typing import Literal
 from data.roles import LOCATION, RUNTIME, field
 from data.sequences.planted import PlantedConfig
 from recscale.config import EmbeddingShardingConfig, ExperimentConfig
-from sequential.config import HSTUConfig, LossConfig, SASRecConfig
+from sequential.config import BagConfig, HSTUConfig, LossConfig, SASRecConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,4 +108,12 @@ class SASRecRunConfig(SequentialConfig):
     """A whole SASRec run."""
 
     model: SASRecConfig = SASRecConfig(n_items=10_000)
+    """The network."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BagRunConfig(SequentialConfig):
+    """A whole run of the bag baseline."""
+
+    model: BagConfig = BagConfig(n_items=10_000)
     """The network."""
