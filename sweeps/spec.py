@@ -310,8 +310,8 @@ def resolve(spec: SweepSpec) -> Resolution:
                     rung_data = _override(probe, rung.overrides, fam.family).data
             except (TypeError, ValueError) as e:
                 raise ValueError(f"family {fam.family}, rung {rung.name}: {e}") from e
-            run = dataclasses.replace(base, model=model, data=rung_data)
-            if hasattr(run, "example_cost"):  # its examples are not rows of a schema
+            if hasattr(base, "example_cost"):  # a sequential run: packs, not rows of a schema
+                run = dataclasses.replace(base, model=model, data=rung_data)
                 cost = _override(run, rung.overrides, fam.family).example_cost()
             else:
                 key = json.dumps(config_lib.to_dict(rung_data), sort_keys=True)

@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 
 from data.sequences.planted import PlantedSequences
+from recscale import config as config_lib
+from recscale import families
 from sequential.recipes import TINY_PLANTED
+from sequential.run_config import pack_stats, train_lengths
 from sweeps import analyze, launch
 from sweeps.spec import load_spec, resolve
+from sweeps.specs import seq_planted
 from sweeps.store import SweepStore, read_results
 
 pytestmark = pytest.mark.slow
@@ -76,3 +80,25 @@ def test_analysis_fits_the_loss_beside_the_bayes_floor(sweep, capsys):
     assert "planted baselines on the eval set (nats): bayes" in printed
     saved = json.loads((sweep / "analysis.json").read_text())
     assert saved["planted_baselines"] == pytest.approx(base)
+
+
+def test_the_scaling_arm_resolves_as_its_docstring_says():
+    """``sweeps.specs.seq_planted``: three families, five budgets over two decades, three sizes
+    a budget, three seeds; every trial reads fresh histories (no more tokens than the first
+    epoch holds) and its pilot's trials are among it."""
+    res = resolve(load_spec("sweeps.specs.seq_planted"))
+    spec = seq_planted.SPEC
+    assert spec.budgets[-1] / spec.budgets[0] == pytest.approx(100.0) and not res.skipped
+    cells = {(t.family, t.budget, t.rung) for t in res.trials}
+    assert len(res.trials) == 3 * len(cells) == 3 * 3 * 5 * 3
+    assert {t.seed for t in res.trials} == {0, 1, 2} and min(t.steps for t in res.trials) >= 20
+    for fam in ("hstu", "sasrec", "bag"):
+        cfg = res.trials[[t.family for t in res.trials].index(fam)]
+        run = families.load(fam).config_cls
+        tokens, _ = pack_stats(config_lib.from_dict(run, cfg.config))
+        held = int(train_lengths(config_lib.from_dict(run, cfg.config).data).sum())
+        most = max(t.examples for t in res.trials if t.family == fam)
+        assert most * tokens <= held, (fam, most * tokens, held)
+    pilot = resolve(load_spec("sweeps.specs.seq_planted_pilot"))
+    assert len(pilot.trials) == 18
+    assert {t.trial_id for t in pilot.trials} <= {t.trial_id for t in res.trials}
