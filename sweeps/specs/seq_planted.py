@@ -20,7 +20,7 @@ COMMON = {
     "model.dropout": 0.0,  # one epoch of fresh histories: nothing to regularise
     "loss": LossConfig(kind="full_softmax"),
     "data.planted": PLANTED,
-    "data.num_train_users": 65536,
+    "data.num_train_users": 131072,
     "data.token_budget": 1024,
     "data.max_sequences": 48,
     "data.eval_batch_size": 4,
@@ -41,8 +41,8 @@ def hstu_rung(d: int, layers: int) -> Rung:
     return _attention(d, layers, dict(d_qk=d // 2, d_v=d // 2))
 
 
-SIZES = ((16, 1), (32, 1), (48, 2), (64, 4), (96, 4), (128, 6))
-BAG_SIZES = ((16, 1), (32, 1), (48, 1), (64, 2), (96, 2), (128, 3))
+SIZES = ((8, 1), (16, 1), (32, 1), (48, 2), (64, 4), (96, 4), (128, 6))
+BAG_SIZES = ((8, 1), (16, 1), (32, 1), (48, 1), (64, 2), (96, 2), (128, 3))
 
 HSTU = FamilySpec(
     family="hstu",
@@ -67,10 +67,11 @@ SPEC = SweepSpec(
     name="seq_planted",
     families=(HSTU, SASREC, BAG),
     budgets=tuple(1e10 * 10 ** (i / 2) for i in range(5)),
-    sizes_per_budget=3,
+    sizes_per_budget=0,
     seeds=(0, 1, 2),
     metric="loss",
     min_steps=20,
+    max_steps=3000,
     evals_per_trial=2,
     eval_max_batches=2,
     checkpoints_per_trial=2,

@@ -1,5 +1,5 @@
 """The pilot of ``sweeps.specs.seq_planted``: seed 0 at its smallest and largest budgets (1e10
-and 1e12 training FLOPs), each with the three sizes the full sweep runs there, so 18 trials.
+and 1e12 training FLOPs), each with the four sizes the full sweep runs there, so 24 trials.
 Its trials are the full sweep's (same configs, same pinned code version, so the same ids): the
 full sweep launched into the pilot's folder reuses them.
 
