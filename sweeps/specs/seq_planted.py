@@ -20,7 +20,7 @@ COMMON = {
     "model.dropout": 0.0,  # one epoch of fresh histories: nothing to regularise
     "loss": LossConfig(kind="full_softmax"),
     "data.planted": PLANTED,
-    "data.num_train_users": 131072,
+    "data.num_train_users": 196608,
     "data.token_budget": 1024,
     "data.max_sequences": 48,
     "data.eval_batch_size": 4,
@@ -71,9 +71,9 @@ SPEC = SweepSpec(
     seeds=(0, 1, 2),
     metric="loss",
     min_steps=20,
-    max_steps=3000,
+    max_steps=4500,
     evals_per_trial=2,
-    eval_max_batches=2,
+    eval_max_batches=0,
     checkpoints_per_trial=2,
     code_version="seq-planted-v1",
 )

@@ -1,5 +1,6 @@
 """The pilot of ``sweeps.specs.seq_planted``: seed 0 at its smallest and largest budgets (1e10
-and 1e12 training FLOPs), each with the four sizes the full sweep runs there, so 24 trials.
+and 1e12 training FLOPs), each with every size the full sweep runs there (four at 1e10, five at 1e12), so 27
+trials.
 Its trials are the full sweep's (same configs, same pinned code version, so the same ids): the
 full sweep launched into the pilot's folder reuses them.
 
