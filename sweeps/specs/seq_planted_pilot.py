@@ -1,8 +1,7 @@
 """The pilot of ``sweeps.specs.seq_planted``: seed 0 at its smallest and largest budgets (1e10
-and 1e12 training FLOPs), each with every size the full sweep runs there (four at 1e10, five at 1e12), so 27
-trials.
-Its trials are the full sweep's (same configs, same pinned code version, so the same ids): the
-full sweep launched into the pilot's folder reuses them.
+and 1e12 training FLOPs), with every size the full sweep runs there (four at 1e10, five at
+1e12), so 27 trials. They are the full sweep's own (same configs, same pinned code version, so
+the same ids): the full sweep launched into the pilot's folder reuses them.
 
 ``python -m sweeps.launch sweeps.specs.seq_planted_pilot --sweep-dir runs/seq_planted
 --max-parallel 2`` then ``python -m sweeps.analyze runs/seq_planted``.
