@@ -30,6 +30,7 @@ KNOWN: dict[str, str] = {
     "masknet": "baselines.masknet",
     "hstu": "sequential.hstu",
     "sasrec": "sequential.sasrec",
+    "bag": "sequential.bag",
 }
 """The project's families: name -> the package whose import registers it."""
 

@@ -1,4 +1,5 @@
-"""Configurations of the sequential recommenders and their next-item losses (no jax import).
+"""Configurations of the sequential recommenders (HSTU, SASRec, the bag baseline) and their
+next-item losses (no jax import).
 
 A sweep sizes a network from its config alone: ``cfg.cost(...)`` (``sequential.flops``) gives
 parameters and FLOPs per token without building it.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from sequential.flops import hstu_cost, sasrec_cost
+from sequential.flops import bag_cost, hstu_cost, sasrec_cost
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +94,27 @@ class SASRecConfig(SeqModelConfig):
         return self.ffn_dim or self.d_model
 
     cost = sasrec_cost  # its own docstring: parameters and FLOPs per token
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BagConfig(SeqModelConfig):
+    """A DLRM-style baseline that sees the history as a bag (``sequential/bag/model.py``): the
+    mean of the items so far, through a top MLP of ``num_layers`` hidden layers. No order, no
+    positions; ``num_heads`` is unused."""
+
+    mlp_width: int = 0
+    """Hidden width of the top MLP (0: ``4 · d_model``, a transformer FFN's)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mlp_width < 0:
+            raise ValueError("BagConfig.mlp_width must be >= 0")
+
+    @property
+    def hidden_width(self) -> int:
+        return self.mlp_width or 4 * self.d_model
+
+    cost = bag_cost  # its own docstring: parameters and FLOPs per token
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

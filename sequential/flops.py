@@ -1,4 +1,5 @@
-"""Analytic parameters and FLOPs **per token** of HSTU and SASRec (no jax import).
+"""Analytic parameters and FLOPs **per token** of HSTU, SASRec and the bag baseline (no jax
+import).
 
 The conventions are ``recscale.flops``'s, with the token as the example: matmul FLOPs only, 2
 per multiply-add; backward = 2 × forward plus the item table's gradient scatter (``D`` adds per
@@ -18,7 +19,10 @@ positive; BCE's negative too).
 
 HSTU, per layer (``H`` heads, ``d_qk``, ``d_v``): ``f1`` ``2·D·H·(2 d_v + 2 d_qk)``, attention,
 ``f2`` ``2·H·d_v·D``. SASRec, per block (``d_h = D / H``, FFN width ``F``): Q, K, V ``3 · 2·D²``,
-attention ``2·H·(2 d_h)·(n + 1)/2 = 2·D·(n + 1)``, FFN ``2 · 2·D·F``.
+attention ``2·H·(2 d_h)·(n + 1)/2 = 2·D·(n + 1)``, FFN ``2 · 2·D·F``. The bag (``L`` hidden
+layers of width ``F``): its top MLP ``2·D·F + (L - 1)·2·F² + 2·F·D``; the prefix mean of the
+item rows is a sum, not counted (``recscale.flops``' embedding pooling), and it has no
+positional embedding.
 """
 
 from __future__ import annotations
@@ -92,4 +96,18 @@ def sasrec_cost(
         ("attention", n_layers * causal_attention_flops(n, h, d // h, d // h)),
         ("ffn", n_layers * 2 * 2.0 * d * f),
     ]
+    return _assemble(cfg, dense, parts, loss, bytes_per_param)
+
+
+def bag_cost(
+    cfg: Any, *, seq_len: float | None = None, loss: Any = None, bytes_per_param: int = 4
+) -> ModelCost:
+    """Costs per token of ``sequential.bag.model.Bag`` built from a ``BagConfig`` ``cfg`` (the
+    same for every ``seq_len``: a token's bag is a running sum)."""
+    del seq_len
+    d, f, n_layers = cfg.d_model, cfg.hidden_width, cfg.num_layers
+    widths = [d] + [f] * n_layers + [d]
+    pairs = list(zip(widths[:-1], widths[1:], strict=True))
+    dense = sum(a * b + b for a, b in pairs)
+    parts = [("mlp", float(sum(2.0 * a * b for a, b in pairs)))]
     return _assemble(cfg, dense, parts, loss, bytes_per_param)

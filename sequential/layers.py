@@ -1,8 +1,8 @@
-"""What HSTU and SASRec share: the jagged token layout, the item table and the input embedding,
-and the output convention.
+"""What the sequential models (HSTU, SASRec, the bag) share: the jagged token layout, the item
+table and the input embedding, and the output convention.
 
-Both models read packed tokens (``data.sequences.JaggedBatch``'s ``values`` and ``offsets``)
-and return one user embedding per token slot, ``[T, D]``, zero for slots that are not a token
+Every model reads packed tokens (``data.sequences.JaggedBatch``'s ``values`` and ``offsets``)
+and returns one user embedding per token slot, ``[T, D]``, zero for slots that are not a token
 of a sequence within its first ``N`` positions; a user embedding is scored against item
 embeddings of the same table the input reads (``item_embeddings``, ``item_table``), after an
 optional L2 normalisation (``sequential.losses``, ``sequential.metrics``). The table is an
@@ -145,15 +145,19 @@ def table_rows(table_vd: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 class SeqModel(nnx.Module):
-    """The base of HSTU and SASRec: the item table (an ``EmbeddingCollection`` of one table
-    ``item`` ``[V + 1, D]``, so optimizers see an ``EmbeddingTable``), the positional embedding
-    ``[N, D]``, the input, and the call ``(values, offsets) -> user embeddings [T, D]``.
+    """The base of HSTU, SASRec and the bag: the item table (an ``EmbeddingCollection`` of one
+    table ``item`` ``[V + 1, D]``, so optimizers see an ``EmbeddingTable``), the positional
+    embedding ``[N, D]`` (where ``positional``), the input, and the call ``(values, offsets) ->
+    user embeddings [T, D]``.
 
     ``engine``: the item table lives in the sharded embedding engine
     (``recscale.embeddings.engine``; :func:`engine_spec`), laid out by its planner and looked
     up by its ``shard_map`` collectives; None: one ``[V + 1, D]`` array (the per-table path).
     Either way :meth:`item_embeddings` is one lookup of the collection, the one a train step
     may make (the engine records the rows it read for its sparse update)."""
+
+    positional = True
+    """Whether the input adds a learned positional embedding (an order-free model has none)."""
 
     def __init__(self, cfg: SeqModelConfig, *, rngs: nnx.Rngs, engine: EngineSpec | None = None):
         self.cfg = nnx.static(cfg)
@@ -168,8 +172,9 @@ class SeqModel(nnx.Module):
         self.embeddings = EmbeddingCollection(
             (table,), (FeatureSpec(name=ITEM_TABLE, table=ITEM_TABLE),), rngs=rngs, engine=engine
         )
-        pos_nd = jax.random.truncated_normal(rngs.params(), -2.0, 2.0, (cfg.max_seq_len, d))
-        self.positions = sharding.param(nnx.Param, pos_nd * (1.0 / d) ** 0.5, None, "embed")
+        if self.positional:
+            pos_nd = jax.random.truncated_normal(rngs.params(), -2.0, 2.0, (cfg.max_seq_len, d))
+            self.positions = sharding.param(nnx.Param, pos_nd * (1.0 / d) ** 0.5, None, "embed")
 
     def item_embeddings(self, ids: jax.Array) -> jax.Array:
         """``[..., D]``: the rows of items ``ids`` (``[...]`` int), zero for padding (id 0),
@@ -199,13 +204,15 @@ class SeqModel(nnx.Module):
         dropout_key: jax.Array | None,
         items_td: jax.Array | None = None,
     ) -> jax.Array:
-        """``x [T, D] = sqrt(D) · E[item] + P[pos]``, dropout, zero at invalid slots
-        (``items_td``: the rows ``E[item]``, if already looked up)."""
+        """``x [T, D] = sqrt(D) · E[item] + P[pos]`` (no ``P`` without ``positional``),
+        dropout, zero at invalid slots (``items_td``: the rows ``E[item]``, if already looked
+        up)."""
         cfg = self.cfg
         if items_td is None:
             items_td = self.item_embeddings(values_t)
         x = items_td * cfg.d_model**0.5
-        x = x + self.positions[...][jnp.clip(tokens.pos, 0, cfg.max_seq_len - 1)]
+        if self.positional:
+            x = x + self.positions[...][jnp.clip(tokens.pos, 0, cfg.max_seq_len - 1)]
         x = dropout(x, cfg.dropout, dropout_key)
         return jnp.where(tokens.valid[:, None], x, 0.0)
 

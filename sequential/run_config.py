@@ -5,6 +5,9 @@ A run trains on packs of whole histories (``data.sequences.Packer``, one fixed s
 ``token_budget`` tokens, and the data-parallel devices split the packs (a history never spans
 two devices). Histories are cut to their most recent ``model.max_seq_len`` events.
 
+A sweep (``sweeps.spec``) counts a run's compute in packs: one training example is one pack,
+costing its real tokens times the network's FLOPs per token (``example_cost``).
+
 Data (``data.kind``): ``planted`` (``data.sequences.planted``: training users
 ``[0, num_train_users)``, the generator's held-out users evaluated on every next item of their
 histories, beside the Bayes-optimal loss), ``sasrec`` (a file in SASRec's format, split as
@@ -17,12 +20,17 @@ leave-one-out or by time, evaluation of each user's validation or test item).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
+import numpy as np
+
 from data.roles import LOCATION, RUNTIME, field
-from data.sequences.planted import PlantedConfig
-from recscale.config import EmbeddingShardingConfig, ExperimentConfig
-from sequential.config import HSTUConfig, LossConfig, SASRecConfig
+from data.sequences import Histories, PackConfig, Packer, leave_one_out, read_sasrec
+from data.sequences.planted import PlantedConfig, PlantedSequences
+from recscale.config import ConfigError, EmbeddingShardingConfig, ExperimentConfig
+from recscale.flops import ModelCost
+from sequential.config import BagConfig, HSTUConfig, LossConfig, SASRecConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,6 +130,56 @@ class SequentialConfig(ExperimentConfig):
 
         return SequentialTask(self)
 
+    def example_cost(self) -> ModelCost:
+        """Parameters and costs of one training *pack* (a sweep's example): the network's costs
+        per token (``model.cost`` with this run's loss) at the token-weighted history length
+        of the training packs, times their mean real tokens (``pack_stats``). Expected
+        values over the first epoch; the train rows log what each step actually cost."""
+        tokens, seq_len = pack_stats(self)
+        c = self.model.cost(seq_len=seq_len, loss=self.loss)
+        return dataclasses.replace(
+            c,
+            forward_flops=tokens * c.forward_flops,
+            backward_flops=tokens * c.backward_flops,
+            embedding_bytes_read=tokens * c.embedding_bytes_read,
+            components=tuple((name, tokens * f) for name, f in c.components),
+        )
+
+
+def train_lengths(d: SequenceDataConfig) -> np.ndarray:
+    """int64 [U]: the length of every training history, before any cut (planted: from the
+    generator's latents, without drawing items; sasrec: the file's leave-one-out training
+    part)."""
+    if d.kind == "planted":
+        gen = PlantedSequences(d.planted, seed=d.shuffle_seed)
+        return gen.user_latents(np.arange(d.num_train_users, dtype=np.int64))[1]
+    if not os.path.isfile(d.sasrec_path):
+        raise ConfigError(f"data.sasrec_path={d.sasrec_path!r}: no such file")
+    return leave_one_out(read_sasrec(d.sasrec_path)).train.lengths().astype(np.int64)
+
+
+def pack_stats(cfg: SequentialConfig) -> tuple[float, float]:
+    """``(tokens, seq_len)`` of a run's training packs over their first epoch: the mean real
+    tokens per pack, and the token-weighted mean history length ``Σ n² / Σ n`` (the length at
+    which the per-token cost, affine in it, gives the packs' total exactly; ``sequential.task``
+    logs the same per step). Histories are cut to ``model.max_seq_len``, then packed as
+    ``sequential.source`` packs them (the packing reads lengths only: the items here are
+    placeholders)."""
+    d = cfg.data
+    n = np.minimum(train_lengths(d), min(cfg.model.max_seq_len, d.token_budget))
+    total = int(n.sum())
+    hist = Histories(
+        items=np.ones(total, np.int32),
+        offsets=np.concatenate([[0], np.cumsum(n)]).astype(np.int64),
+        user_raw=np.arange(n.shape[0]),
+        item_raw=np.ones(1, np.int64),
+    )
+    pack = PackConfig(
+        token_budget=d.token_budget, max_sequences=d.max_sequences, block_size=d.block_size
+    )
+    packs = Packer(hist, pack, seed=d.shuffle_seed).num_batches(0)
+    return total / packs, float((n * n).sum()) / total
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HSTURunConfig(SequentialConfig):
@@ -136,4 +194,12 @@ class SASRecRunConfig(SequentialConfig):
     """A whole SASRec run."""
 
     model: SASRecConfig = SASRecConfig(n_items=10_000)
+    """The network."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BagRunConfig(SequentialConfig):
+    """A whole run of the bag baseline."""
+
+    model: BagConfig = BagConfig(n_items=10_000)
     """The network."""

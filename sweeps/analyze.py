@@ -5,7 +5,10 @@ its rungs, seeds averaged first) is fitted with ``L(C) = a·C^(−b) + c`` (``sw
 Huber in log space, bootstrap intervals over the frontier trials); the largest budget is held
 out and predicted from the rest; and the IsoFLOP curves (metric vs FLOPs/example at one budget)
 give the compute-optimal model size per budget. Only SUCCESS trials enter fits: DIVERGED and
-FAILED ones are listed and excluded, with the reason logged.
+FAILED ones are listed and excluded, with the reason logged. Where the data is planted, the
+Bayes-optimal value is drawn and every law is also fitted with its floor there; planted
+histories (metric ``loss``) add the generator's baselines and each family's fitted floor beside
+the Bayes one (``sweeps.reference``).
 
 Writes into ``SWEEP_DIR`` (or ``--out``): ``results.csv`` (one row per trial; ``--parquet`` adds
 ``results.parquet``), ``analysis.json`` (the fits), ``scaling.png`` and ``isoflop.png``.
@@ -27,7 +30,15 @@ from sweeps import fit as fit_lib
 from sweeps import provenance
 from sweeps import surface as surface_lib
 from sweeps.provenance import BOOTSTRAP_SEED
-from sweeps.report import plot, plot_quality_vs_size, plot_sparse_dense, print_report, ylabel
+from sweeps.reference import bayes_reference_of, planted_baselines
+from sweeps.report import (
+    plot,
+    plot_quality_vs_size,
+    plot_sparse_dense,
+    print_floors,
+    print_report,
+    ylabel,
+)
 from sweeps.table import branch_cost, learning_rate_search, load_results
 
 log = logging.getLogger("sweeps.analyze")
@@ -36,8 +47,9 @@ log = logging.getLogger("sweeps.analyze")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AnalyzeArgs:
     sweep_dir: tyro.conf.Positional[str]
-    metric: Literal["", "logloss", "auc"] = ""
-    """Metric to fit (default: the sweep's); AUC is fitted as 1 - AUC."""
+    metric: Literal["", "logloss", "auc", "loss"] = ""
+    """Metric to fit (default: the sweep's); AUC is fitted as 1 - AUC; ``loss`` is a sequential
+    family's next-item loss."""
     out: str = ""
     """Where to write the tables and plots (default: SWEEP_DIR)."""
     parquet: bool = False
@@ -419,50 +431,6 @@ def _public(analysis: dict) -> dict:
     return _jsonable({**analysis, "families": fams})
 
 
-def bayes_reference(sweep_dir: str | Path, metric: str) -> float | None:
-    """The planted teacher's own eval metric, when every trial of the sweep reads one synthetic
-    dataset (read from the results' configs: the committed results suffice, no trial folders)."""
-    return bayes_reference_of(load_results(sweep_dir), metric)
-
-
-def bayes_reference_of(df: pd.DataFrame, metric: str) -> float | None:
-    """``bayes_reference`` of a results table (``load_results``)."""
-    if df.empty or "config" not in df:
-        return None
-    # What the generator is (kind, generator settings, seed); not how it is batched or capped.
-    datas = {
-        json.dumps(
-            {
-                k: (json.loads(c).get("data") or {}).get(k)
-                for k in ("kind", "synthetic", "shuffle_seed")
-            },
-            sort_keys=True,
-        )
-        for c in df["config"]
-    }
-    if len(datas) != 1:
-        return None
-    data = json.loads(datas.pop())
-    if data.get("kind") != "synthetic":
-        return None
-    from data.config import SyntheticConfig  # noqa: PLC0415
-    from data.synthetic import EVAL_INDEX_OFFSET, SyntheticGenerator  # noqa: PLC0415
-    from recscale import config as config_lib  # noqa: PLC0415
-
-    cfg = config_lib.from_dict(SyntheticConfig, data["synthetic"])
-    gen = SyntheticGenerator(cfg, data.get("shuffle_seed", 0))
-    idx = EVAL_INDEX_OFFSET + np.arange(cfg.num_eval_examples, dtype=np.int64)
-    z = gen.teacher_logits(idx)
-    yb = gen.examples(idx).labels_b
-    if metric == "auc":
-        from recscale.metrics import EvalAccumulator  # noqa: PLC0415
-
-        acc = EvalAccumulator()
-        acc.update(z, yb, np.ones_like(yb))
-        return 1.0 - acc.result()["auc"]
-    return float(np.mean(np.logaddexp(0.0, z) - yb * z))
-
-
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = tyro.cli(AnalyzeArgs, args=argv, prog="python -m sweeps.analyze")
@@ -495,14 +463,19 @@ def main(argv: list[str] | None = None) -> dict:
     df.to_csv(out_dir / "results.csv", index=False)
     if args.parquet:
         df.to_parquet(out_dir / "results.parquet", index=False)
-    ref = bayes_reference_of(df, metric)
+    baselines = planted_baselines(df) if metric == "loss" else None
+    ref = baselines["bayes"] if baselines else bayes_reference_of(df, metric)
     analysis = analyze(df, metric, n_boot=n_boot, floor=ref)
     analysis["bayes_reference"] = ref
+    if baselines:
+        analysis["planted_baselines"] = baselines
     print_report(df, analysis, metric)
     if ref is not None:
         print(f"Bayes-optimal {ylabel(metric)} of the planted teacher on the eval set: {ref:.4f}")
+    if baselines:
+        print_floors(analysis, baselines)
     if args.plots and analysis["families"] and df["budget"].nunique() > 1:
-        for p in plot(analysis, out_dir, metric, reference=ref):
+        for p in plot(analysis, out_dir, metric, reference=ref, baselines=baselines):
             print(f"wrote {p}")
     analyses = (sweep.get("spec") or {}).get("analyses", ())
     if "quality_vs_size" in analyses:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from data import roles
-from data.config import DataConfig
 from recscale import __version__
 from recscale import config as config_lib
 
@@ -52,14 +51,16 @@ def trial_id(
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def data_fingerprint(data: DataConfig) -> str:
-    """What the data is: the synthetic generator's config, or each file's size and the SHA-256
-    of its first and last MiB (cheap on 100 GB files; a changed file almost surely changes it)."""
-    if data.kind == "synthetic":
-        blob = json.dumps(config_lib.to_dict(data.synthetic), sort_keys=True)
-        return "synthetic:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+def data_fingerprint(data: Any) -> str:
+    """What the data is: a generator's config (synthetic CTR data, planted histories), or each
+    file's size and the SHA-256 of its first and last MiB (cheap on 100 GB files; a changed file
+    almost surely changes it). ``data``: a ``DataConfig``, or a sequential run's
+    ``SequenceDataConfig`` (``sequential.run_config``)."""
+    if data.kind in ("synthetic", "planted"):
+        blob = json.dumps(config_lib.to_dict(getattr(data, data.kind)), sort_keys=True)
+        return f"{data.kind}:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
     h = hashlib.sha256()
-    paths = [data.train_path, data.eval_path]
+    paths = [data.sasrec_path] if data.kind == "sasrec" else [data.train_path, data.eval_path]
     if data.kind == "tabular":  # the spec's content and every file it names
         from data.tabular.passes import resolve_inputs
         from data.tabular.spec import load_spec, spec_digest

@@ -95,7 +95,30 @@ def plot_quality_vs_size(q: dict[str, list[dict[str, Any]]], out_dir: Path) -> P
 
 
 def ylabel(metric: str) -> str:
-    return "1 - AUC" if metric == "auc" else "eval logloss"
+    return {"auc": "1 - AUC", "loss": "eval next-item loss (nats)"}.get(metric, "eval logloss")
+
+
+def print_floors(analysis: dict, baselines: dict[str, float], file=None) -> None:
+    """Planted histories (``sweeps.reference.planted_baselines``): the generator's reference
+    losses, and each family's fitted floor ``c`` (free fit) beside the Bayes-optimal one."""
+    out = file or sys.stdout
+    print(
+        "planted baselines on the eval set (nats): "
+        + ", ".join(f"{k} {v:.4f}" for k, v in baselines.items()),
+        file=out,
+    )
+    for fam, d in analysis["families"].items():
+        law = d.get("law")
+        if not law:
+            print(f"{fam}: no free fit ({d.get('reason', '')})", file=out)
+            continue
+        lo, hi = law["intervals"]["c"]
+        print(
+            f"{fam}: fitted floor c = {law['c']:.4f} [{lo:.4f}, {hi:.4f}] against the Bayes "
+            f"floor {baselines['bayes']:.4f} (gap {law['c'] - baselines['bayes']:+.4f}); "
+            f"best observed {min(r['y'] for r in d['frontier']):.4f}",
+            file=out,
+        )
 
 
 def print_report(df: pd.DataFrame, analysis: dict, metric: str, file=None) -> None:
@@ -223,8 +246,16 @@ def _fmt(v) -> str:
 
 
 def plot(
-    analysis: dict, out_dir: Path, metric: str, *, reference: float | None = None
+    analysis: dict,
+    out_dir: Path,
+    metric: str,
+    *,
+    reference: float | None = None,
+    baselines: dict[str, float] | None = None,
 ) -> list[Path]:
+    """``scaling.png`` (with the Bayes-optimal ``reference`` and the planted ``baselines``
+    that see less than the history, when given), ``isoflop.png``, the optimal-size and the
+    residual plots."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -264,6 +295,11 @@ def plot(
             )
     if reference is not None:
         ax.axhline(reference, color="k", ls=":", lw=1, label="Bayes-optimal (planted teacher)")
+    for i, name in enumerate(("last_item", "bag")):
+        if baselines and name in baselines:
+            ax.axhline(
+                baselines[name], color="0.5", ls=(0, (1, 2 + 2 * i)), lw=1, label=f"{name} baseline"
+            )
     # Bands of a 5-point fit can be wide where it extrapolates: frame the data, not the band.
     ys = np.concatenate([d["_points"]["y"].to_numpy() for d in fams.values()])
     lo_y = min(ys.min(), reference if reference is not None else ys.min())

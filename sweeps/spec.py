@@ -7,7 +7,10 @@ per family, a **ladder** of model sizes (rungs, smallest first). Each (family, b
 seed) resolves to one concrete **trial**:
 
 * FLOPs per example ``f`` = the rung's analytic training FLOPs (``ModelCost.train_flops``:
-  forward + backward matmul FLOPs, 2 per multiply-add, see ``recscale/flops.py``);
+  forward + backward matmul FLOPs, 2 per multiply-add, see ``recscale/flops.py``); a run
+  config that prices its own examples (``example_cost``) is asked instead: a sequential
+  family's example is a pack of histories (``sequential.run_config``), and its ``batch_size``
+  counts packs;
 * examples = ``C / f``; steps = ``round(examples / global_batch)`` (at least ``min_steps``, else
   the pair is skipped with a reason); the trial's actual compute ``steps * batch * f`` is what
   fits use;
@@ -184,8 +187,9 @@ class SweepSpec:
     """Wall-clock limit of one attempt of a trial (0 = none): killed, it counts as a failure."""
     max_takeovers: int = 3
     """A trial whose worker died more often than this (e.g. it kills its host) is FAILED."""
-    metric: Literal["logloss", "auc"] = "logloss"
-    """The quality metric fits use (AUC is fitted as 1 - AUC, so lower is better for both)."""
+    metric: Literal["logloss", "auc", "loss"] = "logloss"
+    """The quality metric fits use (AUC is fitted as 1 - AUC, so lower is better for all);
+    ``loss`` is a sequential family's eval next-item loss (nats, ``sequential.task``)."""
     hardware: str = "cpu-local"
     """``tpu_gpu_configs`` preset the trials run on (mesh, XLA flags, SLURM resources)."""
     analyses: tuple[Literal["sparse_dense", "quality_vs_size"], ...] = ()
@@ -306,10 +310,15 @@ def resolve(spec: SweepSpec) -> Resolution:
                     rung_data = _override(probe, rung.overrides, fam.family).data
             except (TypeError, ValueError) as e:
                 raise ValueError(f"family {fam.family}, rung {rung.name}: {e}") from e
-            key = json.dumps(config_lib.to_dict(rung_data), sort_keys=True)
-            if key not in schemas:
-                schemas[key] = schema_of(rung_data)
-            rungs.append((model, rung_data, model.cost(schemas[key])))
+            if hasattr(base, "example_cost"):  # a sequential run: packs, not rows of a schema
+                run = dataclasses.replace(base, model=model, data=rung_data)
+                cost = _override(run, rung.overrides, fam.family).example_cost()
+            else:
+                key = json.dumps(config_lib.to_dict(rung_data), sort_keys=True)
+                if key not in schemas:
+                    schemas[key] = schema_of(rung_data)
+                cost = model.cost(schemas[key])
+            rungs.append((model, rung_data, cost))
         log_fpe = [math.log(float(c.train_flops)) for _, _, c in rungs]
         for bi, budget in enumerate(spec.budgets):
             k = spec.sizes_per_budget or n_rungs

@@ -1,6 +1,6 @@
-"""HSTU and SASRec over jagged tokens (sequential/hstu.py, sequential/sasrec.py): shapes and
-masks, the kernel implementations agreeing, parameter counts against the analytic ones, and a
-few Adam steps learning a planted batch."""
+"""HSTU, SASRec and the bag over jagged tokens (sequential/{hstu,sasrec,bag}/model.py): shapes
+and masks, causality, the bag's indifference to order, the kernel implementations agreeing,
+parameter counts against the analytic ones, and a few Adam steps learning a planted batch."""
 
 import dataclasses
 
@@ -13,7 +13,8 @@ from flax import nnx
 
 from data.sequences import JaggedBatch, PackConfig, Packer, PlantedConfig, PlantedSequences
 from recscale.kernels import common
-from sequential.config import HSTUConfig, LossConfig, SASRecConfig
+from sequential.bag.model import Bag
+from sequential.config import BagConfig, HSTUConfig, LossConfig, SASRecConfig
 from sequential.hstu.model import HSTU
 from sequential.losses import next_item_loss
 from sequential.sasrec.model import SASRec
@@ -23,6 +24,9 @@ HSTU_CFG = HSTUConfig(
     n_items=V, d_model=8, num_layers=2, num_heads=2, d_qk=4, d_v=4, max_seq_len=N, num_buckets=8
 )
 SASREC_CFG = SASRecConfig(n_items=V, d_model=8, num_layers=2, num_heads=2, max_seq_len=N)
+BAG_CFG = BagConfig(n_items=V, d_model=8, num_layers=2, max_seq_len=N)
+CFGS = {"hstu": HSTU_CFG, "sasrec": SASREC_CFG, "bag": BAG_CFG}
+NAMES = list(CFGS)
 # Sequences of 4, 3 and 8 tokens (the last two past N = 6), one empty padding sequence, and
 # three tail slots.
 LENGTHS = (4, 3, 8, 0)
@@ -42,6 +46,7 @@ def _models():
     return {
         "hstu": HSTU(HSTU_CFG, impl="xla", rngs=nnx.Rngs(0)),
         "sasrec": SASRec(SASREC_CFG, rngs=nnx.Rngs(0)),
+        "bag": Bag(BAG_CFG, rngs=nnx.Rngs(0)),
     }
 
 
@@ -60,7 +65,7 @@ def applied():
 VALUES = np.random.default_rng(0).integers(1, V + 1, size=T_PAD).astype(np.int32)
 
 
-@pytest.mark.parametrize("name", ["hstu", "sasrec"])
+@pytest.mark.parametrize("name", NAMES)
 def test_shapes_and_invalid_slots(applied, name):
     b = _batch(VALUES)
     out = np.asarray(applied[name](b.values, b.offsets))
@@ -72,7 +77,7 @@ def test_shapes_and_invalid_slots(applied, name):
     np.testing.assert_array_equal(real, want)
 
 
-@pytest.mark.parametrize("name", ["hstu", "sasrec"])
+@pytest.mark.parametrize("name", NAMES)
 def test_causal_and_sequences_independent(applied, name):
     """Changing token 2 of sequence 0 changes its positions >= 2 only: nothing of its past,
     of the other sequences; changing a token past N or in the tail changes nothing."""
@@ -90,7 +95,7 @@ def test_causal_and_sequences_independent(applied, name):
     np.testing.assert_array_equal(out2, out0)
 
 
-@pytest.mark.parametrize("name", ["hstu", "sasrec"])
+@pytest.mark.parametrize("name", NAMES)
 def test_padding_sequences_contribute_nothing(applied, name):
     """The same tokens with more empty padding sequences, or a longer tail, give the same
     outputs."""
@@ -125,9 +130,27 @@ def test_hstu_xla_matches_pallas_gpu_interpreted():
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["hstu", "sasrec"])
+def test_bag_ignores_order():
+    """Swapping sequence 0's first two items changes its position-0 output only: from position
+    1 on, the bag holds the same items; the order-aware models see the swap."""
+    base = _batch(VALUES)
+    vals = VALUES.copy()
+    vals[[0, 1]] = VALUES[[1, 0]]
+    assert VALUES[0] != VALUES[1]
+    out = {}
+    for name, model in _models().items():
+        f = _jitted(model)
+        out[name] = np.asarray(f(base.values, base.offsets)), np.asarray(f(vals, base.offsets))
+    before, after = out["bag"]
+    np.testing.assert_allclose(after[1:], before[1:], rtol=1e-6, atol=1e-7)
+    assert np.abs(after[0] - before[0]).max() > 1e-4
+    for name in ("hstu", "sasrec"):
+        assert np.abs(out[name][1][1:4] - out[name][0][1:4]).max() > 1e-4, name
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_parameter_counts_match_the_cost(name):
-    cfg = HSTU_CFG if name == "hstu" else SASREC_CFG
+    cfg = CFGS[name]
     model = _models()[name]
     table = model.embeddings.tables["item"][...]
     total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -147,6 +170,11 @@ def test_costs_by_hand():
     sas = SASREC_CFG.cost(seq_len=3)
     assert dict(sas.components)["attention"] == lay * 2 * d * (3 + 1)
     assert sas.forward_flops == lay * (6 * d * d + 2 * d * (3 + 1) + 4 * d * d)
+    f = 4 * d  # the bag's default hidden width
+    bag = BAG_CFG.cost(loss=LossConfig(kind="full_softmax"))
+    want = 2 * d * f + 2 * f * f + 2 * f * d + 2 * d * V  # MLP d-f-f-d, the full softmax
+    assert bag.forward_flops == want and bag.train_flops == 3 * want + d  # scatter: input row
+    assert BAG_CFG.cost(seq_len=3).forward_flops == BAG_CFG.cost(seq_len=6).forward_flops
 
 
 PLANTED = dict(n_items=30, max_seq_len=10, num_layers=1)
@@ -165,6 +193,7 @@ def planted_batch():
     [
         ("hstu", LossConfig(num_negatives=16)),
         ("sasrec", LossConfig(kind="bce", l2_norm=False, temperature=1.0)),
+        ("bag", LossConfig(kind="full_softmax")),
     ],
 )
 def test_adam_steps_reduce_the_loss(planted_batch, name, loss):
@@ -172,8 +201,10 @@ def test_adam_steps_reduce_the_loss(planted_batch, name, loss):
     same negatives, so the losses are comparable)."""
     if name == "hstu":
         model = HSTU(dataclasses.replace(HSTU_CFG, **PLANTED), impl="xla", rngs=nnx.Rngs(1))
-    else:
+    elif name == "sasrec":
         model = SASRec(dataclasses.replace(SASREC_CFG, **PLANTED), rngs=nnx.Rngs(1))
+    else:
+        model = Bag(dataclasses.replace(BAG_CFG, **PLANTED), rngs=nnx.Rngs(1))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adam(3e-2)
     key = jax.random.key(0)
