@@ -24,10 +24,14 @@ if os.environ.get("RECSCALE_TEST_JAX_CACHE", "1") != "0":
 # machine code, not the HLO or its float semantics: every comparison in the suite is between
 # two programs under the same flags (xdist workers and subprocesses inherit them) or against a
 # numpy reference within a tolerance. RECSCALE_TEST_XLA_OPT=1 keeps XLA's default level.
+# Likewise XLA:CPU's legacy LLVM IR emitters instead of its MLIR fusion emitters: the same HLO
+# and fusions, each fusion emitted straight to LLVM IR without the MLIR pipeline, which is
+# most of what is left of a compile at -O0 (measured: the dlrm/tiny and wukong/tiny train and
+# eval steps compile in 40% of the time).
 if os.environ.get("RECSCALE_TEST_XLA_OPT", "0") != "1":
-    _opt = "--xla_backend_optimization_level=0"
-    if _opt not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_opt}".strip()
+    for _opt in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+        if _opt.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_opt}".strip()
 
 import jax  # noqa: E402
 

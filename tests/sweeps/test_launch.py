@@ -7,6 +7,7 @@ dominate), so these tests are marked slow; CI still runs them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -19,7 +20,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import portpicker
 import pytest
 
 from sweeps.store import SweepStore, read_results
@@ -262,74 +262,6 @@ def test_diverged_and_failed_trials_are_recorded(tmp_path):
     assert len(rows(sweep2)) == 1 and len(SweepStore(sweep2).attempts(row["trial_id"])) == 2
 
 
-def test_ray_backend_on_a_local_cluster(tmp_path):
-    ray_bin = Path(sys.executable).with_name("ray")
-    # A throwaway cluster on this machine: no usage stats, and no token auth (Ray 2.5x enables
-    # it by default; a real cluster's token reaches the launcher through ~/.ray/auth_token).
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    port = str(portpicker.pick_unused_port())
-    # Its own short temp dir (Ray's socket paths must stay under 107 characters).
-    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    # --block keeps the head in this process group, so the test stops its own cluster only
-    # (``ray stop`` would stop every Ray cluster on the machine, a user's included).
-    head = subprocess.Popen(
-        [
-            str(ray_bin),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            f"--temp-dir={ray_tmp}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 120
-        while subprocess.run(
-            [str(ray_bin), "status", f"--address=127.0.0.1:{port}"],
-            capture_output=True,
-            env=env,
-            timeout=60,
-        ).returncode:
-            assert head.poll() is None, head.stderr.read()[-2000:]
-            assert time.time() < deadline, "the Ray head did not come up in 120 s"
-            time.sleep(1)
-        spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
-        sweep = tmp_path / "sw"
-        summary = run_launch(
-            spec,
-            sweep,
-            "--backend",
-            "ray",
-            "--max-parallel",
-            "2",
-            "--ray-address",
-            f"127.0.0.1:{port}",
-            env=env,
-        )
-        assert summary["statuses"] == {"SUCCESS": 2}
-        got = rows(sweep)
-        assert len(got) == 2
-        owners = {a["owner"] for r in got for a in SweepStore(sweep).attempts(r["trial_id"])}
-        assert all(o.startswith("ray") for o in owners)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(head.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                head.wait(timeout=30)
-                break
-        head.stderr.close()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
 def test_slurm_backend_with_submitits_local_executor(tmp_path):
     spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
     sweep = tmp_path / "sw"
@@ -437,7 +369,7 @@ RAY_HEAD = """
 import json, os, sys
 import ray
 from sweeps.launch import ray_init_kwargs
-ctx = ray.init(num_cpus=1, _temp_dir=sys.argv[1], **ray_init_kwargs("", os.environ))
+ctx = ray.init(num_cpus=2, _temp_dir=sys.argv[1], **ray_init_kwargs("", os.environ))
 print(json.dumps({"gcs": ctx.address_info["gcs_address"]}), flush=True)
 sys.stdin.read()  # until the test closes stdin
 ray.shutdown()
@@ -451,16 +383,26 @@ print("CONNECTED", flush=True)
 """
 
 
-def test_a_local_ray_cluster_refuses_a_client_without_its_token(tmp_path):
-    """The cluster ``--backend ray`` starts when given no address listens on every interface
-    (Ray cannot bind it to 127.0.0.1), and Ray's token authentication is what guards it: a
-    client with another token is refused, one with the token Ray wrote to the launching user's
-    ``~/.ray/auth_token`` (``HOME`` here: a folder of this test's) connects."""
-    home, other = tmp_path / "home", tmp_path / "other"
-    home.mkdir()
-    other.mkdir()
+@dataclasses.dataclass(frozen=True)
+class RayCluster:
+    gcs: str
+    """The cluster's address (``host:port`` of its GCS)."""
+    env: dict
+    """The environment it was started in: ``HOME`` is a folder of the module's, whose
+    ``.ray/auth_token`` Ray wrote."""
+    home: Path
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """The cluster ``--backend ray`` starts when given no address (``ray_init_kwargs("")``, as
+    the launcher calls ``ray.init``), with 2 CPUs, one for this module's Ray tests: starting a
+    Ray cluster costs about 10 s of CPU on 2 cores."""
+    home = tmp_path_factory.mktemp("home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
+    # The trials Ray's workers run keep the C++ kernels already built (HOME moves ~/.cache).
+    cache = os.environ.get("RECSCALE_CACHE") or str(Path.home() / ".cache" / "recscale")
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", RECSCALE_CACHE=cache)
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths stay short
     head = subprocess.Popen(
         [sys.executable, "-c", RAY_HEAD, ray_tmp],
@@ -472,29 +414,64 @@ def test_a_local_ray_cluster_refuses_a_client_without_its_token(tmp_path):
     )
     try:
         gcs = json.loads(head.stdout.readline())["gcs"]
-        intruder = subprocess.run(
-            [sys.executable, "-c", RAY_CLIENT, gcs],
-            env={**env, "HOME": str(other), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 32},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert "CONNECTED" not in intruder.stdout
-        assert "InvalidAuthToken" in intruder.stderr, intruder.stderr[-2000:]
-        owner = subprocess.run(
-            [sys.executable, "-c", RAY_CLIENT, gcs],
-            env={**env, "RAY_AUTH_MODE": "token"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert "CONNECTED" in owner.stdout, owner.stderr[-2000:]
+        yield RayCluster(gcs=gcs, env=env, home=home)
     finally:
         head.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             head.wait(timeout=60)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)  # this test's own cluster only
+            os.killpg(head.pid, signal.SIGKILL)  # this module's own cluster only
         head.wait()
         head.stdout.close()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_a_local_ray_cluster_refuses_a_client_without_its_token(tmp_path, ray_cluster):
+    """The cluster ``--backend ray`` starts when given no address listens on every interface
+    (Ray cannot bind it to 127.0.0.1), and Ray's token authentication is what guards it: a
+    client with another token is refused, one with the token Ray wrote to the launching user's
+    ``~/.ray/auth_token`` (``HOME`` here: a folder of the fixture's) connects."""
+    other = tmp_path / "other"
+    other.mkdir()
+    env, gcs = ray_cluster.env, ray_cluster.gcs
+    assert (ray_cluster.home / ".ray" / "auth_token").is_file()
+    intruder = subprocess.run(
+        [sys.executable, "-c", RAY_CLIENT, gcs],
+        env={**env, "HOME": str(other), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 32},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "CONNECTED" not in intruder.stdout
+    assert "InvalidAuthToken" in intruder.stderr, intruder.stderr[-2000:]
+    owner = subprocess.run(
+        [sys.executable, "-c", RAY_CLIENT, gcs],
+        env={**env, "RAY_AUTH_MODE": "token"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "CONNECTED" in owner.stdout, owner.stderr[-2000:]
+
+
+def test_ray_backend_on_a_local_cluster(tmp_path, ray_cluster):
+    """``--backend ray --ray-address``: the trials run as tasks of a cluster already up (this
+    module's token-guarded one; the launcher reads the token from ``~/.ray/auth_token``)."""
+    spec = write_spec(tmp_path / "spec.py", budgets=[10 * STEP_FLOPS_D1, 20 * STEP_FLOPS_D1])
+    sweep = tmp_path / "sw"
+    summary = run_launch(
+        spec,
+        sweep,
+        "--backend",
+        "ray",
+        "--max-parallel",
+        "2",
+        "--ray-address",
+        ray_cluster.gcs,
+        env={**ray_cluster.env, "RAY_AUTH_MODE": "token"},
+    )
+    assert summary["statuses"] == {"SUCCESS": 2}
+    got = rows(sweep)
+    assert len(got) == 2
+    owners = {a["owner"] for r in got for a in SweepStore(sweep).attempts(r["trial_id"])}
+    assert all(o.startswith("ray") for o in owners)
