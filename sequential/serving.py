@@ -36,7 +36,7 @@ from flax import nnx
 
 from recscale.serving import next_item
 from recscale.serving.artifact import ArtifactParts
-from recscale.serving.export import host_weights, lower, merged
+from recscale.serving.export import float_tables, host_weights, lower, merged
 from sequential.layers import ITEM_TABLE, SeqModel
 from sequential.losses import l2_normalize
 from sequential.metrics import HIGHEST
@@ -110,6 +110,27 @@ class _Scorer:
         return jnp.where(cands_c > 0, s_c, -jnp.inf)
 
 
+def per_table(model: SeqModel) -> SeqModel:
+    """``model`` with its item table as one ``[V + 1, D]`` array: itself on the per-table path;
+    for a run that trained the table in the sharded engine, a twin built without the engine
+    holding the same weights and the engine's buffers gathered into one table
+    (``recscale.serving.export.float_tables``), so the artifact depends on no mesh or plan."""
+    if model.embeddings.layout is None:
+        return model
+    (table,) = float_tables(model.embeddings).values()
+    layers = getattr(model, "layers", None)  # HSTU's layers name their attention kernel
+    kw = {"impl": layers[0].impl} if layers is not None and hasattr(layers[0], "impl") else {}
+    graphdef, state = nnx.split(type(model)(model.cfg, rngs=nnx.Rngs(params=0), **kw))
+    mine = dict(nnx.to_flat_state(nnx.state(model)))
+    pairs = []
+    for path, var in nnx.to_flat_state(state):
+        value = var[...] if path[0] == "embeddings" else mine[path][...]
+        if path[-1] == ITEM_TABLE:
+            value = jnp.asarray(value).at[: table.shape[0]].set(table)
+        pairs.append((path, value))
+    return nnx.merge(graphdef, nnx.from_flat_state(pairs))
+
+
 def serving_parts(r: Any, args: Any) -> ArtifactParts:
     """The task's part of the artifact of restored run ``r`` (``recscale.train.evaluation.
     Restored``) for ``ExportArgs`` ``args``: the programs, the weights and the manifest's
@@ -121,7 +142,7 @@ def serving_parts(r: Any, args: Any) -> ArtifactParts:
         )
     cfg = r.cfg
     lcfg, mcfg = cfg.loss, cfg.model
-    model = nnx.merge(r.exp.graphdef, r.params, r.batch_stats)
+    model = per_table(nnx.merge(r.exp.graphdef, r.params, r.batch_stats))
     graphdef, weights, paths = host_weights(model)
     k = min(MAX_K, mcfg.n_items)
     eps = lcfg.l2_eps
