@@ -33,21 +33,67 @@ from flax import nnx
 from recscale.embeddings.layout import EngineSpec
 from recscale.nn import LayerNorm, dropout
 from sequential.config import SASRecConfig
-from sequential.layers import (
-    Dense,
-    SeqModel,
-    Tokens,
-    engine_spec,
-    fold,
-    to_jagged,
-    to_padded,
-)
+from sequential.layers import Dense, SeqModel, Tokens, engine_spec, fold
 
 LN_EPS = 1e-8
 
 
+def local_attention(
+    q_thp: jax.Array,
+    k_thp: jax.Array,
+    v_thp: jax.Array,
+    tokens: Tokens,
+    *,
+    max_seq_len: int,
+    rate: float,
+    dropout_key: jax.Array | None,
+) -> jax.Array:
+    """``softmax(mask(Q Kᵀ / sqrt(P))) V`` over jagged tokens, ``[T, H, P]`` each: token t
+    attends to the tokens of its own sequence at or before it, and dropout (``rate``) drops
+    attention weights; ``[T, H, P]`` out (any value at invalid slots: callers zero them).
+
+    A sequence's token sees at most its ``N - 1`` predecessors, so the ``T`` slots are cut into
+    ``G`` chunks of ``C`` (:func:`chunk_size`) and chunk g's queries score the keys of chunks
+    ``g - M .. g`` (``M = ceil((N - 1) / C)``): ``[G, H, C, (M + 1) C]`` scores, slices and
+    reshapes only (no gather, so no scatter in the backward), instead of the padded layout's
+    ``[B, H, N, N]``. The mask keeps a key of the query's own sequence at or before it (a valid
+    slot); every other score gets the float32 floor, whose weight underflows to exactly 0, so
+    the valid rows equal the padded layout's to float32 rounding."""
+    t, h, p = q_thp.shape
+    c = chunk_size(max_seq_len)
+    m = -(-(max_seq_len - 1) // c)
+    g = -(-t // c)
+    tail = g * c - t
+
+    def chunks(x):  # [T, ...] -> [G, C, ...]
+        x = jnp.pad(x, [(0, tail)] + [(0, 0)] * (x.ndim - 1), constant_values=-1)
+        return x.reshape(g, c, *x.shape[1:])
+
+    def window(x):  # [T, ...] -> [G, (M + 1) C, ...]: chunks g - M .. g of each chunk g
+        x = jnp.pad(x, [(m * c, tail)] + [(0, 0)] * (x.ndim - 1), constant_values=-1)
+        parts = [x[i * c : i * c + g * c].reshape(g, c, *x.shape[1:]) for i in range(m + 1)]
+        return jnp.concatenate(parts, axis=1)
+
+    seq = jnp.where(tokens.valid, tokens.seq, -1)
+    causal = jnp.arange((m + 1) * c)[None, :] <= jnp.arange(c)[:, None] + m * c
+    allowed = (window(seq)[:, None, :] == chunks(seq)[:, :, None]) & causal  # [G, C, (M+1)C]
+    s_ghij = jnp.einsum("gihp,gjhp->ghij", chunks(q_thp), window(k_thp)) / p**0.5
+    s_ghij = jnp.where(allowed[:, None], s_ghij, jnp.finfo(s_ghij.dtype).min)
+    w_ghij = dropout(jax.nn.softmax(s_ghij, axis=-1), rate, dropout_key)
+    a_gihp = jnp.einsum("ghij,gjhp->gihp", w_ghij, window(v_thp))
+    return a_gihp.reshape(g * c, h, p)[:t]
+
+
+def chunk_size(max_seq_len: int) -> int:
+    """C of :func:`local_attention`: the power of two at least ``N - 1`` (so a token's keys
+    are in its own chunk and the one before), and at least 8."""
+    return max(8, 1 << max(max_seq_len - 2, 0).bit_length())
+
+
 class SASRecBlock(nnx.Module):
-    """One self-attention block (module docstring): ``x [B, N, D] -> [B, N, D]``."""
+    """One self-attention block (module docstring) on jagged tokens: ``x [T, D] -> [T, D]``
+    (zero at invalid slots). Every per-token layer (LayerNorms, projections, FFN, dropout) runs
+    on the ``T`` slots, the attention on chunks of them (:func:`local_attention`)."""
 
     def __init__(self, cfg: SASRecConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.ffn_width
@@ -59,31 +105,29 @@ class SASRecBlock(nnx.Module):
         self.ffn_in = Dense(d, f, rngs=rngs)
         self.ffn_out = Dense(f, d, rngs=rngs)
         self.num_heads = cfg.num_heads
+        self.max_seq_len = cfg.max_seq_len
         self.rate = cfg.dropout
 
     def __call__(
-        self, x_bnd: jax.Array, mask_bn: jax.Array, *, dropout_key: jax.Array | None
+        self, x_td: jax.Array, tokens: Tokens, *, dropout_key: jax.Array | None
     ) -> jax.Array:
-        b, n, d = x_bnd.shape
+        t, d = x_td.shape
         h = self.num_heads
-        p = d // h
-        q_bnd = self.ln_attn(x_bnd)
-        q_bnhp = self.query(q_bnd).reshape(b, n, h, p)
-        k_bnhp = self.key(x_bnd).reshape(b, n, h, p)
-        v_bnhp = self.value(x_bnd).reshape(b, n, h, p)
-        s_bhnn = jnp.einsum("bihp,bjhp->bhij", q_bnhp, k_bnhp) / p**0.5
-        pos = jnp.arange(n)
-        allowed = (pos[None, :] <= pos[:, None])[None, None] & mask_bn[:, None, None, :]
-        # A finite floor, not -inf: a padded query row has no allowed key (its output is
-        # masked below), and a softmax over only -inf would be NaN.
-        s_bhnn = jnp.where(allowed, s_bhnn, jnp.finfo(s_bhnn.dtype).min)
-        w_bhnn = dropout(jax.nn.softmax(s_bhnn, axis=-1), self.rate, fold(dropout_key, 0))
-        a_bnd = jnp.einsum("bhij,bjhp->bihp", w_bhnn, v_bnhp).reshape(b, n, d)
-        x_bnd = a_bnd + q_bnd
-        y_bnd = self.ln_ffn(x_bnd)
-        hid = dropout(jax.nn.relu(self.ffn_in(y_bnd)), self.rate, fold(dropout_key, 1))
-        x_bnd = dropout(self.ffn_out(hid), self.rate, fold(dropout_key, 2)) + y_bnd
-        return x_bnd * mask_bn[:, :, None]
+        q_td = self.ln_attn(x_td)
+        a_thp = local_attention(
+            self.query(q_td).reshape(t, h, d // h),
+            self.key(x_td).reshape(t, h, d // h),
+            self.value(x_td).reshape(t, h, d // h),
+            tokens,
+            max_seq_len=self.max_seq_len,
+            rate=self.rate,
+            dropout_key=fold(dropout_key, 0),
+        )
+        x_td = a_thp.reshape(t, d) + q_td
+        y_td = self.ln_ffn(x_td)
+        hid = dropout(jax.nn.relu(self.ffn_in(y_td)), self.rate, fold(dropout_key, 1))
+        x_td = dropout(self.ffn_out(hid), self.rate, fold(dropout_key, 2)) + y_td
+        return jnp.where(tokens.valid[:, None], x_td, 0.0)
 
 
 class SASRec(SeqModel):
@@ -98,10 +142,10 @@ class SASRec(SeqModel):
     def encode(
         self, x_td: jax.Array, offsets: jax.Array, tokens: Tokens, dropout_key: jax.Array | None
     ) -> jax.Array:
-        x_bnd, mask_bn = to_padded(x_td, offsets, self.cfg.max_seq_len)
+        del offsets  # the attention finds each token's sequence from ``tokens``
         for i, block in enumerate(self.blocks):
-            x_bnd = block(x_bnd, mask_bn, dropout_key=fold(dropout_key, i))
-        return to_jagged(self.ln_out(x_bnd), tokens)
+            x_td = block(x_td, tokens, dropout_key=fold(dropout_key, i))
+        return self.ln_out(x_td)
 
 
 def build_model(cfg, schema, rngs: nnx.Rngs) -> SASRec:
