@@ -1,5 +1,5 @@
 """SASRec (Kang & McAuley, "Self-Attentive Sequential Recommendation", ICDM 2018) over jagged
-tokens, padded to ``[B, N, D]`` inside.
+tokens.
 
 As the official code, github:kang205/SASRec at commit
 ``e3738967fddab206d6eeb4fda433e7a7034dd8b1`` (``model.py``, ``modules.py``): per block, on
@@ -19,6 +19,13 @@ defaults). The mask is causal and drops padded keys (the official code's key mas
 (``cfg.dropout``) on the input, the attention weights and both FFN layers, training calls only.
 The output is the last LN's, unnormalised: the BCE loss scores it by plain dot products, the
 softmax losses L2-normalise it (generative-recommenders' SASRec).
+
+Layout: every layer but the attention acts on each token alone, so it runs on the jagged
+``[T, D]`` slots (a pack's real tokens and its tail), never on a padded ``[B, N, D]`` (most of
+whose ``B·N`` rows are padding when histories are short); the attention scores chunks of the
+slots (:func:`local_attention`). The outputs equal the padded form's to float32 rounding
+(``tests/sequential/test_sasrec_layout.py``); a training call's dropout masks are drawn over
+this layout, so its random stream is not the padded form's.
 
 Dimension glossary: ``T`` token slots, ``B`` sequences, ``N`` max_seq_len, ``D`` model width,
 ``H`` heads, ``P`` width per head (``D / H``), ``F`` FFN width, ``L`` blocks.
