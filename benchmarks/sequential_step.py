@@ -11,8 +11,10 @@ of three timings of ``--reps`` passes. Each side runs in a fresh process of this
 ``git archive`` of ``REV`` unpacked in a temporary folder (before) and on this tree (after),
 alternating, ``--rounds`` times. Each side uses its own preset (its own ``data.token_budget``
 and so its own ``T_pad``; ``--token-budget`` sets one for both). Prints the median steps/s of
-each side, real tokens/s (the packs' tokens, not their padding slots) and the ratio, and each
-side's ``T_pad`` and the step's XLA cost-analysis FLOPs.
+each side, steps per CPU-second of the process (``time.process_time``: on a shared machine,
+with ``--cpus`` pinning it to one core, the better estimate of a dedicated core's rate), real
+tokens/s (the packs' tokens, not their padding slots) and the ratio, and each side's ``T_pad``
+and the step's XLA cost-analysis FLOPs.
 
 ``--cpus 0``: each process is pinned to these CPUs (``os.sched_setaffinity``) before jax
 starts, e.g. one core. Without ``--against``: this tree only. ``--profile``: where this tree's
@@ -91,17 +93,20 @@ def _time(step, exp, sargs, preset: str, args) -> dict:
     jax.block_until_ready(state)
     first = time.perf_counter() - t0
     cost = step.lower(state, dev[0], sargs).compile().cost_analysis()
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.reps):
             for b in dev:
                 state, _ = step(state, b, sargs)
         jax.block_until_ready(state)
-        best = min(best, (time.perf_counter() - t0) / (args.reps * len(dev)))
+        n = args.reps * len(dev)
+        best = min(best, (time.perf_counter() - t0) / n)
+        best_cpu = min(best_cpu, (time.process_time() - c0) / n)
     return {
         "preset": preset,
         "steps_per_s": 1.0 / best,
+        "steps_per_cpu_s": 1.0 / best_cpu,
         "tokens_per_s": tokens / best,
         "t_pad": int(host[0].values.shape[-1]),
         "tokens": tokens,
@@ -176,7 +181,8 @@ def _against(args) -> None:
                         rows[(row["preset"], side)].append(row)
                         print(
                             f"  round {r}: {side:<6} {row['preset']}: "
-                            f"{row['steps_per_s']:.2f} steps/s (T_pad {row['t_pad']})",
+                            f"{row['steps_per_s']:.2f} steps/s, "
+                            f"{row['steps_per_cpu_s']:.2f} per CPU-s (T_pad {row['t_pad']})",
                             flush=True,
                         )
     cpus = f"pinned to CPUs {args.cpus}" if args.cpus else "unpinned"
@@ -186,17 +192,23 @@ def _against(args) -> None:
         f"over {args.steps} packs)"
     )
     print(
-        "| preset | T_pad before / after | steps/s before | steps/s after | tokens/s before "
-        "| tokens/s after | after / before | XLA GFLOP/step before / after |"
+        "| preset | T_pad before / after | steps/s before | steps/s after | after / before "
+        "| steps per CPU-s before / after | tokens/s before / after "
+        "| XLA GFLOP/step before / after |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for preset in args.presets:
         b, a = rows[(preset, "before")], rows[(preset, "after")]
-        sb, sa = (statistics.median(r["steps_per_s"] for r in x) for x in (b, a))
-        tb, ta = (statistics.median(r["tokens_per_s"] for r in x) for x in (b, a))
+
+        def med(x, key):
+            return statistics.median(r[key] for r in x)
+
+        sb, sa = med(b, "steps_per_s"), med(a, "steps_per_s")
         print(
-            f"| {preset} | {b[0]['t_pad']} / {a[0]['t_pad']} | {sb:.2f} | {sa:.2f} | {tb:,.0f} "
-            f"| {ta:,.0f} | {sa / sb:.2f}x | {b[0]['flops'] / 1e9:.2f} / "
+            f"| {preset} | {b[0]['t_pad']} / {a[0]['t_pad']} | {sb:.2f} | {sa:.2f} "
+            f"| {sa / sb:.2f}x | {med(b, 'steps_per_cpu_s'):.2f} / "
+            f"{med(a, 'steps_per_cpu_s'):.2f} | {med(b, 'tokens_per_s'):,.0f} / "
+            f"{med(a, 'tokens_per_s'):,.0f} | {b[0]['flops'] / 1e9:.2f} / "
             f"{a[0]['flops'] / 1e9:.2f} |"
         )
 
