@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from recscale import jagged
 from recscale.embeddings.layout import EngineSpec
 from recscale.nn import LayerNorm, dropout
 from sequential.config import SASRecConfig
@@ -59,42 +60,20 @@ def local_attention(
     attends to the tokens of its own sequence at or before it, and dropout (``rate``) drops
     attention weights; ``[T, H, P]`` out (any value at invalid slots: callers zero them).
 
-    A sequence's token sees at most its ``N - 1`` predecessors, so the ``T`` slots are cut into
-    ``G`` chunks of ``C`` (:func:`chunk_size`) and chunk g's queries score the keys of chunks
-    ``g - M .. g`` (``M = ceil((N - 1) / C)``): ``[G, H, C, (M + 1) C]`` scores, slices and
-    reshapes only (no gather, so no scatter in the backward), instead of the padded layout's
-    ``[B, H, N, N]``. The mask keeps a key of the query's own sequence at or before it (a valid
-    slot); every other score gets the float32 floor, whose weight underflows to exactly 0, so
-    the valid rows equal the padded layout's to float32 rounding."""
+    Scores are ``[G, H, C, W]`` over the slots' local windows (``recscale.jagged``: a token
+    sees at most its ``N - 1`` predecessors), not the padded layout's ``[B, H, N, N]``. The
+    mask keeps a key of the query's own sequence at or before it (a valid slot); every other
+    score gets the float32 floor, whose weight underflows to exactly 0, so the valid rows equal
+    the padded layout's to float32 rounding."""
     t, h, p = q_thp.shape
-    c = chunk_size(max_seq_len)
-    m = -(-(max_seq_len - 1) // c)
-    g = -(-t // c)
-    tail = g * c - t
-
-    def chunks(x):  # [T, ...] -> [G, C, ...]
-        x = jnp.pad(x, [(0, tail)] + [(0, 0)] * (x.ndim - 1), constant_values=-1)
-        return x.reshape(g, c, *x.shape[1:])
-
-    def window(x):  # [T, ...] -> [G, (M + 1) C, ...]: chunks g - M .. g of each chunk g
-        x = jnp.pad(x, [(m * c, tail)] + [(0, 0)] * (x.ndim - 1), constant_values=-1)
-        parts = [x[i * c : i * c + g * c].reshape(g, c, *x.shape[1:]) for i in range(m + 1)]
-        return jnp.concatenate(parts, axis=1)
-
+    win = jagged.Windows.of(t, max_seq_len)
     seq = jnp.where(tokens.valid, tokens.seq, -1)
-    causal = jnp.arange((m + 1) * c)[None, :] <= jnp.arange(c)[:, None] + m * c
-    allowed = (window(seq)[:, None, :] == chunks(seq)[:, :, None]) & causal  # [G, C, (M+1)C]
-    s_ghij = jnp.einsum("gihp,gjhp->ghij", chunks(q_thp), window(k_thp)) / p**0.5
+    same = win.window(seq, -1)[:, None, :] == win.chunks(seq, -1)[:, :, None]
+    allowed = same & (win.distance() >= 0)  # [G, C, W]
+    s_ghij = jnp.einsum("gihp,gjhp->ghij", win.chunks(q_thp), win.window(k_thp)) / p**0.5
     s_ghij = jnp.where(allowed[:, None], s_ghij, jnp.finfo(s_ghij.dtype).min)
     w_ghij = dropout(jax.nn.softmax(s_ghij, axis=-1), rate, dropout_key)
-    a_gihp = jnp.einsum("ghij,gjhp->gihp", w_ghij, window(v_thp))
-    return a_gihp.reshape(g * c, h, p)[:t]
-
-
-def chunk_size(max_seq_len: int) -> int:
-    """C of :func:`local_attention`: the power of two at least ``N - 1`` (so a token's keys
-    are in its own chunk and the one before), and at least 8."""
-    return max(8, 1 << max(max_seq_len - 2, 0).bit_length())
+    return win.unchunk(jnp.einsum("ghij,gjhp->gihp", w_ghij, win.window(v_thp)))
 
 
 class SASRecBlock(nnx.Module):

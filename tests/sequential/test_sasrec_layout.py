@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from recscale import jagged
 from sequential.config import SASRecConfig
 from sequential.layers import to_jagged, to_padded, token_layout
 from sequential.sasrec import model as sasrec_model
@@ -107,7 +108,7 @@ def test_every_chunk_size_equals_the_padded_blocks(monkeypatch, chunk):
     model, values, offsets = _case(max_seq_len, lengths, t_pad, seed=3)
     params = nnx.split(model)[1]
     want = jax.jit(_outputs(model, values, offsets, padded=True))(params)
-    monkeypatch.setattr(sasrec_model, "chunk_size", lambda n: chunk)
+    monkeypatch.setattr(jagged, "chunk_size", lambda n: chunk)
     got = jax.jit(_outputs(model, values, offsets, padded=False))(params)
     np.testing.assert_allclose(got, want, **TOL)
 
