@@ -149,10 +149,28 @@ def _profile(args, top: int = 30) -> None:
             if e.get("ph") == "X" and e["name"] in shapes:
                 total[e["name"]] += e.get("dur", 0.0)
         steps = args.reps * len(dev)
-        print(f"{preset}: {sum(total.values()) / steps:.0f} us of XLA thunks per step; largest:")
+        print(f"{preset}: {sum(total.values()) / steps:.0f} us of XLA thunks per step")
+        rows = exp.abstract_state.params["embeddings"]["tables"]["item"].shape[0]
+        groups: collections.Counter = collections.Counter()
+        for name, us in total.items():
+            groups[_group(ops.get(name, ""), shapes[name], rows)] += us / steps
+        for group, us in groups.most_common():
+            print(f"  {us:8.1f} us  {group}")
+        print("  largest:")
         for name, us in total.most_common(top):
             what = ops.get(name, "").removeprefix("jit(train_step)/")[-70:]
             print(f"  {us / steps:8.1f} us  {shapes[name][:28]:<28} {name[:28]:<28} {what}")
+
+
+def _group(op: str, shape: str, table_rows: int) -> str:
+    """A thunk's share of the step: random bits, the item table's passes, or the rest."""
+    if re.search(r"bernoulli|uniform|threefry|random_bits|randint", op):
+        return "random bits (dropout masks, negatives)"
+    if re.match(rf"\w+\[{table_rows},", shape):
+        return "item table [V + 1, D] (gradient, optimizer, norms)"
+    if "transpose(" in op:
+        return "backward (the rest)"
+    return "forward, loss (the rest)"
 
 
 def _against(args) -> None:

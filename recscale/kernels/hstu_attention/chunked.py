@@ -82,7 +82,8 @@ def hstu_attention_vjp(q, k, v, seq_offsets, num_targets, rel_bias, g, *, cfg: d
     if rel_bias is not None:
         r = rel_bias.shape[-1]
         onehot = jax.nn.one_hot(reference.buckets(win.distance(), r), r, dtype=f32)  # [C, W, R]
-        drab = jnp.einsum("ghij,ijr->hr", ds, onehot, precision=jax.lax.Precision.HIGHEST)
+        ds_hij = ds.sum(0)  # over the chunks first: the one-hot product is then [H, C·W]
+        drab = jnp.einsum("hij,ijr->hr", ds_hij, onehot, precision=jax.lax.Precision.HIGHEST)
         if rel_bias.shape[0] == 1:
             drab = drab.sum(0, keepdims=True)
         drab = drab.astype(rel_bias.dtype)
