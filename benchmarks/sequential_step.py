@@ -18,7 +18,10 @@ and the step's XLA cost-analysis FLOPs.
 
 ``--cpus 0``: each process is pinned to these CPUs (``os.sched_setaffinity``) before jax
 starts, e.g. one core. Without ``--against``: this tree only. ``--profile``: where this tree's
-step spends its time, from a ``jax.profiler`` trace (the largest XLA thunks, by op).
+step spends its time, from a ``jax.profiler`` trace (random bits, the item table's passes, the
+rest; the largest XLA thunks, by op). ``--chunks 64 32``: this tree's step at each chunk size
+of the attention's local windows (``recscale.jagged.chunk_size`` patched in each process),
+alternating ``--rounds`` times, steps per CPU-second.
 """
 
 from __future__ import annotations
@@ -173,6 +176,33 @@ def _group(op: str, shape: str, table_rows: int) -> str:
     return "forward, loss (the rest)"
 
 
+def _chunks(args) -> None:
+    """This tree's step at each ``--chunks`` size of ``recscale.jagged`` (patched in this
+    process; ``_child`` per chunk in a fresh process), alternating ``--rounds`` times."""
+    rows: dict = collections.defaultdict(list)
+    for r in range(args.rounds):
+        for chunk in args.chunks:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--chunk", str(chunk)]
+            cmd += ["--presets", *args.presets, "--data.sasrec-path", args.video]
+            cmd += ["--steps", str(args.steps), "--reps", str(args.reps)]
+            cmd += ["--cpus", *map(str, args.cpus)] if args.cpus else []
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, check=True)
+            for line in out.stdout.splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    rows[(row["preset"], chunk)].append(row["steps_per_cpu_s"])
+                    print(
+                        f"  round {r}: C = {chunk} {row['preset']}: {rows[(row['preset'], chunk)][-1]:.2f} steps per CPU-s",
+                        flush=True,
+                    )
+    print(f"\nsteps per CPU-s, median of {args.rounds} alternating runs, by chunk size C:")
+    print("| preset | " + " | ".join(f"C = {c}" for c in args.chunks) + " |")
+    print("|---|" + "---:|" * len(args.chunks))
+    for preset in args.presets:
+        cells = [f"{statistics.median(rows[(preset, c)]):.2f}" for c in args.chunks]
+        print(f"| {preset} | " + " | ".join(cells) + " |")
+
+
 def _against(args) -> None:
     """Before (``git archive`` of ``args.against``) against after (this tree), alternating."""
     here = Path(__file__).resolve()
@@ -242,13 +272,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[])
+    ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.cpus:
         os.sched_setaffinity(0, args.cpus)  # before jax starts its threads
+    if args.chunk:  # a child of --chunks: the local windows' chunk size, patched
+        sys.path.insert(0, str(ROOT))
+        from recscale import jagged  # noqa: PLC0415
+
+        jagged.chunk_size = lambda n: args.chunk
     if args.profile:
         return _profile(args)
+    if args.chunks and not args.child:
+        return _chunks(args)
     if args.against and not args.child:
         return _against(args)
     return _child(args)

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 def chunk_size(max_seq_len: int) -> int:
     """The default ``C``: the power of two at least ``(N - 1) / 2`` (so a window is the chunk
     and the two before it, ``M = 2``: ``W = 3C``, between ``1.5 (N - 1)`` and ``3 (N - 1)``
-    slots), and at least 8. Against ``C >= N - 1`` (``M = 1``, ``W = 2C``) it scores up to a
-    quarter fewer pairs; smaller chunks score fewer still, in smaller matmuls: measured on
-    CPU at ``N = 50``, C = 32 was as fast as 64 for SASRec and faster for HSTU, 16 no faster
-    (``benchmarks/sequential_step.py``, BENCHMARKS.md)."""
+    slots), and at least 8: up to a quarter fewer pairs than ``C >= N - 1`` (``W = 2C``), in
+    matmuls not yet small. On CPU at ``N = 50`` the trainer's step ran as fast at C = 16, 32
+    and 64, within a shared box's noise (``benchmarks/sequential_step.py --chunks``,
+    BENCHMARKS.md)."""
     half = -(-(max_seq_len - 1) // 2)
     return max(8, 1 << max(half - 1, 0).bit_length())
 
