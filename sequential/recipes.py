@@ -17,7 +17,17 @@ GAMES_ITEMS = 23_715
 """V of ``Video.txt`` ("Amazon Games": ``data.sequences.sasrec.PAPER_GAMES``)."""
 
 GAMES_PACKS_PER_EPOCH = 243
-"""Packs of 128 histories in an epoch of Video.txt's 31,013 users (``ceil(31013 / 128)``)."""
+"""Packs of 128 histories in an epoch of Video.txt's 31,013 users (``ceil(31013 / 128)``):
+every pack of the 201 epochs at shuffle seed 0 holds 128 users within :data:`GAMES_TOKEN_BUDGET`
+(so every epoch has 243 packs)."""
+
+GAMES_TOKEN_BUDGET = 1280
+"""Token slots of a games pack (``T_pad``; 10 blocks of 128). Video.txt's training histories
+(cut to 50 items) average 6.9 items, so 128 users hold 875 tokens on median and 1,269 at most
+over the 48,843 packs of 201 epochs at seed 0 (at seeds 1-5, 0 to 3 of those packs would exceed
+1,280 tokens and close at 127 users, adding a pack to their epoch); ``128 * 50`` slots, the
+most 128 histories can hold, would be 86% padding, which every per-token layer and lookup
+would pay for."""
 
 TINY_PLANTED = PlantedConfig(n_items=200, num_tastes=4, min_len=8, max_len=24, num_eval_users=64)
 
@@ -63,14 +73,15 @@ def games(*, epochs: int = 201) -> dict[str, Any]:
     (github:kang205/SASRec ``main.py`` defaults: batch 128 users, Adam lr 1e-3, ``beta2 = 0.98``
     in its one optimizer, 201 epochs, evaluation every 20 epochs of 10,000 sampled users
     against 100 sampled negatives each):
-    one pack of 128 histories (of at most 50 items) a step; the validation item evaluated."""
+    one pack of 128 histories (of at most 50 items, in :data:`GAMES_TOKEN_BUDGET` slots) a step;
+    the validation item evaluated."""
     return dict(
         data=SequenceDataConfig(
             kind="sasrec",
             sasrec_path=SHARED_VIDEO,
             batch_size=1,
             eval_batch_size=1,
-            token_budget=128 * 50,
+            token_budget=GAMES_TOKEN_BUDGET,
             max_sequences=128,
             eval_split="valid",
             eval_users=10_000,

@@ -56,7 +56,8 @@ def games() -> HSTURunConfig:
     sampled softmax (128 negatives, cosine / 0.05).
 
     ``python -m sequential.hstu.train hstu/games --workdir runs/hstu_games
-    --data.sasrec-path PATH/Video.txt`` — not yet run to the end: no result to quote.
+    --data.sasrec-path PATH/Video.txt`` — not yet run to the end: no result to quote. About 16
+    minutes of training steps on one CPU core (BENCHMARKS.md, issue 37).
     """
     return HSTURunConfig(
         model=HSTUConfig(

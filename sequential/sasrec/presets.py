@@ -59,7 +59,8 @@ def games() -> SASRecRunConfig:
     ``python -m sequential.sasrec.train sasrec/games --workdir runs/sasrec_games
     --data.sasrec-path PATH/Video.txt`` — to compare with the paper's Table III (test HR@10
     and NDCG@10 under the sampled protocol): ``sampled_hr@10``, ``sampled_ndcg@10`` with
-    ``--data.eval-split test``; not yet run to the end here, no result to quote.
+    ``--data.eval-split test``; not yet run to the end here, no result to quote. About 15
+    minutes of training steps on one CPU core (BENCHMARKS.md, issue 37).
     """
     return SASRecRunConfig(
         model=SASRecConfig(

@@ -1,12 +1,13 @@
 """HSTU attention over jagged sequences: the function models call.
 
-:func:`hstu_attention` picks an implementation (``xla``: :mod:`.reference`; ``pallas_gpu``:
-:mod:`.pallas_gpu`; ``pallas_tpu``: :mod:`.pallas_tpu`; ``auto``: the Pallas kernel of the
-default backend once verified on that hardware (``common.HARDWARE_VERIFIED``; not yet), else
-XLA) and falls back to the reference, counted in ``common.FALLBACKS``, when the chosen kernel
-does not support the call. Every path carries a ``jax.custom_vjp``: the Pallas paths' backward
-is the Pallas backward kernels (recomputing the scores, saving only the inputs), the XLA
-path's the same math in jnp (``reference.hstu_attention_vjp``).
+:func:`hstu_attention` picks an implementation (``xla``: :mod:`.chunked`, the reference's
+maths in jnp on local windows of the tokens; ``pallas_gpu``: :mod:`.pallas_gpu`;
+``pallas_tpu``: :mod:`.pallas_tpu`; ``auto``: the Pallas kernel of the default backend once
+verified on that hardware (``common.HARDWARE_VERIFIED``; not yet), else XLA) and falls back to
+XLA, counted in ``common.FALLBACKS``, when the chosen kernel does not support the call. Every
+path carries a ``jax.custom_vjp``: the Pallas paths' backward is the Pallas backward kernels
+(recomputing the scores, saving only the inputs), the XLA path's the same math in jnp
+(``chunked.hstu_attention_vjp``, as ``reference.hstu_attention_vjp`` on padded sequences).
 
 Not batch-sharded here: the jagged ``[T, ...]`` tokens split over devices only with their
 sequences, so a caller under a mesh runs this inside its own ``shard_map`` (one shard of
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from recscale.kernels import common
-from recscale.kernels.hstu_attention import layout, pallas_gpu, pallas_tpu, reference
+from recscale.kernels.hstu_attention import chunked, layout, pallas_gpu, pallas_tpu, reference
 
 OP = "hstu_attention"
 _KERNELS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
@@ -94,16 +95,16 @@ def _kernel_call(kernels, st: layout.Static, interpret: Any):
     return op
 
 
-def _reference_call(cfg: dict):
+def _xla_call(cfg: dict):
     @jax.custom_vjp
     def op(q, k, v, seq_offsets, num_targets, rel_bias):
-        return reference.hstu_attention(q, k, v, seq_offsets, num_targets, rel_bias, **cfg)
+        return chunked.hstu_attention(q, k, v, seq_offsets, num_targets, rel_bias, cfg=cfg)
 
     def op_fwd(*args):
         return op(*args), args
 
     def op_bwd(args, g):
-        grads = reference.hstu_attention_vjp(*args, g, **cfg)
+        grads = chunked.hstu_attention_vjp(*args, g, cfg=cfg)
         return (*grads[:3], None, None, grads[3])
 
     op.defvjp(op_fwd, op_bwd)
@@ -177,7 +178,7 @@ def hstu_attention(
     if num_targets is not None:
         args = (*args[:4], num_targets.astype(jnp.int32), rel_bias)
     if chosen == "xla":
-        return _reference_call(cfg)(*args)
+        return _xla_call(cfg)(*args)
     if interpret is None:
         interpret = common.interpret_for(chosen)
     return _kernel_call(_KERNELS[chosen], statics[chosen], interpret)(*args)

@@ -46,8 +46,9 @@ Rounding, as the kernels: products in the inputs' dtype with float32 accumulatio
 rounded to ``v``'s dtype before ``attn·v`` and ``attn``/``dS`` to the inputs' dtype before the
 backward's products. Outputs in the inputs' dtype; ``drab`` in the table's dtype.
 
-This reference is dense per padded sequence (``[B, H, N, N]`` scores): fine as the XLA fallback
-at short ``N``, quadratic in memory at long ones (the kernels are not).
+This reference is dense per padded sequence (``[B, H, N, N]`` scores, quadratic in memory at
+long ``N``; the kernels are not): the spec and the oracle. The XLA path evaluates the same maths
+on local windows of the packed tokens (:mod:`.chunked`), without the padding.
 
 Dimension glossary: ``T`` packed tokens, ``B`` sequences, ``H`` heads, ``N`` max_seq_len,
 ``D`` q/k dim, ``E`` v dim, ``R`` bias buckets.
