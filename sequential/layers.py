@@ -74,6 +74,13 @@ def to_padded(x_t: jax.Array, offsets: jax.Array, max_seq_len: int) -> tuple[jax
     return jnp.where(keep, rows, jnp.zeros((), x_t.dtype)), mask
 
 
+def to_jagged(x_bn: jax.Array, tokens: Tokens) -> jax.Array:
+    """``[B, N, ...]`` -> jagged ``[T, ...]`` (zero at invalid slots)."""
+    rows = x_bn[tokens.seq, jnp.clip(tokens.pos, 0, x_bn.shape[1] - 1)]
+    keep = tokens.valid.reshape(tokens.valid.shape + (1,) * (rows.ndim - 1))
+    return jnp.where(keep, rows, jnp.zeros((), x_bn.dtype))
+
+
 def layer_norm(x: jax.Array, eps: float) -> jax.Array:
     """LayerNorm over the last axis without scale or bias (``F.layer_norm`` without weights)."""
     mean = x.mean(-1, keepdims=True)

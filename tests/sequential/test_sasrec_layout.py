@@ -11,17 +11,11 @@ from flax import nnx
 
 from recscale import jagged
 from sequential.config import SASRecConfig
-from sequential.layers import to_padded, token_layout
+from sequential.layers import to_jagged, to_padded, token_layout
 from sequential.sasrec import model as sasrec_model
 
 V = 30
 TOL = dict(rtol=2e-5, atol=2e-6)  # float32 rounding of sums taken in another order
-
-
-def _to_jagged(x_bn, tokens):
-    """``[B, N, ...]`` -> jagged ``[T, ...]`` (zero at invalid slots)."""
-    rows = x_bn[tokens.seq, jnp.clip(tokens.pos, 0, x_bn.shape[1] - 1)]
-    return jnp.where(tokens.valid.reshape(-1, *([1] * (rows.ndim - 1))), rows, 0.0)
 
 
 def _padded_encode(model, x_td, offsets, tokens):
@@ -43,7 +37,7 @@ def _padded_encode(model, x_td, offsets, tokens):
         a = jnp.einsum("bhij,bjhp->bihp", jax.nn.softmax(s, axis=-1), v).reshape(b, n, d)
         y = blk.ln_ffn(a + q_bnd)
         x_bnd = (blk.ffn_out(jax.nn.relu(blk.ffn_in(y))) + y) * mask_bn[:, :, None]
-    return _to_jagged(model.ln_out(x_bnd), tokens)
+    return to_jagged(model.ln_out(x_bnd), tokens)
 
 
 def _case(max_seq_len, lengths, t_pad, seed):
