@@ -50,7 +50,7 @@ import numpy as np
 from IPython.display import Image, display
 
 from recscale import notebook
-from sweeps import analyze, fit
+from sweeps import analyze, fit, reference
 from sweeps.spec import load_spec, resolve
 
 # Runs go to runs/notebooks/ at the repository root (see notebooks/README.md and
@@ -167,7 +167,7 @@ assert law.intervals["b"][0] < 0.25 < law.intervals["b"][1]
 # `isoflop.png`: at each budget, quality vs model size (FLOPs per example).
 
 # %%
-ref = analyze.bayes_reference(SWEEP_DIR, "logloss")
+ref = reference.bayes_reference(SWEEP_DIR, "logloss")
 paths = analyze.plot(result, SWEEP_DIR, "logloss", reference=ref)
 for p in paths:
     display(Image(filename=str(p)))
