@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from recscale.config import register
 from sequential import recipes
 from sequential.config import LossConfig, SASRecConfig
@@ -74,3 +76,18 @@ def games() -> SASRecRunConfig:
         loss=SASREC_BCE,
         **recipes.games(),
     )
+
+
+@register("sasrec/games_softmax")
+def games_softmax() -> SASRecRunConfig:
+    """``sasrec/games`` with ``hstu/games``' loss and dropout (the sampled softmax of 128
+    negatives, cosine / 0.05; dropout 0.2): the baseline HSTU is compared with, so that the two
+    differ only in their layers (same size, data, optimizer and steps).
+
+    ``python -m sequential.sasrec.train sasrec/games_softmax --workdir runs/sasrec_games_softmax
+    --data.sasrec-path PATH/Video.txt`` — README "Amazon Games" gives the test metrics of 3
+    seeds beside HSTU's.
+    """
+    cfg = games()
+    hstu_like = dataclasses.replace(cfg.model, dropout=0.2)
+    return dataclasses.replace(cfg, model=hstu_like, loss=LossConfig(num_negatives=128))
