@@ -38,13 +38,15 @@ HARDWARE_VERIFIED: frozenset[tuple[str, str]] = frozenset(
         "quantized_embedding_bag",
         "dot_interaction",
         "fm_interaction",
+        "hstu_attention",
     )
 )
 """``(op, impl)`` pairs whose Pallas kernel passed its device tests compiled on that hardware
 (``tests/recscale/kernels/test_on_device.py``: ``pytest -m gpu`` on a GPU, ``-m tpu`` on a TPU).
 ``auto`` picks only these on GPU and TPU (except :data:`AUTO_KEEPS_XLA`) and keeps the XLA
 reference otherwise; any kernel runs when named (``--kernels.dot-interaction pallas_gpu``).
-GPU: all five passed on an NVIDIA H200 (jax 0.11.2, CUDA 13), 2026-11-26 (BENCHMARKS.md). TPU:
+GPU: all five passed on an NVIDIA H200 (jax 0.11.2, CUDA 13), 2026-11-26, and HSTU's attention
+on 2026-11-28 (BENCHMARKS.md). TPU:
 none yet (lowering and interpret-mode checks only). An op's ``api`` may plan ``xla`` under
 ``auto`` before this is asked, where its kernel measured slower on some shapes (the embedding
 bag's one-id narrow bags: ``embedding_bag.api.auto_choice``)."""
@@ -52,11 +54,13 @@ bag's one-id narrow bags: ``embedding_bag.api.auto_choice``)."""
 AUTO_KEEPS_XLA: dict[tuple[str, str], frozenset[str]] = {
     ("dot_interaction", "pallas_gpu"): frozenset({"float32"}),
     ("fm_interaction", "pallas_gpu"): frozenset({"float32"}),
+    ("hstu_attention", "pallas_gpu"): frozenset({"float32"}),
 }
 """Input dtypes for which ``auto`` keeps XLA although the kernel is verified: measured slower
 than XLA there (H200: the float32 dense kernels compute at float32 accuracy, IEEE or 3xTF32
 dots, and run at 0.4-0.9x XLA at the same accuracy; their bfloat16 forms are 1.1-2.4x faster
-with the backward; BENCHMARKS.md)."""
+with the backward; HSTU's float32 attention (3xTF32) 1.3x XLA forward but 0.5x with its backward
+at N 8,192, d 256, where bfloat16 is 1.9x / 2.2x at N 4,096, d 128; BENCHMARKS.md)."""
 
 FALLBACKS: collections.Counter = collections.Counter()
 """``(op, requested impl, reason) -> count`` of calls that fell back to the reference."""

@@ -3,7 +3,8 @@
 :func:`hstu_attention` picks an implementation (``xla``: :mod:`.chunked`, the reference's
 maths in jnp on local windows of the tokens; ``pallas_gpu``: :mod:`.pallas_gpu`;
 ``pallas_tpu``: :mod:`.pallas_tpu`; ``auto``: the Pallas kernel of the default backend once
-verified on that hardware (``common.HARDWARE_VERIFIED``; not yet), else XLA) and falls back to
+verified on that hardware (``common.HARDWARE_VERIFIED``: the GPU kernel on an H200 for bfloat16;
+float32 keeps XLA, ``common.AUTO_KEEPS_XLA``), else XLA) and falls back to
 XLA, counted in ``common.FALLBACKS``, when the chosen kernel does not support the call. Every
 path carries a ``jax.custom_vjp``: the Pallas paths' backward is the Pallas backward kernels
 (recomputing the scores, saving only the inputs), the XLA path's the same math in jnp
@@ -159,7 +160,7 @@ def hstu_attention(
     statics = {
         name: layout.Static(
             **cfg,
-            block=block or mod.default_block(q.shape[2], v.shape[2]),
+            block=block or mod.default_block(q.shape[2], v.shape[2], q.dtype),
             num_buckets=0 if rel_bias is None else rel_bias.shape[1],
             bias_heads=0 if rel_bias is None else rel_bias.shape[0],
         )

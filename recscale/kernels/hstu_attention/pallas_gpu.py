@@ -17,9 +17,11 @@ the forward's key range, ``dq += alpha dS k``, and the relative bias's delta gra
 (``layout.bias_sums``: one masked reduction per bucket edge) written as one float32 partial
 row per program, summed by XLA.
 
-Triton constraints: power-of-two tiles of at least 16 per dim: the block is 64 rows (32 when
-``D`` or ``E`` exceeds 128, for registers), ``D``/``E`` are zero-padded to ``max(16,
-next_pow2)`` in the layout. Precision: bfloat16 on tensor cores with float32 accumulation;
+Triton constraints: power-of-two tiles of at least 16 per dim; block, warps and pipeline
+stages per dtype and width as measured (:data:`TUNED`); ``D``/``E`` are zero-padded to
+``max(16, next_pow2)`` in the layout. The relative bias costs a scalar add for each bucket edge
+a tile lies wholly past and an elementwise select only for the edges that cut it
+(``layout.tile_span``): a select per edge on every tile cost more than the tile's matmul. Precision: bfloat16 on tensor cores with float32 accumulation;
 the scores are rounded to the inputs' dtype before their products (as the reference).
 float32 uses 3xTF32 (HIGHEST under interpret mode on CPU).
 
@@ -48,8 +50,36 @@ def pad_dim(d: int) -> int:
     return max(MIN_DIM, common.next_pow2(d))
 
 
-def default_block(d: int, e: int) -> int:
-    return 64 if max(pad_dim(d), pad_dim(e)) <= 128 else 32
+KERNELS = ("fwd", "dkdv", "dq")
+
+TUNED: dict[tuple[str, int], tuple[int, dict[str, tuple[int, int]]]] = {
+    ("bfloat16", 128): (64, {"fwd": (4, 3), "dkdv": (4, 2), "dq": (4, 2)}),
+    ("bfloat16", 256): (64, {"fwd": (8, 1), "dkdv": (8, 1), "dq": (8, 1)}),
+    ("float32", 128): (32, {"fwd": (4, 1), "dkdv": (4, 1), "dq": (4, 1)}),
+    ("float32", 256): (16, {"fwd": (4, 1), "dkdv": (4, 1), "dq": (4, 1)}),
+}
+"""``(dtype name, padded head width) -> (block, {kernel: (num_warps, num_stages)})``, the
+fastest forward and backward of ``benchmarks/hstu_tiling.py`` on an H200 at N 4,096 (d 128)
+and 8,192 (d 256) (BENCHMARKS.md, issue 37); other keys take :func:`_untuned`. float32 tiles
+hold twice the bytes: block 64 at d 128 overflows shared memory, block 32 at d 256 spills
+(its backward 4x slower than block 16)."""
+
+
+def _untuned(width: int, dtype) -> tuple[int, dict[str, tuple[int, int]]]:
+    block = 64 if width <= 128 else 32
+    if jnp.dtype(dtype) == jnp.float32:
+        block //= 2  # float32 tiles twice the bytes: block 64 at D 128 overflows shared memory
+    return block, dict.fromkeys(KERNELS, (8 if width > 64 else 4, 2))
+
+
+def tiling(d: int, e: int, dtype) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Block size and each kernel's ``(num_warps, num_stages)`` for head dims ``d``, ``e``."""
+    width = max(pad_dim(d), pad_dim(e))
+    return TUNED.get((jnp.dtype(dtype).name, width)) or _untuned(width, dtype)
+
+
+def default_block(d: int, e: int, dtype=jnp.bfloat16) -> int:
+    return tiling(d, e, dtype)[0]
 
 
 def unsupported_reason(q_shape, v_shape, num_seqs: int, st: layout.Static) -> str | None:
@@ -72,8 +102,9 @@ def _dot(a, b, contract, precision):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _compiler_params(width: int) -> plgpu.CompilerParams:
-    return plgpu.CompilerParams(num_warps=8 if width > 64 else 4, num_stages=2)
+def _compiler_params(kernel: str, dp: int, ep: int, dtype) -> plgpu.CompilerParams:
+    warps, stages = tiling(dp, ep, dtype)[1][kernel]
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
 class _Seq:
@@ -114,7 +145,8 @@ def _fwd_kernel(*refs, st: layout.Static, rows: int, has_bias: bool, precision):
         k, v = k_ref[pl.ds(row, blk), :], v_ref[pl.ds(row, blk), :]
         j = kb * blk + jnp.arange(blk)[None, :]
         dot = functools.partial(_dot, contract=(1, 1), precision=precision)
-        s, valid = layout.tile_scores(q, k, i, j, seq.n, seq.nt, bias, st, dot)
+        span = layout.tile_span(seq.pos0, kb * blk, blk)
+        s, valid = layout.tile_scores(q, k, i, j, seq.n, seq.nt, bias, st, dot, span)
         attn = jnp.where(valid, s / (1.0 + jnp.exp(-s)), 0.0) * (1.0 / st.max_seq_len)
         return acc + _dot(attn.astype(v.dtype), v, (1, 0), precision)
 
@@ -122,10 +154,10 @@ def _fwd_kernel(*refs, st: layout.Static, rows: int, has_bias: bool, precision):
     o_ref[pl.ds(base + r * blk, blk), :] = acc.astype(o_ref.dtype)
 
 
-def _grad_tile(q, k, v, g, i, j, seq, bias, st, precision):
+def _grad_tile(q, k, v, g, i, j, seq, bias, st, precision, span):
     """``(attn, dS)`` of one tile (float32, masked)."""
     dot = functools.partial(_dot, contract=(1, 1), precision=precision)
-    s, valid = layout.tile_scores(q, k, i, j, seq.n, seq.nt, bias, st, dot)
+    s, valid = layout.tile_scores(q, k, i, j, seq.n, seq.nt, bias, st, dot, span)
     sig = 1.0 / (1.0 + jnp.exp(-s))
     inv_n = 1.0 / st.max_seq_len
     attn = jnp.where(valid, s * sig * inv_n, 0.0)
@@ -150,7 +182,8 @@ def _dkdv_kernel(*refs, st: layout.Static, rows: int, has_bias: bool, precision)
         row = base + (seq.first + qb) * blk
         q, g = q_ref[pl.ds(row, blk), :], g_ref[pl.ds(row, blk), :]
         i = qb * blk + jnp.arange(blk)[:, None]
-        attn, ds = _grad_tile(q, k, v, g, i, j, seq, bias, st, precision)
+        span = layout.tile_span(qb * blk, seq.pos0, blk)
+        attn, ds = _grad_tile(q, k, v, g, i, j, seq, bias, st, precision, span)
         dv = dv + _dot(attn.astype(g.dtype), g, (0, 0), precision)
         dk = dk + _dot(ds.astype(q.dtype), q, (0, 0), precision)
         return dk, dv
@@ -180,10 +213,11 @@ def _dq_kernel(*refs, st: layout.Static, rows: int, has_bias: bool, precision, n
         row = base + (seq.first + kb) * blk
         k, v = k_ref[pl.ds(row, blk), :], v_ref[pl.ds(row, blk), :]
         j = kb * blk + jnp.arange(blk)[None, :]
-        _, ds = _grad_tile(q, k, v, g, i, j, seq, bias, st, precision)
+        span = layout.tile_span(seq.pos0, kb * blk, blk)
+        _, ds = _grad_tile(q, k, v, g, i, j, seq, bias, st, precision, span)
         dq = dq + _dot(ds.astype(k.dtype), k, (1, 0), precision)
         if has_bias:
-            sums = tuple(a + b for a, b in zip(sums, layout.bias_sums(ds, i, j, st), strict=True))
+            sums = layout.add_bias_sums(sums, ds, i, j, st, span)
         return dq, sums
 
     sums0 = tuple(jnp.float32(0) for _ in range(st.num_buckets)) if has_bias else ()
@@ -220,7 +254,7 @@ def forward(q_hrd, k_hrd, v_hre, lay, bias_deltas, *, st: layout.Static, interpr
         kernel,
         grid=(rows // st.block, h),
         out_shape=jax.ShapeDtypeStruct((h * rows, ep), q_hrd.dtype),
-        compiler_params=_compiler_params(max(dp, ep)),
+        compiler_params=_compiler_params("fwd", dp, ep, q_hrd.dtype),
         interpret=interpret,
         name="hstu_attention_fwd",
     )(*_layout_args(lay, bias_deltas), *flat)
@@ -239,7 +273,6 @@ def backward(q_hrd, k_hrd, v_hre, g_hre, lay, bias_deltas, *, st: layout.Static,
         st=st, rows=rows, has_bias=has_bias, precision=_precision(q_hrd.dtype, interpret)
     )
     args = (*_layout_args(lay, bias_deltas), *flat)
-    cp = _compiler_params(max(dp, ep))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, **common_kw),
         grid=(nb, h),
@@ -247,7 +280,7 @@ def backward(q_hrd, k_hrd, v_hre, g_hre, lay, bias_deltas, *, st: layout.Static,
             jax.ShapeDtypeStruct((h * rows, dp), q_hrd.dtype),
             jax.ShapeDtypeStruct((h * rows, ep), q_hrd.dtype),
         ),
-        compiler_params=cp,
+        compiler_params=_compiler_params("dkdv", dp, ep, q_hrd.dtype),
         interpret=interpret,
         name="hstu_attention_bwd_dkdv",
     )(*args)
@@ -259,7 +292,7 @@ def backward(q_hrd, k_hrd, v_hre, g_hre, lay, bias_deltas, *, st: layout.Static,
         functools.partial(_dq_kernel, num_blocks=nb, **common_kw),
         grid=(nb, h),
         out_shape=tuple(out_shape),
-        compiler_params=cp,
+        compiler_params=_compiler_params("dq", dp, ep, q_hrd.dtype),
         interpret=interpret,
         name="hstu_attention_bwd_dq",
     )(*args)

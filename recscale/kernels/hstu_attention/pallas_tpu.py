@@ -45,8 +45,8 @@ def pad_dim(d: int) -> int:
     return common.round_up(d, 128)
 
 
-def default_block(d: int, e: int) -> int:
-    del d, e
+def default_block(d: int, e: int, dtype=None) -> int:
+    del d, e, dtype
     return BLOCK
 
 

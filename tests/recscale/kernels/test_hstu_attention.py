@@ -36,7 +36,7 @@ PLATFORM = {"pallas_gpu": "cuda", "pallas_tpu": "tpu"}
 CUSTOM_CALL = {"pallas_gpu": "triton", "pallas_tpu": "tpu_custom_call"}
 
 
-def _batch(dtype=jnp.float32, *, bias_heads=H, seed=0):
+def _batch(dtype=jnp.float32, *, bias_heads=H, seed=0, num_buckets=6):
     offsets = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
     t = int(offsets[-1]) + 3  # trailing tokens outside every sequence
     ks = jax.random.split(jax.random.key(seed), 5)
@@ -44,7 +44,7 @@ def _batch(dtype=jnp.float32, *, bias_heads=H, seed=0):
     k = jax.random.normal(ks[1], (t, H, D)) * D**-0.25
     v = jax.random.normal(ks[2], (t, H, E)) * N**0.5  # out of order one despite the 1/N
     g = jax.random.normal(ks[3], (t, H, E))
-    bias = jax.random.normal(ks[4], (bias_heads, 6)) * 0.5
+    bias = jax.random.normal(ks[4], (bias_heads, num_buckets)) * 0.5
     cast = [x.astype(dtype) for x in (q, k, v, g)]
     return (*cast, jnp.asarray(offsets), jnp.asarray(TARGETS, jnp.int32), bias)
 
@@ -177,17 +177,19 @@ def _fallbacks(impl):
 # float32: every option, one bias row per head; bfloat16: causal with targets and a bias row
 # shared by the heads (the kernels' other static branches). Tolerances: common.tolerance
 # (float32 1e-5, bfloat16 1.6e-2, relative and absolute; outputs and gradients of order one).
+# (id, dtype, config, bias heads, buckets): 12 buckets reach edges (32, 48) past every tile of
+# 16 (the GPU kernel skips those), edges inside the tiles and edges every pair is past.
 KERNEL_CASES = [
-    ("float32", jnp.float32, "all_bias", H),
-    ("bfloat16", jnp.bfloat16, "targets_window", 1),
+    ("float32", jnp.float32, "all_bias", H, 12),
+    ("bfloat16", jnp.bfloat16, "targets_window", 1, 6),
 ]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu"])
 def test_matches_reference(impl, case):
-    _, dtype, config, bias_heads = case
-    q, k, v, g, offsets, nt, bias = _batch(dtype, bias_heads=bias_heads)
+    _, dtype, config, bias_heads, buckets = case
+    q, k, v, g, offsets, nt, bias = _batch(dtype, bias_heads=bias_heads, num_buckets=buckets)
     kw, _ = _kwargs(config)
     # The TPU kernels run in the generic interpreter: pltpu.InterpretParams' TPU interpreter
     # runs ~10 s per call here (tests/recscale/kernels/test_vmap.py does the same).

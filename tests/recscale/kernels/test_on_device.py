@@ -6,6 +6,8 @@ passes here on a device kind is what ``common.HARDWARE_VERIFIED`` may list."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,26 +176,36 @@ def test_quantized_embedding_bag(impl, h):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_hstu_attention(impl, dtype):
-    """Jagged batch of 9 sequences up to N=1000 (one empty, ragged lengths), every mask option
-    and a per-head bias; outputs and gradients against the reference on the same device."""
-    n_max, h, d = 1000, 2, 128
+@pytest.mark.parametrize("masks", ["all", "causal"])
+def test_hstu_attention(impl, dtype, masks):
+    """Jagged batch of 9 sequences up to N=1000 (one empty, ragged lengths); ``all``: targets,
+    a contextual prefix, a local window and a per-head bias (d 128); ``causal``: none of them
+    (d 256 keys, 128 values); outputs and gradients against the reference on the same device."""
+    n_max, h = 1000, 2
+    d, e = (128, 128) if masks == "all" else (256, 128)
     lens = np.array([1000, 0, 1, 777, 130, 999, 64, 513, 2])
     offsets = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-    nt = jnp.asarray(np.minimum(lens // 8, np.maximum(lens - 3, 0)), jnp.int32)
     ks = jax.random.split(jax.random.key(11), 4)
     t = int(lens.sum())
-    q, k, v = (jax.random.normal(x, (t, h, d), jnp.float32) * 0.3 for x in ks[:3])
+    q, k = (jax.random.normal(x, (t, h, d), jnp.float32) * 0.3 for x in ks[:2])
+    v = jax.random.normal(ks[2], (t, h, e), jnp.float32) * 0.3
     q, k, v = (x.astype(dtype) for x in (q, k, v))
-    bias = jax.random.normal(ks[3], (h, 24), jnp.float32) * 0.1
-    kw = dict(max_seq_len=n_max, alpha=d**-0.5, contextual_seq_len=3, max_attn_len=300)
+    if masks == "all":
+        nt = jnp.asarray(np.minimum(lens // 8, np.maximum(lens - 3, 0)), jnp.int32)
+        bias = jax.random.normal(ks[3], (h, 24), jnp.float32) * 0.1
+        kw = dict(max_seq_len=n_max, alpha=d**-0.5, contextual_seq_len=3, max_attn_len=300)
+    else:
+        nt, bias = None, None
+        kw = dict(max_seq_len=n_max, alpha=d**-0.5)
     before = dict(common.FALLBACKS)
 
-    def f(q, k, v, b, impl):
-        return hstu_api.hstu_attention(q, k, v, offsets, nt, b, impl=impl, **kw)
+    args = (q, k, v) if bias is None else (q, k, v, bias)
 
-    out, vjp = jax.vjp(lambda *a: f(*a, impl), q, k, v, bias)
-    ref, ref_vjp = _reference(lambda *a: f(*a, "xla"), q, k, v, bias)
+    def f(*a, impl):
+        return hstu_api.hstu_attention(*a[:3], offsets, nt, *a[3:], impl=impl, **kw)
+
+    out, vjp = jax.vjp(functools.partial(f, impl=impl), *args)
+    ref, ref_vjp = _reference(functools.partial(f, impl="xla"), *args)
     g = jax.random.normal(jax.random.key(12), out.shape, jnp.float32).astype(out.dtype)
     _close(out, ref, dtype)
     for a, b in zip(vjp(g), ref_vjp(g.astype(jnp.float32)), strict=True):
