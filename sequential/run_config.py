@@ -94,6 +94,11 @@ class SequenceDataConfig:
             raise ValueError("data.max_sequences and data.block_size must be >= 1")
         if self.sampled_negatives < 0 or self.eval_users < 0:
             raise ValueError("data.sampled_negatives and data.eval_users must be >= 0")
+        if self.kind == "planted" and self.eval_split != "valid":
+            raise ValueError(
+                f"data.eval_split={self.eval_split!r}: planted data holds out whole users, not "
+                "a split of each history (kinds sasrec and tabular have splits)"
+            )
         if self.kind == "tabular" and not self.tabular.spec:
             raise ValueError(
                 "data.kind='tabular' needs data.tabular.spec (a sequence spec file: "

@@ -39,6 +39,9 @@ class EvalArgs:
     ``train.early_stopping_metric``) instead of the latest."""
     data_path: str | None = None
     """Evaluate on this file instead of the run's eval set (same format as the run's dataset)."""
+    eval_split: Literal["valid", "test"] | None = None
+    """Sequential runs: the held-out split to evaluate (``valid`` or ``test``) instead of the
+    run's ``data.eval_split`` (a run tuned on ``valid`` reports ``test`` with this)."""
     output: str | None = None
     """Also write the metrics JSON object to this file."""
     num_devices: int = 0
@@ -122,6 +125,7 @@ def restored(
     data_path: str | None = None,
     train_batches: bool = False,
     kernels: Any = None,
+    eval_split: str | None = None,
 ) -> Iterator[Restored]:
     """The run in ``workdir`` rebuilt on this machine's devices, its checkpoint (``step``, the
     latest by default; ``best``: the early-stopping best) restored, inside its mesh.
@@ -130,6 +134,7 @@ def restored(
     training batch with ``train_batches``). Checkpoints restore onto any mesh; the engine's
     buffers are re-laid out from the layout the checkpoint records. ``kernels``: a
     ``KernelConfig`` to build the model with instead of the run's (implementations only).
+    ``eval_split``: a sequential run's held-out split instead of its ``data.eval_split``.
 
     A tiered run's tables (``embeddings.tiers``) come back whole: the checkpoint holds their
     caches, their stores every row as of the checkpoint (``tier_view.StoreView``), and the
@@ -141,6 +146,10 @@ def restored(
     cfg = config_lib.load_json(config_cls, cfg_path)
     if kernels is not None:
         cfg = dataclasses.replace(cfg, kernels=kernels)
+    if eval_split is not None:
+        if not hasattr(cfg.data, "eval_split"):
+            raise config_lib.ConfigError(f"--eval-split: {cfg_path} is not a sequential run")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_split=eval_split))
     run_cfg, tier_dir = cfg, None
     if cfg.embeddings.tiers:
         tier_dir = tier_view.store_dir(cfg.embeddings, workdir)
@@ -216,6 +225,7 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
         num_devices=args.num_devices,
         data_path=args.data_path,
         train_batches=args.curvature or args.comm_sensitivity,
+        eval_split=args.eval_split,
     ) as r:
         exp, params, batch_stats = r.exp, r.params, r.batch_stats
         exp.task.check_eval(args)
@@ -246,6 +256,8 @@ def evaluate_workdir(config_cls: type, build_model: BuildModel, args: EvalArgs) 
     if args.embeddings_int8:
         result["embeddings"] = "int8"
     result["data_path"] = exp.task.eval_data(cfg, args.data_path)
+    if args.eval_split is not None:
+        result["eval_split"] = cfg.data.eval_split
     eval_stats = (getattr(exp.source, "stats", None) or {}).get("eval")
     if isinstance(eval_stats, dict) and "oov" in eval_stats:
         result["eval_data"] = eval_stats  # rows read and rejected, unseen values per feature

@@ -59,10 +59,11 @@ def games() -> SASRecRunConfig:
     loss, and ``sequential.recipes.games``' data and optimizer.
 
     ``python -m sequential.sasrec.train sasrec/games --workdir runs/sasrec_games
-    --data.sasrec-path PATH/Video.txt`` — to compare with the paper's Table III (test HR@10
-    and NDCG@10 under the sampled protocol): ``sampled_hr@10``, ``sampled_ndcg@10`` with
-    ``--data.eval-split test``; not yet run to the end here, no result to quote. About 15
-    minutes of training steps on one CPU core (BENCHMARKS.md, issue 37).
+    --data.sasrec-path PATH/Video.txt``, then ``python -m sequential.sasrec.evaluate --workdir
+    runs/sasrec_games --eval-split test``: ``sampled_hr@10``, ``sampled_ndcg@10`` compare with
+    the paper's Table III (test HR@10 and NDCG@10 under the sampled protocol; README "SASRec
+    on Amazon Games" gives the seeds' results). About 15 minutes of training steps on one CPU
+    core (BENCHMARKS.md, issue 37).
     """
     return SASRecRunConfig(
         model=SASRecConfig(

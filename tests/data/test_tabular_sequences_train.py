@@ -1,6 +1,7 @@
 """``--data.kind tabular`` of the sequential families: sasrec/tiny trains on the example event
-log through its sequence spec (``data.tabular.example.SEQUENCE_SPEC``), a wrong item count is
-one line naming the flag to set, and the packs carry the spec's side column."""
+log through its sequence spec (``data.tabular.example.SEQUENCE_SPEC``) and evaluates either
+split, a wrong item count is one line naming the flag to set, and the packs carry the spec's
+side column."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from data.tabular import example
 from recscale.config import get_preset
 from sequential.run_config import SequenceTabularConfig
+from sequential.sasrec import evaluate as sasrec_evaluate
 from sequential.sasrec import train as sasrec_train
 from sequential.source import SequenceSource
 
@@ -43,6 +45,12 @@ def test_sasrec_tiny_trains_on_an_event_log(spec, tmp_path):
     assert stats["kind"] == "tabular" and stats["train_users"] == stats["eval_users"] == 400
     assert stats["preparation"]["items"] == 300 and stats["preparation"]["ties"] > 0
     assert json.loads((run / "config.json").read_text())["data"]["tabular"]["spec"] == str(spec)
+    # The run evaluated the validation items; --eval-split test scores each user's last item.
+    valid = sasrec_evaluate.main(["--workdir", str(run), "--eval-split", "valid"])
+    assert valid["loss"] == pytest.approx(result["loss"], rel=1e-6)
+    test = sasrec_evaluate.main(["--workdir", str(run), "--eval-split", "test"])
+    assert test["eval_split"] == "test" and test["num_examples"] == 400
+    assert test["loss"] != valid["loss"]  # the same model on other targets
 
 
 def test_packs_carry_the_side_column_aligned_with_the_items(spec, tmp_path):

@@ -90,6 +90,8 @@ def test_evaluate_command_reproduces_the_final_evaluation(straight, tmp_path):
     assert out["data_path"].startswith("planted:")
     with pytest.raises(SystemExit, match="--curvature: not supported"):
         evaluate.main(["--workdir", str(wd), "--curvature"])
+    with pytest.raises(SystemExit, match="planted data holds out whole users"):
+        evaluate.main(["--workdir", str(wd), "--eval-split", "test"])
 
 
 def test_unsupported_settings_fail_clearly(tmp_path):
