@@ -10,8 +10,14 @@ targets compile on this CPU host through ``libtpu`` (``pip install -e '.[tpu-aot
 ``jax.experimental.topologies`` describes the slice (``LaunchPreset.topology``), the run's mesh
 is made over its devices, and the whole train step (the embedding engine, its kernels chosen
 for TPU, the dense layers sharded as ``mesh.*`` says) is lowered and compiled for it, as
-``jax.jit(...).lower(...).compile()`` would on the pod; nothing is allocated. CPU presets
-compile for this host's devices. Overrides are the train CLI's (``--mesh.model-parallel 4``).
+``jax.jit(...).lower(...).compile()`` would on the pod; nothing is allocated. Without
+``--compile`` a TPU slice needs no libtpu: the plan is made on an abstract mesh of its chips
+(``sharding.abstract_mesh``). CPU presets compile for this host's devices. Overrides are the
+train CLI's (``--mesh.model-parallel 4``).
+
+When the predicted state (parameters, optimizer state, the batch) overflows a chip, the report
+says so and plans the other meshes of :data:`MESH_CANDIDATES` (FSDP, tensor parallelism, both):
+each one's state per chip, or why the planner cannot place its tables.
 
 The predictions are the planner's (``recscale.embeddings.planner``: the tables' memory per
 device and the bytes the engine's all-to-alls move per step) and the dense state's bytes per
@@ -30,7 +36,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -42,42 +47,13 @@ import numpy as np
 import tpu_gpu_configs
 from data.schemas import schema_of
 from recscale import config as config_lib
-from recscale import families, optim, sharding
+from recscale import families, hlo, optim, sharding
 from recscale.embeddings import EmbeddingTable, engine, plan_inputs
-from recscale.embeddings.planner import OPTIMIZER_STATE_BYTES
 from recscale.kernels import common
+from recscale.plan_tiers import plan_tiers
 from recscale.train.experiment import state_parts
 from recscale.train.steps import make_train_step
 from tpu_gpu_configs.profiles import get_profile
-
-ENGINE_A2A = "all-to-all (engine)"
-"""The embedding engine's exchanges (all-to-alls inside its ``shard_map``); XLA may add
-all-to-alls of its own, e.g. to reshard the dense layers' activations."""
-_COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s4": 0.5,
-    "u4": 0.5,
-}
-_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
-# One HLO instruction per line: ``%name = RESULT-TYPE op(operands), ...``.
-_OP = re.compile(
-    r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start|-done)?\("
-)
 
 
 def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
@@ -94,6 +70,11 @@ def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         for k, v in hw.env.items():  # the preset's compiler flags (LIBTPU_INIT_ARGS), as a
             os.environ.setdefault(k, v)  # trial runs with them; read when libtpu loads
+        # Off a TPU VM libtpu looks for the VM's slice and workers and prints five lines of
+        # warnings and a spurious INVALID_ARGUMENT when it finds none; naming the slice and one
+        # local worker silences them (the topology compiled for is the one named below).
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", hw.name.removeprefix("tpu-"))
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         try:
             return list(topologies.get_topology_desc(hw.topology, "tpu").devices)
         except Exception as e:  # noqa: BLE001 - libtpu missing or the name unknown
@@ -129,26 +110,6 @@ def for_hardware(cfg: Any, hw: tpu_gpu_configs.LaunchPreset, *, global_batch: in
     return cfg
 
 
-def collective_bytes(hlo_text: str) -> dict[str, float]:
-    """Bytes of each collective's results in a compiled (SPMD-partitioned, per-device) HLO
-    module, summed by kind, counting each op once (ops inside a loop body are counted once; an
-    async ``-start`` / ``-done`` pair by its ``-done``'s result)."""
-    out = dict.fromkeys((*_COLLECTIVES, ENGINE_A2A), 0.0)
-    for line in hlo_text.splitlines():
-        m = _OP.match(line)
-        if m is None:
-            continue
-        shapes, kind = m.group(1), m.group(2)
-        if m.group(3) == "-start":  # an async pair: its -done's result is the output
-            continue
-        for dtype, dims in _SHAPE.findall(shapes):
-            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            out[kind] += n * _DTYPE_BYTES[dtype]
-            if kind == "all-to-all" and "shard_map/all_to_all" in line:
-                out[ENGINE_A2A] += n * _DTYPE_BYTES[dtype]
-    return out
-
-
 @dataclasses.dataclass
 class StepReport:
     preset: str
@@ -177,6 +138,16 @@ class StepReport:
     and shards, per device its memory and predicted step time by term)."""
     plan_text: str = ""
     """Those plans rendered (``Plan.render``)."""
+    alternatives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """When the state does not fit a chip: other meshes' predicted state per chip
+    (:func:`alternative_meshes`)."""
+
+    def state_fits(self) -> bool | None:
+        """Whether the predicted state and batch fit the chip's memory (None: unknown)."""
+        if not self.memory_bytes:
+            return None
+        p = self.predicted
+        return p["state_bytes_per_chip"] + p["batch_bytes_per_chip"] <= self.memory_bytes
 
     def errors(self) -> dict[str, float]:
         """Relative error of each prediction against the compiler, where both exist."""
@@ -185,8 +156,10 @@ class StepReport:
         if c.get("argument_bytes"):  # the step's arguments: the state and the batch
             want = p["state_bytes_per_chip"] + p["batch_bytes_per_chip"]
             out["arguments"] = want / c["argument_bytes"] - 1
-        if self.collectives.get(ENGINE_A2A) and p.get("all_to_all_bytes_per_chip"):
-            out["all_to_all"] = p["all_to_all_bytes_per_chip"] / self.collectives[ENGINE_A2A] - 1
+        if self.collectives.get(hlo.ENGINE_A2A) and p.get("all_to_all_bytes_per_chip"):
+            out["all_to_all"] = (
+                p["all_to_all_bytes_per_chip"] / self.collectives[hlo.ENGINE_A2A] - 1
+            )
         return out
 
 
@@ -234,11 +207,18 @@ def plan_step(
 ) -> StepReport:
     """The planner's predictions for ``cfg``'s train step on ``hw`` and, with ``compile``, the
     compiler's numbers (see the module docstring)."""
-    devices = topology_devices(hw)
+    abstract_tpu = hw.platform == "tpu" and not compile
+    devices = None if abstract_tpu else topology_devices(hw)
     cfg = for_hardware(cfg, hw, global_batch=global_batch)
     cfg = plan_inputs.resolve(cfg, calibrate=False)
     schema = schema_of(cfg.data)
-    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
+    if abstract_tpu:  # no compiler needed, none asked for (libtpu may be absent)
+        generation = hw.topology.split(":")[0]
+        mesh = sharding.abstract_mesh(
+            cfg.mesh, hw.num_devices, platform="tpu", device_kind=f"TPU {generation}"
+        )
+    else:
+        mesh = sharding.make_mesh(cfg.mesh, devices=devices)
     target = hw.platform if hw.platform in ("gpu", "tpu") else None
     with (
         sharding.activate(mesh, cfg.mesh),
@@ -278,7 +258,7 @@ def plan_step(
             preset=preset,
             hardware=hw.name,
             topology=hw.topology or hw.platform,
-            chips=len(devices),
+            chips=hw.num_devices if devices is None else len(devices),
             mesh=dict(mesh.shape),
             global_batch=cfg.data.batch_size,
             layout=_layout_name(cfg),
@@ -345,8 +325,51 @@ def plan_step(
         "code_bytes": float(mem.generated_code_size_in_bytes),
         "peak_bytes": float(arg + out - alias + temp),
     }
-    report.collectives = collective_bytes(compiled.as_text())
+    report.collectives = hlo.collective_bytes(compiled.as_text())
     return report
+
+
+MESH_CANDIDATES = (
+    {"fsdp": True},
+    {"model_parallel": 2},
+    {"model_parallel": 4},
+    {"model_parallel": 8},
+    {"fsdp": True, "model_parallel": 4},
+    {"fsdp": True, "model_parallel": 8},
+)
+"""The meshes :func:`alternative_meshes` tries, each over the run's own."""
+
+
+def alternative_meshes(
+    cfg: Any, build_model: Any, hw: tpu_gpu_configs.LaunchPreset, *, global_batch: int = 0
+) -> list[dict[str, Any]]:
+    """The predicted state per chip of ``cfg`` under each of :data:`MESH_CANDIDATES` (planned,
+    not compiled): ``{"flags", "state_bytes_per_chip", "fits"}`` in that order. The state is
+    a lower bound of what a chip needs (activations and temporaries come on top: ``--compile``
+    says)."""
+    out = []
+    for change in MESH_CANDIDATES:
+        mesh = dataclasses.replace(cfg.mesh, **change)
+        if mesh == cfg.mesh or hw.num_devices % mesh.model_parallel:
+            continue
+        flags = (["--mesh.fsdp"] if mesh.fsdp else []) + (
+            [f"--mesh.model-parallel {mesh.model_parallel}"] if mesh.model_parallel > 1 else []
+        )
+        row: dict[str, Any] = {"flags": " ".join(flags)}
+        try:
+            r = plan_step(
+                dataclasses.replace(cfg, mesh=mesh),
+                build_model,
+                hw,
+                preset="",
+                global_batch=global_batch,
+            )
+        except ValueError as e:  # the planner cannot place a table on this mesh
+            out.append({**row, "fits": False, "error": str(e)})
+            continue
+        need = r.predicted["state_bytes_per_chip"] + r.predicted["batch_bytes_per_chip"]
+        out.append({**row, "state_bytes_per_chip": need, "fits": r.state_fits()})
+    return out
 
 
 def _new_fallbacks(before: collections.Counter) -> list[str]:
@@ -393,6 +416,20 @@ def render(r: StepReport) -> str:
         "  predicted per chip: "
         + ", ".join(f"{k.removesuffix('_per_chip')} {_gib(v)}" for k, v in r.predicted.items()),
     ]
+    if r.state_fits() is False:
+        p = r.predicted
+        lines.append(
+            f"  DOES NOT FIT: the state alone needs "
+            f"{_gib(p['state_bytes_per_chip'] + p['batch_bytes_per_chip'])} per chip, a chip "
+            f"holds {_gib(r.memory_bytes)}"
+            + (": other meshes, predicted (add --compile to check one):" if r.alternatives else "")
+        )
+        for a in r.alternatives:
+            verdict = "fits" if a["fits"] else "does not fit"
+            if "error" in a:
+                lines.append(f"    {a['flags']}: cannot be planned: {a['error']}")
+            else:
+                lines.append(f"    {a['flags']}: {_gib(a['state_bytes_per_chip'])} ({verdict})")
     if r.error:
         lines.append(f"  the compiler refused: {r.error}")
     if r.lowered:
@@ -421,82 +458,6 @@ def render(r: StepReport) -> str:
     if r.plan_text:
         lines.append(r.plan_text.rstrip())
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------------
-# Tiers: which tables stay in device memory, which get a cache over host DRAM or SSD.
-
-
-def table_access_counts(cfg: Any, schema: Any, sample_batches: int) -> dict[str, tuple]:
-    """Per table ``(counts, lookups per step)``: synthetic data from its Zipf law (exact
-    probabilities by rank: hit rates do not depend on which row has which rank); other data
-    from the ids of ``sample_batches`` training batches (``plan_inputs.sampled_ids``)."""
-    batch = cfg.data.batch_size
-    if cfg.data.kind == "synthetic":
-        syn = cfg.data.synthetic
-        out = {}
-        for f in schema.features:
-            h = f.max_hotness
-            mean_bag = h if syn.pooling == "fixed" else (h + 1) / 2
-            ranks = np.arange(f.vocab_size, dtype=np.float64)
-            out[f.table_name] = (np.power(ranks + 1.0, -syn.zipf_exponent), batch * mean_bag)
-        return out
-    rows = {f.table_name: f.vocab_size for f in schema.features}
-    out = {}
-    for t, halves in plan_inputs.sampled_ids(cfg.data, sample_batches).items():
-        ids = np.concatenate(halves)
-        out[t] = (np.bincount(ids, minlength=rows[t]), ids.size / sample_batches)
-    return out
-
-
-def plan_tiers(
-    cfg: Any,
-    hw: tpu_gpu_configs.LaunchPreset,
-    *,
-    hbm_gib: float = 0.0,
-    dram_gib: float = 64.0,
-    policy: str = "lru",
-    sample_batches: int = 64,
-) -> str:
-    """The tier planner's placement (``recscale.embeddings.tier_plan.place``) of ``cfg``'s
-    tables on ``hw``: device memory ``hbm_gib`` (0: the hardware's, all devices), host RAM
-    ``dram_gib``; returns the rendered plan and the ``--embeddings.tiers`` it asks for."""
-    from recscale.embeddings import tier_plan  # noqa: PLC0415
-
-    schema = schema_of(cfg.data)
-    dim = cfg.model.embed_dim
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.embeddings.storage_dtype]
-    per_row, per_element = OPTIMIZER_STATE_BYTES[cfg.embedding_optim.name]
-    row_bytes = dim * (itemsize + per_element) + per_row
-    access = table_access_counts(cfg, schema, sample_batches)
-    # a cache must also hold an evaluation batch's distinct rows (expected, plus 10% and 4 sd
-    # of a Poisson count: the trainer stops with a clear error on a batch that does not fit)
-    scale = cfg.data.eval_batch_size / cfg.data.batch_size
-    tables = []
-    for t, (c, lookups) in access.items():
-        d = tier_plan.expected_distinct(c, lookups * scale) if scale > 1 else 0.0
-        tables.append(
-            tier_plan.TierTable(
-                name=t,
-                num_rows=len(c),
-                row_bytes=row_bytes,
-                counts=c,
-                lookups_per_step=lookups,
-                min_rows=math.ceil(1.1 * d + 4 * math.sqrt(d)),
-            )
-        )
-    devices = hw.num_hosts * hw.devices_per_host
-    hbm = hbm_gib * 2**30 if hbm_gib else get_profile(_profile(hw)).memory_bytes * devices
-    plan = tier_plan.place(
-        tables, hbm_bytes=int(hbm), dram_bytes=int(dram_gib * 2**30), policy=policy
-    )
-    pins = plan.to_pins()
-    return plan.render() + (
-        f"\n--embeddings.tiers {' '.join(pins)}"
-        + (" --embeddings.tier-policy lfu" if policy == "lfu" else "")
-        if pins
-        else "\nevery table fits in device memory: no tiers needed"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -544,9 +505,16 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         return
-    report = plan_step(
-        cfg, family.build_model, hw, preset=preset, compile="compile" in own, global_batch=batch
-    )
+    try:
+        report = plan_step(
+            cfg, family.build_model, hw, preset=preset, compile="compile" in own, global_batch=batch
+        )
+        if report.state_fits() is False:
+            report.alternatives = alternative_meshes(
+                cfg, family.build_model, hw, global_batch=batch
+            )
+    except ValueError as e:  # the mesh or the planner refuses the layout
+        raise SystemExit(f"error: {e}") from None
     print(render(report))
     if "json" in own:
         with open(own["json"], "a") as f:

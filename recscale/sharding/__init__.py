@@ -93,23 +93,40 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     ``model_parallel`` leaves), and a ``model`` axis of ``cfg.model_parallel`` when above 1.
     ``jax.make_mesh`` orders the devices by the physical topology (a TPU slice's torus)."""
     devices = list(jax.devices() if devices is None else devices)
+    shape, names = mesh_shape(cfg, len(devices))
     m = cfg.model_parallel
-    if len(devices) % m:
-        raise ValueError(f"mesh.model_parallel={m} does not divide the {len(devices)} devices")
     if m > 1 and jax.process_count() > 1 and jax.local_device_count() % m:
         raise ValueError(
             f"mesh.model_parallel={m} must divide the {jax.local_device_count()} devices of each "
             "process: a model group spans one process, which feeds its examples"
         )
-    n = len(devices) // m if cfg.data_parallel == -1 else cfg.data_parallel
-    if n < 1 or n * m > len(devices):
+    auto = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, axis_types=auto, devices=devices[: math.prod(shape)])
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The axis sizes and names :func:`make_mesh` gives ``cfg`` over ``num_devices``."""
+    m = cfg.model_parallel
+    if num_devices % m:
+        raise ValueError(f"mesh.model_parallel={m} does not divide the {num_devices} devices")
+    n = num_devices // m if cfg.data_parallel == -1 else cfg.data_parallel
+    if n < 1 or n * m > num_devices:
         raise ValueError(
             f"mesh.data_parallel={cfg.data_parallel} x mesh.model_parallel={m} but "
-            f"{len(devices)} devices exist"
+            f"{num_devices} devices exist"
         )
-    shape, names = ((n,), (DATA_AXIS,)) if m == 1 else ((n, m), (DATA_AXIS, MODEL_AXIS))
+    return ((n,), (DATA_AXIS,)) if m == 1 else ((n, m), (DATA_AXIS, MODEL_AXIS))
+
+
+def abstract_mesh(
+    cfg: MeshConfig, num_devices: int, *, platform: str, device_kind: str
+) -> jax.sharding.AbstractMesh:
+    """:func:`make_mesh`'s mesh without devices: shapes, shardings and plans of a machine this
+    host cannot describe (a TPU slice without libtpu); nothing compiles on it."""
+    shape, names = mesh_shape(cfg, num_devices)
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)
     auto = (jax.sharding.AxisType.Auto,) * len(shape)
-    return jax.make_mesh(shape, names, axis_types=auto, devices=devices[: n * m])
+    return jax.sharding.AbstractMesh(shape, names, auto, abstract_device=device)
 
 
 def get_rules(name: str) -> dict[str, str | None]:

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
+import jax
+import jax.experimental.topologies
 import pytest
 
 import dlrm.presets  # noqa: F401
 import tpu_gpu_configs
 from dlrm.model import build_model
-from recscale import plan
+from recscale import hlo, plan
 from recscale.config import get_preset, parse_preset_cli
 from recscale.embeddings import planner
 from tpu_gpu_configs.profiles import get_profile
@@ -35,13 +38,13 @@ ENTRY %main {
 
 
 def test_collective_bytes_reads_tuples_async_pairs_and_layouts():
-    got = plan.collective_bytes(HLO)
+    got = hlo.collective_bytes(HLO)
     # async pairs count once, by their -done's result (a -start's tuple mixes operands,
     # outputs and context)
     assert got["all-reduce"] == (512 * 4 + 4 + 4 * 8 * 2) + 2 * 6 * 4 + 4 * 4
     assert got["all-gather"] == 16 * 2 * 4
     assert got["all-to-all"] == 8 * 4 * 4 + 2 * 4 * 2
-    assert got[plan.ENGINE_A2A] == 2 * 4 * 2  # the engine's, by its shard_map
+    assert got[hlo.ENGINE_A2A] == 2 * 4 * 2  # the engine's, by its shard_map
     assert got["reduce-scatter"] == got["collective-permute"] == 0
 
 
@@ -195,3 +198,50 @@ def test_compiles_for_a_tpu_slice_without_a_tpu():
     r = plan.plan_step(cfg, build_model, hw, preset="dlrm/tiny", compile=True)
     assert r.chips == 4 and r.topology == "v5p:2x2x1"
     assert r.compiled["peak_bytes"] > 0 and not r.error
+
+
+def test_plans_a_tpu_slice_without_libtpu_and_says_which_meshes_fit(monkeypatch, tmp_path, capsys):
+    """Without ``--compile`` a TPU slice is planned on an abstract mesh (no libtpu: the
+    topology is never asked for); a layout whose state overflows the chip says so and what the
+    other meshes would hold per chip, or why the planner cannot place them."""
+    import wukong.presets  # noqa: F401, PLC0415
+
+    monkeypatch.setattr(plan, "topology_devices", lambda hw: pytest.fail("asked for devices"))
+    out = tmp_path / "r.jsonl"
+    plan.main(["wukong/table5-7", "--hardware", "tpu-v5p-8", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "tpu-v5p-8 (v5p:2x2x1, 4 chips, mesh {'data': 4}" in text
+    assert "DOES NOT FIT: the state alone needs 205.2 GiB per chip, a chip holds 95.0 GiB" in text
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    alts = {a["flags"]: a for a in row["alternatives"]}
+    assert set(alts) == {
+        "--mesh.fsdp",
+        "--mesh.model-parallel 2",
+        "--mesh.model-parallel 4",
+        "--mesh.fsdp --mesh.model-parallel 4",
+    }  # 8-way tensor parallelism does not divide 4 chips
+    fsdp = alts["--mesh.fsdp"]
+    # FSDP shards the 180 GiB of dense state 4 ways (45 GiB) beside 25.1 GiB of tables
+    assert fsdp["fits"] and 69 * 2**30 < fsdp["state_bytes_per_chip"] < 71 * 2**30
+    assert "    --mesh.fsdp: 70.1 GiB (fits)" in text
+    tp4 = alts["--mesh.model-parallel 4"]  # one data replica: the tables' rows on 1 chip
+    assert not tp4["fits"] and "table 'C21' (40,000,000 rows x 128) does not fit" in tp4["error"]
+    assert "    --mesh.model-parallel 4: cannot be planned: table 'C21'" in text
+
+
+def test_libtpu_is_told_the_slice_so_it_starts_quietly(monkeypatch):
+    """Off a TPU VM libtpu warns (five lines on stderr, with a spurious INVALID_ARGUMENT) unless
+    told the slice and its workers: ``topology_devices`` names them before libtpu loads,
+    without overriding a user's own setting."""
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "")  # recorded, so the test's setting is undone
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.7")
+    monkeypatch.setattr(jax.experimental.topologies, "get_topology_desc", _no_libtpu)
+    with pytest.raises(SystemExit, match="cannot describe TPU topology 'v5p:4x4x4'"):
+        plan.topology_devices(tpu_gpu_configs.get("tpu-v5p-128"))
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v5p-128"
+    assert os.environ["TPU_WORKER_HOSTNAMES"] == "10.0.0.7"
+
+
+def _no_libtpu(*args, **kwargs):
+    raise RuntimeError("JAX TPU support not installed")

@@ -261,7 +261,7 @@ def test_the_plan_cli_proposes_tiers_that_hold_an_evaluation_batch():
     import dlrm.presets  # noqa: F401, PLC0415
     import tpu_gpu_configs  # noqa: PLC0415
     from recscale.config import get_preset  # noqa: PLC0415
-    from recscale.plan import plan_tiers, table_access_counts  # noqa: PLC0415
+    from recscale.plan_tiers import plan_tiers, table_access_counts  # noqa: PLC0415
 
     cfg, hw = get_preset("dlrm/synthetic"), tpu_gpu_configs.get("cpu-local")
     text = plan_tiers(cfg, hw, hbm_gib=0.0005)
