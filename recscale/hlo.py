@@ -4,6 +4,7 @@ memory (``cost_analysis``, ``memory_analysis``) but not collective volumes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -31,27 +32,109 @@ _DTYPE_BYTES = {
     "u4": 0.5,
 }
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
-# One HLO instruction per line: ``%name = RESULT-TYPE op(operands), ...``.
+# One HLO instruction per line: ``%name = RESULT-TYPE op(operands), attributes``.
 _OP = re.compile(
-    r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start|-done)?\("
+    r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start|-done)?\((.*)$"
 )
+_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 
 
-def collective_bytes(hlo_text: str) -> dict[str, float]:
-    """Bytes of each collective's results in a compiled (SPMD-partitioned, per-device) HLO
-    module, summed by kind, counting each op once (ops inside a loop body are counted once; an
-    async ``-start`` / ``-done`` pair by its ``-done``'s result)."""
-    out = dict.fromkeys((*_COLLECTIVES, ENGINE_A2A), 0.0)
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled (per-device) module."""
+
+    kind: str
+    bytes: float
+    """Its result's bytes on one device (an async pair's: the ``-done``'s)."""
+    group: int
+    """Devices in each of its replica groups (0: not stated, every device of the module)."""
+    engine: bool
+    """An all-to-all of the embedding engine's ``shard_map``."""
+
+    def wire_bytes(self, num_devices: int) -> float:
+        """Bytes one device sends for it with the bandwidth-optimal (ring) algorithm: an
+        all-gather or all-to-all ``(n-1)/n`` of its result, an all-reduce twice that, a
+        reduce-scatter ``n-1`` times its result (the shard), a permute its result."""
+        n = self.group or num_devices
+        if self.kind == "collective-permute":
+            return self.bytes
+        if n <= 1:
+            return 0.0
+        factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1.0}
+        return self.bytes * factor.get(self.kind, (n - 1) / n)
+
+
+def _group_size(attrs: str) -> int:
+    if m := _GROUPS.search(attrs):
+        return len([x for x in m.group(1).split(",") if x])
+    if m := _IOTA_GROUPS.search(attrs):
+        return int(m.group(2))
+    return 0
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled (SPMD-partitioned, per-device) HLO module, once each (ops
+    inside a loop body are counted once; an async ``-start`` / ``-done`` pair by its ``-done``'s
+    result, with the ``-start``'s replica groups)."""
+    out, groups = [], {}
     for line in hlo_text.splitlines():
         m = _OP.match(line)
         if m is None:
             continue
-        shapes, kind = m.group(1), m.group(2)
-        if m.group(3) == "-start":  # an async pair: its -done's result is the output
+        name, shapes, kind, phase, rest = m.groups()
+        if phase == "-start":  # an async pair: its -done's result is the output
+            groups[name] = _group_size(rest)
             continue
+        group = _group_size(rest)
+        if phase == "-done":
+            operand = re.match(r"\s*%(\S+?)[),]", rest)
+            group = groups.get(operand.group(1), 0) if operand else 0
+        n = 0.0
         for dtype, dims in _SHAPE.findall(shapes):
-            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            out[kind] += n * _DTYPE_BYTES[dtype]
-            if kind == "all-to-all" and "shard_map/all_to_all" in line:
-                out[ENGINE_A2A] += n * _DTYPE_BYTES[dtype]
+            n += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+        engine = kind == "all-to-all" and "shard_map/all_to_all" in line
+        out.append(Collective(kind=kind, bytes=n, group=group, engine=engine))
+    return out
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes of each collective's results in a compiled module (:func:`collectives`), summed
+    by kind, and the engine's all-to-alls apart."""
+    out = dict.fromkeys((*_COLLECTIVES, ENGINE_A2A), 0.0)
+    for c in collectives(hlo_text):
+        out[c.kind] += c.bytes
+        if c.engine:
+            out[ENGINE_A2A] += c.bytes
+    return out
+
+
+def step_time(
+    cost: dict[str, float],
+    colls: list[Collective],
+    *,
+    num_devices: int,
+    flops: float,
+    memory_bandwidth: float,
+    interconnect_bandwidth: float,
+) -> dict[str, float]:
+    """A roofline of one compiled step on one device, in seconds: ``compute`` (XLA's
+    ``cost_analysis`` FLOPs at the peak ``flops``), ``memory`` (its bytes accessed at
+    ``memory_bandwidth``), each collective kind (:meth:`Collective.wire_bytes` at
+    ``interconnect_bandwidth``), then ``serial`` (compute or memory, whichever bounds, plus
+    every collective: nothing overlaps) and ``overlapped`` (the largest of the three: all
+    overlaps). Assumptions: peaks are reached; loop bodies count once (XLA's cost analysis and
+    :func:`collectives` both), so a scanned layer stack is undercounted; one ICI link's
+    bandwidth carries each collective, whatever the torus offers."""
+    out = {
+        "compute": float(cost.get("flops", 0.0)) / flops,
+        "memory": float(cost.get("bytes accessed", 0.0)) / memory_bandwidth,
+    }
+    comm = dict.fromkeys(_COLLECTIVES, 0.0)
+    for c in colls:
+        comm[c.kind] += c.wire_bytes(num_devices) / interconnect_bandwidth
+    out.update({k: v for k, v in comm.items() if v})
+    total_comm = sum(comm.values())
+    out["serial"] = max(out["compute"], out["memory"]) + total_comm
+    out["overlapped"] = max(out["compute"], out["memory"], total_comm)
     return out

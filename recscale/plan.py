@@ -49,7 +49,9 @@ from data.schemas import schema_of
 from recscale import config as config_lib
 from recscale import families, hlo, optim, sharding
 from recscale.embeddings import EmbeddingTable, engine, plan_inputs
+from recscale.flops import model_cost
 from recscale.kernels import common
+from recscale.plan_report import StepReport, render
 from recscale.plan_tiers import plan_tiers
 from recscale.train.experiment import state_parts
 from recscale.train.steps import make_train_step
@@ -108,59 +110,6 @@ def for_hardware(cfg: Any, hw: tpu_gpu_configs.LaunchPreset, *, global_batch: in
         emb = dataclasses.replace(cfg.embeddings, profile=hw.profile, host_size=hw.devices_per_host)
         cfg = dataclasses.replace(cfg, embeddings=emb)
     return cfg
-
-
-@dataclasses.dataclass
-class StepReport:
-    preset: str
-    hardware: str
-    topology: str
-    chips: int
-    mesh: dict[str, int]
-    global_batch: int
-    layout: str
-    dense_params: int
-    table_rows: int
-    predicted: dict[str, float]
-    compiled: dict[str, float] = dataclasses.field(default_factory=dict)
-    collectives: dict[str, float] = dataclasses.field(default_factory=dict)
-    compile_s: float = 0.0
-    fallbacks: list[str] = dataclasses.field(default_factory=list)
-    error: str = ""
-    """The compiler's refusal (e.g. the step does not fit the chip's memory), if it refused."""
-    memory_bytes: float = 0.0
-    """The chip's memory (the hardware profile's)."""
-    lowered: dict[str, int] = dataclasses.field(default_factory=dict)
-    """GPU presets: the step lowered for CUDA (no compiler here): its StableHLO's size and
-    the Pallas (Triton) kernel calls in it."""
-    plans: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The embedding plan of each engine collection (``Plan.to_dict``: per table its sharding
-    and shards, per device its memory and predicted step time by term)."""
-    plan_text: str = ""
-    """Those plans rendered (``Plan.render``)."""
-    alternatives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """When the state does not fit a chip: other meshes' predicted state per chip
-    (:func:`alternative_meshes`)."""
-
-    def state_fits(self) -> bool | None:
-        """Whether the predicted state and batch fit the chip's memory (None: unknown)."""
-        if not self.memory_bytes:
-            return None
-        p = self.predicted
-        return p["state_bytes_per_chip"] + p["batch_bytes_per_chip"] <= self.memory_bytes
-
-    def errors(self) -> dict[str, float]:
-        """Relative error of each prediction against the compiler, where both exist."""
-        out = {}
-        p, c = self.predicted, self.compiled
-        if c.get("argument_bytes"):  # the step's arguments: the state and the batch
-            want = p["state_bytes_per_chip"] + p["batch_bytes_per_chip"]
-            out["arguments"] = want / c["argument_bytes"] - 1
-        if self.collectives.get(hlo.ENGINE_A2A) and p.get("all_to_all_bytes_per_chip"):
-            out["all_to_all"] = (
-                p["all_to_all_bytes_per_chip"] / self.collectives[hlo.ENGINE_A2A] - 1
-            )
-        return out
 
 
 def _bytes_per_chip(abstract: Any, shardings: Any, keep=lambda var: True) -> float:
@@ -325,7 +274,23 @@ def plan_step(
         "code_bytes": float(mem.generated_code_size_in_bytes),
         "peak_bytes": float(arg + out - alias + temp),
     }
-    report.collectives = hlo.collective_bytes(compiled.as_text())
+    text = compiled.as_text()
+    report.collectives = hlo.collective_bytes(text)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # older jax: one dict per module
+    prof = get_profile(_profile(hw))
+    report.step_time = hlo.step_time(
+        cost or {},
+        hlo.collectives(text),
+        num_devices=report.chips,
+        flops=prof.flops,
+        memory_bandwidth=prof.memory_bandwidth,
+        interconnect_bandwidth=prof.interconnect_bandwidth,
+    )
+    with contextlib.suppress(TypeError):  # a model without a FLOP count: no MFU
+        per_example = model_cost(cfg, schema).train_flops
+        report.model_flops_per_chip = per_example * cfg.data.batch_size / report.chips
+    report.peak_flops = prof.flops
     return report
 
 
@@ -398,66 +363,6 @@ def nnx_merge(graphdef: Any, state: Any) -> Any:
     from flax import nnx  # noqa: PLC0415
 
     return nnx.merge(graphdef, state.params, state.batch_stats)
-
-
-def _gib(x: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.1f} {unit}" if unit != "B" else f"{x:.0f} B"
-        x /= 1024
-    return ""
-
-
-def render(r: StepReport) -> str:
-    lines = [
-        f"{r.preset} on {r.hardware} ({r.topology}, {r.chips} chips, mesh {r.mesh}, "
-        f"batch {r.global_batch}, {r.layout})",
-        f"  dense parameters {r.dense_params / 1e6:,.1f}M, table rows {r.table_rows / 1e6:,.1f}M",
-        "  predicted per chip: "
-        + ", ".join(f"{k.removesuffix('_per_chip')} {_gib(v)}" for k, v in r.predicted.items()),
-    ]
-    if r.state_fits() is False:
-        p = r.predicted
-        lines.append(
-            f"  DOES NOT FIT: the state alone needs "
-            f"{_gib(p['state_bytes_per_chip'] + p['batch_bytes_per_chip'])} per chip, a chip "
-            f"holds {_gib(r.memory_bytes)}"
-            + (": other meshes, predicted (add --compile to check one):" if r.alternatives else "")
-        )
-        for a in r.alternatives:
-            verdict = "fits" if a["fits"] else "does not fit"
-            if "error" in a:
-                lines.append(f"    {a['flags']}: cannot be planned: {a['error']}")
-            else:
-                lines.append(f"    {a['flags']}: {_gib(a['state_bytes_per_chip'])} ({verdict})")
-    if r.error:
-        lines.append(f"  the compiler refused: {r.error}")
-    if r.lowered:
-        lines.append(
-            f"  lowered for CUDA ({r.compile_s:.1f} s): {r.lowered['stablehlo_bytes']:,} bytes "
-            f"of StableHLO, {r.lowered['triton_kernels']} Pallas (Triton) kernel calls"
-        )
-        lines.extend(f"  kernel fallback: {f}" for f in r.fallbacks)
-    if r.compiled:
-        fits = r.compiled["peak_bytes"] <= r.memory_bytes if r.memory_bytes else None
-        verdict = "" if fits is None else f"; fits {_gib(r.memory_bytes)}: {fits}"
-        lines.append(
-            "  compiled per chip: "
-            + ", ".join(f"{k} {_gib(v)}" for k, v in r.compiled.items())
-            + f" ({r.compile_s:.1f} s{verdict})"
-        )
-        lines.append(
-            "  collectives per chip: "
-            + ", ".join(f"{k} {_gib(v)}" for k, v in r.collectives.items() if v)
-        )
-        lines.append(
-            "  prediction error: " + ", ".join(f"{k} {v:+.1%}" for k, v in r.errors().items())
-        )
-        for f in r.fallbacks:
-            lines.append(f"  kernel fallback: {f}")
-    if r.plan_text:
-        lines.append(r.plan_text.rstrip())
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

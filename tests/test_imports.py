@@ -5,9 +5,9 @@ wrong place; families are found through one registry, ``recscale.families``).
 
 Floors, bottom up: ``data`` and ``tpu_gpu_configs`` (nothing of the project), ``recscale``, the
 families (``dlrm``, ``wukong``, ``baselines.*``, ``sequential``, never one another), ``sweeps``;
-inside ``recscale``: the base (config, sharding, kernels, nn, metrics, flops, launch, families), then
-``optim``, ``embeddings``, ``analysis``, ``train``, ``serving``, and the commands ``export``,
-``plan``, ``serve``. Function-level imports count as much as module-level ones.
+inside ``recscale``: the base (config, sharding, kernels, nn, metrics, flops, hlo, launch,
+families), then ``optim``, ``embeddings``, ``analysis``, ``train``, ``serving``, and the commands
+``export``, ``plan`` (with ``plan_report``, ``plan_tiers``), ``serve``. Function-level imports count as much as module-level ones.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ RECSCALE_FLOORS = {
     "serving": 5,
     "export": 6,
     "plan": 6,
+    "plan_report": 6,
+    "plan_tiers": 6,
     "serve": 6,
     "population": 6,
 }

@@ -37,6 +37,33 @@ ENTRY %main {
 """
 
 
+def test_collectives_know_their_groups_and_what_they_send():
+    """Replica groups listed or as an iota, an async pair's from its start; the wire bytes of a
+    ring algorithm per kind."""
+    text = """
+  %ar = f32[1024]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %ags = (f32[256]{0}, f32[2048]{0}) all-gather-start(%y), replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = f32[2048]{0} all-gather-done(%ags)
+  %rs = f32[128]{0} reduce-scatter(%z), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  %cp = f32[64]{0} collective-permute(%w), source_target_pairs={{0,1},{1,0}}
+  %a2a = f32[512]{0} all-to-all(%v), replica_groups={}, dimensions={0}
+"""
+    got = {c.kind: c for c in hlo.collectives(text)}
+    assert {k: c.group for k, c in got.items()} == {
+        "all-reduce": 4,
+        "all-gather": 8,
+        "reduce-scatter": 4,
+        "collective-permute": 0,
+        "all-to-all": 0,
+    }
+    wire = {k: c.wire_bytes(num_devices=8) for k, c in got.items()}
+    assert wire["all-reduce"] == 4096 * 2 * 3 / 4
+    assert wire["all-gather"] == 8192 * 7 / 8
+    assert wire["reduce-scatter"] == 512 * 3
+    assert wire["collective-permute"] == 256
+    assert wire["all-to-all"] == 2048 * 7 / 8  # no groups: every device of the module
+
+
 def test_collective_bytes_reads_tuples_async_pairs_and_layouts():
     got = hlo.collective_bytes(HLO)
     # async pairs count once, by their -done's result (a -start's tuple mixes operands,
@@ -113,7 +140,17 @@ def test_compiled_step_on_this_host_matches_the_prediction():
     # the planner's exchange, per chip of every model replica, is the engine's all-to-alls
     assert abs(r.errors()["all_to_all"]) < 1e-9, (r.predicted, r.collectives)
     assert "fsdp" in r.layout and "tp=2" in r.layout
-    assert "predicted per chip" in plan.render(r)
+    # The roofline: each term from XLA's counts at the profile's peaks, collectives on the wire
+    t, prof = r.step_time, get_profile("cpu-2core")
+    assert t["compute"] > 0 and t["memory"] > 0 and t["all-to-all"] > 0 and t["all-gather"] > 0
+    comm = sum(v for k, v in t.items() if k not in ("compute", "memory", "serial", "overlapped"))
+    assert t["serial"] == pytest.approx(max(t["compute"], t["memory"]) + comm)
+    assert t["overlapped"] == pytest.approx(max(t["compute"], t["memory"], comm))
+    assert r.peak_flops == prof.flops and r.model_flops_per_chip > 0
+    assert 0 < r.mfu("serial") <= r.mfu("overlapped") <= 1
+    assert r.planner_step_s() > 0
+    text = plan.render(r)
+    assert "predicted per chip" in text and "predicted step per chip (roofline" in text
 
 
 def test_gpu_presets_lower_the_step_for_cuda_with_the_triton_kernels():
