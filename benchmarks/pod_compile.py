@@ -11,8 +11,10 @@ kernels, the dense layers as ``mesh.*`` lays them out) is lowered for the slice'
 (``jax.experimental.topologies``) and compiled by XLA:TPU. Recorded per case: the compiler's
 memory per chip (``memory_analysis``: arguments, temporaries, the peak) and the bytes of every
 collective in the partitioned HLO, next to the predictions (state bytes per chip from the
-shardings and the embedding planner; the planner's all-to-all bytes). A case that does not fit
-the chip's HBM is recorded with the compiler's message.
+shardings and the embedding planner; the planner's all-to-all bytes), and the predicted step
+per chip (a roofline of the compiled HLO: compute, HBM, each collective, serial and overlapped,
+the MFU of each). A case that does not fit the chip's HBM is recorded with the compiler's
+message.
 """
 
 from __future__ import annotations
@@ -155,6 +157,39 @@ def table(path: Path) -> str:
     return "\n".join(out)
 
 
+def _ms(x: float) -> str:
+    return f"{1e3 * x:,.3g}"
+
+
+def step_table(path: Path) -> str:
+    """The predicted step per chip (``recscale.plan``'s roofline of the compiled HLO)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = [
+        "| preset | slice (chips) | layout | compute ms | HBM ms | collectives ms | serial ms "
+        "(MFU) | overlapped ms (MFU) | the planner's embedding step ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r.get("step_time") or {}
+        if not t:
+            continue
+        comm = ", ".join(
+            f"{k} {_ms(v)}"
+            for k, v in t.items()
+            if k not in ("compute", "memory", "serial", "overlapped")
+        )
+        peak, flops = r["peak_flops"], r["model_flops_per_chip"]
+        times = [max(d["time_s"] for d in p["devices"]) for p in r["plans"].values()]
+        out.append(
+            f"| {r['preset']} | {r['hardware']} ({r['chips']}) | {r['layout']} | "
+            f"{_ms(t['compute'])} | {_ms(t['memory'])} | {comm or '-'} | "
+            f"{_ms(t['serial'])} ({flops / (t['serial'] * peak):.1%}) | "
+            f"{_ms(t['overlapped'])} ({flops / (t['overlapped'] * peak):.1%}) | "
+            f"{_ms(max(times, default=0.0))} |"
+        )
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "pod_compile.jsonl")
@@ -163,11 +198,11 @@ def main() -> None:
     ap.add_argument("--table", type=Path, help="render a results file as a markdown table")
     args = ap.parse_args()
     if args.table:
-        print(table(args.table))
+        print(table(args.table), step_table(args.table), sep="\n\n")
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     run(args.out, args.only, args.timeout_s)
-    print(table(args.out))
+    print(table(args.out), step_table(args.out), sep="\n\n")
 
 
 if __name__ == "__main__":

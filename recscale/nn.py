@@ -15,19 +15,37 @@ from recscale import sharding
 
 
 class Linear(nnx.Module):
-    """y = x W + b, with DLRM's init: W ~ N(0, 2/(in+out)), b ~ N(0, 1/out)."""
+    """y = x W + b, with DLRM's init: W ~ N(0, 2/(in+out)), b ~ N(0, 1/out).
 
-    def __init__(self, in_dim: int, out_dim: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    ``parallel``: how tensor parallelism (``mlp`` over the ``model`` mesh axis) splits it:
+    ``column`` by its outputs (W ``[in, out/m]``, its output split), ``row`` by its inputs
+    (W ``[in/m, out]``: each device's partial product, summed by one all-reduce, the output
+    whole). A column layer feeding a row layer keeps the activation between them split
+    (Megatron's pair)."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+        parallel: str = "column",
+    ):
+        if parallel not in ("column", "row"):
+            raise ValueError(f"Linear: parallel must be 'column' or 'row', got {parallel!r}")
         w_std = (2.0 / (in_dim + out_dim)) ** 0.5
         b_std = (1.0 / out_dim) ** 0.5
+        kernel_axes = (None, "mlp") if parallel == "column" else ("mlp", None)
         self.kernel = sharding.param(
             nnx.Param,
             w_std * jax.random.normal(rngs.params(), (in_dim, out_dim), param_dtype),
-            None,
-            "mlp",
+            *kernel_axes,
         )
         self.bias = sharding.param(
-            nnx.Param, b_std * jax.random.normal(rngs.params(), (out_dim,), param_dtype), "mlp"
+            nnx.Param,
+            b_std * jax.random.normal(rngs.params(), (out_dim,), param_dtype),
+            kernel_axes[1],
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -37,9 +55,11 @@ class Linear(nnx.Module):
 class LayerNorm(nnx.Module):
     """LayerNorm over the last axis with a learned scale and bias."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32):
-        self.scale = sharding.param(nnx.Param, jnp.ones((dim,), param_dtype), "mlp")
-        self.bias = sharding.param(nnx.Param, jnp.zeros((dim,), param_dtype), "mlp")
+    def __init__(
+        self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32, axis: str | None = "mlp"
+    ):
+        self.scale = sharding.param(nnx.Param, jnp.ones((dim,), param_dtype), axis)
+        self.bias = sharding.param(nnx.Param, jnp.zeros((dim,), param_dtype), axis)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -67,12 +87,18 @@ class BatchNorm(nnx.Module):
     """
 
     def __init__(
-        self, dim: int, *, momentum: float = 0.9, eps: float = 1e-5, param_dtype=jnp.float32
+        self,
+        dim: int,
+        *,
+        momentum: float = 0.9,
+        eps: float = 1e-5,
+        param_dtype=jnp.float32,
+        axis: str | None = "mlp",
     ):
-        self.scale = sharding.param(nnx.Param, jnp.ones((dim,), param_dtype), "mlp")
-        self.bias = sharding.param(nnx.Param, jnp.zeros((dim,), param_dtype), "mlp")
-        self.mean = sharding.param(nnx.BatchStat, jnp.zeros((dim,), jnp.float32), "mlp")
-        self.var = sharding.param(nnx.BatchStat, jnp.ones((dim,), jnp.float32), "mlp")
+        self.scale = sharding.param(nnx.Param, jnp.ones((dim,), param_dtype), axis)
+        self.bias = sharding.param(nnx.Param, jnp.zeros((dim,), param_dtype), axis)
+        self.mean = sharding.param(nnx.BatchStat, jnp.zeros((dim,), jnp.float32), axis)
+        self.var = sharding.param(nnx.BatchStat, jnp.ones((dim,), jnp.float32), axis)
         self.momentum = momentum
         self.eps = eps
 
@@ -97,6 +123,11 @@ class MLP(nnx.Module):
     ReLU, the order of FuxiCTR's ``MLP_Block``; a linear output layer is never normalised.
     Dropout (rate ``dropout``) follows each hidden ReLU and is active only when a ``dropout_key``
     is passed: randomness is explicit, so a train step is a pure function of (state, batch, key).
+
+    Under tensor parallelism the layers alternate column- and row-parallel (``Linear``), the last
+    one row-parallel: each column/row pair keeps its hidden activation split over ``model`` and
+    ends in one all-reduce, and the MLP's output is whole (no all-gather of activations between
+    layers). A norm after a row layer has whole inputs: its parameters are replicated.
     """
 
     def __init__(
@@ -115,12 +146,26 @@ class MLP(nnx.Module):
         if layer_norm and batch_norm:
             raise ValueError("MLP: choose layer_norm or batch_norm, not both")
         dims = (in_dim, *sizes)
+        n = len(sizes)
+        parallel = ["row" if (n - 1 - i) % 2 == 0 else "column" for i in range(n)]
         self.layers = nnx.List(
-            [Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:], strict=True)]
+            [
+                Linear(a, b, rngs=rngs, parallel=p)
+                for a, b, p in zip(dims[:-1], dims[1:], parallel, strict=True)
+            ]
         )
         norm = LayerNorm if layer_norm else BatchNorm if batch_norm else None
-        normed = sizes if final_relu else sizes[:-1]
-        self.norms = nnx.List([norm(b) for b in normed]) if norm is not None else None
+        normed = n if final_relu else n - 1
+        self.norms = (
+            nnx.List(
+                [
+                    norm(sizes[i], axis="mlp" if parallel[i] == "column" else None)
+                    for i in range(normed)
+                ]
+            )
+            if norm is not None
+            else None
+        )
         self.final_relu = final_relu
         self.dropout = dropout
 

@@ -46,7 +46,7 @@ class InstanceGuidedMask(nnx.Module):
     def __init__(self, in_dim: int, masked_dim: int, reduction_ratio: float, *, rngs: nnx.Rngs):
         width = aggregation_width(masked_dim, reduction_ratio)
         self.aggregation = Linear(in_dim, width, rngs=rngs)
-        self.projection = Linear(width, masked_dim, rngs=rngs)
+        self.projection = Linear(width, masked_dim, rngs=rngs, parallel="row")
 
     def __call__(self, v_emb_bi: jax.Array) -> jax.Array:
         return self.projection(jax.nn.relu(self.aggregation(v_emb_bi)))

@@ -6,6 +6,8 @@ with the embedding engine, and checkpoints reshard between the layouts.
 
 from __future__ import annotations
 
+import collections
+import re
 import shutil
 from pathlib import Path
 
@@ -140,8 +142,9 @@ def test_checkpoints_reshard_between_layouts(runs):
 
 @pytest.mark.parametrize(("family", "engine"), [("dlrm", "off"), ("wukong", "auto")])
 def test_the_config_shards_the_dense_state(tmp_path, family, engine):
-    """The layouts above are not replicated in disguise: under ``tp2_fsdp`` every MLP kernel
-    whose output units the ``model`` axis divides is split over it, FSDP splits kernels over
+    """The layouts above are not replicated in disguise: under ``tp2_fsdp`` the MLPs' kernels
+    alternate column- and row-parallel (split over ``model`` by outputs, then by inputs, the
+    last layer row-parallel) wherever ``model`` divides that dim, FSDP splits kernels over
     ``data``, and the engine's buffers stay on ``data`` alone (replicated over ``model``)."""
     _, cfg = _parse(_args(family, engine, "tp2_fsdp", tmp_path), family)
     mesh = sharding.make_mesh(cfg.mesh)
@@ -152,8 +155,18 @@ def test_the_config_shards_the_dense_state(tmp_path, family, engine):
     arrays = {jax.tree_util.keystr(k): (v.shape, v.sharding.spec) for k, v in flat}
     kernels = {k: v for k, v in arrays.items() if "['kernel']" in k}
     assert kernels
-    for k, (shape, spec) in kernels.items():
-        assert (len(spec) > 1 and spec[1] == "model") == (shape[1] % 2 == 0), (k, shape, spec)
+    mlps = collections.defaultdict(dict)  # MLP -> {layer index: (shape, spec)}
+    for k, v in kernels.items():
+        if m := re.fullmatch(r"(.*)\['layers'\]\[(\d+)\]\['kernel'\](\.value)?", k):
+            mlps[m.group(1)][int(m.group(2))] = v
+    assert mlps
+    for name, layers in mlps.items():  # Megatron: column, row, ..., the last layer row-parallel
+        n = len(layers)
+        for i, (shape, spec) in layers.items():
+            dim = 0 if (n - 1 - i) % 2 == 0 else 1  # the split dim: inputs (row), outputs
+            split = len(spec) > dim and spec[dim] is not None and "model" in spec[dim]
+            assert split == (shape[dim] % 2 == 0), (name, i, shape, spec)
+            assert all(ax is None or "model" not in ax for ax in spec[:dim] + spec[dim + 1 :])
     assert sum("data" in spec for _, spec in kernels.values()) >= len(kernels) // 2, kernels
     buffers = [spec for k, (_, spec) in arrays.items() if "['buffers']" in k]
     assert (engine == "off") != bool(buffers)
