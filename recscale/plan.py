@@ -43,6 +43,8 @@ from typing import Any
 
 import jax
 import numpy as np
+from rich.console import Console
+from rich.progress import track
 
 import tpu_gpu_configs
 from data.schemas import schema_of
@@ -313,7 +315,8 @@ def alternative_meshes(
     a lower bound of what a chip needs (activations and temporaries come on top: ``--compile``
     says)."""
     out = []
-    for change in MESH_CANDIDATES:
+    console = Console(stderr=True)
+    for change in track(MESH_CANDIDATES, description="planning other meshes", console=console):
         mesh = dataclasses.replace(cfg.mesh, **change)
         if mesh == cfg.mesh or hw.num_devices % mesh.model_parallel:
             continue
