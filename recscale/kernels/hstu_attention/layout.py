@@ -178,49 +178,39 @@ def tile_span(q0, k0, block: int):
     return lo, jnp.abs(q0 - k0) + block - 1
 
 
-def tile_scores(q_bd, k_bd, i, j, n, nt, bias_scalars, st: Static, dot, span=None):
+def tile_scores(q_bd, k_bd, i, j, n, nt, bias_scalars, st: Static, dot, span):
     """``(s, valid)`` of one tile: ``s = alpha q·kᵀ + rab`` (float32) and the mask, for query
     positions ``i [bq, 1]`` and key positions ``j [1, bk]``. ``bias_scalars``: the head's
     :func:`bias_deltas` as scalars; ``dot(a, b)`` contracts the last dims in float32; ``span``:
-    the tile's :func:`tile_span` (None: the bias selects at every edge)."""
+    the tile's :func:`tile_span`."""
     s = dot(q_bd, k_bd) * st.alpha
     if bias_scalars:
         d = jnp.abs(i - j)
-        if span is None:
-            s = s + bias_scalars[0]
-            for edge, delta in zip(st.boundaries, bias_scalars[1:], strict=True):
-                s = s + jnp.where(d >= edge, delta, 0.0)
-        else:
-            # Edges every pair of the tile is past add a scalar; one elementwise select (under
-            # a cond) only for the edges that cut the tile: a dozen near the diagonal, one or
-            # two off it, where a select per edge would cost more than the tile's matmul.
-            lo, hi = span
-            base = bias_scalars[0]
-            for edge, delta in zip(st.boundaries, bias_scalars[1:], strict=True):
-                base = base + jnp.where(lo >= edge, delta, 0.0)
-            s = s + base
-            for edge, delta in zip(st.boundaries, bias_scalars[1:], strict=True):
-                s = lax.cond(
-                    (lo < edge) & (hi >= edge),
-                    lambda x, e=edge, w=delta: x + jnp.where(d >= e, w, 0.0),
-                    lambda x: x,
-                    s,
-                )
+        # Edges every pair of the tile is past add a scalar; one elementwise select (under a
+        # cond) only for the edges that cut the tile: a dozen near the diagonal, one or two
+        # off it, where a select per edge would cost more than the tile's matmul.
+        lo, hi = span
+        base = bias_scalars[0]
+        for edge, delta in zip(st.boundaries, bias_scalars[1:], strict=True):
+            base = base + jnp.where(lo >= edge, delta, 0.0)
+        s = s + base
+        for edge, delta in zip(st.boundaries, bias_scalars[1:], strict=True):
+            s = lax.cond(
+                (lo < edge) & (hi >= edge),
+                lambda x, e=edge, w=delta: x + jnp.where(d >= e, w, 0.0),
+                lambda x: x,
+                s,
+            )
     valid = reference.valid_mask(
         i, j, n, nt, contextual_seq_len=st.contextual_seq_len, max_attn_len=st.max_attn_len
     )
     return s, valid
 
 
-def bias_sums(ds, i, j, st: Static) -> list[jax.Array]:
-    """The tile's contribution to the delta gradients: ``[Σ ds, Σ ds·[|i-j| >= edge] ...]``."""
-    d = jnp.abs(i - j)
-    return [jnp.sum(ds)] + [jnp.sum(jnp.where(d >= edge, ds, 0.0)) for edge in st.boundaries]
-
-
 def add_bias_sums(sums, ds, i, j, st: Static, span) -> tuple[jax.Array, ...]:
-    """``sums`` plus :func:`bias_sums` of the tile, reducing under a cond only at the edges
-    that cut it (``span``: :func:`tile_span`; the others add the tile's total or nothing)."""
+    """``sums`` plus the tile's contribution to the delta gradients, ``[Σ ds, Σ ds·[|i-j| >=
+    edge] ...]``, reducing under a cond only at the edges that cut the tile (``span``:
+    :func:`tile_span`; the others add the tile's total or nothing)."""
     lo, hi = span
     d = jnp.abs(i - j)
     total = jnp.sum(ds)

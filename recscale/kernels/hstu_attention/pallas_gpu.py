@@ -14,7 +14,7 @@ head), looping over the query blocks that may attend to it (:func:`layout.q_step
 contextual rows' blocks, then the causal/window range), recomputing ``s`` and accumulating
 ``dv += attnᵀ g`` and ``dk += alpha dSᵀ q``. ``dq``: one program per (query block, head) over
 the forward's key range, ``dq += alpha dS k``, and the relative bias's delta gradients
-(``layout.bias_sums``: one masked reduction per bucket edge) written as one float32 partial
+(``layout.add_bias_sums``: a masked reduction per bucket edge that cuts the tile) written as one float32 partial
 row per program, summed by XLA.
 
 Triton constraints: power-of-two tiles of at least 16 per dim; block, warps and pipeline

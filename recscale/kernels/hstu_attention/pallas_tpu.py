@@ -10,7 +10,8 @@ schedule's end keep the last block's index, so Pallas fetches nothing new, and s
 The block's own rows stay resident across the step axis ("arbitrary"), accumulating in
 float32 VMEM scratch, written at the last step. Scores ``s = alpha q·kᵀ + rab`` are formed per
 [blk, blk] tile on the MXU and masked on the VPU (``reference.valid_mask``); the relative
-bias is one select per bucket edge from SMEM scalars (``layout.tile_scores``).
+bias adds SMEM scalars for the bucket edges a tile lies past and selects (under a cond) only
+at the edges that cut it (``layout.tile_scores``, as the GPU kernel).
 
 Backward: ``dkdv`` (grid over key blocks, steps over the query blocks that may attend to
 them) and ``dq`` (grid over query blocks, steps over the forward's key range), recomputing the
@@ -120,10 +121,10 @@ def _bias_scalars(bias_ref, h, st):
     return [bias_ref[row + m] for m in range(st.num_buckets)]
 
 
-def _tile(q, k, v, g, i, j, seq, bias, st, precision):
+def _tile(q, k, v, g, i, j, seq, bias, st, precision, span):
     """``(attn, dS)`` (float32, masked) of one tile; ``dS`` None when ``g`` is None."""
     dot = functools.partial(_dot, contract=(1, 1), precision=precision)
-    s, valid = layout.tile_scores(q, k, i, j, seq.n, seq.nt, bias, st, dot)
+    s, valid = layout.tile_scores(q, k, i, j, seq.n, seq.nt, bias, st, dot, span)
     sig = 1.0 / (1.0 + jnp.exp(-s))
     inv_n = 1.0 / st.max_seq_len
     attn = jnp.where(valid, s * sig * inv_n, 0.0)
@@ -150,7 +151,8 @@ def _fwd_kernel(*refs, st, has_bias, precision):
         ii, jj = _iotas(st.block)
         i, j = seq.pos0 + ii, (lo + kk) * st.block + jj
         bias = _bias_scalars(bias_ref, h, st)
-        attn, _ = _tile(q_ref[...], k_ref[...], None, None, i, j, seq, bias, st, precision)
+        span = layout.tile_span(seq.pos0, (lo + kk) * st.block, st.block)
+        attn, _ = _tile(q_ref[...], k_ref[...], None, None, i, j, seq, bias, st, precision, span)
         acc_ref[...] += _dot(attn.astype(v_ref.dtype), v_ref[...], (1, 0), precision)
 
     @pl.when(kk == pl.num_programs(2) - 1)
@@ -178,7 +180,8 @@ def _dkdv_kernel(*refs, st, has_bias, precision):
         i, j = qb * st.block + ii, seq.pos0 + jj
         bias = _bias_scalars(bias_ref, h, st)
         q, g = q_ref[...], g_ref[...]
-        attn, ds = _tile(q, k_ref[...], v_ref[...], g, i, j, seq, bias, st, precision)
+        span = layout.tile_span(qb * st.block, seq.pos0, st.block)
+        attn, ds = _tile(q, k_ref[...], v_ref[...], g, i, j, seq, bias, st, precision, span)
         dv_acc[...] += _dot(attn.astype(g.dtype), g, (0, 0), precision)
         dk_acc[...] += _dot(ds.astype(q.dtype), q, (0, 0), precision)
 
@@ -215,12 +218,14 @@ def _dq_kernel(*refs, st, has_bias, precision):
         i, j = seq.pos0 + ii, (lo + kk) * st.block + jj
         bias = _bias_scalars(bias_ref, h, st)
         k = k_ref[...]
-        _, ds = _tile(q_ref[...], k, v_ref[...], g_ref[...], i, j, seq, bias, st, precision)
+        span = layout.tile_span(seq.pos0, (lo + kk) * st.block, st.block)
+        _, ds = _tile(q_ref[...], k, v_ref[...], g_ref[...], i, j, seq, bias, st, precision, span)
         dq_acc[...] += _dot(ds.astype(k.dtype), k, (1, 0), precision)
         if has_bias:
             lane = lax.broadcasted_iota(jnp.int32, db_ref.shape, 1)
             vec = jnp.zeros(db_ref.shape, jnp.float32)
-            for m, total in enumerate(layout.bias_sums(ds, i, j, st)):
+            zeros = tuple(jnp.float32(0) for _ in range(st.num_buckets))
+            for m, total in enumerate(layout.add_bias_sums(zeros, ds, i, j, st, span)):
                 vec = vec + jnp.where(lane == m, total, 0.0)
             db_ref[...] += vec
 

@@ -11,6 +11,7 @@ it, trailing tokens outside every sequence), a few mask configurations, two dtyp
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -311,3 +312,42 @@ def test_lowers_at_production_shapes(impl, prod):
     assert text.count(CUSTOM_CALL[impl]) >= 3
     for name in ("hstu_attention_fwd", "hstu_attention_bwd_dkdv", "hstu_attention_bwd_dq"):
         assert name in text
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="needs the TPU compiler: pip install -e '.[tpu-aot]'",
+)
+@pytest.mark.parametrize("prod", PROD, ids=["n4096_d128_bf16", "n8192_d256_f32"])
+def test_mosaic_compiles_at_production_shapes(prod, monkeypatch):
+    """Past lowering: libtpu's Mosaic compiler accepts the three TPU kernels (forward, dk/dv,
+    dq) for a v5p chip at production shapes, every mask option and a per-head bias."""
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-8")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+    n, d, dtype = prod
+    mesh = jax.sharding.Mesh(
+        np.array(topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[:1]), ("x",)
+    )
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    b, h = 4, 4
+    x = jax.ShapeDtypeStruct((b * n, h, d), dtype, sharding=rep)
+    offsets = jax.ShapeDtypeStruct((b + 1,), jnp.int32, sharding=rep)
+    nt = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rep)
+    bias = jax.ShapeDtypeStruct((h, 32), jnp.float32, sharding=rep)
+
+    def fwd_bwd(q, k, v, offsets, nt, bias):
+        def fn(q, k, v, bias):
+            kw = dict(max_seq_len=n, alpha=d**-0.5, contextual_seq_len=3, max_attn_len=512)
+            return api.hstu_attention(
+                q, k, v, offsets, nt, bias, impl="pallas_tpu", interpret=False, **kw
+            )
+
+        out, vjp = jax.vjp(fn, q, k, v, bias)
+        return out, *vjp(out)
+
+    with common.target_backend("tpu"), jax.set_mesh(mesh):
+        compiled = jax.jit(fwd_bwd).lower(x, x, x, offsets, nt, bias).compile()
+    assert compiled.as_text().count("tpu_custom_call") == 3
