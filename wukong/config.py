@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from data.roles import field
 from recscale.config import ConfigError, ExperimentConfig
 from recscale.flops import wukong_cost
 from recscale.model_config import TablesConfig
@@ -56,6 +57,13 @@ class WukongModelConfig(TablesConfig):
     batch_norm: bool = False
     """BatchNorm in each hidden layer of the FMB MLPs and the top MLP (Linear -> BatchNorm ->
     ReLU, as FuxiCTR's MLPs); the paper's LayerNorms are kept either way."""
+    scan_layers: bool = field(False, identity_default=False)
+    """Layers 2..l as one stacked module run by a ``lax.scan`` (each layer's weights gathered
+    inside the loop under FSDP, ``sharding.gather_fsdp``; the body rematerialised in the
+    backward): the same network and numbers, weights gathered and gradients reduce-scattered
+    one layer at a time, the compile one layer's size. Its parameters are stacked
+    (``[l - 1, ...]``, logical axis ``layers``): checkpoints do not carry over between the two
+    forms. Not with ``batch_norm`` (statistics updated inside the loop)."""
 
     def __post_init__(self):
         if not self.top_mlp or self.top_mlp[-1] != 1:
@@ -74,6 +82,8 @@ class WukongModelConfig(TablesConfig):
             raise ValueError(f"bad FMB MLP {self.fmb_mlp_depth} x {self.fmb_mlp_width}")
         if self.num_dense_embeddings < -1:
             raise ValueError(f"num_dense_embeddings must be >= -1, got {self.num_dense_embeddings}")
+        if self.scan_layers and self.batch_norm:
+            raise ValueError("scan_layers: not with batch_norm (its statistics update per layer)")
         for name in ("dropout", "fmb_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

@@ -310,6 +310,10 @@ def gather_fsdp(tree: Any) -> Any:
     finally:
         _ACTIVE.reset(token)
     sharded = state_shardings(tree)
+    # A stack of layers (``stack_axes``) stays in its shards here: its scan gathers one layer
+    # at a time (``unstack_axes`` then this, inside the loop).
+    stacked = jax.tree.map(_is_stacked, tree, is_leaf=_is_var)
+    gathered = jax.tree.map(lambda g, s, st: s if st else g, gathered, sharded, stacked)
 
     @jax.custom_vjp
     def gather(t):
@@ -323,6 +327,37 @@ def gather_fsdp(tree: Any) -> Any:
 
     gather.defvjp(fwd, bwd)
     return gather(tree)
+
+
+STACK_AXIS = "layers"
+
+
+def _is_stacked(v: Any) -> bool:
+    axes = v.get_metadata().get("logical_axes") if _is_var(v) else None
+    return bool(axes) and axes[0] == STACK_AXIS
+
+
+def stack_axes(module: Any) -> Any:
+    """``module``, made under ``nnx.vmap`` (every array with a leading axis of stacked layers),
+    with the logical axis ``layers`` put before each Variable's own axes (its shardings then
+    follow the rules' ``layers``: replicated along the stack)."""
+    for _, v in nnx.iter_graph(module):
+        axes = v.get_metadata().get("logical_axes") if _is_var(v) else None
+        if axes is not None:
+            v.set_metadata(logical_axes=(STACK_AXIS, *axes))
+    return module
+
+
+def unstack_axes(tree: Any) -> Any:
+    """One layer's slice of a :func:`stack_axes` state (inside its scan): each Variable's
+    logical axes without the leading ``layers``."""
+
+    def one(v):
+        if not _is_stacked(v):
+            return v
+        return v.replace(logical_axes=v.get_metadata()["logical_axes"][1:])
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
 
 
 def _fsdp_spec(

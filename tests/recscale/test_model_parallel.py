@@ -29,11 +29,14 @@ replicated run's all-reduce (float32 addition is not associative). Measured: see
 ``test_layouts_equal_the_replicated_run``."""
 
 FSDP = ("--mesh.fsdp", "--mesh.fsdp-min-bytes", "0")  # every array, however small the model
+SCAN = ("--model.scan-layers", "--model.num-layers", "3")  # Wukong: layers 2-3 in a scan
 LAYOUTS = {
     "replicated": (),
     "replicated_d4": ("--mesh.data-parallel", "4"),
     "tp4_fsdp": ("--mesh.model-parallel", "4", *FSDP),
     "tp2_fsdp": ("--mesh.model-parallel", "2", *FSDP),
+    "scan_replicated": SCAN,
+    "scan_fsdp": (*SCAN, *FSDP),
 }
 # (family, engine, layout, the replicated run it must equal). The engine's buffers are laid
 # out for the size of the ``data`` axis (relayout.py maps them), so an engine run is compared
@@ -41,6 +44,7 @@ LAYOUTS = {
 CASES = [
     ("dlrm", "off", "tp4_fsdp", "replicated"),
     ("wukong", "auto", "tp2_fsdp", "replicated_d4"),
+    ("wukong", "off", "scan_fsdp", "scan_replicated"),  # layer-wise FSDP inside the scan
 ]
 
 

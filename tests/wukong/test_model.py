@@ -214,3 +214,44 @@ def test_table5_rows_grow_monotonically():
     assert len(TABLE5) == 7
     counts = [_param_counts(cfg)[1] for cfg in rows]
     assert all(a < b for a, b in zip(counts, counts[1:], strict=False)), counts
+
+
+def test_scanned_layers_compute_the_unrolled_network():
+    """``scan_layers``: layers 2..l stacked and run by a scan give the unrolled network's logits
+    and gradients when they hold its weights (dropout included: each layer's key is the one the
+    unrolled form gives it); the stacked arrays carry the ``layers`` axis; batch_norm refused."""
+    cfg = dataclasses.replace(CFG, num_layers=4, fmb_dropout=0.3, dropout=0.2)
+    plain = Wukong(cfg, SCHEMA, rngs=nnx.Rngs(0))
+    scanned = Wukong(dataclasses.replace(cfg, scan_layers=True), SCHEMA, rngs=nnx.Rngs(1))
+    assert len(scanned.layers) == 1 and scanned.stack.lcb[...].shape == (3, 2, 5)
+    assert scanned.stack.lcb.get_metadata()["logical_axes"] == ("layers", None, "feature")
+    # The unrolled weights, layers 2..4 stacked, into the scanned model
+    state = nnx.state(plain)
+    layers = state.pop("layers")
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in (1, 2, 3)))
+    nnx.update(scanned, {**state, "layers": {0: layers[0]}, "stack": stacked})
+    dense = jax.random.normal(jax.random.key(2), (6, 3))
+    ids = jax.random.randint(jax.random.key(3), (6, 4, 2), 0, 20)
+    key = jax.random.key(4)
+
+    def loss(model):
+        return jnp.sum(model(dense, ids, dropout_key=key) ** 2)
+
+    want, got = loss(plain), loss(scanned)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    g_plain, g_scan = nnx.grad(loss)(plain), nnx.grad(loss)(scanned)
+    g_layers = g_plain.pop("layers")
+    np.testing.assert_allclose(
+        g_scan["stack"]["lcb"][...],
+        jnp.stack([g_layers[i]["lcb"][...] for i in (1, 2, 3)]),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    np.testing.assert_allclose(
+        g_scan["top"]["layers"][0]["kernel"][...],
+        g_plain["top"]["layers"][0]["kernel"][...],
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    with pytest.raises(ValueError, match="scan_layers: not with batch_norm"):
+        WukongModelConfig(scan_layers=True, batch_norm=True)
