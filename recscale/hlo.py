@@ -38,6 +38,11 @@ _OP = re.compile(
 )
 _GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+# XLA's mesh form: ``replica_groups=mesh['x'=2,'y'=4] {'y'}``: groups along the named axes.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\(.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*body=%([^,\s]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,8 @@ class Collective:
 
     kind: str
     bytes: float
-    """Its result's bytes on one device (an async pair's: the ``-done``'s)."""
+    """Its result's bytes on one device (an async pair's: the ``-done``'s), times the trips
+    of the loops it runs in (1 outside loops and where XLA states no trip count)."""
     group: int
     """Devices in each of its replica groups (0: not stated, every device of the module)."""
     engine: bool
@@ -70,15 +76,43 @@ def _group_size(attrs: str) -> int:
         return len([x for x in m.group(1).split(",") if x])
     if m := _IOTA_GROUPS.search(attrs):
         return int(m.group(2))
+    if m := _MESH_GROUPS.search(attrs):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
     return 0
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of a compiled (SPMD-partitioned, per-device) HLO module, once each (ops
-    inside a loop body are counted once; an async ``-start`` / ``-done`` pair by its ``-done``'s
-    result, with the ``-start``'s replica groups)."""
-    out, groups = [], {}
+def _trips(hlo_text: str) -> dict[str, int]:
+    """How many times each computation runs per call of the entry: a while loop's body its
+    ``known_trip_count`` times its parent's count (nested loops multiply)."""
+    parent, loops, current = {}, [], None
     for line in hlo_text.splitlines():
+        if m := _HEADER.match(line):
+            current = m.group(1)
+            if line.startswith("ENTRY"):
+                parent[current] = None
+            continue
+        if current and (m := _WHILE.search(line)):
+            t = _TRIPS.search(line)
+            loops.append((current, m.group(1), int(t.group(1)) if t else 1))
+    count = {name: 1 for name, up in parent.items() if up is None}
+    for _ in range(len(loops) + 1):  # propagate down nested loops (few levels)
+        for up, body, n in loops:
+            if up in count:
+                count[body] = count[up] * n
+    return count
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled (SPMD-partitioned, per-device) HLO module, each with the
+    bytes it moves per call of the step: its result's times its loop trips (an async
+    ``-start`` / ``-done`` pair by its ``-done``'s result, with the ``-start``'s replica
+    groups)."""
+    out, groups, trips, current = [], {}, _trips(hlo_text), None
+    for line in hlo_text.splitlines():
+        if h := _HEADER.match(line):
+            current = h.group(1)
+            continue
         m = _OP.match(line)
         if m is None:
             continue
@@ -94,6 +128,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         for dtype, dims in _SHAPE.findall(shapes):
             n += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
         engine = kind == "all-to-all" and "shard_map/all_to_all" in line
+        n *= trips.get(current, 1)
         out.append(Collective(kind=kind, bytes=n, group=group, engine=engine))
     return out
 
@@ -117,17 +152,19 @@ def step_time(
     flops: float,
     memory_bandwidth: float,
     interconnect_bandwidth: float,
+    model_flops: float = 0.0,
 ) -> dict[str, float]:
     """A roofline of one compiled step on one device, in seconds: ``compute`` (XLA's
-    ``cost_analysis`` FLOPs at the peak ``flops``), ``memory`` (its bytes accessed at
-    ``memory_bandwidth``), each collective kind (:meth:`Collective.wire_bytes` at
-    ``interconnect_bandwidth``), then ``serial`` (compute or memory, whichever bounds, plus
-    every collective: nothing overlaps) and ``overlapped`` (the largest of the three: all
-    overlaps). Assumptions: peaks are reached; loop bodies count once (XLA's cost analysis and
-    :func:`collectives` both), so a scanned layer stack is undercounted; one ICI link's
-    bandwidth carries each collective, whatever the torus offers."""
+    ``cost_analysis`` FLOPs, or the model's own ``model_flops`` per device if more, at the
+    peak ``flops``), ``memory`` (its bytes accessed at ``memory_bandwidth``), each collective
+    kind (:meth:`Collective.wire_bytes`, loop trips counted, at ``interconnect_bandwidth``),
+    then ``serial`` (compute or memory, whichever bounds, plus every collective: nothing
+    overlaps) and ``overlapped`` (the largest of the three: all overlaps). Assumptions: peaks
+    are reached; XLA's cost analysis counts a loop body once, so a scanned layer stack's FLOPs
+    come from ``model_flops`` and its bytes are a lower bound; one ICI link's bandwidth carries
+    each collective, whatever the torus offers."""
     out = {
-        "compute": float(cost.get("flops", 0.0)) / flops,
+        "compute": max(float(cost.get("flops", 0.0)), model_flops) / flops,
         "memory": float(cost.get("bytes accessed", 0.0)) / memory_bandwidth,
     }
     comm = dict.fromkeys(_COLLECTIVES, 0.0)

@@ -281,6 +281,9 @@ def plan_step(
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # older jax: one dict per module
     prof = get_profile(_profile(hw))
+    with contextlib.suppress(TypeError):  # a model without a FLOP count: no MFU
+        per_example = model_cost(cfg, schema).train_flops
+        report.model_flops_per_chip = per_example * cfg.data.batch_size / report.chips
     report.step_time = hlo.step_time(
         cost or {},
         hlo.collectives(text),
@@ -288,10 +291,8 @@ def plan_step(
         flops=prof.flops,
         memory_bandwidth=prof.memory_bandwidth,
         interconnect_bandwidth=prof.interconnect_bandwidth,
+        model_flops=report.model_flops_per_chip,
     )
-    with contextlib.suppress(TypeError):  # a model without a FLOP count: no MFU
-        per_example = model_cost(cfg, schema).train_flops
-        report.model_flops_per_chip = per_example * cfg.data.batch_size / report.chips
     report.peak_flops = prof.flops
     return report
 

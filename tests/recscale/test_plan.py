@@ -57,6 +57,24 @@ def test_collectives_know_their_groups_and_what_they_send():
         "all-to-all": 0,
     }
     wire = {k: c.wire_bytes(num_devices=8) for k, c in got.items()}
+    # XLA's mesh form of the groups; a loop body's collectives count once per trip
+    looped = """
+%body.3 (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[16]{0} all-gather(%x), replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}
+  %inner = (s32[]) while(%t), condition=%c2, body=%body.9, backend_config={"known_trip_count":{"n":"3"}}
+}
+%body.9 (p: (s32[])) -> (s32[]) {
+  %ar = f32[2]{0} all-reduce(%y), replica_groups=mesh['a'=2,'b'=4] {'a','b'}, to_apply=%add
+}
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t0), condition=%c1, body=%body.3, backend_config={"known_trip_count":{"n":"7"}}
+  %rs = f32[4]{0} reduce-scatter(%z), replica_groups=mesh['a'=2,'b'=4] {'a'}, dimensions={0}
+}
+"""
+    loop = {c.kind: c for c in hlo.collectives(looped)}
+    assert loop["all-gather"].group == 4 and loop["all-gather"].bytes == 64 * 7
+    assert loop["all-reduce"].group == 8 and loop["all-reduce"].bytes == 8 * 7 * 3
+    assert loop["reduce-scatter"].group == 2 and loop["reduce-scatter"].bytes == 16
     assert wire["all-reduce"] == 4096 * 2 * 3 / 4
     assert wire["all-gather"] == 8192 * 7 / 8
     assert wire["reduce-scatter"] == 512 * 3
