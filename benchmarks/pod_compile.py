@@ -40,6 +40,7 @@ PALLAS = (
     "pallas_tpu",
 )
 FSDP = ("--mesh.fsdp",)
+SCAN = ("--model.scan-layers",)
 
 # (preset, slice, extra flags), most telling first. Kernels as ``auto`` picks them (the XLA
 # references until a Pallas kernel is verified on TPU hardware), plus one case with every Pallas
@@ -61,6 +62,9 @@ CASES = [
         (*FSDP, "--mesh.model-parallel", "4", "--global-batch", "131072"),
     ),
     ("wukong/table5-7", "tpu-v5p-512", (*FSDP, "--global-batch", "131072")),
+    # layer-wise FSDP: layers 2..8 in a scan, each gathered inside the loop
+    ("wukong/table5-7", "tpu-v5p-128", (*FSDP, *SCAN, "--global-batch", "131072")),
+    ("wukong/table5-7", "tpu-v5p-512", (*FSDP, *SCAN, "--global-batch", "131072")),
     ("wukong/table5-5", "tpu-v5p-128", (*FSDP, "--global-batch", "131072")),
     ("dlrm/criteo-mlperf", "tpu-v5p-16", PALLAS),
     ("wukong/table5-1", "tpu-v6e-8", ()),
