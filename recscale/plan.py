@@ -62,7 +62,8 @@ from tpu_gpu_configs.profiles import get_profile
 
 def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
     """The devices of ``hw``: a TPU slice's from its topology (libtpu, no TPU needed), this
-    host's for CPU (as many as the preset has)."""
+    host's for CPU (as many as the preset has), and for a GPU preset this host's GPUs when it
+    has them (the step then compiles for them), else CPU devices standing in."""
     if hw.platform == "tpu":
         try:
             from jax.experimental import topologies  # noqa: PLC0415
@@ -86,6 +87,11 @@ def topology_devices(hw: tpu_gpu_configs.LaunchPreset) -> list[Any]:
                 f"cannot describe TPU topology {hw.topology!r} ({type(e).__name__}: {e}); "
                 "install the compiler with: pip install -e '.[tpu-aot]'"
             ) from None
+    if hw.platform == "gpu" and jax.default_backend() == "gpu":  # on the GPUs themselves
+        devices = jax.devices()
+        if len(devices) < hw.num_devices:
+            raise SystemExit(f"{hw.name} has {hw.num_devices} GPUs, this host {len(devices)}")
+        return devices[: hw.num_devices]
     if hw.platform in ("cpu", "gpu"):  # a GPU preset: CPU devices stand in (lowering only)
         devices = jax.devices("cpu")
         if len(devices) < hw.num_devices:
@@ -244,7 +250,7 @@ def plan_step(
         )
         t0 = time.perf_counter()
         before = collections.Counter(common.FALLBACKS)
-        if hw.platform == "gpu":
+        if hw.platform == "gpu" and devices[0].platform != "gpu":
             # No CUDA compiler here: lower the step for CUDA (the Pallas GPU kernels through
             # Triton included) and stop there.
             traced = step.trace(abstract, batch_abstract)

@@ -117,13 +117,21 @@ def _tpu_slice(generation: str, size: int, topology: str, *, per_device_batch: i
 
 
 def _h100_hosts(
-    name: str, description: str, *, hosts: int, gpus: int, cpus: int, minutes: int, **kw: Any
+    name: str,
+    description: str,
+    *,
+    hosts: int,
+    gpus: int,
+    cpus: int,
+    minutes: int,
+    profile: str = "gpu-h100",
+    **kw: Any,
 ) -> LaunchPreset:
-    """``hosts`` H100 80GB hosts of ``gpus`` GPUs: JAX's GPU flags, 8,192 examples per GPU, one
-    SLURM task per host with ``cpus`` CPUs for ``minutes``."""
+    """``hosts`` H100 80GB hosts of ``gpus`` GPUs (or another GPU's ``profile``): JAX's GPU
+    flags, 8,192 examples per GPU, one SLURM task per host with ``cpus`` CPUs for ``minutes``."""
     return LaunchPreset(
         name=name,
-        profile="gpu-h100",
+        profile=profile,
         description=description,
         platform="gpu",
         num_hosts=hosts,
@@ -172,6 +180,15 @@ PRESETS: dict[str, LaunchPreset] = {
             ),
         ),
         _h100_hosts("gpu-h100x1", "One H100 80GB.", hosts=1, gpus=1, cpus=16, minutes=240),
+        _h100_hosts(
+            "gpu-h200x1",
+            "One H200 141GB.",
+            hosts=1,
+            gpus=1,
+            cpus=16,
+            minutes=240,
+            profile="gpu-h200",
+        ),
         _h100_hosts(
             "gpu-h100x8",
             "One 8x H100 host (DGX/HGX); data-parallel mesh over the 8 GPUs.",
