@@ -7,6 +7,9 @@ evaluates otherwise, so a train step is a pure function of (state, batch, key).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -186,3 +189,41 @@ class MLP(nnx.Module):
                 if dropout_key is not None:
                     x = dropout(x, self.dropout, jax.random.fold_in(dropout_key, i))
         return x
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``n`` modules ``make(rngs)`` as one whose every array has a leading layer axis (logical
+    axis ``layers``, ``sharding.stack_axes``), each initialised from its own split of ``rngs``:
+    what :func:`scan_stacked` runs."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def one(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return sharding.stack_axes(one(rngs))
+
+
+def scan_stacked(
+    stack: nnx.Module,
+    carry: Any,
+    step: Callable[[nnx.Module, Any, jax.Array], Any],
+    *,
+    first: int = 0,
+) -> Any:
+    """``carry`` through the layers of a :func:`stacked` module in order by a ``lax.scan``:
+    ``carry = step(layer, carry, index)`` with ``index`` counting from ``first``. Layer-wise
+    FSDP: each layer's slice is gathered over ``data`` inside the loop
+    (``sharding.gather_fsdp``: its gradient constrained back to the shards), and the body is
+    rematerialised in the backward, so one layer's weights are whole at a time."""
+    graphdef, state = nnx.split(stack)
+    n = jax.tree.leaves(state)[0].shape[0]
+
+    @jax.checkpoint
+    def body(c, xs):
+        layer_state, i = xs
+        layer = nnx.merge(graphdef, sharding.gather_fsdp(sharding.unstack_axes(layer_state)))
+        return step(layer, c, i), None
+
+    carry, _ = jax.lax.scan(body, carry, (state, first + jnp.arange(n)))
+    return carry

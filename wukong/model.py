@@ -28,7 +28,7 @@ from recscale.config import KernelConfig
 from recscale.embeddings.family_model import FamilyModel
 from recscale.embeddings.layout import EngineSpec
 from recscale.kernels.fm_interaction import api as fm_interaction_api
-from recscale.nn import MLP, LayerNorm
+from recscale.nn import MLP, LayerNorm, scan_stacked, stacked
 from wukong.config import WukongModelConfig
 
 
@@ -165,7 +165,11 @@ class Wukong(FamilyModel):
         num_in = cfg.n_fmb + cfg.n_lcb
         stack = None
         if cfg.scan_layers and cfg.num_layers > 1:
-            stack = _stacked_layers(num_in, cfg, cfg.num_layers - 1, kernels, rngs)
+            stack = stacked(
+                lambda r: WukongLayer(num_in, cfg, kernels=kernels, rngs=r),
+                cfg.num_layers - 1,
+                rngs,
+            )
         else:
             for _ in range(cfg.num_layers - 1):
                 layers.append(WukongLayer(num_in, cfg, kernels=kernels, rngs=rngs))
@@ -196,42 +200,15 @@ class Wukong(FamilyModel):
         x_bed = sharding.constrain(self.embed(dense_bn, ids_bfh), "batch", None, None)
         for i, layer in enumerate(self.layers):
             x_bed = layer(x_bed, dropout_key=_fold(dropout_key, i))
-        if self.stack is not None:
-            x_bed = _scan_layers(self.stack, x_bed, dropout_key, first=len(self.layers))
+        if self.stack is not None:  # layers 2..l, the key each would have unrolled
+            x_bed = scan_stacked(
+                self.stack,
+                x_bed,
+                lambda layer, x, i: layer(x, dropout_key=_fold(dropout_key, i)),
+                first=len(self.layers),
+            )
         x_b_ed = sharding.constrain(x_bed.reshape(x_bed.shape[0], -1), "batch", None)
         return self.top(x_b_ed, dropout_key=_fold(dropout_key, self.cfg.num_layers))[:, 0]
-
-
-def _stacked_layers(
-    num_in: int, cfg: WukongModelConfig, n: int, kernels: KernelConfig | None, rngs: nnx.Rngs
-) -> WukongLayer:
-    """``n`` Wukong layers as one module whose every array has a leading layer axis (logical
-    axis ``layers``), each layer initialised from its own split of ``rngs``."""
-
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs: nnx.Rngs) -> WukongLayer:
-        return WukongLayer(num_in, cfg, kernels=kernels, rngs=rngs)
-
-    return sharding.stack_axes(make(rngs))
-
-
-def _scan_layers(stack: WukongLayer, x_bed: jax.Array, key: jax.Array | None, *, first: int):
-    """The stacked layers applied in order by a ``lax.scan``: layer ``first + i`` takes its
-    slice of the stack, gathered over ``data`` inside the loop (FSDP), with the dropout key
-    the unstacked form would give it; the body is rematerialised in the backward."""
-    graphdef, state = nnx.split(stack)
-    n = jax.tree.leaves(state)[0].shape[0]
-
-    @jax.checkpoint
-    def body(x, xs):
-        layer_state, i = xs
-        layer_state = sharding.gather_fsdp(sharding.unstack_axes(layer_state))
-        layer = nnx.merge(graphdef, layer_state)
-        return layer(x, dropout_key=None if key is None else jax.random.fold_in(key, i)), None
-
-    x_bed, _ = jax.lax.scan(body, x_bed, (state, first + jnp.arange(n)))
-    return x_bed
 
 
 def build_model(cfg, schema: Schema, rngs: nnx.Rngs) -> Wukong:

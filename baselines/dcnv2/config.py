@@ -11,6 +11,7 @@ import dataclasses
 from typing import Literal
 
 from baselines.dcnv2.flops import dcnv2_cost
+from data.roles import field
 from recscale.config import ConfigError, ExperimentConfig
 from recscale.model_config import TablesConfig
 
@@ -37,6 +38,10 @@ class DCNv2ModelConfig(TablesConfig):
     """Dropout after each hidden layer of the deep network (training only)."""
     batch_norm: bool = False
     """BatchNorm in each hidden layer of the deep network (FuxiCTR's ``batch_norm``)."""
+    scan_layers: bool = field(False, identity_default=False)
+    """The cross layers as one stacked module run by a ``lax.scan`` (``recscale.nn.stacked``:
+    layer-wise FSDP, a one-layer compile): the same network and numbers; its parameters are
+    stacked (``[L_c, ...]``), so checkpoints do not carry over between the two forms."""
 
     def __post_init__(self):
         if self.embed_dim < 1:

@@ -26,7 +26,7 @@ from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings.family_model import FamilyModel
 from recscale.embeddings.layout import EngineSpec
-from recscale.nn import MLP, Linear
+from recscale.nn import MLP, Linear, scan_stacked, stacked
 
 
 def _glorot(rngs: nnx.Rngs, shape: tuple[int, int]) -> jax.Array:
@@ -72,12 +72,19 @@ class DCNv2(FamilyModel):
             self.dense = None
             num_dense = schema.num_dense
         self.in_dim = num_dense + schema.num_sparse * cfg.embed_dim
-        self.cross = nnx.List(
-            [
-                CrossLayer(self.in_dim, cfg.cross_rank, rngs=rngs)
-                for _ in range(cfg.num_cross_layers)
-            ]
-        )
+        if cfg.scan_layers and cfg.num_cross_layers:
+            self.cross = stacked(
+                lambda r: CrossLayer(self.in_dim, cfg.cross_rank, rngs=r),
+                cfg.num_cross_layers,
+                rngs,
+            )
+        else:
+            self.cross = nnx.List(
+                [
+                    CrossLayer(self.in_dim, cfg.cross_rank, rngs=rngs)
+                    for _ in range(cfg.num_cross_layers)
+                ]
+            )
         self.stacked = cfg.structure == "stacked"
         # Dropout after every hidden layer, the last included (its output feeds the logit), so
         # the deep network is an MLP with a final ReLU plus one more dropout applied here.
@@ -113,9 +120,15 @@ class DCNv2(FamilyModel):
 
     def cross_network(self, x0_bi: jax.Array) -> jax.Array:
         """x_{L_c} after every cross layer, ``[B, I]``."""
+
+        def step(layer, x_bi, _):
+            return sharding.constrain(layer(x0_bi, x_bi), "batch", None)
+
+        if isinstance(self.cross, CrossLayer):  # scan_layers: one stacked module
+            return scan_stacked(self.cross, x0_bi, step)
         x_bi = x0_bi
-        for layer in self.cross:
-            x_bi = sharding.constrain(layer(x0_bi, x_bi), "batch", None)
+        for i, layer in enumerate(self.cross):
+            x_bi = step(layer, x_bi, i)
         return x_bi
 
     def deep_network(self, x_bi: jax.Array, dropout_key: jax.Array | None) -> jax.Array:

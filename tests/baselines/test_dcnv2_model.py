@@ -262,3 +262,29 @@ def test_criteo_terabyte_preset_matches_the_wukong_papers_table3_dcnv2():
         wk.embedding_optim,
         wk.train,
     )
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_scanned_cross_layers_compute_the_unrolled_network(rank):
+    """``scan_layers``: the cross layers stacked and run by a scan give the unrolled network's
+    logits and gradients when they hold its weights."""
+    cfg = dataclasses.replace(CFG, num_cross_layers=3, cross_rank=rank, structure="stacked")
+    plain = DCNv2(cfg, SCHEMA, rngs=nnx.Rngs(0))
+    for layer in plain.cross:
+        _perturb_bias(layer)
+    scanned = DCNv2(dataclasses.replace(cfg, scan_layers=True), SCHEMA, rngs=nnx.Rngs(1))
+    assert scanned.cross.bias[...].shape == (3, IN_DIM)
+    state = nnx.state(plain)
+    cross = state.pop("cross")
+    stack = jax.tree.map(lambda *xs: jnp.stack(xs), *(cross[i] for i in range(3)))
+    nnx.update(scanned, {**state, "cross": stack})
+    dense = jax.random.normal(jax.random.key(2), (5, 3))
+    ids = jax.random.randint(jax.random.key(3), (5, 4, 2), 0, 20)
+
+    def loss(model):
+        return jnp.sum(model(dense, ids) ** 2)
+
+    np.testing.assert_allclose(np.asarray(loss(scanned)), np.asarray(loss(plain)), rtol=1e-6)
+    g_plain, g_scan = nnx.grad(loss)(plain), nnx.grad(loss)(scanned)
+    want = jnp.stack([g_plain["cross"][i]["bias"][...] for i in range(3)])
+    np.testing.assert_allclose(g_scan["cross"]["bias"][...], want, rtol=1e-5, atol=1e-7)
