@@ -133,11 +133,11 @@ def collectives(hlo_text: str) -> list[Collective]:
     return out
 
 
-def collective_bytes(hlo_text: str) -> dict[str, float]:
-    """Bytes of each collective's results in a compiled module (:func:`collectives`), summed
-    by kind, and the engine's all-to-alls apart."""
+def collective_bytes(colls: list[Collective]) -> dict[str, float]:
+    """The bytes of a module's :func:`collectives`, summed by kind, and the engine's
+    all-to-alls apart."""
     out = dict.fromkeys((*_COLLECTIVES, ENGINE_A2A), 0.0)
-    for c in collectives(hlo_text):
+    for c in colls:
         out[c.kind] += c.bytes
         if c.engine:
             out[ENGINE_A2A] += c.bytes

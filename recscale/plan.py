@@ -282,8 +282,8 @@ def plan_step(
         "code_bytes": float(mem.generated_code_size_in_bytes),
         "peak_bytes": float(arg + out - alias + temp),
     }
-    text = compiled.as_text()
-    report.collectives = hlo.collective_bytes(text)
+    colls = hlo.collectives(compiled.as_text())  # the HLO text read once: it can be 100s of MB
+    report.collectives = hlo.collective_bytes(colls)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # older jax: one dict per module
     prof = get_profile(_profile(hw))
@@ -292,7 +292,7 @@ def plan_step(
         report.model_flops_per_chip = per_example * cfg.data.batch_size / report.chips
     report.step_time = hlo.step_time(
         cost or {},
-        hlo.collectives(text),
+        colls,
         num_devices=report.chips,
         flops=prof.flops,
         memory_bandwidth=prof.memory_bandwidth,

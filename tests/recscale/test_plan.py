@@ -83,7 +83,7 @@ ENTRY %main (p: f32[8]) -> f32[8] {
 
 
 def test_collective_bytes_reads_tuples_async_pairs_and_layouts():
-    got = hlo.collective_bytes(HLO)
+    got = hlo.collective_bytes(hlo.collectives(HLO))
     # async pairs count once, by their -done's result (a -start's tuple mixes operands,
     # outputs and context)
     assert got["all-reduce"] == (512 * 4 + 4 + 4 * 8 * 2) + 2 * 6 * 4 + 4 * 4
