@@ -45,7 +45,8 @@ def stacked_rows(forward: Callable, num_rows: int) -> Callable:
         valid = (ids >= 0) & (ids < num_rows)
         offset = (jnp.arange(k, dtype=jnp.int32) * num_rows)[:, None, None]
         stacked = jnp.where(valid, ids + offset, k * num_rows).reshape(k * n, h)
-        out = forward(table.reshape(k * num_rows, *table.shape[2:]), stacked)
+        # [K, V', ...] as [K·V', ...]: V' = V stored rows, or V/p for a packed table
+        out = forward(table.reshape(k * table.shape[1], *table.shape[2:]), stacked)
         return out.reshape(k, n, *out.shape[1:]), True
 
     return op

@@ -149,6 +149,7 @@ def pool(
     pooling: str = "sum",
     impl: str = "auto",
     interpret: Any = None,
+    pack: int = 1,
 ) -> jax.Array:
     """[N, D] float32: bag n is the sum (or mean) of rows table[ids[n, h]] over h.
 
@@ -164,15 +165,28 @@ def pool(
         implementation that does not support the call falls back to ``"xla"``.
       interpret: the Pallas ``interpret=`` (None: ``common.interpret_for(impl)``; ``False``
         lowers for the real backend, e.g. to check lowering from CPU).
+      pack: ``table`` is stored packed, ``[V/pack, pack·D]``: the row-major ``[V, D]``
+        reshaped, ``pack`` rows side by side per stored row (``recscale.embeddings.layout``
+        packs narrow buffers so for the TPU kernel, which reads them in place; every other
+        implementation reads the ``[V, D]`` view, which on a TPU is a copy).
 
     Returns:
-      ``[N, D]`` float32, differentiable w.r.t. ``table`` (the gradient has its dtype).
+      ``[N, D]`` float32, differentiable w.r.t. ``table`` (the gradient has its dtype and
+      shape).
     """
     _check(table, ids, pooling)
     ids = jnp.asarray(ids, jnp.int32)
-    chosen = _choose(table, ids, impl)
+    stored = table.shape
+    if pack > 1 and stored[1] % pack:
+        raise ValueError(f"{OP}: a table packed {pack} rows a row needs a width they divide")
+    rows = table.reshape(stored[0] * pack, stored[1] // pack)  # [V, D]: a view, row-major
+    chosen = _choose(rows, ids, impl)
+    if pack > 1 and chosen != "pallas_tpu":
+        return pool(rows, ids, pooling=pooling, impl=chosen, interpret=interpret)
     forward = _forward(chosen, pooling, interpret)
-    num_rows, dtype = table.shape[0], table.dtype
+    if pack > 1:
+        forward = functools.partial(forward, pack=pack)
+    num_rows, dtype = rows.shape[0], table.dtype
     if chosen.startswith("pallas"):  # a population's members: one kernel over their tables
         forward = members.stacked_rows(forward, num_rows)
 
@@ -184,7 +198,8 @@ def pool(
         return forward(table, ids), ids
 
     def op_bwd(ids, g_nd):
-        return reference.pool_bwd(ids, g_nd, num_rows, dtype, pooling=pooling), None
+        grad = reference.pool_bwd(ids, g_nd, num_rows, dtype, pooling=pooling)
+        return grad.reshape(stored), None
 
     op.defvjp(op_fwd, op_bwd)
     return op(table, ids)

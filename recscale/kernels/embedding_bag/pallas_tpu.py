@@ -28,8 +28,22 @@ array's, so any ``D`` is legal; ``D`` a multiple of 128 uses the lanes fully). I
 to a whole number of blocks with ``V`` (padding); the ragged last output block is clipped by
 the pipeline.
 
-Limits: float32 and bfloat16 tables (float16 falls back: TPUs have no float16 vector unit);
-the per-block scratch must fit VMEM (``H·8·D·itemsize`` at the smallest block), SMEM
+Packed rows (``pack`` > 1). XLA:TPU lays a narrow ``[V, 32]`` table out column-major
+(``{0,1:T(8,128)}``, no padding), while a kernel reading it by DMA needs it row-major, which pads
+each row to 128 lanes: XLA would copy the whole table, 4x its size, before every call. The engine
+therefore stores narrow buffers packed (``recscale.embeddings.layout``): ``[V/p, p·D]``, ``p =
+128 / D`` rows side by side in each 128-lane row, which XLA keeps row-major and unpadded. The
+kernel DMAs stored row ``id >> log2(p)`` (the 128 lanes, ``p`` rows), sums each slot into the
+lane group ``id % p`` of a ``[bN, p·D]`` accumulator (a select, as the padding mask), and folds
+the groups onto the first ``D`` lanes at the end (``p - 1`` lane rotations). The VMEM scratch is
+the same size as unpacked (a ``D``-wide row occupies 128 lanes there too); HBM reads are 128
+lanes per id instead of ``D``: the same DMA granule.
+
+Limits: float32 tables. float16 falls back (TPUs have no float16 vector unit), and so does
+bfloat16: a row DMA into slot ``[h, b]`` of a 16-bit scratch is at a dynamic sublane offset,
+which Mosaic refuses for packed dtypes (found compiling with libtpu 0.0.42; interpret mode never
+sees it); the update kernel's ``[X, 1, D]`` rows avoid it, at a relayout the pooled sum here
+would pay. The per-block scratch must fit VMEM (``H·8·D·itemsize`` at the smallest block), SMEM
 of 1 MiB (TPU v4 and later). The blocks do not overlap one block's DMA waits with the next
 block's issue (the ids of the next block are not in SMEM yet); with ``bN·H`` DMAs per block the
 bubble is one DMA latency per block. :func:`bag_pool` is the shared building block: the int8
@@ -84,6 +98,11 @@ def unsupported(
         return "empty input (no bags, slots or columns)"
     if any(jnp.dtype(t.dtype) == jnp.float16 for t in tables):
         return "float16 tables: TPUs have no float16 vector support (use bfloat16)"
+    if any(jnp.dtype(t.dtype) == jnp.bfloat16 for t in tables):
+        return (
+            "bfloat16 tables: Mosaic refuses a row DMA to a dynamic sublane of a 16-bit scratch "
+            "(libtpu 0.0.42: 'offsets along tiled dimensions must be aligned to tiles')"
+        )
     if block_bags(num_bags, num_slots, tables) == 0:
         return (
             f"H={num_slots} slots of rows {[t.shape[1] for t in tables]} do not fit the VMEM/SMEM "
@@ -107,6 +126,7 @@ def _kernel(
     num_rows: int,
     bags: int,
     pooling: str,
+    pack: int,
 ) -> None:
     tables_hbm = refs[:num_tables]
     out_ref = refs[num_tables]
@@ -121,8 +141,9 @@ def _kernel(
 
             @pl.when((row >= 0) & (row < num_rows))
             def _():
+                stored = row >> _log2(pack)  # the stored row holding row ``row``
                 for table_hbm, buf in zip(tables_hbm, bufs, strict=True):
-                    src = table_hbm.at[pl.ds(row, 1)]
+                    src = table_hbm.at[pl.ds(stored, 1)]
                     action(pltpu.make_async_copy(src, buf.at[h, pl.ds(b, 1)], sem))
 
         def bag(b, carry):
@@ -141,16 +162,40 @@ def _kernel(
     ids_bh = ids_vmem[...]
     valid_bh = jnp.where((ids_bh >= 0) & (ids_bh < num_rows), 1.0, 0.0).astype(jnp.float32)
     lane_bh = jax.lax.broadcasted_iota(jnp.int32, ids_bh.shape, 1)
+    bags_, width = out_ref.shape
+    stored_width = width * pack
+    # Packed rows: each id's row is lane group ``id % pack`` of its stored row (groups of
+    # ``width`` lanes); the slots are summed in the stored width, each id into its own group.
+    if pack > 1:
+        group_bh = (ids_bh & (pack - 1)).astype(jnp.float32)
+        lane_1s = jax.lax.broadcasted_iota(jnp.int32, (1, stored_width), 1)
+        group_1s = (lane_1s >> _log2(width)).astype(jnp.float32)
 
-    def slot(h, acc_bd):
-        # Column h of the mask as [bN, 1] (a lane reduction works for a dynamic h).
-        keep_b1 = jnp.sum(jnp.where(lane_bh == h, valid_bh, 0.0), axis=1, keepdims=True) > 0.5
-        return acc_bd + jnp.where(keep_b1, combine(bufs, h), 0.0)
+    def column(x_bh, h):
+        """Column h of ``x`` as ``[bN, 1]`` (a lane reduction works for a dynamic h)."""
+        return jnp.sum(jnp.where(lane_bh == h, x_bh, 0.0), axis=1, keepdims=True)
 
-    acc_bd = jax.lax.fori_loop(0, num_slots, slot, jnp.zeros(out_ref.shape, jnp.float32))
+    def slot(h, acc_bs):
+        keep = column(valid_bh, h) > 0.5
+        if pack > 1:
+            keep = keep & (group_1s == column(group_bh, h))
+        return acc_bs + jnp.where(keep, combine(bufs, h), 0.0)
+
+    acc_bs = jax.lax.fori_loop(0, num_slots, slot, jnp.zeros((bags_, stored_width), jnp.float32))
+    if pack > 1:
+        # Fold the groups onto the first: lane rotations by every other group's offset (the
+        # set of offsets is the same whichever way a rotation turns).
+        folded = acc_bs
+        for k in range(1, pack):
+            folded = folded + pltpu.roll(acc_bs, stored_width - k * width, 1)
+        acc_bs = folded[:, :width]
     if pooling == "mean":
-        acc_bd = acc_bd / jnp.maximum(jnp.sum(valid_bh, axis=1, keepdims=True), 1.0)
-    out_ref[...] = acc_bd
+        acc_bs = acc_bs / jnp.maximum(jnp.sum(valid_bh, axis=1, keepdims=True), 1.0)
+    out_ref[...] = acc_bs
+
+
+def _log2(x: int) -> int:
+    return x.bit_length() - 1
 
 
 def bag_pool(
@@ -161,6 +206,7 @@ def bag_pool(
     pooling: str,
     interpret,
     name: str = "embedding_bag",
+    pack: int = 1,
 ) -> jax.Array:
     """``[N, D]`` float32 bags pooled from rows gathered out of ``tables`` by DMA.
 
@@ -172,8 +218,17 @@ def bag_pool(
       pooling: ``"sum"`` or ``"mean"``.
       interpret: ``False`` on TPU, or ``pltpu.InterpretParams`` (CPU tests).
       name: the kernel's name in profiles.
+      pack: rows per stored row (a power of two; 1: unpacked). A packed table ``[V/pack,
+        pack·D]`` holds row ``r`` in lanes ``[(r % pack)·D, (r % pack + 1)·D)`` of stored row
+        ``r // pack`` (the row-major ``[V, D]`` reshaped: ``recscale.embeddings.layout``
+        packs narrow buffers so); ids stay row ids, the output ``[N, D]``.
     """
-    num_rows, dim = tables[0].shape
+    if pack & (pack - 1) or tables[0].shape[1] % pack:
+        raise ValueError(f"pack={pack} must be a power of two dividing the stored width")
+    stored_rows, stored_width = tables[0].shape
+    num_rows, dim = stored_rows * pack, stored_width // pack
+    if pack > 1 and dim & (dim - 1):
+        raise ValueError(f"a packed row's width must be a power of two, got {dim}")
     ids_nh = ids_nh.astype(jnp.int32)
     num_bags, num_slots = ids_nh.shape
     bags = block_bags(num_bags, num_slots, tables)
@@ -189,9 +244,10 @@ def bag_pool(
         num_rows=num_rows,
         bags=bags,
         pooling=pooling,
+        pack=pack,
     )
     ids_spec = functools.partial(pl.BlockSpec, (bags, num_slots), lambda i: (i, 0))
-    row_bytes = sum(t.shape[1] * jnp.dtype(t.dtype).itemsize for t in tables)
+    row_bytes = sum(t.shape[1] * jnp.dtype(t.dtype).itemsize for t in tables)  # stored rows
     cost = pl.CostEstimate(
         flops=2 * num_bags * num_slots * dim,
         transcendentals=0,
@@ -218,6 +274,11 @@ def bag_pool(
     )(ids_nh, ids_nh, *tables)
 
 
-def pool(table_vd: jax.Array, ids_nh: jax.Array, *, pooling: str = "sum", interpret=False):
-    """``[N, D]`` float32: :func:`..reference.pool` as one Mosaic TPU kernel (see the module)."""
-    return bag_pool(combine_float, (table_vd,), ids_nh, pooling=pooling, interpret=interpret)
+def pool(
+    table_vd: jax.Array, ids_nh: jax.Array, *, pooling: str = "sum", interpret=False, pack: int = 1
+):
+    """``[N, D]`` float32: :func:`..reference.pool` as one Mosaic TPU kernel (see the module;
+    ``pack``: :func:`bag_pool`'s packed table)."""
+    return bag_pool(
+        combine_float, (table_vd,), ids_nh, pooling=pooling, interpret=interpret, pack=pack
+    )
