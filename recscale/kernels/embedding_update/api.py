@@ -12,11 +12,13 @@ where it is built, one-id bags included (1.15-2.5x the XLA reference at one id p
 
 There is no VJP: this op *is* the backward pass (it consumes the pooled outputs' gradient and
 writes the table). Callers ``jit`` it with the table and accumulator donated; every
-implementation then updates both in place (the kernels alias them to their outputs).
+implementation then updates both in place (the kernels alias the table to their output; the
+TPU kernel hands the touched rows' accumulators to XLA, which scatters them in place).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -42,9 +44,14 @@ def _unsupported(table: jax.Array, ids: jax.Array, need_cpu_ffi: bool) -> dict[s
     elif n * h >= 2**31 - 2**16 or v >= 2**31 - 1:
         pallas = f"{n}x{h} pairs / {v} rows overflow int32 positions"
     gpu = pallas or (f"D={d} > {pallas_gpu.MAX_DIM}" if d > pallas_gpu.MAX_DIM else None)
-    tpu = pallas or (
-        "float16 storage (no float16 vector unit on TPU)" if dtype == jnp.float16 else None
-    )
+    tpu = pallas
+    if tpu is None and dtype == jnp.float16:
+        tpu = "float16 storage (no float16 vector unit on TPU)"
+    elif tpu is None and dtype == jnp.bfloat16:
+        tpu = (
+            "bfloat16 storage: Mosaic refuses a row DMA at a dynamic row of a 16-bit table "
+            "(libtpu 0.0.42: 'offsets along tiled dimensions must be aligned to tiles')"
+        )
     cpu: str | None
     if dtype != jnp.float32:
         cpu = f"storage dtype {dtype} (the C++ kernel updates float32 tables)"
@@ -74,6 +81,7 @@ def update(
     clip: Any = None,
     impl: str = "auto",
     interpret: Any = None,
+    pack: int = 1,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Backward of the pooled lookup fused with the optimizer update of the touched rows.
     table [V, D] (float32, bfloat16 or float16 storage), acc [V] float32 (row-wise Adagrad's
@@ -99,20 +107,32 @@ def update(
             implementation that does not support the call falls back to ``xla`` (counted in
             ``common.FALLBACKS``).
         interpret: the Pallas kernels' ``interpret=`` (None: ``common.interpret_for(impl)``).
+        pack: ``table`` is stored packed, ``[V/pack, pack·D]`` (the row-major ``[V, D]``
+            reshaped; ``acc`` stays ``[V]``), as ``recscale.embeddings.layout`` stores narrow
+            buffers for the TPU kernel, which updates them in place; every other
+            implementation updates the ``[V, D]`` view (on a TPU, a copy each way).
     """
     clip = reference.RowClip.of(clip)
-    reference.check_args(table, acc, ids, grad, optimizer, pooling, clip)
+    stored = table.shape
+    if pack > 1 and (table.ndim != 2 or stored[1] % pack):
+        raise ValueError(f"{OP}: a table packed {pack} rows a row needs a width they divide")
+    rows = table.reshape(stored[0] * pack, stored[1] // pack) if pack > 1 else table
+    reference.check_args(rows, acc, ids, grad, optimizer, pooling, clip)
     ids = jnp.asarray(ids, jnp.int32)
     adagrad = optimizer == "rowwise_adagrad"
     want_ffi = impl in ("cpu_ffi", "auto")  # on CPU, auto means the C++ kernel where it runs
-    unsupported = _unsupported(table, ids, need_cpu_ffi=want_ffi)
+    unsupported = _unsupported(rows, ids, need_cpu_ffi=want_ffi)
     chosen = common.resolve(OP, impl, unsupported, cpu_auto="cpu_ffi")
+    if pack > 1 and chosen != "pallas_tpu":
+        kw = dict(optimizer=optimizer, eps=eps, pooling=pooling, clip=clip, impl=chosen)
+        new_rows, new_acc, stats = update(rows, acc, ids, grad, lr, interpret=interpret, **kw)
+        return new_rows.reshape(stored), new_acc, stats
     if chosen == "xla":
         return reference.update(
             table, acc, ids, grad, lr, optimizer=optimizer, eps=eps, pooling=pooling, clip=clip
         )
 
-    v, d = table.shape
+    v, d = rows.shape
     lr = jnp.asarray(lr, jnp.float32)
     g_nd = reference.weighted_grad(ids, grad, v, pooling)
     acc_in = acc if adagrad else None
@@ -141,9 +161,15 @@ def update(
             run = pallas_gpu.update
         else:
             seg = reference.sorted_segments(
-                keys_nh, v, row_block=pallas_tpu.BLOCK_ROWS, pair_pad=pallas_tpu.CHUNK_PAIRS
+                keys_nh,
+                v,
+                row_block=pallas_tpu.BLOCK_ROWS,
+                pair_pad=pallas_tpu.meta_window(),
+                pack=pack,
             )
-            run = pallas_tpu.update
+            run = functools.partial(pallas_tpu.update, pack=pack)
+            if pack > 1:  # each pair picks its row's lane group of its bag's gradient
+                g_nd = jnp.tile(g_nd, (1, pack))
         new_table, new_acc, stats_g2 = run(
             table, acc_in, seg, g_nd, lr, eps=eps, clip=clip, interpret=interpret
         )

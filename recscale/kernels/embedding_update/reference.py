@@ -310,12 +310,16 @@ class Segments(NamedTuple):
 
 
 def sorted_segments(
-    keys_nh: jax.Array, num_rows: int, *, row_block: int = 1, pair_pad: int = 0
+    keys_nh: jax.Array, num_rows: int, *, row_block: int = 1, pair_pad: int = 0, pack: int = 1
 ) -> Segments:
     """FBGEMM's layout of a batch's (row, bag) pairs: sorted by row (padding ``V`` last, a
     row's bags in increasing order: a stable sort), and for each distinct row its segment.
 
-    ``O(P log P)`` on ``P = N·H`` int32 pairs; nothing of size ``V`` or ``D``.
+    ``pack`` > 1 (a power of two): the rows are stored ``pack`` to a stored row (the packed
+    tables of ``recscale.embeddings.layout``) and the segments are the stored rows'
+    (``row_u``: stored row ``key >> log2(pack)``, ``V/pack`` for unused entries), each pair's
+    bag given as ``bag · pack + key % pack`` (its row's lane group). ``O(P log P)`` on
+    ``P = N·H`` int32 pairs; nothing of size ``V`` or ``D``.
     """
     n, h = keys_nh.shape
     p = n * h
@@ -323,6 +327,11 @@ def sorted_segments(
     key_p = keys_nh.reshape(-1)
     bag_p = jnp.arange(p, dtype=jnp.int32) // h
     key_p, bag_p = jax.lax.sort((key_p, bag_p), num_keys=1, is_stable=True)
+    if pack > 1:
+        shift = pack.bit_length() - 1
+        bag_p = bag_p * pack + (key_p & (pack - 1))
+        key_p = jnp.where(key_p < num_rows, key_p >> shift, num_rows // pack)
+        num_rows //= pack
     valid_p = key_p < num_rows
     prev_p = jnp.concatenate([jnp.full((1,), -1, jnp.int32), key_p[:-1]])
     is_start = (key_p != prev_p) & valid_p
