@@ -159,6 +159,8 @@ class EmbeddingCollection(nnx.Module):
                     for bl in self.layout.buffers
                 }
             )
+            for bl in self.layout.buffers:  # packed rows: the optimizer state's rows are R
+                self.buffers[bl.key].set_metadata("pack", bl.pack)
             return
         self.layout = nnx.static(None)
         self.tables = nnx.Dict(
@@ -246,13 +248,16 @@ class EmbeddingCollection(nnx.Module):
             self.buffers = nnx.Dict(
                 {
                     bl.key: self._quantized(
-                        self.buffers[bl.key], None if bl.replicated else "shard"
+                        layout_lib.rows_view(bl, self.buffers[bl.key][...]),
+                        None if bl.replicated else "shard",
                     )
                     for bl in self.layout.buffers
                 }
             )
         else:
-            self.tables = nnx.Dict({k: self._quantized(v, "vocab") for k, v in self.tables.items()})
+            self.tables = nnx.Dict(
+                {k: self._quantized(v[...], "vocab") for k, v in self.tables.items()}
+            )
         self.int8 = nnx.static(True)
 
     def to_serving(self, tables: dict[str, Any], precisions: dict[str, str]) -> None:
@@ -282,8 +287,8 @@ class EmbeddingCollection(nnx.Module):
         self.serving = nnx.static(tuple(sorted(precisions.items())))
 
     @staticmethod
-    def _quantized(var: nnx.Variable, row_axis: str | None) -> nnx.Dict:
-        q, scale_bias = q_api.quantize_rowwise(var[...])
+    def _quantized(table: jax.Array, row_axis: str | None) -> nnx.Dict:
+        q, scale_bias = q_api.quantize_rowwise(table)
         return nnx.Dict(
             q=sharding.param(QuantizedTable, q, row_axis, None),
             scale_bias=sharding.param(QuantizedTable, scale_bias, row_axis, None),

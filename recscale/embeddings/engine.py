@@ -27,6 +27,7 @@ a buffer's width, ``ΣD`` the features' total width.
 from recscale.embeddings.layout import (
     COLUMN_TYPES,
     DTYPES,
+    LANES,
     BufferLayout,
     EngineSpec,
     Layout,
@@ -36,6 +37,8 @@ from recscale.embeddings.layout import (
     generated_rows,
     init_buffers,
     plan_engine,
+    rows_view,
+    stored_view,
 )
 from recscale.embeddings.lookup import (
     engine_collections,
@@ -54,6 +57,7 @@ from recscale.embeddings.update import (
 __all__ = [
     "COLUMN_TYPES",
     "DTYPES",
+    "LANES",
     "BufferLayout",
     "EngineOptState",
     "EngineSpec",
@@ -70,6 +74,8 @@ __all__ = [
     "lookup",
     "plan_engine",
     "row_gradient_sq",
+    "rows_view",
     "step_context",
+    "stored_view",
     "with_error_bounds",
 ]

@@ -35,6 +35,8 @@ from tpu_gpu_configs.profiles import get_profile
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 COLUMN_TYPES = ("column_wise", "table_column_wise")
+LANES = 128
+"""A TPU vector register's lanes: narrow buffers are stored this wide, packed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,16 @@ class EngineSpec:
     planner's row-wise load (tables not named: uniform)."""
     lookup_factor: float = 0.0
     """The planner's lookup calibration (``embeddings.cost_lookup_factor``; 0: uncalibrated)."""
+
+    @property
+    def pack_rows(self) -> bool:
+        """Whether buffers narrower than :data:`LANES` are stored packed, ``LANES / w`` rows a
+        stored row: when a TPU kernel reads them (``pallas_tpu``; XLA:TPU keeps a narrow
+        ``[R, w]`` column-major, and a kernel's row-major copy of it would pad each row to 128
+        lanes), float32 storage (the only one those kernels take) and no tiered table (whose
+        cache moves logical rows)."""
+        tpu = "pallas_tpu" in (self.bag_kernel, self.update_kernel)
+        return tpu and self.storage_dtype == "float32" and not self.tiered
 
     @classmethod
     def from_config(cls, cfg: Any) -> EngineSpec | None:
@@ -127,6 +139,10 @@ class BufferLayout:
     """Its tables' forward exchange bound relative to the layout's (``EngineSpec.bound_scales``)."""
     bound_scale_grad: float = 1.0
     """The same for the gradients' exchange."""
+    pack: int = 1
+    """Rows per stored row (:attr:`EngineSpec.pack_rows`): the buffer is stored as ``[N·R/pack,
+    pack·w]``, the row-major ``[N·R, w]`` reshaped (:func:`rows_view`, :func:`stored_view`);
+    ``R`` is then a multiple of ``8·pack``."""
 
     @property
     def shared(self) -> bool:
@@ -394,7 +410,8 @@ def build_layout(
             rows = max(rows, off)
             for k in fields:
                 fields[k].append(tuple(per[k]))
-        rows = -(-rows // 8) * 8
+        pack = LANES // width if spec.pack_rows and width < LANES and LANES % width == 0 else 1
+        rows = -(-rows // (8 * pack)) * 8 * pack
         kind = "replicated" if replicated else "sharded"
 
         # the default scales keep the key checkpoints have always had; 0.25 -> "_eb0p25",
@@ -414,6 +431,7 @@ def build_layout(
                 **{k: tuple(v) for k, v in fields.items()},
                 bound_scale=scale[0],
                 bound_scale_grad=scale[1],
+                pack=pack,
             )
         )
     return Layout(
@@ -455,7 +473,22 @@ def init_buffers(layout: Layout, make_table, table_of_feature: list[int], num_ta
                     piece = value[r0 : r0 + count, c0 : c0 + bl.width].astype(out[bl.key].dtype)
                     start = (d * bl.rows + bl.offset[d][s], 0)
                     out[bl.key] = jax.lax.dynamic_update_slice(out[bl.key], piece, start)
-    return out
+    return {bl.key: stored_view(bl, out[bl.key]) for bl in layout.buffers}
+
+
+def rows_view(bl: BufferLayout, arr):
+    """Buffer ``bl``'s array (or a device block of it) as rows ``[X, w]``: a packed one
+    reshaped (row-major: free on CPU and GPU, a relayout copy on TPU); others as they are."""
+    if bl.pack > 1 and arr.ndim == 2 and arr.shape[1] == bl.pack * bl.width:
+        return arr.reshape(arr.shape[0] * bl.pack, bl.width)
+    return arr
+
+
+def stored_view(bl: BufferLayout, arr):
+    """Rows ``[X, w]`` of buffer ``bl`` as it is stored (packed ``[X/pack, pack·w]``)."""
+    if bl.pack > 1 and arr.ndim == 2 and arr.shape[1] == bl.width:
+        return arr.reshape(arr.shape[0] // bl.pack, bl.pack * bl.width)
+    return arr
 
 
 def export_tables(
@@ -464,7 +497,7 @@ def export_tables(
     """The tables ``{name: [V, D]}`` reassembled from the buffers (host numpy)."""
     out = {t.name: np.zeros((t.num_rows, t.dim), np.float32) for t in tables}
     for bl in layout.buffers:
-        buf = np.asarray(jax.device_get(buffers[bl.key]), np.float32)
+        buf = rows_view(bl, np.asarray(jax.device_get(buffers[bl.key]), np.float32))
         for d in range(1 if bl.replicated else layout.num_devices):
             for s in range(len(bl.feature[d])):
                 count = bl.row_count[d][s]

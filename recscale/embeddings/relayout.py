@@ -74,12 +74,14 @@ _PLAN_DEFAULTS = {
     "l2": 0.0,
     "zipf_exponents": [],
     "lookup_factor": 0.0,
+    "pack_rows": False,
 }
 """Plan inputs recorded since: a checkpoint without one was planned as with this value (the
 planner costed float32 exchanges whatever ``comm_dtype`` said; per-table bounds, which group
 tables into buffers, came later; the engine refused coupled L2 before it kept such tables
 data-parallel; the tables' measured skew and the lookup calibration came later too, before
-which every table was costed as uniform and uncalibrated)."""
+which every table was costed as uniform and uncalibrated; narrow buffers were stored packed
+(``EngineSpec.pack_rows``) later still)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -108,6 +110,7 @@ def layout_meta(cfg: Any, *, device_count: int | None = None) -> dict:
     if spec is not None:
         spec = dataclasses.replace(spec, profile=spec.profile or engine.default_profile())
         plan = {k: config_lib.to_dict(getattr(spec, k)) for k in _PLAN_FIELDS}
+        plan["pack_rows"] = spec.pack_rows  # the buffers' shapes (from the kernels)
     return {
         "device_count": int(device_count or _device_count(cfg)),
         "embeddings": config_lib.to_dict(cfg.embeddings),
@@ -128,7 +131,8 @@ def _layout_key(meta: dict) -> tuple:
     if meta["engine"] is None:  # one array per table: any device count restores through orbax
         return ("off",)
     e = {**_PLAN_DEFAULTS, **meta["engine"]}
-    return (int(meta["device_count"]), *(config_lib.to_dict(e.get(k)) for k in _PLAN_FIELDS))
+    fields = (*_PLAN_FIELDS, "pack_rows")
+    return (int(meta["device_count"]), *(config_lib.to_dict(e.get(k)) for k in fields))
 
 
 def needs_relayout(saved: dict | None, cfg: Any) -> bool:
@@ -190,7 +194,19 @@ def _saved_config(saved: dict, cfg: Any) -> Any:
         for p in parents:
             node = node[p]
         node[leaf] = e[name]
-    return config_lib.from_dict(type(cfg), d, path="saved layout")
+    old = config_lib.from_dict(type(cfg), d, path="saved layout")
+    spec = engine.EngineSpec.from_config(old)
+    if spec is not None and spec.pack_rows != e["pack_rows"]:
+        # The kernels decide only whether narrow buffers were stored packed: set ones that did
+        # (the TPU kernels) or did not, to build the saved model's shapes.
+        kernels = d["kernels"]
+        for k in ("embedding_bag", "embedding_update"):
+            if e["pack_rows"]:
+                kernels[k] = "pallas_tpu"
+            elif kernels[k] == "pallas_tpu":
+                kernels[k] = "xla"
+        old = config_lib.from_dict(type(cfg), d, path="saved layout")
+    return old
 
 
 # ------------------------------------------------------------------------------------------------

@@ -154,6 +154,11 @@ def copy_tables(old, new, src, src_state, dst, dst_state, stores=None) -> None:
     per buffer key) into collection ``new``'s arrays ``dst`` / ``dst_state``, in place; the
     rows of a table in ``stores`` (``{table: StoreView}``, ``dst_state`` empty) from there."""
     stores = stores or {}
+    # packed buffers (``engine.BufferLayout.pack``) move as rows [X, w]: viewed so here, back after
+    src = {bl.key: engine.rows_view(bl, src[bl.key]) for bl in old.layout.buffers}
+    packed = [bl for bl in new.layout.buffers if bl.pack > 1]
+    for bl in packed:
+        dst[bl.key] = engine.rows_view(bl, dst[bl.key])
     feature_of = {f.table: i for i, f in enumerate(old.feature_specs)}
     new_feature_of = {f.table: i for i, f in enumerate(new.feature_specs)}
     for t in new.table_specs:
@@ -195,6 +200,8 @@ def copy_tables(old, new, src, src_state, dst, dst_state, stores=None) -> None:
                 for k in dst_state.get(bl.key, {}):
                     value = state[k] if k == "acc" else state[k][:, c0 : c0 + bl.width]
                     dst_state[bl.key][k] = scatter(dst_state[bl.key][k], i, value)
+    for bl in packed:
+        dst[bl.key] = engine.stored_view(bl, dst[bl.key])
 
 
 def _chunk(pos: np.ndarray, a: int, b: int, size: int) -> np.ndarray:

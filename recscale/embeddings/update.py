@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from recscale import sharding
-from recscale.embeddings.layout import BufferLayout, Layout
+from recscale.embeddings.layout import BufferLayout, Layout, rows_view, stored_view
 from recscale.kernels.embedding_update import api as update_api
 from recscale.kernels.embedding_update import reference as ref
 from recscale.optim import cowclip
@@ -37,8 +37,12 @@ class EngineOptState(nnx.Variable):
 
 
 def init_opt_state_for(buffer: nnx.Variable, optimizer: str, initial_accumulator: float) -> dict:
-    """Optimizer state of one buffer Variable, as Variables carrying the buffer's sharding."""
+    """Optimizer state of one buffer Variable, as Variables carrying the buffer's sharding:
+    shaped by its rows ``[X, w]`` (a packed buffer's, ``pack`` in its metadata, unpacked)."""
     shape = buffer[...].shape
+    pack = buffer.get_metadata().get("pack", 1)
+    if pack > 1:
+        shape = (shape[0] * pack, shape[1] // pack)
     ax = (buffer.get_metadata().get("logical_axes") or (None,))[0]
     if optimizer == "sgd":
         return {}
@@ -103,7 +107,7 @@ def apply_update(
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
         st = dict(zip(names, vals, strict=True))
-        if kernel:
+        if kernel:  # a packed buffer as it is stored: the kernel or its fallback unpacks it
             s, b, h = keys_sbh.shape
             new_buf, acc, sq = update_api.update(
                 buf_rw,
@@ -115,9 +119,11 @@ def apply_update(
                 eps=rule.eps,
                 clip=rule.clip,
                 impl=impl,
+                pack=bl.pack,
             )
             new_st = {"acc": acc} if "acc" in st else {}
         else:
+            buf_rw = rows_view(bl, buf_rw)  # the row math reads rows [R, w]
             count = None
             cw_s, tdim_s = cw[0], tdim[0]
             if bl.shared:  # slots over the same rows (a shared table) update them as one
@@ -137,6 +143,7 @@ def apply_update(
                 buf_rw, st, uids, grad, cw_s, tdim_s, lr, step, rule, groups, count
             )
             sq = jnp.stack([sq, jnp.sum(jnp.square(grad))])  # padding slots: zero gradients
+            new_buf = stored_view(bl, new_buf)
         if not bl.replicated:
             sq = jax.lax.psum(sq, AXIS)
         return new_buf, tuple(new_st[k] for k in names), sq

@@ -188,6 +188,32 @@ def test_the_plain_jax_path_equals_one_device_too(kind, reference):
         np.testing.assert_allclose(dense[name], p, **TOL, err_msg=name)
 
 
+@pytest.mark.parametrize("kind", ["data_parallel", "table_wise", "column_wise"])
+def test_packed_buffers_under_the_tpu_kernels_equal_one_device(kind, reference):
+    """With the TPU kernels (interpret mode here) the engine stores its 8-wide buffers packed,
+    16 rows a 128-lane row, and pools and updates them in place; a column-split table's rows
+    (updated outside the kernel, from the rows' view) too. The run equals the reference."""
+    cfg = dataclasses.replace(
+        _cfg(kind, 8),
+        kernels=KernelConfig(embedding_bag="pallas_tpu", embedding_update="pallas_tpu"),
+    )
+    spec = engine.EngineSpec.from_config(cfg)
+    assert spec.pack_rows
+    features = tuple((f.name, f.vocab_size, f.max_hotness) for f in SCHEMA.features)
+    layout = engine.build_layout(*one_table_per_feature(features, D), 8, spec)
+    assert {bl.pack for bl in layout.buffers} == {128 // bl.width for bl in layout.buffers}
+    assert all(bl.pack > 1 and bl.rows % (8 * bl.pack) == 0 for bl in layout.buffers)
+    ref_logits, ref_tables, ref_dense, ref_m = reference
+    logits, tables, dense, m = _run(cfg, _batches(3))
+    for a, b in zip(ref_logits, logits, strict=True):
+        np.testing.assert_allclose(b, a, **TOL)
+    for name, t in ref_tables.items():
+        np.testing.assert_allclose(tables[name], t, **TOL, err_msg=name)
+    for name, p in ref_dense.items():
+        np.testing.assert_allclose(dense[name], p, **TOL, err_msg=name)
+    np.testing.assert_allclose(m["loss"], ref_m["loss"], **TOL)
+
+
 def _run_init_table(name):
     mesh = sharding.make_mesh(MeshConfig(data_parallel=1))
     with sharding.activate(mesh, "replicated"):

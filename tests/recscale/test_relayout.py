@@ -23,7 +23,7 @@ from dlrm.config import DLRMConfig
 from dlrm.model import build_model
 from recscale import config as config_lib
 from recscale import sharding
-from recscale.config import EmbeddingShardingConfig, get_preset
+from recscale.config import EmbeddingShardingConfig, KernelConfig, get_preset
 from recscale.embeddings import engine, relayout
 from recscale.train import checkpoint
 from recscale.train.checkpoint import Checkpointer
@@ -347,6 +347,24 @@ def _assert_fabricated_round_trip(cfg_a, cfg_b, tmp_path, *, seed: int, check_a=
     assert flat.keys() == want.keys()
     for path, value in want.items():
         _assert_bitwise(flat[path], value, path)
+
+
+def test_packed_buffers_round_trip_bitwise(tmp_path, no_fingerprints):
+    """The TPU kernels store narrow buffers packed (``EngineSpec.pack_rows``): a state saved
+    with the XLA kernels restores packed, ``LANES / w`` rows a stored row, and back, bitwise;
+    the layout description records the packing, so the change asks for a re-layout."""
+    cfg_a = _cfg("row_wise", 4)
+    tpu = KernelConfig(embedding_bag="pallas_tpu", embedding_update="pallas_tpu")
+    cfg_b = dataclasses.replace(cfg_a, kernels=tpu)
+    assert relayout.layout_meta(cfg_b)["engine"]["pack_rows"]
+    assert relayout.needs_relayout(relayout.layout_meta(cfg_a), cfg_b)
+    with _active(cfg_b) as exp:
+        coll = nnx.merge(exp.graphdef, exp.abstract_state.params).embeddings
+        for bl in coll.layout.buffers:
+            shape = exp.abstract_state.params["embeddings"]["buffers"][bl.key].get_value().shape
+            assert bl.pack == engine.LANES // bl.width > 1
+            assert shape == (4 * bl.rows // bl.pack, engine.LANES), (bl.key, shape)
+    _assert_fabricated_round_trip(cfg_a, cfg_b, tmp_path, seed=4)
 
 
 def test_per_table_bounds_buffers_round_trip_bitwise(tmp_path, no_fingerprints):
