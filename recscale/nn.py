@@ -131,6 +131,11 @@ class MLP(nnx.Module):
     one row-parallel: each column/row pair keeps its hidden activation split over ``model`` and
     ends in one all-reduce, and the MLP's output is whole (no all-gather of activations between
     layers). A norm after a row layer has whole inputs: its parameters are replicated.
+
+    ``scan``: the longest tail of equal-width (column, row) pairs is one :func:`stacked` module of
+    :class:`LayerPair` run by :func:`scan_stacked` (layer-wise FSDP, rematerialised); the layers
+    before it stay unrolled. Needs ``final_relu`` (the last pair must be like the others) and
+    no BatchNorm (its statistics update per layer).
     """
 
     def __init__(
@@ -142,23 +147,29 @@ class MLP(nnx.Module):
         dropout: float = 0.0,
         layer_norm: bool = False,
         batch_norm: bool = False,
+        scan: bool = False,
         rngs: nnx.Rngs,
     ):
         if not sizes:
             raise ValueError("MLP needs at least one layer size")
         if layer_norm and batch_norm:
             raise ValueError("MLP: choose layer_norm or batch_norm, not both")
+        if scan and (batch_norm or not final_relu):
+            raise ValueError("MLP scan: needs final_relu and no batch_norm")
         dims = (in_dim, *sizes)
         n = len(sizes)
+        unrolled = n
+        while scan and unrolled >= 2 and set(dims[unrolled - 2 :]) == {sizes[-1]}:
+            unrolled -= 2  # layers unrolled-2, unrolled-1: a (column, row) pair of width h
         parallel = ["row" if (n - 1 - i) % 2 == 0 else "column" for i in range(n)]
         self.layers = nnx.List(
             [
                 Linear(a, b, rngs=rngs, parallel=p)
-                for a, b, p in zip(dims[:-1], dims[1:], parallel, strict=True)
+                for a, b, p in zip(dims[:unrolled], dims[1 : unrolled + 1], parallel, strict=False)
             ]
         )
         norm = LayerNorm if layer_norm else BatchNorm if batch_norm else None
-        normed = n if final_relu else n - 1
+        normed = unrolled if final_relu else n - 1
         self.norms = (
             nnx.List(
                 [
@@ -169,26 +180,54 @@ class MLP(nnx.Module):
             if norm is not None
             else None
         )
+        self.pairs = (
+            stacked(lambda r: LayerPair(sizes[-1], layer_norm, rngs=r), (n - unrolled) // 2, rngs)
+            if unrolled < n
+            else None
+        )
         self.final_relu = final_relu
         self.dropout = dropout
 
+    def _after(self, x, i: int | jax.Array, norm, relu: bool, dropout_key):
+        """Layer ``i``'s norm, ReLU and dropout."""
+        if norm is not None:
+            x = norm(x, train=dropout_key is not None) if isinstance(norm, BatchNorm) else norm(x)
+        if relu:
+            x = jax.nn.relu(x)
+            if dropout_key is not None:
+                x = dropout(x, self.dropout, jax.random.fold_in(dropout_key, i))
+        return x
+
     def __call__(self, x: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         n = len(self.layers)
+        last = n - 1 if self.pairs is None else n  # the last layer, if unrolled
         for i, layer in enumerate(self.layers):
-            x = layer(x)
-            last = i == n - 1
-            if self.norms is not None and (not last or self.final_relu):
-                norm = self.norms[i]
-                x = (
-                    norm(x, train=dropout_key is not None)
-                    if isinstance(norm, BatchNorm)
-                    else norm(x)
-                )
-            if not last or self.final_relu:
-                x = jax.nn.relu(x)
-                if dropout_key is not None:
-                    x = dropout(x, self.dropout, jax.random.fold_in(dropout_key, i))
+            relu = i != last or self.final_relu
+            norm = self.norms[i] if self.norms is not None and relu else None
+            x = self._after(layer(x), i, norm, relu, dropout_key)
+        if self.pairs is not None:
+
+            def step(pair: LayerPair, x, p):
+                for j, (layer, norm) in enumerate(pair.sublayers()):
+                    x = self._after(layer(x), n + 2 * p + j, norm, True, dropout_key)
+                return x
+
+            x = scan_stacked(self.pairs, x, step)
         return x
+
+
+class LayerPair(nnx.Module):
+    """Two ``[h, h]`` layers of an :class:`MLP`, column- then row-parallel, each with its
+    optional LayerNorm: the unit a scanned MLP stacks."""
+
+    def __init__(self, width: int, layer_norm: bool, *, rngs: nnx.Rngs):
+        self.column = Linear(width, width, rngs=rngs, parallel="column")
+        self.row = Linear(width, width, rngs=rngs, parallel="row")
+        self.column_norm = LayerNorm(width, axis="mlp") if layer_norm else None
+        self.row_norm = LayerNorm(width, axis=None) if layer_norm else None
+
+    def sublayers(self):
+        return ((self.column, self.column_norm), (self.row, self.row_norm))
 
 
 def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -216,6 +255,21 @@ def scan_stacked(
     FSDP: each layer's slice is gathered over ``data`` inside the loop
     (``sharding.gather_fsdp``: its gradient constrained back to the shards), and the body is
     rematerialised in the backward, so one layer's weights are whole at a time."""
+    carry, _ = _scan_layers(stack, lambda layer, c, i: (step(layer, c, i), None), carry, first)
+    return carry
+
+
+def map_stacked(
+    stack: nnx.Module, fn: Callable[[nnx.Module, jax.Array], Any], *, first: int = 0
+) -> Any:
+    """``fn(layer, index)`` of every layer of a :func:`stacked` module, stacked on a leading
+    layer axis: side-by-side blocks (a parallel MaskNet's) run one layer at a time, as
+    :func:`scan_stacked` runs a chain of them (layer-wise gathering and remat alike)."""
+    _, ys = _scan_layers(stack, lambda layer, c, i: (c, fn(layer, i)), None, first)
+    return ys
+
+
+def _scan_layers(stack: nnx.Module, step, carry: Any, first: int) -> tuple[Any, Any]:
     graphdef, state = nnx.split(stack)
     n = jax.tree.leaves(state)[0].shape[0]
 
@@ -223,7 +277,6 @@ def scan_stacked(
     def body(c, xs):
         layer_state, i = xs
         layer = nnx.merge(graphdef, sharding.gather_fsdp(sharding.unstack_axes(layer_state)))
-        return step(layer, c, i), None
+        return step(layer, c, i)
 
-    carry, _ = jax.lax.scan(body, carry, (state, first + jnp.arange(n)))
-    return carry
+    return jax.lax.scan(body, carry, (state, first + jnp.arange(n)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from baselines.finalmlp.flops import finalmlp_cost
+from data.roles import field
 from recscale.config import ConfigError, ExperimentConfig
 from recscale.model_config import TablesConfig
 
@@ -57,6 +58,12 @@ class FinalMLPModelConfig(TablesConfig):
     num_heads: int = 1
     """Heads of the bilinear fusion: o_1 and o_2 are split into this many equal chunks, and the
     bilinear terms o_1hᵀ W_h o_2h are summed over heads; must divide both streams' widths."""
+    scan_layers: bool = field(False, identity_default=False)
+    """Each stream's longest tail of equal-width hidden layers, in (column, row) pairs, as one
+    stacked module run by a ``lax.scan`` (``recscale.nn.MLP(scan=True)``: each pair's weights
+    gathered inside the loop under FSDP, rematerialised in the backward); the layers before it
+    unrolled. Not with BatchNorm. Its parameters are stacked, so checkpoints do not carry over
+    between the forms."""
 
     def __post_init__(self):
         if self.embed_dim < 1:
@@ -72,6 +79,8 @@ class FinalMLPModelConfig(TablesConfig):
         for k in (1, 2):
             if getattr(self, f"mlp{k}_batch_norm") and getattr(self, f"mlp{k}_layer_norm"):
                 raise ValueError(f"stream {k}: choose mlp{k}_batch_norm or mlp{k}_layer_norm")
+        if self.scan_layers and (self.mlp1_batch_norm or self.mlp2_batch_norm):
+            raise ValueError("scan_layers: not with batch_norm (its statistics update per layer)")
         for name in ("mlp1_dropout", "mlp2_dropout"):
             rate = getattr(self, name)
             if not 0.0 <= rate < 1.0:
@@ -96,12 +105,12 @@ class FinalMLPModelConfig(TablesConfig):
         if not self.use_fs:
             return
         names = [f.name for f in schema.features]
-        for field in ("fs1_context", "fs2_context"):
-            unknown = [c for c in getattr(self, field) if c not in names]
+        for name in ("fs1_context", "fs2_context"):
+            unknown = [c for c in getattr(self, name) if c not in names]
             if unknown:
                 raise ConfigError(
-                    f"model.{field} names unknown features {unknown}; known: {names}: set "
-                    f"--model.{field.replace('_', '-')} to some of them (or none)"
+                    f"model.{name} names unknown features {unknown}; known: {names}: set "
+                    f"--model.{name.replace('_', '-')} to some of them (or none)"
                 )
 
     cost = finalmlp_cost  # its own docstring: the cost of this network on a schema

@@ -58,6 +58,7 @@ class Stream(nnx.Module):
         dropout: float,
         batch_norm: bool = False,
         layer_norm: bool = False,
+        scan: bool = False,
         rngs: nnx.Rngs,
     ):
         # final_relu: every layer, the last included, is normalised, activated and dropped out.
@@ -68,6 +69,7 @@ class Stream(nnx.Module):
             dropout=dropout,
             batch_norm=batch_norm,
             layer_norm=layer_norm,
+            scan=scan,
             rngs=rngs,
         )
 
@@ -174,7 +176,15 @@ class FinalMLP(FamilyModel):
         else:
             self.fs1 = self.fs2 = None
         self.mlp1, self.mlp2 = (
-            Stream(self.in_dim, sizes, dropout=p, batch_norm=bn, layer_norm=ln, rngs=rngs)
+            Stream(
+                self.in_dim,
+                sizes,
+                dropout=p,
+                batch_norm=bn,
+                layer_norm=ln,
+                scan=cfg.scan_layers,
+                rngs=rngs,
+            )
             for sizes, p, bn, ln in (
                 (cfg.mlp1, cfg.mlp1_dropout, cfg.mlp1_batch_norm, cfg.mlp1_layer_norm),
                 (cfg.mlp2, cfg.mlp2_dropout, cfg.mlp2_batch_norm, cfg.mlp2_layer_norm),

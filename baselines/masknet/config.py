@@ -13,6 +13,7 @@ import math
 from typing import Literal
 
 from baselines.masknet.flops import masknet_cost
+from data.roles import field
 from recscale.config import ConfigError, ExperimentConfig
 from recscale.model_config import TablesConfig
 
@@ -48,6 +49,12 @@ class MaskNetModelConfig(TablesConfig):
     net_dropout: float = 0.0
     """Dropout after every MaskBlock's ReLU and after each hidden layer of the parallel MLP
     (training only)."""
+    scan_layers: bool = field(False, identity_default=False)
+    """The MaskBlocks that share a shape as one stacked module run by a ``lax.scan``
+    (``recscale.nn.stacked``: each block's weights gathered inside the loop under FSDP,
+    rematerialised in the backward): a serial MaskNet's blocks 2..L (so its
+    ``dnn_hidden_units`` must all be equal), a parallel one's ``parallel_num_blocks``. Its
+    parameters are stacked (``[L, ...]``), so checkpoints do not carry over between the forms."""
 
     def __post_init__(self):
         if self.embed_dim < 1:
@@ -66,6 +73,12 @@ class MaskNetModelConfig(TablesConfig):
             raise ValueError(f"parallel_block_dim must be >= 1, got {self.parallel_block_dim}")
         if not self.reduction_ratio > 0:
             raise ValueError(f"reduction_ratio must be > 0, got {self.reduction_ratio}")
+        if self.scan_layers and self.model_type == "serial":
+            if len(set(self.dnn_hidden_units)) != 1:
+                raise ValueError(
+                    "scan_layers: a serial MaskNet's blocks 2..L are stacked, so its "
+                    f"dnn_hidden_units must be equal, got {self.dnn_hidden_units}"
+                )
         if not 0.0 <= self.net_dropout < 1.0:
             raise ValueError(f"net_dropout must be in [0, 1), got {self.net_dropout}")
 

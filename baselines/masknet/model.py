@@ -33,7 +33,7 @@ from data.batch import Schema
 from recscale import sharding
 from recscale.embeddings.family_model import FamilyModel
 from recscale.embeddings.layout import EngineSpec
-from recscale.nn import MLP, LayerNorm, Linear, dropout
+from recscale.nn import MLP, LayerNorm, Linear, dropout, map_stacked, scan_stacked, stacked
 
 
 def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
@@ -137,20 +137,33 @@ class MaskNet(FamilyModel):
             dropout=cfg.net_dropout,
             rngs=rngs,
         )
+        stack = None  # scan_layers: the blocks that share a shape, stacked
         if cfg.model_type == "serial":
             dims = (self.in_dim, *cfg.dnn_hidden_units)
-            self.blocks = nnx.List(
-                [
-                    MaskBlock(self.in_dim, z, o, **block)
-                    for z, o in zip(dims[:-1], dims[1:], strict=True)
-                ]
-            )
+            pairs = list(zip(dims[:-1], dims[1:], strict=True))
+            if cfg.scan_layers and len(pairs) > 1:
+                z, o = pairs[1]
+                stack = stacked(
+                    lambda r: MaskBlock(self.in_dim, z, o, **{**block, "rngs": r}),
+                    len(pairs) - 1,
+                    rngs,
+                )
+                pairs = pairs[:1]
+            self.blocks = nnx.List([MaskBlock(self.in_dim, z, o, **block) for z, o in pairs])
             self.mlp = None
             logit_in = dims[-1]
         else:
             k, o = cfg.parallel_num_blocks, cfg.parallel_block_dim
+            if cfg.scan_layers:
+                stack = stacked(
+                    lambda r: MaskBlock(self.in_dim, self.in_dim, o, **{**block, "rngs": r}),
+                    k,
+                    rngs,
+                )
             self.blocks = nnx.List(
-                [MaskBlock(self.in_dim, self.in_dim, o, **block) for _ in range(k)]
+                []
+                if cfg.scan_layers
+                else [MaskBlock(self.in_dim, self.in_dim, o, **block) for _ in range(k)]
             )
             # Dropout after every hidden layer, the last included (FuxiCTR's MLP_Block): an MLP
             # with a final ReLU plus one more dropout applied in ``parallel_mlp``.
@@ -162,6 +175,7 @@ class MaskNet(FamilyModel):
                 else None
             )
             logit_in = cfg.dnn_hidden_units[-1] if cfg.dnn_hidden_units else k * o
+        self.stack = stack
         self.logit = Linear(logit_in, 1, rngs=rngs)
 
     def embed(self, dense_bn: jax.Array, ids_bfh: jax.Array) -> jax.Array:
@@ -176,21 +190,31 @@ class MaskNet(FamilyModel):
         self, v_emb_bi: jax.Array, v_hid_bi: jax.Array, dropout_key: jax.Array | None
     ) -> jax.Array:
         """The serial MaskNet's last block output, ``[B, O]``."""
+
+        def step(block, h, i):
+            h = block(v_emb_bi, h, dropout_key=_fold(dropout_key, i))
+            return sharding.constrain(h, "batch", None)
+
         h = v_hid_bi
         for i, block in enumerate(self.blocks):
-            h = sharding.constrain(
-                block(v_emb_bi, h, dropout_key=_fold(dropout_key, i)), "batch", None
-            )
+            h = step(block, h, i)
+        if self.stack is not None:  # blocks 2..L, in a scan
+            h = scan_stacked(self.stack, h, step, first=len(self.blocks))
         return h
 
     def parallel(
         self, v_emb_bi: jax.Array, v_hid_bi: jax.Array, dropout_key: jax.Array | None
     ) -> jax.Array:
         """The parallel MaskNet's concatenated block outputs, ``[B, K·O]``."""
-        outs = [
-            block(v_emb_bi, v_hid_bi, dropout_key=_fold(dropout_key, i))
-            for i, block in enumerate(self.blocks)
-        ]
+
+        def one(block, i):
+            return block(v_emb_bi, v_hid_bi, dropout_key=_fold(dropout_key, i))
+
+        if self.stack is not None:  # the K blocks in a scan: [K, B, O] -> [B, K·O]
+            outs_kbo = map_stacked(self.stack, one)
+            h = jnp.transpose(outs_kbo, (1, 0, 2)).reshape(outs_kbo.shape[1], -1)
+            return sharding.constrain(h, "batch", None)
+        outs = [one(block, i) for i, block in enumerate(self.blocks)]
         return sharding.constrain(
             jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0], "batch", None
         )
@@ -199,7 +223,7 @@ class MaskNet(FamilyModel):
         """The parallel MaskNet's MLP, dropout after each hidden layer, ``[B, M]``."""
         if self.mlp is None:
             return h
-        key = _fold(dropout_key, len(self.blocks))
+        key = _fold(dropout_key, self.cfg.parallel_num_blocks)  # one past the blocks
         h_bm = self.mlp(h, dropout_key=key)  # final ReLU: every layer drops
         return sharding.constrain(h_bm, "batch", None)
 

@@ -26,6 +26,7 @@ from recscale.config import from_dict, get_preset, preset_names, to_dict
 from recscale.embeddings.collection import EmbeddingTable
 from recscale.flops import mlp_flops
 from tests.cost_analysis import xla_forward_flops
+from tests.recscale.test_nn_scan import _stack_unrolled
 
 SCHEMA = Schema(
     dense_names=("a", "b", "c"),
@@ -523,3 +524,32 @@ def test_every_preset_builds(name):
     assert finalmlp_cost(cfg, schema).dense_params == _size(
         nnx.state(model, nnx.All(nnx.Param, nnx.Not(EmbeddingTable)))
     )
+
+
+def test_scanned_streams_compute_the_unrolled_network():
+    """``scan_layers``: each stream's equal-width tail of (column, row) pairs stacked and run by
+    a scan (``recscale.nn.MLP(scan=True)``) gives the unrolled network's logits with dropout
+    when it holds its weights; BatchNorm streams are refused."""
+    cfg = dataclasses.replace(
+        CFG, mlp1=(8, 8, 8), mlp1_dropout=0.2, mlp2=(6, 6, 6, 6), mlp2_layer_norm=True
+    )
+    plain = FinalMLP(cfg, SCHEMA, rngs=nnx.Rngs(0))
+    scanned = FinalMLP(dataclasses.replace(cfg, scan_layers=True), SCHEMA, rngs=nnx.Rngs(1))
+    assert len(scanned.mlp1.mlp.layers) == 1 and len(scanned.mlp2.mlp.layers) == 2
+    for stream in ("mlp1", "mlp2"):
+        _stack_unrolled(getattr(plain, stream).mlp, getattr(scanned, stream).mlp)
+        # everything outside the streams as in the plain network
+    rest = nnx.state(plain, nnx.Param)
+    for stream in ("mlp1", "mlp2"):
+        rest.pop(stream)
+    nnx.update(scanned, rest)
+    dense, ids = _inputs()
+    key = jax.random.key(3)
+    np.testing.assert_allclose(
+        np.asarray(scanned(dense, ids, dropout_key=key)),
+        np.asarray(plain(dense, ids, dropout_key=key)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match="scan_layers: not with batch_norm"):
+        dataclasses.replace(CFG, mlp2_batch_norm=True, scan_layers=True)

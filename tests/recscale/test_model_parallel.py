@@ -29,7 +29,7 @@ replicated run's all-reduce (float32 addition is not associative). Measured: see
 ``test_layouts_equal_the_replicated_run``."""
 
 FSDP = ("--mesh.fsdp", "--mesh.fsdp-min-bytes", "0")  # every array, however small the model
-SCAN = ("--model.scan-layers", "--model.num-layers", "3")  # Wukong: layers 2-3 in a scan
+SCAN = ("--model.scan-layers",)  # Wukong: layers 2-3 in a scan (_args), MaskNet: its 2 blocks
 LAYOUTS = {
     "replicated": (),
     "replicated_d4": ("--mesh.data-parallel", "4"),
@@ -45,6 +45,7 @@ CASES = [
     ("dlrm", "off", "tp4_fsdp", "replicated"),
     ("wukong", "auto", "tp2_fsdp", "replicated_d4"),
     ("wukong", "off", "scan_fsdp", "scan_replicated"),  # layer-wise FSDP inside the scan
+    ("masknet", "off", "scan_fsdp", "scan_replicated"),  # side-by-side blocks in a scan
 ]
 
 
@@ -66,6 +67,7 @@ def _args(family: str, engine: str, layout: str, workdir: Path) -> list[str]:
         "--train.eval-max-batches",
         "1",
         *LAYOUTS[layout],
+        *(("--model.num-layers", "3") if family == "wukong" and "scan" in layout else ()),
     ]
 
 
