@@ -26,6 +26,8 @@ The report shows the embedding plan itself too: each table's sharding and placem
 device's predicted step time by term (lookup, communication, compute), in ``--json`` as
 ``plans``. A preset that sets ``embeddings.measure_skew`` has its tables' skew measured first,
 as the trainer does (its ``embeddings.calibrate`` is not run: this host is not the target).
+``--hlo FILE`` writes the compiled step's HLO text there, to see where its temporaries and
+collectives come from.
 """
 
 from __future__ import annotations
@@ -161,9 +163,11 @@ def plan_step(
     preset: str,
     compile: bool = False,
     global_batch: int = 0,
+    hlo_path: str | None = None,
 ) -> StepReport:
     """The planner's predictions for ``cfg``'s train step on ``hw`` and, with ``compile``, the
-    compiler's numbers (see the module docstring)."""
+    compiler's numbers (see the module docstring); ``hlo_path``: where to write the compiled
+    step's HLO text (where its memory and collectives come from)."""
     abstract_tpu = hw.platform == "tpu" and not compile
     devices = None if abstract_tpu else topology_devices(hw)
     cfg = for_hardware(cfg, hw, global_batch=global_batch)
@@ -282,7 +286,12 @@ def plan_step(
         "code_bytes": float(mem.generated_code_size_in_bytes),
         "peak_bytes": float(arg + out - alias + temp),
     }
-    colls = hlo.collectives(compiled.as_text())  # the HLO text read once: it can be 100s of MB
+    text = compiled.as_text()  # read once: it can be 100s of MB
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(text)
+    colls = hlo.collectives(text)
+    del text
     report.collectives = hlo.collective_bytes(colls)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # older jax: one dict per module
@@ -378,7 +387,8 @@ def nnx_merge(graphdef: Any, state: Any) -> Any:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = (
-        "usage: python -m recscale.plan PRESET --hardware NAME [--compile] [--json FILE] "
+        "usage: python -m recscale.plan PRESET --hardware NAME [--compile [--hlo FILE]] "
+        "[--json FILE] "
         "[--global-batch N] [--tiers [--hbm-gib G] [--dram-gib G] [--policy lru|lfu] "
         "[--sample-batches N]] [--field.sub value ...]"
     )
@@ -422,7 +432,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         report = plan_step(
-            cfg, family.build_model, hw, preset=preset, compile="compile" in own, global_batch=batch
+            cfg,
+            family.build_model,
+            hw,
+            preset=preset,
+            compile="compile" in own,
+            global_batch=batch,
+            hlo_path=own.get("hlo"),
         )
         if report.state_fits() is False:
             report.alternatives = alternative_meshes(
@@ -445,6 +461,7 @@ def _own_flags(args: list[str]) -> tuple[dict[str, str], list[str]]:
         elif a in (
             "--hardware",
             "--json",
+            "--hlo",
             "--global-batch",
             "--hbm-gib",
             "--dram-gib",

@@ -96,13 +96,16 @@ def apply_update(
     slot = {k: jnp.asarray(bl.arr(k)) for k in ("cw_group", "table_dim")}
     groups = 0 if bl.replicated else layout.num_cw_groups
     split = groups and bool((bl.arr("cw_group") < groups).any())
-    # SGD and row-wise Adagrad of whole rows run in the update kernel (recscale.kernels
-    # .embedding_update), with the clip; a column-split table's row statistics (Adagrad's and
-    # CowClip's norms) need a psum across its column shards, lazy Adam keeps per-column
-    # moments, and coupled L2 updates every row of a (data-parallel) buffer, so those stay here.
+    # SGD and row-wise Adagrad run in the update kernel (recscale.kernels.embedding_update),
+    # with the clip; a column-split table's row statistics (Adagrad's and CowClip's norms) need
+    # a psum across its column shards (SGD without CowClip has none: its column shards update
+    # in the kernel too), lazy Adam keeps per-column moments, and coupled L2 updates every row
+    # of a (data-parallel) buffer, so those stay here.
     if rule.l2 and not bl.replicated:
         raise AssertionError(f"coupled L2 needs data-parallel tables; {bl.key} is sharded")
-    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not split and not rule.l2
+    row_stats = rule.optimizer == "rowwise_adagrad" or (rule.clip is not None and rule.clip.clips)
+    kernel = rule.optimizer in ("sgd", "rowwise_adagrad") and not (split and row_stats)
+    kernel = kernel and not rule.l2
     impl = layout.update_kernel
 
     def body(buf_rw, keys_sbh, g_sbw, cw, tdim, lr, step, *vals):
