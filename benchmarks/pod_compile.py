@@ -41,6 +41,7 @@ PALLAS = (
 )
 FSDP = ("--mesh.fsdp",)
 SCAN = ("--model.scan-layers",)
+TP4 = ("--mesh.model-parallel", "4")
 
 # (preset, slice, extra flags), most telling first. Kernels as ``auto`` picks them (the XLA
 # references until a Pallas kernel is verified on TPU hardware), plus one case with every Pallas
@@ -56,16 +57,18 @@ CASES = [
     ("wukong/table5-7", "tpu-v5p-16", FSDP),
     # Wukong at the preset's own batch (131,072, the paper's) rather than 16,384 per chip
     ("wukong/table5-7", "tpu-v5p-128", (*FSDP, "--global-batch", "131072")),
-    (
-        "wukong/table5-7",
-        "tpu-v5p-128",
-        (*FSDP, "--mesh.model-parallel", "4", "--global-batch", "131072"),
-    ),
+    ("wukong/table5-7", "tpu-v5p-128", (*FSDP, *TP4, "--global-batch", "131072")),
     ("wukong/table5-7", "tpu-v5p-512", (*FSDP, "--global-batch", "131072")),
     # layer-wise FSDP: layers 2..8 in a scan, each gathered inside the loop
     ("wukong/table5-7", "tpu-v5p-128", (*FSDP, *SCAN, "--global-batch", "131072")),
     ("wukong/table5-7", "tpu-v5p-512", (*FSDP, *SCAN, "--global-batch", "131072")),
+    ("wukong/table5-7", "tpu-v5p-128", (*FSDP, *TP4, *SCAN, "--global-batch", "131072")),
     ("wukong/table5-5", "tpu-v5p-128", (*FSDP, "--global-batch", "131072")),
+    ("wukong/table5-5", "tpu-v5p-128", (*FSDP, *SCAN, "--global-batch", "131072")),
+    ("wukong/table5-5", "tpu-v5p-16", (*FSDP, *SCAN, "--global-batch", "131072")),
+    ("wukong/table5-6", "tpu-v5p-128", (*FSDP, "--global-batch", "131072")),
+    ("wukong/table5-6", "tpu-v5p-128", (*FSDP, *SCAN, "--global-batch", "131072")),
+    ("wukong/table5-6", "tpu-v5p-128", (*FSDP, *TP4, *SCAN, "--global-batch", "131072")),
     ("dlrm/criteo-mlperf", "tpu-v5p-16", PALLAS),
     ("wukong/table5-1", "tpu-v6e-8", ()),
 ]
@@ -169,8 +172,8 @@ def step_table(path: Path) -> str:
     """The predicted step per chip (``recscale.plan``'s roofline of the compiled HLO)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = [
-        "| preset | slice (chips) | layout | compute ms | HBM ms | collectives ms | serial ms "
-        "(MFU) | overlapped ms (MFU) | the planner's embedding step ms |",
+        "| preset | slice (chips) | layout | compute ms | HBM ms (XLA's count) | collectives ms "
+        "| serial ms (MFU) | overlapped ms (MFU) | the planner's embedding step ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -180,13 +183,14 @@ def step_table(path: Path) -> str:
         comm = ", ".join(
             f"{k} {_ms(v)}"
             for k, v in t.items()
-            if k not in ("compute", "memory", "serial", "overlapped")
+            if k not in ("compute", "memory", "memory (XLA)", "serial", "overlapped")
         )
         peak, flops = r["peak_flops"], r["model_flops_per_chip"]
         times = [max(d["time_s"] for d in p["devices"]) for p in r["plans"].values()]
         out.append(
             f"| {r['preset']} | {r['hardware']} ({r['chips']}) | {r['layout']} | "
-            f"{_ms(t['compute'])} | {_ms(t['memory'])} | {comm or '-'} | "
+            f"{_ms(t['compute'])} | {_ms(t['memory'])} ({_ms(t.get('memory (XLA)', 0.0))}) | "
+            f"{comm or '-'} | "
             f"{_ms(t['serial'])} ({flops / (t['serial'] * peak):.1%}) | "
             f"{_ms(t['overlapped'])} ({flops / (t['overlapped'] * peak):.1%}) | "
             f"{_ms(max(times, default=0.0))} |"

@@ -153,19 +153,23 @@ def step_time(
     memory_bandwidth: float,
     interconnect_bandwidth: float,
     model_flops: float = 0.0,
+    memory_bytes: float | None = None,
 ) -> dict[str, float]:
     """A roofline of one compiled step on one device, in seconds: ``compute`` (XLA's
     ``cost_analysis`` FLOPs, or the model's own ``model_flops`` per device if more, at the
-    peak ``flops``), ``memory`` (its bytes accessed at ``memory_bandwidth``), each collective
-    kind (:meth:`Collective.wire_bytes`, loop trips counted, at ``interconnect_bandwidth``),
-    then ``serial`` (compute or memory, whichever bounds, plus every collective: nothing
-    overlaps) and ``overlapped`` (the largest of the three: all overlaps). Assumptions: peaks
-    are reached; XLA's cost analysis counts a loop body once, so a scanned layer stack's FLOPs
-    come from ``model_flops`` and its bytes are a lower bound; one ICI link's bandwidth carries
+    peak ``flops``), ``memory`` (``memory_bytes``, the op-by-op count :func:`hbm_bytes`, else
+    XLA's bytes accessed, at ``memory_bandwidth``; ``memory (XLA)`` keeps XLA's), each
+    collective kind (:meth:`Collective.wire_bytes`, loop trips counted, at
+    ``interconnect_bandwidth``), then ``serial`` (compute or memory, whichever bounds, plus
+    every collective: nothing overlaps) and ``overlapped`` (the largest of the three: all
+    overlaps). Assumptions: peaks are reached; XLA's cost analysis counts a loop body once, so
+    a scanned layer stack's FLOPs come from ``model_flops``; one ICI link's bandwidth carries
     each collective, whatever the torus offers."""
+    xla_bytes = float(cost.get("bytes accessed", 0.0))
     out = {
         "compute": max(float(cost.get("flops", 0.0)), model_flops) / flops,
-        "memory": float(cost.get("bytes accessed", 0.0)) / memory_bandwidth,
+        "memory": (xla_bytes if memory_bytes is None else memory_bytes) / memory_bandwidth,
+        "memory (XLA)": xla_bytes / memory_bandwidth,
     }
     comm = dict.fromkeys(_COLLECTIVES, 0.0)
     for c in colls:
@@ -175,3 +179,154 @@ def step_time(
     out["serial"] = max(out["compute"], out["memory"]) + total_comm
     out["overlapped"] = max(out["compute"], out["memory"], total_comm)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# HBM traffic, op by op.
+
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%(\S+)\s*=\s*(.+?)\s([a-z][a-z0-9-]*)\((.*)$")
+_CALLS = re.compile(r"\bcalls=%([^,\s)]+)")
+_COST = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"')
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "while",
+    "conditional",
+    "call",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "copy-start",
+    "opt-barrier",
+}
+_SLICES = {"gather": 0, "dynamic-slice": 0}  # reads only the slice it returns of operand 0
+_IN_PLACE = {"scatter": 2, "dynamic-update-slice": 1}  # writes operand (index) into operand 0
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    bytes: float
+    op: str
+    operands: list[str]
+    attrs: str
+    root: bool
+    param: int = -1
+    """A parameter's number (-1: not a parameter)."""
+
+
+def _shape_bytes(text: str) -> float:
+    return sum(
+        math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+        for dtype, dims in _SHAPE.findall(text)
+    )
+
+
+def _split_operands(rest: str) -> tuple[list[str], str]:
+    depth = 0
+    for i, ch in enumerate(rest):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            if depth == 0:
+                return re.findall(r"%([\w.-]+)", rest[:i]), rest[i + 1 :]
+            depth -= 1
+    return re.findall(r"%([\w.-]+)", rest), ""
+
+
+def _computations(hlo_text: str) -> dict[str, list[_Instr]]:
+    comps: dict[str, list[_Instr]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if h := _HEADER.match(line):
+            current = comps.setdefault(h.group(1), [])
+            continue
+        if current is None or not (m := _INSTR.match(line)):
+            continue
+        root, name, shape, op, rest = m.groups()
+        operands, attrs = _split_operands(rest)
+        param = int(rest.split(")")[0]) if op == "parameter" else -1
+        current.append(_Instr(name, _shape_bytes(shape), op, operands, attrs, bool(root), param))
+    return comps
+
+
+def _fusion_bytes(fused: list[_Instr], operand_bytes: list[float], out_bytes: float) -> float:
+    """A fusion's HBM traffic: each operand read whole unless the fused computation only slices
+    it (a gather or dynamic slice: those bytes) or updates it in place (nothing read), and its
+    output written whole unless it is such an in-place update (the update's bytes)."""
+    by_name = {i.name: i for i in fused}
+    users: dict[str, list[tuple[_Instr, int]]] = {}
+    for ins in fused:
+        for k, o in enumerate(ins.operands):
+            users.setdefault(o, []).append((ins, k))
+
+    def read(name: str) -> float | None:
+        """Bytes read of ``name`` if every use only slices or updates it in place, else None."""
+        total = 0.0
+        for user, k in users.get(name, []):
+            if user.op == "bitcast":
+                sub = read(user.name)
+                if sub is None:
+                    return None
+                total += sub
+            elif user.op in _SLICES and k == _SLICES[user.op]:
+                total += user.bytes
+            elif user.op in _IN_PLACE and k == 0:
+                continue
+            else:
+                return None
+        return total
+
+    total = 0.0
+    for p in fused:
+        if 0 <= p.param < len(operand_bytes):
+            part = read(p.name)
+            total += operand_bytes[p.param] if part is None else part
+    root = next((i for i in fused if i.root), None)
+    outs = [root] if root is None or root.op != "tuple" else [by_name[o] for o in root.operands]
+    written = 0.0
+    for out in outs:
+        if out is not None and out.op in _IN_PLACE and len(out.operands) > _IN_PLACE[out.op]:
+            written += by_name[out.operands[_IN_PLACE[out.op]]].bytes
+        else:
+            written += out.bytes if out is not None else 0.0
+    return total + (written if root is not None else out_bytes)
+
+
+def hbm_bytes(hlo_text: str) -> float:
+    """The bytes a compiled (per-device) step reads and writes in device memory, op by op: each
+    top-level op of the entry and of its loop bodies (times their trips) reads its operands and
+    writes its result, except that a gather or dynamic slice reads only its slice, a scatter or
+    dynamic update writes only its update in place (inside fusions too: a fusion's operand that
+    is only sliced costs the slices), a Pallas kernel costs its own ``CostEstimate``, and
+    bitcasts, tuples and collectives (costed on the interconnect) cost nothing. XLA's
+    ``bytes accessed`` charges a gather its whole operand and a loop body once; this is the
+    traffic an embedding-bound or scanned step actually has, to the roofline's accuracy."""
+    comps = _computations(hlo_text)
+    trips = _trips(hlo_text)
+    sizes = {i.name: i.bytes for instrs in comps.values() for i in instrs}
+    total = 0.0
+    for comp, n in trips.items():
+        for ins in comps.get(comp, []):
+            op = ins.op
+            if op in _FREE or op.startswith(_COLLECTIVES):
+                continue
+            operand_bytes = [sizes.get(o, 0.0) for o in ins.operands]
+            if op == "fusion" and (called := _CALLS.search(ins.attrs)):
+                b = _fusion_bytes(comps.get(called.group(1), []), operand_bytes, ins.bytes)
+            elif op == "custom-call" and (cost := _COST.search(ins.attrs)):
+                b = float(cost.group(1))
+            elif op in _SLICES:
+                b = 2 * ins.bytes + sum(operand_bytes[1:])
+            elif op in _IN_PLACE and len(operand_bytes) > _IN_PLACE[op]:
+                upd = operand_bytes[_IN_PLACE[op]]
+                b = 2 * upd + sum(operand_bytes[1:]) - upd
+            elif op == "copy-done":
+                b = ins.bytes
+            else:
+                b = sum(operand_bytes) + ins.bytes
+            total += n * b
+    return total

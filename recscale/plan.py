@@ -149,6 +149,8 @@ def _layout_name(cfg: Any) -> str:
         parts.append(f"tp={m.model_parallel}")
     if m.fsdp:
         parts.append("fsdp")
+    if getattr(cfg.model, "scan_layers", False):
+        parts.append("scan_layers")
     named = sorted({v for v in dataclasses.asdict(cfg.kernels).values() if v != "auto"})
     if named:
         parts.append(f"kernels={'+'.join(named)}")
@@ -291,6 +293,7 @@ def plan_step(
         with open(hlo_path, "w") as f:
             f.write(text)
     colls = hlo.collectives(text)
+    memory_bytes = hlo.hbm_bytes(text)
     del text
     report.collectives = hlo.collective_bytes(colls)
     cost = compiled.cost_analysis()
@@ -307,6 +310,7 @@ def plan_step(
         memory_bandwidth=prof.memory_bandwidth,
         interconnect_bandwidth=prof.interconnect_bandwidth,
         model_flops=report.model_flops_per_chip,
+        memory_bytes=memory_bytes,
     )
     report.peak_flops = prof.flops
     return report

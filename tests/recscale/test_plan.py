@@ -11,6 +11,7 @@ import sys
 
 import jax
 import jax.experimental.topologies
+import jax.numpy as jnp
 import pytest
 
 import dlrm.presets  # noqa: F401
@@ -93,6 +94,37 @@ def test_collective_bytes_reads_tuples_async_pairs_and_layouts():
     assert got["reduce-scatter"] == got["collective-permute"] == 0
 
 
+def _hbm(fn, *args, **jit_kw) -> tuple[float, float]:
+    """(``hlo.hbm_bytes``, XLA's bytes accessed) of ``fn`` compiled on this host."""
+    c = jax.jit(fn, **jit_kw).lower(*args).compile()
+    cost = c.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return hlo.hbm_bytes(c.as_text()), float(cost["bytes accessed"])
+
+
+def test_hbm_bytes_count_slices_updates_and_loop_trips():
+    """Op by op: a gather of 64 rows reads 64 rows, not the 51 MB table XLA charges; a scatter
+    into a donated table writes its rows in place (XLA's count of that varies with the flags);
+    a dense step is XLA's count; a 10-step scan counts its body 10 times (XLA: once)."""
+    sds = jax.ShapeDtypeStruct
+    table, ids = sds((100_000, 128), jnp.float32), sds((64,), jnp.int32)
+    table_bytes, rows_bytes = 100_000 * 128 * 4, 64 * 128 * 4
+    got, xla = _hbm(lambda t, i: t[i] * 2.0, table, ids)
+    assert xla >= table_bytes and 2 * rows_bytes <= got < 2 * rows_bytes + 4096
+    got, _ = _hbm(
+        lambda t, i, u: t.at[i].add(u), table, ids, sds((64, 128), jnp.float32), donate_argnums=0
+    )
+    assert got < 4 * rows_bytes + 4096
+    a, b = sds((256, 512), jnp.float32), sds((512, 384), jnp.float32)
+    got, xla = _hbm(lambda a, b: jnp.tanh(a @ b + 1), a, b)
+    assert got == xla >= (256 * 512 + 512 * 384 + 256 * 384) * 4
+    w, x = sds((10, 256, 256), jnp.float32), sds((64, 256), jnp.float32)
+    got, xla = _hbm(
+        lambda w, x: jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0], w, x
+    )
+    assert got >= 10 * 256 * 256 * 4 > xla
+
+
 def test_planner_counts_the_exchange_as_the_engine_sends_it():
     """Every device exchanges as many slots as the fullest device holds (the all-to-all's
     fixed shape), each the whole batch's pooled outputs forward and their gradients back."""
@@ -158,10 +190,13 @@ def test_compiled_step_on_this_host_matches_the_prediction():
     # the planner's exchange, per chip of every model replica, is the engine's all-to-alls
     assert abs(r.errors()["all_to_all"]) < 1e-9, (r.predicted, r.collectives)
     assert "fsdp" in r.layout and "tp=2" in r.layout
-    # The roofline: each term from XLA's counts at the profile's peaks, collectives on the wire
+    # The roofline: each term at the profile's peaks (memory: the op-by-op count, beside
+    # XLA's), collectives on the wire
     t, prof = r.step_time, get_profile("cpu-2core")
     assert t["compute"] > 0 and t["memory"] > 0 and t["all-to-all"] > 0 and t["all-gather"] > 0
-    comm = sum(v for k, v in t.items() if k not in ("compute", "memory", "serial", "overlapped"))
+    assert 0 < t["memory (XLA)"]
+    not_comm = ("compute", "memory", "memory (XLA)", "serial", "overlapped")
+    comm = sum(v for k, v in t.items() if k not in not_comm)
     assert t["serial"] == pytest.approx(max(t["compute"], t["memory"]) + comm)
     assert t["overlapped"] == pytest.approx(max(t["compute"], t["memory"], comm))
     assert r.peak_flops == prof.flops and r.model_flops_per_chip > 0

@@ -374,9 +374,25 @@ def update(
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        cost_estimate=_cost(seg, table, pack),
         name="embedding_update",
     )(*args)
     if adagrad:
         new_acc = acc.at[rows_up.reshape(-1)].set(outs[1].reshape(-1), mode="drop")
         return outs[0], new_acc, outs[2].reshape(grid, 2)
     return outs[0], None, outs[1].reshape(grid, 2)
+
+
+def _cost(seg: Segments, table: jax.Array, pack: int) -> pl.CostEstimate:
+    """What the kernel reads and writes, at most: every pair's metadata and gradient row, and
+    each distinct stored row (at most one a pair) read and written with its accumulators. XLA
+    cannot see into the kernel; ``recscale.hlo.hbm_bytes`` reads this."""
+    (pairs,) = seg.bag_p.shape
+    rows, width = table.shape
+    units = min(seg.row_u.shape[0], rows)
+    row_bytes = width * jnp.dtype(table.dtype).itemsize
+    return pl.CostEstimate(
+        flops=2 * pairs * width + 8 * units * width,
+        transcendentals=units * pack,
+        bytes_accessed=pairs * (8 + 4 * width) + units * (2 * row_bytes + 8 * pack),
+    )
