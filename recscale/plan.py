@@ -298,6 +298,7 @@ def plan_step(
     report.collectives = hlo.collective_bytes(colls)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # older jax: one dict per module
+    report.xla_flops_per_chip = float((cost or {}).get("flops", 0.0))
     prof = get_profile(_profile(hw))
     with contextlib.suppress(TypeError):  # a model without a FLOP count: no MFU
         per_example = model_cost(cfg, schema).train_flops

@@ -41,6 +41,8 @@ class StepReport:
     (``hlo.step_time``: compute, memory, each collective, serial, overlapped)."""
     model_flops_per_chip: float = 0.0
     """The model's training FLOPs (``recscale.flops``) per step per chip: the MFU's numerator."""
+    xla_flops_per_chip: float = 0.0
+    """XLA's own FLOP count of the compiled step per chip (``cost_analysis``; a loop body once)."""
     peak_flops: float = 0.0
     """The chip's peak FLOP/s (the hardware profile's)."""
     alternatives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
