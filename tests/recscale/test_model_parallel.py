@@ -88,7 +88,8 @@ def runs(tmp_path_factory) -> Path:
     ``root/resharded``: DLRM with the engine, trained replicated on 4 devices to step
     ``EVERY``, then resumed with 2-way data x 4-way tensor parallelism and FSDP to ``STEPS``
     (the dense state resharded by orbax, the engine's buffers re-laid out from 4 data devices
-    to 2)."""
+    to 2); ``root/scan_resharded``: Wukong's scanned layers the same way, replicated then
+    layer-wise FSDP."""
     root = tmp_path_factory.mktemp("mp")
     done = set()
     # DLRM with the engine: its replicated run is the resharded run's source and reference
@@ -104,6 +105,12 @@ def runs(tmp_path_factory) -> Path:
     shutil.rmtree(resharded / "checkpoints" / str(STEPS))
     (resharded / "metrics.jsonl").unlink()
     _train(_args("dlrm", "auto", "tp4_fsdp", resharded), "dlrm")
+    # Wukong's scanned layers, replicated to step EVERY, resumed layer-wise FSDP to STEPS
+    scan = root / "scan_resharded"
+    shutil.copytree(root / "wukong_off_scan_replicated", scan)
+    shutil.rmtree(scan / "checkpoints" / str(STEPS))
+    (scan / "metrics.jsonl").unlink()
+    _train(_args("wukong", "off", "scan_fsdp", scan), "wukong")
     return root
 
 
@@ -144,6 +151,8 @@ def test_checkpoints_reshard_between_layouts(runs):
     rows move bitwise, and the losses after the switch prove the tables are the same."""
     baseline = runs / "dlrm_auto_replicated_d4"
     _compare(baseline, runs / "resharded", from_step=EVERY + 1, buffers=False)
+    # a stacked (scanned) checkpoint restores sharded layer-wise over data, and goes on the same
+    _compare(runs / "wukong_off_scan_replicated", runs / "scan_resharded", from_step=EVERY + 1)
 
 
 @pytest.mark.parametrize(("family", "engine"), [("dlrm", "off"), ("wukong", "auto")])
