@@ -168,8 +168,9 @@ def update(
                 pack=pack,
             )
             run = functools.partial(pallas_tpu.update, pack=pack)
-            if pack > 1:  # each pair picks its row's lane group of its bag's gradient
-                g_nd = jnp.tile(g_nd, (1, pack))
+            if pack > 1:  # the bags' gradients packed as the table is: [N/pack, pack·D]
+                n = g_nd.shape[0]
+                g_nd = jnp.pad(g_nd, ((0, -n % pack), (0, 0))).reshape(-1, pack * d)
         new_table, new_acc, stats_g2 = run(
             table, acc_in, seg, g_nd, lr, eps=eps, clip=clip, interpret=interpret
         )

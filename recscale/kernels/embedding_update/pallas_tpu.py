@@ -35,7 +35,8 @@ Packed tables (``pack`` > 1, ``recscale.embeddings.layout``): ``[V/p, p·D]``, `
 each 128-lane stored row, read and written in place (unpacked, XLA would copy a narrow table
 into a padded row-major layout around the call). The unit of work is the stored row: its
 segment holds all its rows' pairs, each pair's bag carrying its row's lane group; the bags'
-gradients come tiled ``p`` times (``[N, p·D]``) and each pair adds its group's lanes; per stored
+gradients come packed alike (``[N/p, p·D]``, a reshape) and each pair rotates its bag's group of
+the gathered row onto its own row's group (:func:`_move_group`) and adds it; per stored
 row the optimizer runs group by group (its own statistics, count and accumulator, untouched
 groups exactly unchanged), then the stored row is written once (two of its rows written as
 separate units would race).
@@ -171,7 +172,8 @@ def _kernel(
                 0,
                 n,
                 lambda i, c_: (
-                    grad_copy(slot, i, bag_s2c[slot, off + i] >> shift).start(),
+                    # the bag's stored (packed) gradient row
+                    grad_copy(slot, i, bag_s2c[slot, off + i] >> (2 * shift)).start(),
                     c_,
                 )[1],
                 0,
@@ -196,9 +198,10 @@ def _kernel(
             def add_pair(i, c_):
                 j = seg_s2c[slot, off + i] - u0
                 g_1d = g_s2c1d[slot, i]
-                if pack > 1:  # the bag's gradient is tiled over the groups: keep its row's
-                    k = bag_s2c[slot, off + i] & (pack - 1)
-                    g_1d = jnp.where(in_group(k), g_1d, 0.0)
+                if pack > 1:  # the bag's gradient, moved from its lane group to its row's
+                    value = bag_s2c[slot, off + i]
+                    k = value & (pack - 1)
+                    g_1d = jnp.where(in_group(k), _move_group(g_1d, value >> shift, k, dim), 0.0)
                     count_b[j * pack + k] = count_b[j * pack + k] + 1
                 g_b1d[j] = g_b1d[j] + g_1d
                 return c_
@@ -269,6 +272,22 @@ def _kernel(
         stats_ref[0, 1] = gsq_11[0, 0]
 
 
+def _move_group(g_1d: jax.Array, bag: jax.Array, k: jax.Array, width: int) -> jax.Array:
+    """``g`` (a stored gradient row, ``p`` bags' gradients side by side) rotated so that bag
+    ``bag``'s group lands on group ``k``: one lane rotation by ``(k - bag % p)·width``. Which
+    way a rotation turns is checked, not assumed: the lanes' own indices rotate alongside, and
+    where they say the other way, the opposite rotation is taken."""
+    lanes = g_1d.shape[-1]
+    pack = lanes // width
+    src = bag & (pack - 1)
+    shift = ((k - src) * width) & (lanes - 1)
+    lane_1d = jax.lax.broadcasted_iota(jnp.int32, g_1d.shape, 1)
+    moved = pltpu.roll(g_1d, shift, 1)
+    came_from = pltpu.roll(lane_1d, shift, 1) >> (width.bit_length() - 1)
+    other = pltpu.roll(g_1d, (lanes - shift) & (lanes - 1), 1)
+    return jnp.where(came_from == src, moved, other)
+
+
 def update(
     table: jax.Array,
     acc: jax.Array | None,
@@ -289,9 +308,10 @@ def update(
     pair_pad=meta_window(chunk_pairs), pack=pack)`` (a chunk reads pairs past the last).
 
     ``pack`` > 1: ``table`` is stored packed, ``[V/pack, pack·D]`` (``acc`` stays ``[V]``),
-    and ``g`` comes tiled ``pack`` times, ``[N, pack·D]``: each pair keeps its row's lane group
-    of its bag's gradient, so a stored row is one unit (one read, one write: two of its rows
-    updated as separate units would race), its rows stepped one group at a time."""
+    and ``g`` comes packed too, ``[N/pack, pack·D]`` (``N`` a multiple of ``pack``): each pair
+    moves its bag's gradient to its row's lane group; a stored row is one unit (one read, one
+    write: two of its rows updated as separate units would race), its rows stepped one group
+    at a time."""
     v, d = table.shape
     if pack & (pack - 1) or d % pack or (pack > 1 and (d // pack) & (d // pack - 1)):
         raise ValueError(f"pack={pack}: a power of two, over rows of a power-of-two width")
