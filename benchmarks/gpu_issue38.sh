@@ -12,14 +12,15 @@ set -u
 OUT=${OUT:-/tmp/gpu_issue38}
 source benchmarks/gpu_env.sh
 P=${PRESET:-wukong/table5-3}
-FLAGS=(--data.kind synthetic ${EXTRA:-})
+# the same batch for the plan and the run (EXTRA=--model.scan-layers: the scanned layers)
+FLAGS=(--data.kind synthetic --data.batch-size "${BATCH:-8192}" ${EXTRA:-})
 echo "== 1. $P planned and compiled for this GPU"
 timeout "${T_PLAN:-100}" python3 -m recscale.plan "$P" --hardware "${HW:-gpu-h200x1}" --compile \
   --json "$OUT/plan.jsonl" "${FLAGS[@]}" 2>&1 | grep -E "on gpu|predicted per chip|compiled|predicted step" |
   tee "$OUT/plan.txt"
 echo "== 2. $P trained ${STEPS:-60} steps"
 timeout "${T_TRAIN:-120}" python3 -m wukong.train "$P" --workdir /tmp/gpu38 "${FLAGS[@]}" \
-  --data.batch-size "${BATCH:-8192}" --train.num-steps "${STEPS:-60}" --train.log-every 20 \
+  --train.num-steps "${STEPS:-60}" --train.log-every 20 \
   --train.eval-every 0 --train.checkpoint-every 0 --train.eval-max-batches 1 --train.no-progress \
   > "$OUT/train.txt" 2>&1
 echo "train rc=$?"

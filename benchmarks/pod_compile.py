@@ -172,8 +172,9 @@ def step_table(path: Path) -> str:
     """The predicted step per chip (``recscale.plan``'s roofline of the compiled HLO)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = [
-        "| preset | slice (chips) | layout | compute ms | HBM ms (XLA's count) | collectives ms "
-        "| serial ms (MFU) | overlapped ms (MFU) | the planner's embedding step ms |",
+        "| preset | slice (chips) | layout | compute ms (XLA's FLOPs / the model's) | HBM ms "
+        "(XLA's count) | collectives ms | serial ms (MFU) | overlapped ms (MFU) | the "
+        "planner's embedding step ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -189,7 +190,8 @@ def step_table(path: Path) -> str:
         times = [max(d["time_s"] for d in p["devices"]) for p in r["plans"].values()]
         out.append(
             f"| {r['preset']} | {r['hardware']} ({r['chips']}) | {r['layout']} | "
-            f"{_ms(t['compute'])} | {_ms(t['memory'])} ({_ms(t.get('memory (XLA)', 0.0))}) | "
+            f"{_ms(t['compute'])} ({r.get('xla_flops_per_chip', 0.0) / flops:.2f}) | "
+            f"{_ms(t['memory'])} ({_ms(t.get('memory (XLA)', 0.0))}) | "
             f"{comm or '-'} | "
             f"{_ms(t['serial'])} ({flops / (t['serial'] * peak):.1%}) | "
             f"{_ms(t['overlapped'])} ({flops / (t['overlapped'] * peak):.1%}) | "
