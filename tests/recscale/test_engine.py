@@ -178,14 +178,19 @@ def test_every_sharding_type_on_8_devices_equals_one_device(kind, reference):
 @pytest.mark.parametrize("kind", ["data_parallel", "row_wise", "table_wise"])
 def test_the_plain_jax_path_equals_one_device_too(kind, reference):
     """The same with the XLA reference kernels (the path compiler-less CPUs take)."""
-    ref_logits, ref_tables, ref_dense, _ = reference
-    logits, tables, dense, _ = _run(_xla_kernels(_cfg(kind, 8)), _batches(3))
-    for a, b in zip(ref_logits, logits, strict=True):
+    _assert_same_run(_run(_xla_kernels(_cfg(kind, 8)), _batches(3)), reference)
+
+
+def _assert_same_run(got, want) -> None:
+    """Two ``_run`` results equal to ``TOL``: logits before each step, tables, dense
+    parameters and the last step's loss."""
+    for a, b in zip(want[0], got[0], strict=True):
         np.testing.assert_allclose(b, a, **TOL)
-    for name, t in ref_tables.items():
-        np.testing.assert_allclose(tables[name], t, **TOL, err_msg=name)
-    for name, p in ref_dense.items():
-        np.testing.assert_allclose(dense[name], p, **TOL, err_msg=name)
+    for name, t in want[1].items():
+        np.testing.assert_allclose(got[1][name], t, **TOL, err_msg=name)
+    for name, p in want[2].items():
+        np.testing.assert_allclose(got[2][name], p, **TOL, err_msg=name)
+    np.testing.assert_allclose(got[3]["loss"], want[3]["loss"], **TOL)
 
 
 @pytest.mark.parametrize("kind", ["data_parallel", "table_wise", "column_wise"])
@@ -203,15 +208,7 @@ def test_packed_buffers_under_the_tpu_kernels_equal_one_device(kind, reference):
     layout = engine.build_layout(*one_table_per_feature(features, D), 8, spec)
     assert {bl.pack for bl in layout.buffers} == {128 // bl.width for bl in layout.buffers}
     assert all(bl.pack > 1 and bl.rows % (8 * bl.pack) == 0 for bl in layout.buffers)
-    ref_logits, ref_tables, ref_dense, ref_m = reference
-    logits, tables, dense, m = _run(cfg, _batches(3))
-    for a, b in zip(ref_logits, logits, strict=True):
-        np.testing.assert_allclose(b, a, **TOL)
-    for name, t in ref_tables.items():
-        np.testing.assert_allclose(tables[name], t, **TOL, err_msg=name)
-    for name, p in ref_dense.items():
-        np.testing.assert_allclose(dense[name], p, **TOL, err_msg=name)
-    np.testing.assert_allclose(m["loss"], ref_m["loss"], **TOL)
+    _assert_same_run(_run(cfg, _batches(3)), reference)
 
 
 def _run_init_table(name):

@@ -5,7 +5,6 @@ kernels lower for GPU and TPU at production shapes."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import pytest
 
 from recscale.kernels import common
 from recscale.kernels.embedding_bag import api, cpu_ffi, pallas_gpu, reference
+from tests.tpu_chip import needs_libtpu, replicated_on_a_v5p_chip
 
 IMPLS = ["xla", "cpu_ffi", "pallas_gpu", "pallas_tpu"]
 # (V, D, N, H): non-power-of-two D and N, one-id bags, a ragged last block of bags.
@@ -297,23 +297,13 @@ def test_packing_needs_a_width_the_rows_divide():
         api.pool(table, ids, pack=8)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="needs the TPU compiler: pip install -e '.[tpu-aot]'",
-)
+@needs_libtpu
 def test_mosaic_reads_a_packed_table_in_place(monkeypatch):
     """Past lowering: libtpu's Mosaic compiles the packed kernel for a v5p chip, and XLA hands
     it the 4M x 32 float32 table (0.5 GiB) as it is: no copy of the table (unpacked, XLA copies
     it into a row-major layout padded to 128 lanes: 2 GiB of temporaries)."""
-    from jax.experimental import topologies  # noqa: PLC0415
-
-    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-8")
-    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
-    mesh = jax.sharding.Mesh(
-        np.array(topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[:1]), ("x",)
-    )
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rep = replicated_on_a_v5p_chip(monkeypatch)
+    mesh = rep.mesh
     v, d, n, h = 4 << 20, 32, 16384, 8
     ids = jax.ShapeDtypeStruct((n, h), jnp.int32, sharding=rep)
     temps = {}

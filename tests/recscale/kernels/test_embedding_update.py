@@ -6,7 +6,6 @@ shapes."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 
 import jax
@@ -18,6 +17,7 @@ from recscale.embeddings import update as engine_update
 from recscale.kernels import common
 from recscale.kernels.embedding_update import api, cpu_ffi, pallas_gpu, reference
 from recscale.optim.cowclip import CowClip
+from tests.tpu_chip import needs_libtpu, replicated_on_a_v5p_chip
 
 V = 41
 LR = 0.05
@@ -562,23 +562,13 @@ def test_packed_rows_update_as_the_unpacked_table(width, dtype, optimizer, pooli
         np.testing.assert_array_equal(np.asarray(got_acc)[~touched], np.asarray(acc)[~touched])
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="needs the TPU compiler: pip install -e '.[tpu-aot]'",
-)
+@needs_libtpu
 def test_mosaic_updates_a_packed_table_in_place(monkeypatch):
     """Past lowering: libtpu's Mosaic compiles the update kernel (row-wise Adagrad with
     CowClip) for a v5p chip, and a packed 4M x 32 float32 table is updated where it lies (no
     copy); unpacked, XLA copies the table into a padded row-major layout and back."""
-    from jax.experimental import topologies  # noqa: PLC0415
-
-    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-8")
-    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
-    mesh = jax.sharding.Mesh(
-        np.array(topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[:1]), ("x",)
-    )
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rep = replicated_on_a_v5p_chip(monkeypatch)
+    mesh = rep.mesh
     v, d, n, h = 4 << 20, 32, 16384, 8
     sds = functools.partial(jax.ShapeDtypeStruct, sharding=rep)
     clip = CowClip(ratio=1.0, min_norm=0.1, row_l2=0.01)

@@ -11,7 +11,6 @@ it, trailing tokens outside every sequence), a few mask configurations, two dtyp
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ import pytest
 
 from recscale.kernels import common
 from recscale.kernels.hstu_attention import api, pallas_gpu, reference
+from tests.tpu_chip import needs_libtpu, replicated_on_a_v5p_chip
 
 N, H, D, E = 24, 2, 8, 12
 LENS = [0, 1, 17, 5, 24, 30]  # 30 > N: its last 6 tokens are dropped
@@ -314,24 +314,14 @@ def test_lowers_at_production_shapes(impl, prod):
         assert name in text
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="needs the TPU compiler: pip install -e '.[tpu-aot]'",
-)
+@needs_libtpu
 @pytest.mark.parametrize("prod", PROD, ids=["n4096_d128_bf16", "n8192_d256_f32"])
 def test_mosaic_compiles_at_production_shapes(prod, monkeypatch):
     """Past lowering: libtpu's Mosaic compiler accepts the three TPU kernels (forward, dk/dv,
     dq) for a v5p chip at production shapes, every mask option and a per-head bias."""
-    from jax.experimental import topologies  # noqa: PLC0415
-
-    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-8")
-    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+    rep = replicated_on_a_v5p_chip(monkeypatch)
     n, d, dtype = prod
-    mesh = jax.sharding.Mesh(
-        np.array(topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[:1]), ("x",)
-    )
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    mesh = rep.mesh
     b, h = 4, 4
     x = jax.ShapeDtypeStruct((b * n, h, d), dtype, sharding=rep)
     offsets = jax.ShapeDtypeStruct((b + 1,), jnp.int32, sharding=rep)
