@@ -80,7 +80,8 @@ class EngineSpec:
         stored row: when a TPU kernel reads them (``pallas_tpu``; XLA:TPU keeps a narrow
         ``[R, w]`` column-major, and a kernel's row-major copy of it would pad each row to 128
         lanes), float32 storage (the only one those kernels take) and no tiered table (whose
-        cache moves logical rows)."""
+        cache moves logical rows). Name both kernels: a path that is not a TPU kernel reads a
+        packed buffer as rows, which on a TPU is a relayout copy each step."""
         tpu = "pallas_tpu" in (self.bag_kernel, self.update_kernel)
         return tpu and self.storage_dtype == "float32" and not self.tiered
 
