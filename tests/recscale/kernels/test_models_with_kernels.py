@@ -154,7 +154,13 @@ def test_training_with_kernels_equals_the_reference(family, impl):
         np.testing.assert_allclose(a, b, **TOL)
     assert params.keys() == ref_params.keys()
     for k in ref_params:
-        np.testing.assert_allclose(params[k], ref_params[k], **TOL, err_msg=k)
+        got = params[k]
+        if got.shape != ref_params[k].shape:  # the TPU kernels' packed buffers, as rows
+            rows, width = ref_params[k].shape
+            got = got.reshape(-1, width)  # one device: the same rows, then more padding
+            assert impl == "pallas_tpu" and "buffers" in k and not got[rows:].any(), k
+            got = got[:rows]
+        np.testing.assert_allclose(got, ref_params[k], **TOL, err_msg=k)
     # The steps changed the parameters (so equality above is not of two untouched states).
     init = _initial_params(family, devices)
     assert any(not np.allclose(init[k], ref_params[k]) for k in ref_params if "buffers" in k)
