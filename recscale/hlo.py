@@ -83,24 +83,65 @@ def _group_size(attrs: str) -> int:
 
 
 def _trips(hlo_text: str) -> dict[str, int]:
-    """How many times each computation runs per call of the entry: a while loop's body its
-    ``known_trip_count`` times its parent's count (nested loops multiply)."""
-    parent, loops, current = {}, [], None
-    for line in hlo_text.splitlines():
-        if m := _HEADER.match(line):
-            current = m.group(1)
-            if line.startswith("ENTRY"):
-                parent[current] = None
-            continue
-        if current and (m := _WHILE.search(line)):
-            t = _TRIPS.search(line)
-            loops.append((current, m.group(1), int(t.group(1)) if t else 1))
-    count = {name: 1 for name, up in parent.items() if up is None}
+    """How many times each computation runs per call of the entry: a while loop's body its trip
+    count times its parent's count (nested loops multiply). The trip count is XLA's
+    ``known_trip_count`` where it states one (XLA:CPU does), else read from the loop itself
+    (XLA:TPU states none): a condition ``counter < N`` (or ``N > counter``) on a tuple element
+    whose initial value is a constant ``c`` (through copies and bitcasts) runs ``N - c`` times;
+    a loop of another shape counts once."""
+    comps = _computations(hlo_text)
+    entry = next(
+        (
+            m.group(1)
+            for line in hlo_text.splitlines()
+            if line.startswith("ENTRY") and (m := _HEADER.match(line))
+        ),
+        None,
+    )
+    loops = []
+    for parent, instrs in comps.items():
+        by_name = {i.name: i for i in instrs}
+        for ins in instrs:
+            if ins.op == "while" and (body := re.search(r"\bbody=%([^,\s]+)", ins.attrs)):
+                loops.append((parent, body.group(1), _trip_count(comps, by_name, ins)))
+    count = {entry: 1} if entry else {}
     for _ in range(len(loops) + 1):  # propagate down nested loops (few levels)
         for up, body, n in loops:
             if up in count:
                 count[body] = count[up] * n
     return count
+
+
+def _trip_count(comps: dict[str, list[_Instr]], parent: dict[str, _Instr], loop: _Instr) -> int:
+    if t := _TRIPS.search(loop.attrs):
+        return int(t.group(1))
+    cond = re.search(r"\bcondition=%([^,\s]+)", loop.attrs)
+    instrs = comps.get(cond.group(1), []) if cond else []
+    by_name = {i.name: i for i in instrs}
+    root = next((i for i in instrs if i.root), None)
+    direction = re.search(r"direction=(\w+)", root.attrs) if root is not None else None
+    if root is None or root.op != "compare" or not direction or len(root.operands) < 2:
+        return 1
+    counter, bound = root.operands[:2]
+    if direction.group(1) == "GT":
+        counter, bound = bound, counter
+    elif direction.group(1) != "LT":
+        return 1
+    counter_i, bound_i = by_name.get(counter), by_name.get(bound)
+    index = re.search(r"\bindex=(\d+)", counter_i.attrs) if counter_i is not None else None
+    if index is None or counter_i.op != "get-tuple-element" or bound_i is None:
+        return 1
+    if bound_i.op != "constant" or not loop.operands:
+        return 1
+    init = parent.get(loop.operands[0])
+    if init is None or init.op != "tuple" or len(init.operands) <= int(index.group(1)):
+        return 1
+    start = parent.get(init.operands[int(index.group(1))])
+    while start is not None and start.op in ("copy", "bitcast", "convert") and start.operands:
+        start = parent.get(start.operands[0])
+    if start is None or start.op != "constant":
+        return 1
+    return max(int(bound_i.literal) - int(start.literal), 1)
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -216,6 +257,8 @@ class _Instr:
     root: bool
     param: int = -1
     """A parameter's number (-1: not a parameter)."""
+    literal: str = ""
+    """A constant's value as written."""
 
 
 def _shape_bytes(text: str) -> float:
@@ -249,7 +292,10 @@ def _computations(hlo_text: str) -> dict[str, list[_Instr]]:
         root, name, shape, op, rest = m.groups()
         operands, attrs = _split_operands(rest)
         param = int(rest.split(")")[0]) if op == "parameter" else -1
-        current.append(_Instr(name, _shape_bytes(shape), op, operands, attrs, bool(root), param))
+        literal = rest.split(")")[0] if op == "constant" else ""
+        current.append(
+            _Instr(name, _shape_bytes(shape), op, operands, attrs, bool(root), param, literal)
+        )
     return comps
 
 

@@ -94,6 +94,38 @@ def test_collective_bytes_reads_tuples_async_pairs_and_layouts():
     assert got["reduce-scatter"] == got["collective-permute"] == 0
 
 
+LOOP = """
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  %x = f32[4] get-tuple-element(%p), index=1
+  %ar = f32[4] all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[4]) tuple(%i, %ar)
+}
+
+ENTRY %main (a: f32[4]) -> (s32[], f32[4]) {
+  %a = f32[4] parameter(0)
+  %two = s32[] constant(2)
+  %start = s32[] copy(%two)
+  %init = (s32[], f32[4]) tuple(%start, %a)
+  ROOT %w = (s32[], f32[4]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_loops_without_a_stated_trip_count_are_counted_from_their_condition():
+    """XLA:TPU states no ``known_trip_count``: ``i < 7`` from ``i = 2`` runs 5 times, and the
+    body's all-reduce counts 5 times."""
+    (ar,) = hlo.collectives(LOOP)
+    assert ar.bytes == 5 * 4 * 4
+
+
 def _hbm(fn, *args, **jit_kw) -> tuple[float, float]:
     """(``hlo.hbm_bytes``, XLA's bytes accessed) of ``fn`` compiled on this host."""
     c = jax.jit(fn, **jit_kw).lower(*args).compile()
