@@ -41,7 +41,6 @@ _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 # XLA's mesh form: ``replica_groups=mesh['x'=2,'y'=4] {'y'}``: groups along the named axes.
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\(.*\{\s*$")
-_WHILE = re.compile(r"\swhile\(.*body=%([^,\s]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -82,14 +81,15 @@ def _group_size(attrs: str) -> int:
     return 0
 
 
-def _trips(hlo_text: str) -> dict[str, int]:
+def _trips(hlo_text: str, comps: dict[str, list[_Instr]] | None = None) -> dict[str, int]:
     """How many times each computation runs per call of the entry: a while loop's body its trip
     count times its parent's count (nested loops multiply). The trip count is XLA's
     ``known_trip_count`` where it states one (XLA:CPU does), else read from the loop itself
     (XLA:TPU states none): a condition ``counter < N`` (or ``N > counter``) on a tuple element
     whose initial value is a constant ``c`` (through copies and bitcasts) runs ``N - c`` times;
-    a loop of another shape counts once."""
-    comps = _computations(hlo_text)
+    a loop of another shape counts once. ``comps``: the module's :func:`_computations`, if
+    already parsed."""
+    comps = _computations(hlo_text) if comps is None else comps
     entry = next(
         (
             m.group(1)
@@ -303,6 +303,9 @@ def _fusion_bytes(fused: list[_Instr], operand_bytes: list[float], out_bytes: fl
     """A fusion's HBM traffic: each operand read whole unless the fused computation only slices
     it (a gather or dynamic slice: those bytes) or updates it in place (nothing read), and its
     output written whole unless it is such an in-place update (the update's bytes)."""
+    root = next((i for i in fused if i.root), None)
+    if root is None:  # its computation not in the text: every operand and the output whole
+        return sum(operand_bytes) + out_bytes
     by_name = {i.name: i for i in fused}
     users: dict[str, list[tuple[_Instr, int]]] = {}
     for ins in fused:
@@ -331,15 +334,13 @@ def _fusion_bytes(fused: list[_Instr], operand_bytes: list[float], out_bytes: fl
         if 0 <= p.param < len(operand_bytes):
             part = read(p.name)
             total += operand_bytes[p.param] if part is None else part
-    root = next((i for i in fused if i.root), None)
-    outs = [root] if root is None or root.op != "tuple" else [by_name[o] for o in root.operands]
-    written = 0.0
+    outs = [root] if root.op != "tuple" else [by_name[o] for o in root.operands]
     for out in outs:
-        if out is not None and out.op in _IN_PLACE and len(out.operands) > _IN_PLACE[out.op]:
-            written += by_name[out.operands[_IN_PLACE[out.op]]].bytes
+        if out.op in _IN_PLACE and len(out.operands) > _IN_PLACE[out.op]:
+            total += by_name[out.operands[_IN_PLACE[out.op]]].bytes
         else:
-            written += out.bytes if out is not None else 0.0
-    return total + (written if root is not None else out_bytes)
+            total += out.bytes
+    return total
 
 
 def hbm_bytes(hlo_text: str) -> float:
@@ -352,7 +353,7 @@ def hbm_bytes(hlo_text: str) -> float:
     ``bytes accessed`` charges a gather its whole operand and a loop body once; this is the
     traffic an embedding-bound or scanned step actually has, to the roofline's accuracy."""
     comps = _computations(hlo_text)
-    trips = _trips(hlo_text)
+    trips = _trips(hlo_text, comps)
     sizes = {i.name: i.bytes for instrs in comps.values() for i in instrs}
     total = 0.0
     for comp, n in trips.items():
@@ -368,8 +369,8 @@ def hbm_bytes(hlo_text: str) -> float:
             elif op in _SLICES:
                 b = 2 * ins.bytes + sum(operand_bytes[1:])
             elif op in _IN_PLACE and len(operand_bytes) > _IN_PLACE[op]:
-                upd = operand_bytes[_IN_PLACE[op]]
-                b = 2 * upd + sum(operand_bytes[1:]) - upd
+                # reads its indices and update, writes the update: operand 0 is not read
+                b = sum(operand_bytes[1:]) + operand_bytes[_IN_PLACE[op]]
             elif op == "copy-done":
                 b = ins.bytes
             else:

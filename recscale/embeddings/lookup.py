@@ -53,7 +53,8 @@ def _pool(buf_rw, keys_sbh: jax.Array, impl: str = "auto", pack: int = 1) -> jax
     """``[S, B, w]`` float32: bags summed from rows ``keys`` of ``buf [R, w]`` (``R`` = none;
     stored ``[R/pack, pack·w]`` when packed), by the embedding-bag kernel ``impl``
     (``recscale.kernels.embedding_bag``); ``buf`` may be an int8 ``(q, scale_bias)`` pair
-    (inference; never packed), pooled by the fused dequantizing kernel."""
+    (inference; quantized as rows, so ``pack`` does not apply), pooled by the fused
+    dequantizing kernel."""
     s, b, h = keys_sbh.shape
     ids = keys_sbh.reshape(s * b, h)
     if isinstance(buf_rw, tuple):
@@ -262,14 +263,13 @@ def _lookup_replicated(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, me
     offset = bl.arr("offset")[0]
     ids_sbh = jnp.transpose(ids_bfh[:, feat, :], (1, 0, 2))
     keys = jnp.where(ids_sbh >= 0, offset[:, None, None] + ids_sbh, bl.rows)
-    pack = 1 if isinstance(buf, tuple) else bl.pack
     if mesh is None:
-        pooled = _pool(buf, keys, layout.bag_kernel, pack)
+        pooled = _pool(buf, keys, layout.bag_kernel, bl.pack)
     else:  # each device pools its own examples (a kernel is a custom call XLA cannot split)
         spec = P(None, AXIS, None)
         keys = jax.lax.with_sharding_constraint(keys, NamedSharding(mesh, spec))
         pooled = jax.shard_map(
-            functools.partial(_pool, impl=layout.bag_kernel, pack=pack),
+            functools.partial(_pool, impl=layout.bag_kernel, pack=bl.pack),
             mesh=mesh,
             in_specs=(jax.tree.map(lambda _: P(), buf), spec),
             out_specs=spec,
@@ -293,9 +293,8 @@ def _lookup_sharded(layout: Layout, bl: BufferLayout, buf, ids_bfh, delta, mesh)
         local = ids_sbh - row_start[:, None, None]
         ok = (ids_sbh >= 0) & (local >= 0) & (local < row_count[:, None, None])
         keys = jnp.where(ok, offset[:, None, None] + local, rows)
-        pack = 1 if isinstance(buf_rw, tuple) else bl.pack
         # [S, B, w]: partial outputs for the whole batch
-        pooled = _pool(buf_rw, keys, layout.bag_kernel, pack)
+        pooled = _pool(buf_rw, keys, layout.bag_kernel, bl.pack)
         if maybe_delta:
             pooled = pooled + maybe_delta[0]
         comp = layout.compression_of(bl)

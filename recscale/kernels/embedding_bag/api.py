@@ -179,7 +179,7 @@ def pool(
     stored = table.shape
     if pack > 1 and stored[1] % pack:
         raise ValueError(f"{OP}: a table packed {pack} rows a row needs a width they divide")
-    rows = table.reshape(stored[0] * pack, stored[1] // pack)  # [V, D]: a view, row-major
+    rows = table.reshape(stored[0] * pack, stored[1] // pack) if pack > 1 else table  # [V, D]
     chosen = _choose(rows, ids, impl)
     if pack > 1 and chosen != "pallas_tpu":
         return pool(rows, ids, pooling=pooling, impl=chosen, interpret=interpret)
