@@ -70,6 +70,7 @@ CASES = [
     ("wukong/table5-6", "tpu-v5p-128", (*FSDP, *SCAN, "--global-batch", "131072")),
     ("wukong/table5-6", "tpu-v5p-128", (*FSDP, *TP4, *SCAN, "--global-batch", "131072")),
     ("wukong/table5-6", "tpu-v5p-128", (*FSDP, *TP4, "--global-batch", "131072")),
+    ("dlrm/criteo-mlperf", "tpu-v5p-16", PALLAS[:4]),  # the embedding kernels: packed buffers
     ("dlrm/criteo-mlperf", "tpu-v5p-16", PALLAS),
     ("wukong/table5-1", "tpu-v6e-8", ()),
 ]

@@ -451,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
             )
     except ValueError as e:  # the mesh or the planner refuses the layout
         raise SystemExit(f"error: {e}") from None
+    except OSError as e:  # --hlo FILE could not be written
+        raise SystemExit(f"error: --hlo {e.filename}: {e.strerror}") from None
     print(render(report))
     if "json" in own:
         with open(own["json"], "a") as f:
