@@ -165,6 +165,21 @@ class EmbeddingShardingConfig:
     """The planner's lookup cost relative to the profile's peak memory bandwidth (measured
     lookup time over the peak's; ``planner.CostModel.calibrated``); 0: uncalibrated (1).
     These four are the planner's: with ``sharding`` off they do nothing."""
+    planner: Literal["analytic", "learned"] = field(
+        "analytic", role=LAYOUT, identity_default="analytic", plan_input="planner"
+    )
+    """``analytic``: the planner's cost formulas (``recscale.embeddings.planner``). ``learned``:
+    NeuroShard's search over a cost model trained on measured shard sets
+    (``recscale.embeddings.learned_planner``; the model shipped for the profile, or
+    ``cost_model``)."""
+    cost_model: str = field("", role=LAYOUT, identity_default="", plan_input="cost_model")
+    """The learned planner's model file (``python -m recscale.embeddings.learned_cost train``);
+    empty: ``recscale/embeddings/cost_models/<profile>.npz``."""
+    cost_model_digest: str = field(
+        "", role=LAYOUT, identity_default="", plan_input="cost_model_digest"
+    )
+    """The learned model's digest, recorded at start (``plan_inputs.resolve``): a resumed run
+    whose model file changed refuses to plan (its plan, and so its buffers, would differ)."""
 
     def __post_init__(self):
         types = (

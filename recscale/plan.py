@@ -199,6 +199,12 @@ def plan_step(
             path: engine.plan_engine(c.table_specs, c.feature_specs, c.layout.num_devices, spec)
             for path, c in colls.items()
         }
+        compared = {
+            path: engine.compare_planners(
+                c.table_specs, c.feature_specs, c.layout.num_devices, spec
+            )
+            for path, c in colls.items()
+        }
         planner_mem = sum(c.layout.plan_memory_bytes for c in colls.values())
         # the planner's float32/bf16 costing, or the compressed payloads when compressed
         a2a = sum(
@@ -238,8 +244,10 @@ def plan_step(
             },
             plans={path: p.to_dict() for path, p in plans.items()},
             plan_text="\n".join(
-                (f"{path}:\n" if path else "") + p.render() for path, p in plans.items()
+                (f"{path}:\n" if path else "") + p.render() + compared[path][0]
+                for path, p in plans.items()
             ),
+            planners={path: c[1] for path, c in compared.items()},
         )
         if not compile:
             return report

@@ -36,6 +36,9 @@ class StepReport:
     and shards, per device its memory and predicted step time by term)."""
     plan_text: str = ""
     """Those plans rendered (``Plan.render``)."""
+    planners: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Per engine collection, both planners' plans predicted by both models
+    (``learned_planner.side_by_side``), or why the learned one is not shown."""
     step_time: dict[str, float] = dataclasses.field(default_factory=dict)
     """With ``--compile``: the compiled step's roofline per chip in seconds
     (``hlo.step_time``: compute, memory, each collective, serial, overlapped)."""

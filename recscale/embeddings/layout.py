@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from recscale import sharding
+from recscale.embeddings import learned_cost, learned_planner
 from recscale.embeddings import planner as planner_lib
 from recscale.embeddings.compress import Compression
 from recscale.embeddings.spec import FeatureSpec, TableSpec
@@ -73,6 +74,13 @@ class EngineSpec:
     planner's row-wise load (tables not named: uniform)."""
     lookup_factor: float = 0.0
     """The planner's lookup calibration (``embeddings.cost_lookup_factor``; 0: uncalibrated)."""
+    planner: str = "analytic"
+    """``analytic`` (``recscale.embeddings.planner``) or ``learned``
+    (``recscale.embeddings.learned_planner``, ``embeddings.planner``)."""
+    cost_model: str = ""
+    """The learned planner's model file (empty: the one shipped for the profile)."""
+    cost_model_digest: str = ""
+    """That file's digest as the run recorded it (``learned_cost.file_digest``; empty: unchecked)."""
 
     @property
     def pack_rows(self) -> bool:
@@ -111,6 +119,9 @@ class EngineSpec:
             bound_scales=tuple(e.comm_error_bound_tables),
             zipf_exponents=tuple(e.zipf_exponents),
             lookup_factor=e.cost_lookup_factor,
+            planner=e.planner,
+            cost_model=e.cost_model,
+            cost_model_digest=e.cost_model_digest,
         )
 
 
@@ -282,8 +293,57 @@ def plan_engine(
     num_devices: int,
     spec: EngineSpec,
 ) -> planner_lib.Plan:
-    """The planner's plan of ``tables`` on ``num_devices`` devices, as :func:`build_layout`
-    lays it out (``python -m recscale.plan`` prints it)."""
+    """The plan of ``tables`` on ``num_devices`` devices by ``spec.planner``, as
+    :func:`build_layout` lays it out (``python -m recscale.plan`` prints it)."""
+    ptables, profile, cost = planner_inputs(tables, features, num_devices, spec)
+    if spec.planner == "learned":
+        model = learned_cost.CostPredictor.for_profile(
+            profile.name, spec.cost_model, digest=spec.cost_model_digest
+        )
+        return learned_planner.plan(
+            ptables,
+            profile,
+            num_devices,
+            batch_size=spec.batch_size,
+            predictor=model,
+            cost_model=cost,
+        )
+    return planner_lib.plan(
+        ptables, profile, num_devices, batch_size=spec.batch_size, cost_model=cost
+    )
+
+
+def compare_planners(
+    tables: tuple[TableSpec, ...],
+    features: tuple[FeatureSpec, ...],
+    num_devices: int,
+    spec: EngineSpec,
+) -> tuple[str, dict]:
+    """Both planners' plans side by side (``learned_planner.side_by_side``): ``(text, data)``;
+    without a learned model for the profile, one line saying so and ``{"learned": reason}``."""
+    ptables, profile, cost = planner_inputs(tables, features, num_devices, spec)
+    try:
+        model = learned_cost.CostPredictor.for_profile(profile.name, spec.cost_model)
+        return learned_planner.side_by_side(
+            ptables,
+            profile,
+            num_devices,
+            batch_size=spec.batch_size,
+            cost_model=cost,
+            predictor=model,
+        )
+    except ValueError as e:
+        return f"learned planner not compared: {e}\n", {"learned": str(e)}
+
+
+def planner_inputs(
+    tables: tuple[TableSpec, ...],
+    features: tuple[FeatureSpec, ...],
+    num_devices: int,
+    spec: EngineSpec,
+) -> tuple[list[planner_lib.PlannerTable], Any, planner_lib.CostModel]:
+    """``(planner tables, hardware profile, cost model)`` of an engine spec: what both
+    planners take."""
     by_table: dict[str, list[int]] = {t.name: [] for t in tables}
     for i, f in enumerate(features):
         by_table[f.table].append(i)
@@ -350,9 +410,7 @@ def plan_engine(
     cost = planner_lib.CostModel.for_profile(profile, comm_bytes)
     if spec.lookup_factor:
         cost = dataclasses.replace(cost, lookup=spec.lookup_factor)
-    return planner_lib.plan(
-        ptables, profile, num_devices, batch_size=spec.batch_size, cost_model=cost
-    )
+    return ptables, profile, cost
 
 
 def build_layout(

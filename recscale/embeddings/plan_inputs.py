@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from recscale import config as config_lib
-from recscale.embeddings import planner
+from recscale.embeddings import learned_cost, planner
 from recscale.embeddings.layout import DTYPES, default_profile
 from tpu_gpu_configs.profiles import get_profile
 
@@ -246,6 +246,9 @@ def resolve(cfg: Any, workdir: str | Path | None = None, *, calibrate: bool = Tr
     (and ``calibrate`` allows: not when planning for another machine). A run resumed in
     ``workdir`` (its config.json and checkpoints there) takes the recorded values."""
     e = cfg.embeddings
+    if e.sharding != "off" and e.planner == "learned" and not e.cost_model_digest:
+        cfg = _with_model_digest(cfg)
+        e = cfg.embeddings
     wants_skew = e.sharding != "off" and e.measure_skew > 0
     wants_factor = calibrate and e.sharding != "off" and e.calibrate and not e.cost_lookup_factor
     if not (wants_skew or wants_factor):
@@ -268,6 +271,17 @@ def resolve(cfg: Any, workdir: str | Path | None = None, *, calibrate: bool = Tr
         (factor,) = _broadcast([cal.factor])
         _print(cal.describe(cfg.kernels.embedding_bag, jax.local_devices()[0].device_kind))
         e = dataclasses.replace(e, cost_lookup_factor=float(f"{factor:.3g}"), profile=cal.profile)
+    return dataclasses.replace(cfg, embeddings=e)
+
+
+def _with_model_digest(cfg: Any) -> Any:
+    """``cfg`` with the learned planner's model digest recorded (the model of the profile the
+    run plans for), so a resume with a changed model file refuses instead of re-planning."""
+    e = cfg.embeddings
+    path = learned_cost.model_path(e.profile or default_profile(), e.cost_model)
+    if not path.is_file():  # planning says why, naming the file
+        return cfg
+    e = dataclasses.replace(e, cost_model_digest=learned_cost.file_digest(path))
     return dataclasses.replace(cfg, embeddings=e)
 
 

@@ -171,13 +171,15 @@ class Plan:
     """Memory of each device's shards [N]."""
     memory_limit_bytes: float
     all_to_all_bytes: float = 0.0
-    """Bytes of the engine's all-to-all buffers per step over all devices (``_exchange_bytes``:
+    """Bytes of the engine's all-to-all buffers per step over all devices (``plan_exchange_bytes``:
     every shard's pooled outputs for the whole batch forward, their gradients backward, slots
     padded to the fullest device's count; the ids travel in an all-gather; a replicated table
     exchanges nothing)."""
     device_terms_s: np.ndarray | None = None
     """Each device's estimated time per step by term [N, 3]: lookup, communication, compute
     (summing to :attr:`device_time_s`, up to rounding)."""
+    planner: str = "analytic"
+    """Which planner made it (``learned``: ``recscale.embeddings.learned_planner``)."""
 
     @property
     def max_time_s(self) -> float:
@@ -210,6 +212,7 @@ class Plan:
             ],
             "memory_limit_bytes": float(self.memory_limit_bytes),
             "all_to_all_bytes": float(self.all_to_all_bytes),
+            "planner": self.planner,
         }
 
     def _terms(self) -> np.ndarray:
@@ -226,7 +229,8 @@ class Plan:
         from rich.table import Table  # noqa: PLC0415
 
         t = Table(
-            title=f"embedding plan: {len(self.tables)} tables on {self.device_time_s.size} "
+            title=f"embedding plan ({self.planner}): {len(self.tables)} tables on "
+            f"{self.device_time_s.size} "
             f"devices, slowest device {self.max_time_s * 1e3:.3f} ms/step"
         )
         for col in ("table", "sharding", "shards", "devices", "memory/shard", "time/shard"):
@@ -239,7 +243,7 @@ class Plan:
                 tp.sharding,
                 str(len(tp.shards)),
                 dev_s,
-                _bytes(max(s.memory_bytes for s in tp.shards)),
+                human_bytes(max(s.memory_bytes for s in tp.shards)),
                 f"{max(s.time_s for s in tp.shards) * 1e6:.1f} us",
             )
         buf = io.StringIO()
@@ -260,19 +264,19 @@ class Plan:
                 str(dev),
                 *(f"{x * 1e6:.1f} us" for x in terms[dev]),
                 f"{self.device_time_s[dev] * 1e6:.1f} us",
-                _bytes(self.device_memory_bytes[dev]),
+                human_bytes(self.device_memory_bytes[dev]),
             )
         console.print(d)
         mem = self.device_memory_bytes
         console.print(
-            f"device memory: max {_bytes(mem.max())} of {_bytes(self.memory_limit_bytes)}, "
-            f"min {_bytes(mem.min())}; device time: max {self.max_time_s * 1e6:.1f} us, "
+            f"device memory: max {human_bytes(mem.max())} of {human_bytes(self.memory_limit_bytes)}, "
+            f"min {human_bytes(mem.min())}; device time: max {self.max_time_s * 1e6:.1f} us, "
             f"mean {self.device_time_s.mean() * 1e6:.1f} us"
         )
         return buf.getvalue()
 
 
-def _bytes(x: float) -> str:
+def human_bytes(x: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if x < 1024 or unit == "TiB":
             return f"{x:.1f} {unit}"
@@ -281,7 +285,7 @@ def _bytes(x: float) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Candidate:
+class Candidate:
     sharding: ShardingType
     n_shards: int
     group: Literal["any", "all", "host"]
@@ -296,7 +300,7 @@ class _Candidate:
 
 
 @functools.lru_cache(maxsize=4096)
-def _hot_fraction(num_rows: int, s: float) -> float:
+def hot_fraction(num_rows: int, s: float) -> float:
     """p_0: the hottest row's share of the lookups under Zipf(s) over ``num_rows`` rows (the
     first 10,000 terms of the harmonic sum exactly, the rest by its integral)."""
     if s <= 0:
@@ -309,9 +313,9 @@ def _hot_fraction(num_rows: int, s: float) -> float:
     return 1.0 / h
 
 
-def _candidates(
+def candidates(
     t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, batch: int, max_col_splits: int
-) -> list[_Candidate]:
+) -> list[Candidate]:
     b, c = t.bytes_per_element, cm.comm_bytes_per_element
     row_b, elem_b = OPTIMIZER_STATE_BYTES[t.optimizer]
     lookups = batch * t.pooling_factor
@@ -326,11 +330,11 @@ def _candidates(
         flops = 3 * frac * lookups * cols / hw.flops * cm.compute
         talk = comm / link * cm.comm
         time = look + flops + talk
-        return _Candidate(kind, k, group, memory(rows, cols), time, rows, cols, (look, talk, flops))
+        return Candidate(kind, k, group, memory(rows, cols), time, rows, cols, (look, talk, flops))
 
     out = []
     allowed = set(t.allowed) or set(ShardingType.__args__)
-    hot = _hot_fraction(t.num_rows, t.zipf_exponent)
+    hot = hot_fraction(t.num_rows, t.zipf_exponent)
     ici = hw.interconnect_bandwidth
     if "data_parallel" in allowed:
         comm = lookups * t.dim * c * (n - 1) / n
@@ -403,13 +407,14 @@ def plan(
         raise ValueError(str(error)) from None
     _, load, mem, terms, choices = best
     out = tuple(
-        TablePlan(t.name, choices[t.name][0].sharding, _shards(t, *choices[t.name])) for t in tables
+        TablePlan(t.name, choices[t.name][0].sharding, shards_of(t, *choices[t.name]))
+        for t in tables
     )
-    a2a = _exchange_bytes(out, num_devices, batch_size, cost_model)
+    a2a = plan_exchange_bytes(out, num_devices, batch_size, cost_model)
     return Plan(out, load, mem, limit, a2a, terms)
 
 
-def _exchange_bytes(tables: tuple[TablePlan, ...], n: int, batch: int, cm: CostModel) -> float:
+def plan_exchange_bytes(tables: tuple[TablePlan, ...], n: int, batch: int, cm: CostModel) -> float:
     """Bytes of the engine's all-to-all buffers per step, all devices, as
     ``recscale.embeddings.layout`` builds them: each device's non-empty shards of one width are
     the slots of one buffer, every device has as many slots as the fullest one (the
@@ -449,7 +454,7 @@ def round_robin(tables, profile: HardwareProfile, num_devices: int, *, batch_siz
     terms = np.zeros((num_devices, len(TERMS)))
     out = []
     for i, t in enumerate(tables):
-        (cand,) = _candidates(
+        (cand,) = candidates(
             dataclasses.replace(t, allowed=("table_wise",)),
             num_devices,
             profile,
@@ -461,7 +466,7 @@ def round_robin(tables, profile: HardwareProfile, num_devices: int, *, batch_siz
         load[d] += cand.shard_time
         mem[d] += cand.shard_memory
         terms[d] += cand.shard_terms
-        out.append(TablePlan(t.name, "table_wise", _shards(t, cand, np.array([d]))))
+        out.append(TablePlan(t.name, "table_wise", shards_of(t, cand, np.array([d]))))
     return Plan(tuple(out), load, mem, profile.memory_bytes * memory_fraction, device_terms_s=terms)
 
 
@@ -469,7 +474,7 @@ def _greedy(tables, hw, n, batch, cm, limit, cap):
     load = np.zeros(n)
     mem = np.zeros(n)
     terms = np.zeros((n, len(TERMS)))
-    cands = {t.name: _candidates(t, n, hw, cm, batch, cap) for t in tables}
+    cands = {t.name: candidates(t, n, hw, cm, batch, cap) for t in tables}
     for t in tables:
         if not cands[t.name]:
             raise _NoPlacement(f"table {t.name!r}: no allowed sharding type applies on {n} devices")
@@ -479,7 +484,7 @@ def _greedy(tables, hw, n, batch, cm, limit, cap):
         choice = None
         current = load.max()
         for c in cands[t.name]:
-            devs = _devices(c, load, mem, limit, n)
+            devs = place_devices(c, load, mem, limit, n)
             if devs is None:
                 continue
             key = (max(current, load[devs].max() + c.shard_time), c.shard_time * c.n_shards)
@@ -489,8 +494,8 @@ def _greedy(tables, hw, n, batch, cm, limit, cap):
             need = min(c.shard_memory for c in cands[t.name])
             raise _NoPlacement(
                 f"table {t.name!r} ({t.num_rows:,} rows x {t.dim}) does not fit: its smallest "
-                f"shard needs {_bytes(need)}, the freest device has {_bytes(limit - mem.min())} "
-                f"of {_bytes(limit)} left (add devices, shard rows, or use a smaller dtype)"
+                f"shard needs {human_bytes(need)}, the freest device has {human_bytes(limit - mem.min())} "
+                f"of {human_bytes(limit)} left (add devices, shard rows, or use a smaller dtype)"
             )
         _, c, devs = choice
         load[devs] += c.shard_time
@@ -500,7 +505,7 @@ def _greedy(tables, hw, n, batch, cm, limit, cap):
     return load, mem, terms, choices
 
 
-def _devices(c: _Candidate, load, mem, limit, n) -> np.ndarray | None:
+def place_devices(c: Candidate, load, mem, limit, n) -> np.ndarray | None:
     fits = mem + c.shard_memory <= limit
     if c.group == "all":
         return np.arange(n) if fits.all() else None
@@ -523,7 +528,7 @@ def _devices(c: _Candidate, load, mem, limit, n) -> np.ndarray | None:
     )
 
 
-def _shards(t: PlannerTable, c: _Candidate, devs: np.ndarray) -> tuple[Shard, ...]:
+def shards_of(t: PlannerTable, c: Candidate, devs: np.ndarray) -> tuple[Shard, ...]:
     out = []
     for i, d in enumerate(devs.tolist()):
         if c.sharding in ("row_wise", "table_row_wise"):

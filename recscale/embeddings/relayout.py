@@ -75,13 +75,16 @@ _PLAN_DEFAULTS = {
     "zipf_exponents": [],
     "lookup_factor": 0.0,
     "pack_rows": False,
+    "planner": "analytic",
+    "cost_model": "",
+    "cost_model_digest": "",
 }
 """Plan inputs recorded since: a checkpoint without one was planned as with this value (the
 planner costed float32 exchanges whatever ``comm_dtype`` said; per-table bounds, which group
 tables into buffers, came later; the engine refused coupled L2 before it kept such tables
 data-parallel; the tables' measured skew and the lookup calibration came later too, before
 which every table was costed as uniform and uncalibrated; narrow buffers were stored packed
-(``EngineSpec.pack_rows``) later still)."""
+(``EngineSpec.pack_rows``) later still, and the learned planner last)."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -271,16 +271,21 @@ def test_the_report_shows_the_embedding_plan_and_its_step_time_by_device(tmp_pat
     plan.main([*argv, "--embeddings.per-table", "f0=row_wise", "--embeddings.measure-skew", "64"])
     captured = capsys.readouterr()
     text = captured.out
-    assert "embedding plan: 4 tables on 8 devices" in text
+    assert "embedding plan (analytic): 4 tables on 8 devices" in text
     assert "│ f0    │ row_wise" in text and "memory/shard" in text
     assert "predicted embedding step time per device" in text
     assert "communication" in text and "│      7 │" in text  # every one of the 8 devices
+    assert "both planners, each plan predicted by both models" in text
     assert "embeddings.measure_skew: Zipf exponents over 64 batches" in captured.err
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     (p,) = row["plans"].values()
     assert [t["table"] for t in p["tables"]] == ["f0", "f1", "f2", "f3"]
     assert p["tables"][0]["sharding"] == "row_wise" and len(p["tables"][0]["shards"]) == 8
     assert len(p["devices"]) == 8
+    (both,) = row["planners"].values()  # the learned planner beside the analytic one
+    for name in ("analytic", "learned"):
+        assert both[name]["analytic_model_s"] > 0 and both[name]["learned_model_s"] > 0
+    assert both["learned"]["kinds"]["row_wise"] == 1  # the pin holds in both
     for d in p["devices"]:
         total = d["lookup_s"] + d["comm_s"] + d["compute_s"]
         assert d["time_s"] > 0 and total == pytest.approx(d["time_s"], rel=1e-12)

@@ -141,7 +141,7 @@ def test_thousand_tables_on_1024_devices_under_10s():
 def test_render_and_profiles():
     tables = criteo_like()
     text = plan(tables, H100, 8, batch_size=65536).render()
-    assert "embedding plan: 26 tables on 8 devices" in text and "t0" in text
+    assert "embedding plan (analytic): 26 tables on 8 devices" in text and "t0" in text
     for p in PROFILES.values():
         assert p.memory_bytes > 0 and p.memory_bandwidth > 0 and p.flops > 0
     assert {
