@@ -1,6 +1,6 @@
 """The measured cost table the learned sharding cost model trains on (issue 39).
 
-``python benchmarks/cost_table.py [--out benchmarks/cost_tables/cpu-2core_v1.jsonl]
+``python benchmarks/cost_table.py [--out benchmarks/cost_tables/cpu-2core_v1.jsonl.gz]
 [--minutes 45] [--seed 0]``
 
 Each sample is one device's shard set and its measured step time: the engine's pool and fused
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import platform
 import sys
@@ -157,27 +158,60 @@ def samples(seed: int):
                         yield task, [s for s, k in zip(sets[d], keep, strict=True) if k]
 
 
+def remeasure(path: Path, count: int, repeats: int, seed: int) -> None:
+    """Times ``count`` random samples of the table at ``path`` again (as they were timed)."""
+    from recscale.embeddings import learned_cost  # noqa: PLC0415
+
+    _, table = learned_cost.load_table(path)
+    rng = np.random.default_rng(seed)
+    pick = rng.choice(len(table), min(count, len(table)), replace=False)
+    rel = []
+    for i in pick:
+        smp = table[i]
+        again = shard_cost.measure(
+            list(smp.shards), pad_hotness=smp.pad, repeats=repeats, seed=int(i)
+        )
+        rel.append(abs(again - smp.seconds) / smp.seconds)
+    rel = np.asarray(rel)
+    print(
+        f"{path}: {rel.size} samples timed again: relative change median {np.median(rel):.1%}, "
+        f"mean {rel.mean():.1%}, 90th percentile {np.percentile(rel, 90):.1%}"
+    )
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="benchmarks/cost_tables/cpu-2core_v1.jsonl")
+    ap.add_argument("--out", default="benchmarks/cost_tables/cpu-2core_v1.jsonl.gz")
     ap.add_argument("--minutes", type=float, default=45.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument(
+        "--remeasure",
+        type=int,
+        default=0,
+        help="instead: time N of the table's samples again and print how much they moved "
+        "(the noise floor of any model's error)",
+    )
     args = ap.parse_args(argv)
+    if args.remeasure:
+        return remeasure(Path(args.out), args.remeasure, args.repeats, args.seed)
     from rich.progress import Progress  # noqa: PLC0415
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if out.suffix == ".gz" else open  # gzip: appends add members
     if not out.exists():
         header = {"version": VERSION, "machine": machine(), "kernels": "auto"}
-        out.write_text(json.dumps(header) + "\n")
+        with opener(out, "wt") as f:
+            f.write(json.dumps(header) + "\n")
     else:
-        header = json.loads(out.read_text().splitlines()[0])
+        with opener(out, "rt") as f:
+            header = json.loads(f.readline())
         if header.get("version") != VERSION or header.get("machine") != machine():
             raise SystemExit(f"{out}: written by another version or machine; use a new --out")
     deadline = time.time() + 60 * args.minutes
     n = skipped = 0
-    with out.open("a") as f, Progress() as bar:
+    with opener(out, "at") as f, Progress() as bar:
         job = bar.add_task("device sets timed", total=None)
         for task, shards in samples(args.seed):
             if time.time() > deadline:

@@ -173,7 +173,7 @@ class EmbeddingShardingConfig:
     (``recscale.embeddings.learned_planner``; the model shipped for the profile, or
     ``cost_model``)."""
     cost_model: str = field("", role=LAYOUT, identity_default="", plan_input="cost_model")
-    """The learned planner's model file (``python -m recscale.embeddings.learned_cost train``);
+    """The learned planner's model file (``python -m recscale.embeddings.fit_cost_model``);
     empty: ``recscale/embeddings/cost_models/<profile>.npz``."""
     cost_model_digest: str = field(
         "", role=LAYOUT, identity_default="", plan_input="cost_model_digest"

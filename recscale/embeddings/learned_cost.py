@@ -7,14 +7,15 @@ shards, ``shard_cost.measure``) from its shards, NeuroShard's form: each shard's
 (so a device's cost is not the sum of its shards' single costs: the head sees how many tables
 share the caches and kernel calls) and squashed by ``log1p``, then a head MLP over that and the
 device's own features (:func:`device_features`: shard and buffer counts, bytes, lookups, the
-bags' padding). Trained with optax Adam on the squared error of log seconds (MSE of logs is a
+bags' padding). Trained with optax AdamW on the squared error of log seconds (MSE of logs is a
 relative error), over the cost table's tasks but a held-out fifth (split by task, so no device
-set of a held-out task is seen).
+set of a held-out task is seen); five such nets from different seeds, their mean log time the
+prediction (a search exploits one net's errors; an ensemble's are smaller and rarer).
 
 Beside it, the **analytic** model the planner uses (``planner.candidates``): lookup bytes over
 the memory bandwidth times the lookup factor, plus FLOPs over the peak; its factor fitted to the
 same training samples (least squares through the origin, as ``CostModel.calibrated`` fits it).
-``python -m recscale.embeddings.learned_cost train TABLE.jsonl --out MODEL.npz`` trains, saves
+``python -m recscale.embeddings.fit_cost_model TABLE --out MODEL.npz`` trains, saves
 and prints both models' held-out error (MAPE) and rank correlation.
 
 A saved model is one ``.npz`` of float arrays and a JSON string (loaded with
@@ -24,11 +25,10 @@ A saved model is one ``.npz`` of float arrays and a JSON string (loaded with
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import gzip
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +96,12 @@ def load_table(path: str | Path) -> tuple[dict, list[Sample]]:
     """``(header, samples)`` of a cost table (``benchmarks/cost_table.py``); a malformed line
     raises naming the file and line."""
     path = Path(path)
-    lines = path.read_text().splitlines()
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the cost table ({e})") from None
     if not lines:
         raise ValueError(f"{path}: empty cost table")
     header = json.loads(lines[0])
@@ -183,21 +188,28 @@ class CostPredictor:
     weights: dict[str, np.ndarray]
     meta: dict
 
+    @property
+    def encoding_shape(self) -> tuple[int, int]:
+        """``(K, H)``: the ensemble's members and each one's encoding width."""
+        return self.weights["enc2_b"].shape
+
     def encode(self, feats: np.ndarray) -> np.ndarray:
-        """``[..., F]`` shard features -> ``[..., H]`` encodings (summed per device)."""
+        """``[..., F]`` shard features -> ``[..., K, H]`` encodings (summed per device)."""
         w = self.weights
         x = (feats - w["x_mean"]) / w["x_std"]
-        h = np.maximum(x @ w["enc1_w"] + w["enc1_b"], 0)
-        return np.maximum(h @ w["enc2_w"] + w["enc2_b"], 0)
+        h = np.maximum(np.einsum("...f,kfh->...kh", x, w["enc1_w"]) + w["enc1_b"], 0)
+        return np.maximum(np.einsum("...kf,kfh->...kh", h, w["enc2_w"]) + w["enc2_b"], 0)
 
     def head(self, pooled_sum: np.ndarray, dev: np.ndarray) -> np.ndarray:
-        """Seconds ``[...]`` of devices with encoding sums ``[..., H]`` and device features."""
+        """Seconds ``[...]`` of devices with encoding sums ``[..., K, H]`` and device features
+        ``[..., G]``: the members' mean log time."""
         w = self.weights
         d = (dev - w["d_mean"]) / w["d_std"]
+        d = np.broadcast_to(d[..., None, :], pooled_sum.shape[:-1] + d.shape[-1:])
         h = np.concatenate([np.log1p(pooled_sum), d], -1)
-        h = np.maximum(h @ w["head1_w"] + w["head1_b"], 0)
-        h = np.maximum(h @ w["head2_w"] + w["head2_b"], 0)
-        y = (h @ w["out_w"] + w["out_b"])[..., 0]
+        h = np.maximum(np.einsum("...kf,kfh->...kh", h, w["head1_w"]) + w["head1_b"], 0)
+        h = np.maximum(np.einsum("...kf,kfh->...kh", h, w["head2_w"]) + w["head2_b"], 0)
+        y = (np.einsum("...kf,kfh->...kh", h, w["out_w"]) + w["out_b"])[..., 0].mean(-1)
         return np.exp(y * float(w["y_std"]) + float(w["y_mean"]))
 
     def seconds(self, shards: list[ShardWork], pad: int) -> float:
@@ -210,7 +222,7 @@ class CostPredictor:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, meta=np.asarray(json.dumps(self.meta)), **self.weights)
+        np.savez_compressed(path, meta=np.asarray(json.dumps(self.meta)), **self.weights)
 
     @classmethod
     def load(cls, path: str | Path) -> CostPredictor:
@@ -232,7 +244,7 @@ class CostPredictor:
             raise ValueError(
                 f"no learned cost model for profile {profile!r} ({p} does not exist): measure a "
                 "cost table on that hardware (python benchmarks/cost_table.py) and train one "
-                "(python -m recscale.embeddings.learned_cost train TABLE --out MODEL.npz), then "
+                "(python -m recscale.embeddings.fit_cost_model TABLE --out MODEL.npz), then "
                 "pass --embeddings.cost-model MODEL.npz"
             )
         if digest and file_digest(p) != digest:
@@ -257,13 +269,19 @@ def file_digest(path: str | Path) -> str:
 
 
 def train(
-    samples: list[Sample], *, hidden: int = 64, steps: int = 4000, batch: int = 256, seed: int = 0
+    samples: list[Sample],
+    *,
+    hidden: int = 64,
+    steps: int = 4000,
+    batch: int = 256,
+    seed: int = 0,
+    members: int = 5,
 ) -> CostPredictor:
-    """Fits the model to ``samples`` (see the module docstring)."""
+    """Fits the model to ``samples`` (see the module docstring): an ensemble of ``members``
+    nets from seeds ``seed, seed + 1, ...``, predicting their mean log time (one net fits the
+    training sets well below the timings' own noise and misses held-out tasks by more; the
+    mean of several varies less)."""
     import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    import optax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
 
     x, mask, dev, y = _arrays(samples)
     flat = x[mask > 0]
@@ -278,7 +296,31 @@ def train(
     xn = (x - norm["x_mean"]) / norm["x_std"] * mask[..., None]
     dn = (dev - norm["d_mean"]) / norm["d_std"]
     yn = (y - norm["y_mean"]) / norm["y_std"]
-    model = _net(hidden, seed)
+    weights = {k: np.asarray(v, np.float32) for k, v in norm.items()}
+    nets = []
+    for i in range(members):
+        nets.append(_fit(_net(hidden, seed + i), xn, mask, dn, yn, steps, batch, seed + i))
+    for name in ("enc1", "enc2", "head1", "head2", "out"):
+        for part, attr in (("w", "kernel"), ("b", "bias")):
+            weights[f"{name}_{part}"] = np.stack(
+                [np.asarray(jax.device_get(getattr(getattr(m, name), attr)[...])) for m in nets]
+            ).astype(np.float32)
+    meta = {
+        "hidden": hidden,
+        "steps": steps,
+        "members": members,
+        "samples": len(samples),
+        "features": SHARD_FEATURES,
+    }
+    return CostPredictor(weights, meta)
+
+
+def _fit(model, xn, mask, dn, yn, steps: int, batch: int, seed: int):
+    """``model`` trained by optax AdamW (cosine decay) on minibatches of the arrays."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
     schedule = optax.cosine_decay_schedule(3e-3, steps)
     opt = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=1e-4), wrt=nnx.Param)
 
@@ -292,17 +334,11 @@ def train(
         return loss
 
     rng = np.random.default_rng(seed)
-    n = len(samples)
+    n = yn.shape[0]
     for _ in range(steps):
         idx = rng.integers(0, n, min(batch, n))
         step(model, opt, xn[idx], mask[idx], dn[idx], yn[idx])
-    weights = {k: np.asarray(v, np.float32) for k, v in norm.items()}
-    for name in ("enc1", "enc2", "head1", "head2", "out"):
-        layer = getattr(model, name)
-        weights[f"{name}_w"] = np.asarray(jax.device_get(layer.kernel[...]), np.float32)
-        weights[f"{name}_b"] = np.asarray(jax.device_get(layer.bias[...]), np.float32)
-    meta = {"hidden": hidden, "steps": steps, "samples": n, "features": SHARD_FEATURES}
-    return CostPredictor(weights, meta)
+    return model
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,40 +393,3 @@ def evaluate(model: CostPredictor, factor: float, samples: list[Sample], profile
         "learned_spearman": spearman(learned, y),
         "analytic_spearman": spearman(analytic, y),
     }
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m recscale.embeddings.learned_cost")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train on a cost table, save, report held-out error")
-    t.add_argument("table")
-    t.add_argument("--out", required=True)
-    t.add_argument("--profile", default="cpu-2core", help="the analytic model's profile")
-    t.add_argument("--steps", type=int, default=4000)
-    t.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    from tpu_gpu_configs.profiles import get_profile  # noqa: PLC0415
-
-    try:
-        header, samples = load_table(args.table)
-        profile = get_profile(args.profile)
-    except (ValueError, KeyError) as e:
-        sys.exit(f"error: {e}")
-    tr, te = split_by_task(samples, seed=args.seed)
-    model = train(tr, steps=args.steps, seed=args.seed)
-    factor = fit_analytic(tr, profile)
-    report = evaluate(model, factor, te, profile)
-    model.meta.update(
-        table=str(args.table),
-        machine=header.get("machine"),
-        profile=args.profile,
-        analytic_lookup_factor=factor,
-        train_samples=len(tr),
-        held_out=report,
-    )
-    model.save(args.out)
-    print(json.dumps({"out": args.out, "train": len(tr), **report}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -33,18 +33,10 @@ import numpy as np
 
 from recscale.embeddings import planner as pl
 from recscale.embeddings.learned_cost import CostPredictor, shard_features
-from recscale.embeddings.shard_cost import ShardWork, valid_share
+from recscale.embeddings.shard_cost import KIND_OF, ShardWork, valid_share
 from tpu_gpu_configs.profiles import HardwareProfile
 
 _COLUMN = ("column_wise", "table_column_wise")
-_KIND = {
-    "table_wise": "table_wise",
-    "column_wise": "column_wise",
-    "table_column_wise": "column_wise",
-    "row_wise": "row_wise",
-    "table_row_wise": "row_wise",
-    "data_parallel": "data_parallel",
-}
 
 
 @dataclasses.dataclass
@@ -60,8 +52,8 @@ class _Option:
 class _Devices:
     """Running per-device sums the model's device features are made of."""
 
-    def __init__(self, n: int, hidden: int, pad: int):
-        self.enc = np.zeros((n, hidden))
+    def __init__(self, n: int, encoding: tuple[int, ...], pad: int):
+        self.enc = np.zeros((n, *encoding))
         self.count = np.zeros(n)
         self.bytes = np.zeros(n)
         self.lookups = np.zeros(n)
@@ -119,7 +111,7 @@ class _Devices:
 
 def _works(t: pl.PlannerTable, c: pl.Candidate, n: int, batch: int) -> list[ShardWork]:
     hot = max(1, math.ceil(t.pooling_factor))
-    kind = _KIND[c.sharding]
+    kind = KIND_OF[c.sharding]
     common = dict(table_rows=t.num_rows, hotness=hot, zipf=t.zipf_exponent, kind=kind)
     if kind == "row_wise":
         out = []
@@ -158,7 +150,7 @@ def plan(
     cost_model = cost_model or pl.CostModel.for_profile(profile)
     limit = profile.memory_bytes * memory_fraction
     pad = max(max(1, math.ceil(t.pooling_factor)) for t in tables)
-    hidden = predictor.weights["enc2_b"].shape[0]
+    encoding = predictor.encoding_shape
     options: dict[str, dict[int, list[_Option]]] = {}
     for t in tables:
         by_split: dict[int, list[_Option]] = {}
@@ -176,7 +168,7 @@ def plan(
         best = math.inf
         for opts in options[t.name].values():
             for o in opts:
-                fresh = _Devices(n, hidden, pad)
+                fresh = _Devices(n, encoding, pad)
                 devs = np.arange(len(o.works))
                 feats, _ = fresh.features(devs, o.works)
                 sec = predictor.head(o.enc, feats) + o.cand.shard_terms[1]
@@ -208,7 +200,7 @@ def plan(
         later_shard = np.maximum.accumulate([least_shard[t.name] for t in order][::-1])[
             ::-1
         ].tolist()[1:] + [0.0]
-        dev = _Devices(n, hidden, pad)
+        dev = _Devices(n, encoding, pad)
         choices = {}
         for t, need, need_one in zip(order, later, later_shard, strict=True):
             k = state[names.index(t.name)]
@@ -282,7 +274,7 @@ def _to_plan(tables, dev: _Devices, choices, n, batch, cm, limit, predictor, pad
     out = []
     for t in tables:
         o, devs = choices[t.name]
-        alone = _Devices(n, predictor.weights["enc2_b"].shape[0], pad)
+        alone = _Devices(n, predictor.encoding_shape, pad)
         ks = np.arange(len(devs))
         feats, _ = alone.features(ks, o.works[: len(devs)])
         kernel = predictor.head(o.enc[: len(devs)], feats)

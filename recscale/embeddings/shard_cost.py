@@ -225,7 +225,8 @@ def measure(
     return float(np.median(runs))
 
 
-_KIND_OF = {
+KIND_OF = {
+    # the planner's sharding types as the work they make
     "table_wise": "table_wise",
     "column_wise": "column_wise",
     "table_column_wise": "column_wise",
@@ -243,7 +244,7 @@ def device_work(plan, tables, num_devices: int, batch_size: int) -> list[list[Sh
     out: list[list[ShardWork]] = [[] for _ in range(num_devices)]
     for tp in plan.tables:
         t = by_name[tp.table]
-        kind = _KIND_OF[tp.sharding]
+        kind = KIND_OF[tp.sharding]
         for sh in tp.shards:
             rows = sh.rows[1] - sh.rows[0]
             if rows <= 0 or sh.cols[1] <= sh.cols[0]:

@@ -122,7 +122,7 @@ def trained():
         shards, pad = random_set(rng)
         samples.append(Sample(f"task{i // 7}", pad, tuple(shards), truth(shards, pad)))
     tr, te = learned_cost.split_by_task(samples)
-    model = learned_cost.train(tr, steps=1500, seed=0)
+    model = learned_cost.train(tr, steps=1500, seed=0, members=2)
     return model, tr, te
 
 
@@ -134,6 +134,21 @@ def test_the_model_learns_a_set_cost_the_analytic_formula_cannot(trained):
     assert report["learned_mape"] < 0.10, report
     assert report["learned_mape"] < report["analytic_mape"] / 3, report
     assert report["learned_spearman"] > 0.95 > report["analytic_spearman"], report
+
+
+def test_the_ensemble_predicts_its_members_geometric_mean(trained):
+    model, _, te = trained
+    stacked = {k for k in model.weights if k.endswith(("_w", "_b"))}  # [members, ...]
+    members = [
+        CostPredictor(
+            {k: v[i : i + 1] if k in stacked else v for k, v in model.weights.items()}, {}
+        )
+        for i in range(2)
+    ]
+    for s in te[:10]:
+        one = [m.seconds(list(s.shards), s.pad) for m in members]
+        assert model.seconds(list(s.shards), s.pad) == pytest.approx(np.sqrt(one[0] * one[1]))
+    assert one[0] != one[1]
 
 
 def test_a_saved_model_predicts_the_same_and_bad_files_say_which(trained, tmp_path):
