@@ -111,9 +111,10 @@ def random_plan(task: tasks_lib.Task, rng: np.random.Generator):
     return planner.plan(planner_tables(task), prof, task.devices, batch_size=task.batch)
 
 
-def row(task, shards, seconds) -> dict:
+def row(task, shards, seconds, seed) -> dict:
     return {
         "task": task.name,
+        "seed": seed,
         "devices": task.devices,
         "batch": task.batch,
         "pad": task.pad_hotness,
@@ -159,17 +160,22 @@ def samples(seed: int):
 
 
 def remeasure(path: Path, count: int, repeats: int, seed: int) -> None:
-    """Times ``count`` random samples of the table at ``path`` again (as they were timed)."""
+    """Times ``count`` random samples of the table at ``path`` again, with the ids they were
+    timed with (a row's ``seed``; rows written before it was recorded: the line index, which
+    is right for a table's first run only)."""
     from recscale.embeddings import learned_cost  # noqa: PLC0415
 
     _, table = learned_cost.load_table(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        seeds = [json.loads(line).get("seed", i) for i, line in enumerate(f.readlines()[1:])]
     rng = np.random.default_rng(seed)
     pick = rng.choice(len(table), min(count, len(table)), replace=False)
     rel = []
     for i in pick:
         smp = table[i]
         again = shard_cost.measure(
-            list(smp.shards), pad_hotness=smp.pad, repeats=repeats, seed=int(i)
+            list(smp.shards), pad_hotness=smp.pad, repeats=repeats, seed=int(seeds[i])
         )
         rel.append(abs(again - smp.seconds) / smp.seconds)
     rel = np.asarray(rel)
@@ -219,10 +225,11 @@ def main(argv=None):
             if sum(s.bytes + 4 * s.rows for s in shards) > MAX_SET_BYTES:
                 skipped += 1
                 continue
+            seed = args.seed * 1_000_000 + n  # the ids' seed, kept for --remeasure
             seconds = shard_cost.measure(
-                shards, pad_hotness=task.pad_hotness, repeats=args.repeats, seed=n
+                shards, pad_hotness=task.pad_hotness, repeats=args.repeats, seed=seed
             )
-            f.write(json.dumps(row(task, shards, seconds)) + "\n")
+            f.write(json.dumps(row(task, shards, seconds, seed)) + "\n")
             f.flush()
             n += 1
             bar.update(job, advance=1)

@@ -171,8 +171,8 @@ class EmbeddingShardingConfig:
     """``analytic``: the planner's cost formulas (``recscale.embeddings.planner``). ``learned``:
     NeuroShard's search over a cost model trained on measured shard sets
     (``recscale.embeddings.learned_planner``; the model shipped for the profile, or
-    ``cost_model``)."""
-    cost_model: str = field("", role=LAYOUT, identity_default="", plan_input="cost_model")
+    ``cost_model_path``)."""
+    cost_model_path: str = field("", role=LAYOUT, identity_default="", plan_input="cost_model")
     """The learned planner's model file (``python -m recscale.embeddings.fit_cost_model``);
     empty: ``recscale/embeddings/cost_models/<profile>.npz``."""
     cost_model_digest: str = field(

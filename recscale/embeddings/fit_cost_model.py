@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from recscale.embeddings import learned_cost
 from tpu_gpu_configs.profiles import get_profile
@@ -30,9 +32,17 @@ def main(argv=None) -> None:
     try:
         header, samples = learned_cost.load_table(args.table)
         profile = get_profile(args.profile)
-    except (ValueError, KeyError) as e:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(Path(args.out).parent, os.W_OK):
+            raise ValueError(f"{args.out}: its folder is not writable")
+    except (ValueError, KeyError, OSError) as e:
         sys.exit(f"error: {e}")
     tr, te = learned_cost.split_by_task(samples, seed=args.seed)
+    if not tr or not te:
+        sys.exit(
+            f"error: {args.table}: {len({s.task for s in samples})} task(s); a held-out "
+            "fifth needs at least two"
+        )
     model = learned_cost.train(tr, steps=args.steps, seed=args.seed)
     factor = learned_cost.fit_analytic(tr, profile)
     report = learned_cost.evaluate(model, factor, te, profile)

@@ -120,7 +120,7 @@ class EngineSpec:
             zipf_exponents=tuple(e.zipf_exponents),
             lookup_factor=e.cost_lookup_factor,
             planner=e.planner,
-            cost_model=e.cost_model,
+            cost_model=e.cost_model_path,
             cost_model_digest=e.cost_model_digest,
         )
 

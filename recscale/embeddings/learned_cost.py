@@ -39,12 +39,17 @@ MODELS_DIR = Path(__file__).resolve().parent / "cost_models"
 """Models shipped with the package, one per hardware profile (``<profile>.npz``)."""
 SHARD_FEATURES = 10 + len(KINDS)
 DEVICE_FEATURES = 6
+LAYERS = ("enc1", "enc2", "head1", "head2", "out")
+WEIGHTS = ("x_mean", "x_std", "d_mean", "d_std", "y_mean", "y_std") + tuple(
+    f"{name}_{part}" for name in LAYERS for part in "wb"
+)
+"""The arrays of a saved model."""
 
 
 def shard_features(s: ShardWork, pad: int) -> np.ndarray:
     """One shard's inputs: log sizes (rows, width, bags, ids per bag, padded id slots, bytes,
-    expected valid lookups and distinct rows), the share of the table's ids it holds, the skew,
-    the share of distinct rows among its lookups, and its kind (one-hot)."""
+    expected valid lookups, and the distinct rows among them), the share of the table's ids it
+    holds, the skew, and its kind (one-hot)."""
     share = valid_share(s)
     lookups = s.bags * s.hotness * share
     distinct = distinct_share(s.table_rows, s.zipf, max(1, int(s.bags * s.hotness)))
@@ -104,7 +109,12 @@ def load_table(path: str | Path) -> tuple[dict, list[Sample]]:
         raise ValueError(f"{path}: cannot read the cost table ({e})") from None
     if not lines:
         raise ValueError(f"{path}: empty cost table")
-    header = json.loads(lines[0])
+    try:
+        header = json.loads(lines[0])
+        if not isinstance(header, dict) or "version" not in header:
+            raise ValueError("no version")
+    except ValueError as e:
+        raise ValueError(f"{path}:1: not a cost-table header ({e})") from None
     out = []
     for i, line in enumerate(lines[1:], start=2):
         try:
@@ -231,8 +241,16 @@ class CostPredictor:
             with np.load(path, allow_pickle=False) as z:
                 weights = {k: np.asarray(z[k]) for k in z.files if k != "meta"}
                 meta = json.loads(str(z["meta"]))
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"{path}: not a learned cost model ({e})") from None
+        except Exception as e:  # noqa: BLE001 (zip, pickle-refusal, JSON, EOF: all "not a model")
+            raise ValueError(
+                f"{path}: not a learned cost model ({type(e).__name__}: {e})"
+            ) from None
+        missing = sorted(set(WEIGHTS) - set(weights))
+        if missing or meta.get("features") != SHARD_FEATURES:
+            raise ValueError(
+                f"{path}: not a learned cost model of this version (missing {missing}, "
+                f"{meta.get('features')} shard features against {SHARD_FEATURES})"
+            )
         return cls(weights, meta)
 
     @classmethod
@@ -245,7 +263,7 @@ class CostPredictor:
                 f"no learned cost model for profile {profile!r} ({p} does not exist): measure a "
                 "cost table on that hardware (python benchmarks/cost_table.py) and train one "
                 "(python -m recscale.embeddings.fit_cost_model TABLE --out MODEL.npz), then "
-                "pass --embeddings.cost-model MODEL.npz"
+                "pass --embeddings.cost-model-path MODEL.npz"
             )
         if digest and file_digest(p) != digest:
             raise ValueError(
@@ -300,7 +318,7 @@ def train(
     nets = []
     for i in range(members):
         nets.append(_fit(_net(hidden, seed + i), xn, mask, dn, yn, steps, batch, seed + i))
-    for name in ("enc1", "enc2", "head1", "head2", "out"):
+    for name in LAYERS:
         for part, attr in (("w", "kernel"), ("b", "bias")):
             weights[f"{name}_{part}"] = np.stack(
                 [np.asarray(jax.device_get(getattr(getattr(m, name), attr)[...])) for m in nets]

@@ -65,22 +65,26 @@ class _Devices:
         self.pad = pad
 
     def features(self, devs, works) -> tuple[np.ndarray, np.ndarray]:
-        """Device features ``[k, G]`` of devices ``devs`` with shard ``works[i]`` added."""
+        """Device features ``[k, G]`` of devices ``devs`` with shard ``works[i]`` added (None:
+        nothing added), as ``learned_cost.device_features`` computes them from a whole set."""
         nbuf = np.array(
             [
-                len(self.buffers[d] | {(w.width, w.replicated)})
+                len(self.buffers[d] | ({(w.width, w.replicated)} if w else set()))
                 for d, w in zip(devs, works, strict=True)
             ]
         )
         add = np.array(
             [
                 [w.bytes, w.bags * w.hotness * valid_share(w), w.bags * max(self.pad, w.hotness)]
+                if w
+                else [0.0, 0.0, 0.0]
                 for w in works
             ]
         )
+        count = self.count[devs] + np.array([w is not None for w in works])
         feats = np.stack(
             [
-                np.log2(self.count[devs] + 2),
+                np.log2(count + 1),
                 np.log2(nbuf + 1),
                 np.log2(self.bytes[devs] + add[:, 0] + 1),
                 np.full(len(devs), math.log2(max(self.pad, 1))),
@@ -94,6 +98,8 @@ class _Devices:
     def add(self, devs, opt: _Option, kernel: np.ndarray, add: np.ndarray) -> None:
         for i, d in enumerate(devs):
             w = opt.works[i]
+            if w is None:
+                continue
             self.enc[d] += opt.enc[i]
             self.count[d] += 1
             self.bytes[d] += add[i, 0]
@@ -108,23 +114,34 @@ class _Devices:
     def time(self) -> np.ndarray:
         return self.kernel + self.comm
 
+    def predict(self, predictor: CostPredictor, devs, opt: _Option):
+        """``(kernel seconds [k], additions)`` of devices ``devs`` with ``opt``'s shards added
+        (a device given an empty shard keeps its time)."""
+        works = opt.works[: len(devs)]
+        feats, add = self.features(devs, works)
+        kernel = predictor.head(self.enc[devs] + opt.enc[: len(devs)], feats)
+        empty = np.array([w is None for w in works])
+        return np.where(empty, self.kernel[devs], kernel), add
 
-def _works(t: pl.PlannerTable, c: pl.Candidate, n: int, batch: int) -> list[ShardWork]:
+
+def _works(t: pl.PlannerTable, c: pl.Candidate, n: int, batch: int) -> list[ShardWork | None]:
+    """Shard ``i``'s work (``shard_cost.device_work``'s for the same plan); None for an empty
+    row-wise tail shard (more devices than row blocks), which the engine skips."""
     hot = max(1, math.ceil(t.pooling_factor))
     kind = KIND_OF[c.sharding]
     common = dict(table_rows=t.num_rows, hotness=hot, zipf=t.zipf_exponent, kind=kind)
     if kind == "row_wise":
-        out = []
+        out: list[ShardWork | None] = []
         for i in range(c.n_shards):
             r0 = min(i * c.shard_rows, t.num_rows)
             r1 = min((i + 1) * c.shard_rows, t.num_rows)
-            rows = max(r1 - r0, 1)  # an empty tail shard: costed as one row
-            start = min(r0, t.num_rows - 1)
-            out.append(ShardWork(rows=rows, row_start=start, width=t.dim, bags=batch, **common))
+            if r1 <= r0:
+                out.append(None)
+                continue
+            out.append(ShardWork(rows=r1 - r0, row_start=r0, width=t.dim, bags=batch, **common))
         return out
-    bags = batch // n if kind == "data_parallel" else batch
-    w = ShardWork(rows=t.num_rows, width=c.shard_cols, bags=max(bags, 1), **common)
-    return [w] * c.n_shards
+    bags = max(1, batch // n) if kind == "data_parallel" else batch
+    return [ShardWork(rows=t.num_rows, width=c.shard_cols, bags=bags, **common)] * c.n_shards
 
 
 def plan(
@@ -156,7 +173,11 @@ def plan(
         by_split: dict[int, list[_Option]] = {}
         for c in pl.candidates(t, n, profile, cost_model, batch_size, n):
             works = _works(t, c, n, batch_size)
-            enc = predictor.encode(np.stack([shard_features(w, pad) for w in works]))
+            real = [w for w in works if w is not None]
+            enc = np.zeros((len(works), *predictor.encoding_shape))
+            enc[[w is not None for w in works]] = predictor.encode(
+                np.stack([shard_features(w, pad) for w in real])
+            )
             k = c.n_shards if c.sharding in _COLUMN else 1
             by_split.setdefault(k, []).append(_Option(c, works, enc))
         if not by_split:
@@ -168,11 +189,10 @@ def plan(
         best = math.inf
         for opts in options[t.name].values():
             for o in opts:
-                fresh = _Devices(n, encoding, pad)
-                devs = np.arange(len(o.works))
-                feats, _ = fresh.features(devs, o.works)
-                sec = predictor.head(o.enc, feats) + o.cand.shard_terms[1]
-                best = min(best, float(sec.sum()))
+                kernel, _ = _Devices(n, encoding, pad).predict(
+                    predictor, np.arange(len(o.works)), o
+                )
+                best = min(best, float((kernel + o.cand.shard_terms[1]).sum()))
         alone[t.name] = best
     order = sorted(tables, key=lambda t: -alone[t.name])
 
@@ -213,8 +233,7 @@ def plan(
                 mem[devs] += o.cand.shard_memory
                 if n * limit - mem.sum() < need or limit - mem.min() < need_one:
                     continue
-                feats, add = dev.features(devs, o.works[: len(devs)])
-                kernel = predictor.head(dev.enc[devs] + o.enc[: len(devs)], feats)
+                kernel, add = dev.predict(predictor, devs, o)
                 new = kernel + dev.comm[devs] + o.cand.shard_terms[1]
                 others = np.delete(dev.time, devs)
                 key = (
@@ -239,6 +258,12 @@ def plan(
         return seen[state]
 
     key, result = score(start)
+    while key is None:  # a table that fits no option at its split may fit split finer
+        i = names.index(result.name)
+        if 2 * start[i] not in options[result.name]:
+            break
+        start = start[:i] + (2 * start[i],) + start[i + 1 :]
+        key, result = score(start)
     if key is None:
         t = result
         need = min(o.cand.shard_memory for opts in options[t.name].values() for o in opts)
@@ -253,14 +278,17 @@ def plan(
         for state in beam:
             dev, choices = score(state)[1]
             slow = int(np.argmax(dev.time))
-            on_slow = sorted(
-                (name for name, (_, devs) in choices.items() if slow in devs.tolist()),
+            growable = sorted(
+                (
+                    name
+                    for name, (_, devs) in choices.items()
+                    if slow in devs.tolist() and 2 * state[names.index(name)] in options[name]
+                ),
                 key=lambda name: -alone[name],
             )
-            for name in on_slow[:expand]:
+            for name in growable[:expand]:
                 i = names.index(name)
-                if 2 * state[i] in options[name]:
-                    grown.append(state[:i] + (2 * state[i],) + state[i + 1 :])
+                grown.append(state[:i] + (2 * state[i],) + state[i + 1 :])
         placed = {s for s in beam + grown if score(s)[0] is not None}
         new_beam = sorted(placed, key=lambda s: score(s)[0])[:beam_width]
         if new_beam == beam:  # nothing grown beats the beam
@@ -275,9 +303,7 @@ def _to_plan(tables, dev: _Devices, choices, n, batch, cm, limit, predictor, pad
     for t in tables:
         o, devs = choices[t.name]
         alone = _Devices(n, predictor.encoding_shape, pad)
-        ks = np.arange(len(devs))
-        feats, _ = alone.features(ks, o.works[: len(devs)])
-        kernel = predictor.head(o.enc[: len(devs)], feats)
+        kernel, _ = alone.predict(predictor, np.arange(len(devs)), o)  # each shard alone
         c = o.cand
         comm = c.shard_terms[1]
         shards = tuple(

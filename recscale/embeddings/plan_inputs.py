@@ -278,7 +278,7 @@ def _with_model_digest(cfg: Any) -> Any:
     """``cfg`` with the learned planner's model digest recorded (the model of the profile the
     run plans for), so a resume with a changed model file refuses instead of re-planning."""
     e = cfg.embeddings
-    path = learned_cost.model_path(e.profile or default_profile(), e.cost_model)
+    path = learned_cost.model_path(e.profile or default_profile(), e.cost_model_path)
     if not path.is_file():  # planning says why, naming the file
         return cfg
     e = dataclasses.replace(e, cost_model_digest=learned_cost.file_digest(path))

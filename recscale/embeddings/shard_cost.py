@@ -53,8 +53,13 @@ class ShardWork:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"shard kind {self.kind!r}: expected one of {KINDS}")
-        if not 0 <= self.row_start < self.table_rows or self.rows < 1:
+        if not 0 <= self.row_start < self.row_start + self.rows <= self.table_rows:
             raise ValueError(f"shard rows [{self.row_start}, +{self.rows}) of {self.table_rows}")
+        if min(self.width, self.bags, self.hotness) < 1 or not self.zipf >= 0:
+            raise ValueError(
+                f"shard width {self.width}, bags {self.bags}, ids per bag {self.hotness} must be "
+                f">= 1 and skew {self.zipf} >= 0"
+            )
 
     @property
     def replicated(self) -> bool:
@@ -255,7 +260,9 @@ def device_work(plan, tables, num_devices: int, batch_size: int) -> list[list[Sh
                     rows=rows,
                     row_start=sh.rows[0],
                     width=sh.cols[1] - sh.cols[0],
-                    bags=batch_size // num_devices if kind == "data_parallel" else batch_size,
+                    bags=max(1, batch_size // num_devices)
+                    if kind == "data_parallel"
+                    else batch_size,
                     hotness=max(1, math.ceil(t.pooling_factor)),
                     zipf=t.zipf_exponent,
                     kind=kind,
