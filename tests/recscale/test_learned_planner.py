@@ -121,7 +121,7 @@ def trained():
         shards, pad = random_set(rng)
         samples.append(Sample(f"task{i // 7}", pad, tuple(shards), truth(shards, pad)))
     tr, te = learned_cost.split_by_task(samples)
-    model = learned_cost.train(tr, steps=1500, seed=0, members=2)
+    model = learned_cost.train(tr, steps=1000, seed=0, members=2)
     return model, tr, te
 
 
