@@ -159,30 +159,57 @@ def samples(seed: int):
                         yield task, [s for s, k in zip(sets[d], keep, strict=True) if k]
 
 
-def remeasure(path: Path, count: int, repeats: int, seed: int) -> None:
-    """Times ``count`` random samples of the table at ``path`` again, with the ids they were
-    timed with (a row's ``seed``; rows written before it was recorded: the line index, which
-    is right for a table's first run only)."""
+def remeasure(path: Path, count: int, repeats: int, seed: int, times: int, model: str) -> None:
+    """Times ``count`` random samples of the table at ``path`` again, ``times`` times each, with
+    the ids they were timed with (a row's ``seed``; rows written before it was recorded: the
+    line index, which is right for a table's first run only). With ``model``: the samples are
+    drawn from its held-out tasks, and both models' error is printed against the single timing
+    and against the mean of all the timings (the noise of one timing averaged down)."""
     from recscale.embeddings import learned_cost  # noqa: PLC0415
+    from tpu_gpu_configs.profiles import get_profile  # noqa: PLC0415
 
     _, table = learned_cost.load_table(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         seeds = [json.loads(line).get("seed", i) for i, line in enumerate(f.readlines()[1:])]
+    index = list(range(len(table)))
+    if model:
+        predictor = learned_cost.CostPredictor.load(model)
+        held = {s.task for s in learned_cost.split_by_task(table)[1]}
+        index = [i for i in index if table[i].task in held]
     rng = np.random.default_rng(seed)
-    pick = rng.choice(len(table), min(count, len(table)), replace=False)
-    rel = []
+    pick = rng.choice(index, min(count, len(index)), replace=False)
+    first, mean = [], []
     for i in pick:
         smp = table[i]
-        again = shard_cost.measure(
-            list(smp.shards), pad_hotness=smp.pad, repeats=repeats, seed=int(seeds[i])
-        )
-        rel.append(abs(again - smp.seconds) / smp.seconds)
-    rel = np.asarray(rel)
+        runs = [
+            shard_cost.measure(
+                list(smp.shards), pad_hotness=smp.pad, repeats=repeats, seed=int(seeds[i])
+            )
+            for _ in range(times)
+        ]
+        first.append(runs[0])
+        mean.append(float(np.mean([smp.seconds, *runs])))
+    orig = np.array([table[i].seconds for i in pick])
+    rel = np.abs(np.asarray(first) - orig) / orig
     print(
         f"{path}: {rel.size} samples timed again: relative change median {np.median(rel):.1%}, "
         f"mean {rel.mean():.1%}, 90th percentile {np.percentile(rel, 90):.1%}"
     )
+    if not model:
+        return
+    mean = np.asarray(mean)
+    prof = get_profile(predictor.meta.get("profile", "cpu-2core"))
+    factor = float(predictor.meta["analytic_lookup_factor"])
+    sets = [(list(table[i].shards), table[i].pad) for i in pick]
+    learned = np.array([predictor.seconds(s, p) for s, p in sets])
+    analytic = np.array([learned_cost.analytic_device(s, prof, factor) for s, _ in sets])
+    for name, target in (("the table's timing", orig), (f"the mean of {times + 1} timings", mean)):
+        print(
+            f"  against {name}: learned MAPE {learned_cost.mape(learned, target):.1%}, analytic "
+            f"{learned_cost.mape(analytic, target):.1%}; one timing's own error "
+            f"{learned_cost.mape(orig, mean):.1%}"
+        )
 
 
 def main(argv=None):
@@ -198,9 +225,13 @@ def main(argv=None):
         help="instead: time N of the table's samples again and print how much they moved "
         "(the noise floor of any model's error)",
     )
+    ap.add_argument("--times", type=int, default=1, help="--remeasure: timings per sample")
+    ap.add_argument("--model", default="", help="--remeasure: judge this model on held-out samples")
     args = ap.parse_args(argv)
     if args.remeasure:
-        return remeasure(Path(args.out), args.remeasure, args.repeats, args.seed)
+        return remeasure(
+            Path(args.out), args.remeasure, args.repeats, args.seed, args.times, args.model
+        )
     from rich.progress import Progress  # noqa: PLC0415
 
     out = Path(args.out)
