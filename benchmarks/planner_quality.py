@@ -97,18 +97,10 @@ def heuristic(tables, profile, n, batch, method: str, rng) -> planner.Plan:
     return planner.Plan(ordered, zeros, mem, limit)
 
 
-def device_comm(plan: planner.Plan, n: int) -> np.ndarray:
-    comm = np.zeros(n)
-    for tp in plan.tables:
-        for sh in tp.shards:
-            comm[sh.device] += sh.comm_s
-    return comm
-
-
 def predicted(plan, tables, task, profile, factor, model) -> dict[str, np.ndarray]:
     """Both models' per-device predictions (kernel time + the plan's communication)."""
     sets = shard_cost.device_work(plan, tables, task.devices, task.batch)
-    comm = device_comm(plan, task.devices)
+    comm = planner.comm_by_device(plan)
     ana = np.array([learned_cost.analytic_device(s, profile, factor) for s in sets]) + comm
     lea = np.array([model.seconds(s, task.pad_hotness) for s in sets]) + comm
     return {"analytic": ana, "learned": lea, "sets": sets, "comm": comm}
@@ -166,8 +158,10 @@ def summary(results: list[dict]) -> dict:
         rs = [r for r in results if pick is None or r["skewed"] == pick]
         if not rs:
             continue
-        ratio = [r["methods"]["learned"]["measured_s"] / r["methods"]["analytic"]["measured_s"]
-                 for r in rs]  # fmt: skip
+        ratio = [
+            r["methods"]["learned"]["measured_s"] / r["methods"]["analytic"]["measured_s"]
+            for r in rs
+        ]
         out[label] = {
             "tasks": len(rs),
             "learned_over_analytic_geomean": float(np.exp(np.mean(np.log(ratio)))),
@@ -238,11 +232,16 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(args.seed)
     tasks = [
         tasks_lib.draw_task(
-            rng, f"q{args.seed}_{nt}t_{nd}d_{'skew' if sk else 'unif'}", num_tables=nt,
-            devices=nd, skewed=sk,
+            rng,
+            f"q{args.seed}_{nt}t_{nd}d_{'skew' if sk else 'unif'}",
+            num_tables=nt,
+            devices=nd,
+            skewed=sk,
         )
-        for sk in (False, True) for nt in args.tables for nd in args.devices
-    ]  # fmt: skip
+        for sk in (False, True)
+        for nt in args.tables
+        for nd in args.devices
+    ]
     results = [
         run_task(t, model, factor, rng, args.repeats, args.profile) for t in track(tasks, "tasks")
     ]

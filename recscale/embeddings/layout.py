@@ -35,7 +35,7 @@ from tpu_gpu_configs import profiles
 from tpu_gpu_configs.profiles import get_profile
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-COLUMN_TYPES = ("column_wise", "table_column_wise")
+COLUMN_TYPES = planner_lib.COLUMN_TYPES
 LANES = 128
 """A TPU vector register's lanes: narrow buffers are stored this wide, packed."""
 

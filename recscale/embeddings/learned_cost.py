@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recscale.embeddings import planner
 from recscale.embeddings.shard_cost import KINDS, ShardWork, distinct_share, valid_share
 
 MODELS_DIR = Path(__file__).resolve().parent / "cost_models"
@@ -364,13 +365,11 @@ def _fit(model, xn, mask, dn, yn, steps: int, batch: int, seed: int):
 
 
 def analytic_terms(s: ShardWork, profile) -> tuple[float, float]:
-    """``(lookup seconds at factor 1, compute seconds)`` of a shard: the planner's formulas
-    (``planner.candidates``: ``3·lookups·width·4`` bytes over the memory bandwidth, ``3·lookups
-    ·width`` FLOPs over the peak; lookups = the shard's share of its bags' ids)."""
+    """``(lookup seconds at factor 1, compute seconds)`` of a shard: the planner's formula
+    (``planner.lookup_terms``) for the share of its bags' ids it serves, float32 storage (the
+    cost table's)."""
     lookups = s.bags * s.hotness * valid_share(s)
-    return 3 * lookups * s.width * 4 / profile.memory_bandwidth, 3 * lookups * s.width / (
-        profile.flops
-    )
+    return planner.lookup_terms(lookups, s.width, 4, profile, planner.CostModel())
 
 
 def analytic_device(shards, profile, factor: float) -> float:

@@ -33,10 +33,8 @@ import numpy as np
 
 from recscale.embeddings import planner as pl
 from recscale.embeddings.learned_cost import CostPredictor, shard_features
-from recscale.embeddings.shard_cost import KIND_OF, ShardWork, valid_share
+from recscale.embeddings.shard_cost import ShardWork, valid_share, work_of
 from tpu_gpu_configs.profiles import HardwareProfile
-
-_COLUMN = ("column_wise", "table_column_wise")
 
 
 @dataclasses.dataclass
@@ -45,8 +43,25 @@ class _Option:
     ``[i·R, (i+1)·R)``) and their summed encodings."""
 
     cand: pl.Candidate
-    works: list[ShardWork]
-    enc: np.ndarray  # [k, H]
+    works: list[ShardWork | None]
+    """None: an empty shard (a row-wise tail on more devices than row blocks)."""
+    enc: np.ndarray  # [k, K, H]
+    add: np.ndarray
+    """``[k, 3]``: each shard's bytes, expected lookups and padded keys (0 for an empty one):
+    what it adds to its device's features."""
+
+    @classmethod
+    def of(cls, cand, works, predictor: CostPredictor, pad: int) -> _Option:
+        real = [w for w in works if w is not None]
+        present = [w is not None for w in works]
+        enc = np.zeros((len(works), *predictor.encoding_shape))
+        enc[present] = predictor.encode(np.stack([shard_features(w, pad) for w in real]))
+        add = np.zeros((len(works), 3))
+        add[present] = [
+            [w.bytes, w.bags * w.hotness * valid_share(w), w.bags * max(pad, w.hotness)]
+            for w in real
+        ]
+        return cls(cand, works, enc, add)
 
 
 class _Devices:
@@ -64,25 +79,19 @@ class _Devices:
         self.kernel = np.zeros(n)
         self.pad = pad
 
-    def features(self, devs, works) -> tuple[np.ndarray, np.ndarray]:
-        """Device features ``[k, G]`` of devices ``devs`` with shard ``works[i]`` added (None:
-        nothing added), as ``learned_cost.device_features`` computes them from a whole set."""
+    def features(self, devs, opt: _Option) -> np.ndarray:
+        """Device features ``[k, G]`` of devices ``devs`` with ``opt``'s shard ``i`` added to
+        ``devs[i]``, as ``learned_cost.device_features`` computes them from a whole set."""
+        works = opt.works[: len(devs)]
+        add = opt.add[: len(devs)]
         nbuf = np.array(
             [
                 len(self.buffers[d] | ({(w.width, w.replicated)} if w else set()))
                 for d, w in zip(devs, works, strict=True)
             ]
         )
-        add = np.array(
-            [
-                [w.bytes, w.bags * w.hotness * valid_share(w), w.bags * max(self.pad, w.hotness)]
-                if w
-                else [0.0, 0.0, 0.0]
-                for w in works
-            ]
-        )
         count = self.count[devs] + np.array([w is not None for w in works])
-        feats = np.stack(
+        return np.stack(
             [
                 np.log2(count + 1),
                 np.log2(nbuf + 1),
@@ -93,9 +102,9 @@ class _Devices:
             ],
             axis=1,
         )
-        return feats, add
 
-    def add(self, devs, opt: _Option, kernel: np.ndarray, add: np.ndarray) -> None:
+    def add(self, devs, opt: _Option, kernel: np.ndarray) -> None:
+        add = opt.add
         for i, d in enumerate(devs):
             w = opt.works[i]
             if w is None:
@@ -114,34 +123,21 @@ class _Devices:
     def time(self) -> np.ndarray:
         return self.kernel + self.comm
 
-    def predict(self, predictor: CostPredictor, devs, opt: _Option):
-        """``(kernel seconds [k], additions)`` of devices ``devs`` with ``opt``'s shards added
-        (a device given an empty shard keeps its time)."""
-        works = opt.works[: len(devs)]
-        feats, add = self.features(devs, works)
-        kernel = predictor.head(self.enc[devs] + opt.enc[: len(devs)], feats)
-        empty = np.array([w is None for w in works])
-        return np.where(empty, self.kernel[devs], kernel), add
+    def predict(self, predictor: CostPredictor, devs, opt: _Option) -> np.ndarray:
+        """Kernel seconds ``[k]`` of devices ``devs`` with ``opt``'s shards added (a device
+        given an empty shard keeps its time)."""
+        kernel = predictor.head(self.enc[devs] + opt.enc[: len(devs)], self.features(devs, opt))
+        empty = np.array([w is None for w in opt.works[: len(devs)]])
+        return np.where(empty, self.kernel[devs], kernel)
 
 
 def _works(t: pl.PlannerTable, c: pl.Candidate, n: int, batch: int) -> list[ShardWork | None]:
-    """Shard ``i``'s work (``shard_cost.device_work``'s for the same plan); None for an empty
-    row-wise tail shard (more devices than row blocks), which the engine skips."""
-    hot = max(1, math.ceil(t.pooling_factor))
-    kind = KIND_OF[c.sharding]
-    common = dict(table_rows=t.num_rows, hotness=hot, zipf=t.zipf_exponent, kind=kind)
-    if kind == "row_wise":
-        out: list[ShardWork | None] = []
-        for i in range(c.n_shards):
-            r0 = min(i * c.shard_rows, t.num_rows)
-            r1 = min((i + 1) * c.shard_rows, t.num_rows)
-            if r1 <= r0:
-                out.append(None)
-                continue
-            out.append(ShardWork(rows=r1 - r0, row_start=r0, width=t.dim, bags=batch, **common))
-        return out
-    bags = max(1, batch // n) if kind == "data_parallel" else batch
-    return [ShardWork(rows=t.num_rows, width=c.shard_cols, bags=bags, **common)] * c.n_shards
+    """Shard ``i``'s work, the planner's shard ``i`` of candidate ``c`` (as
+    ``shard_cost.device_work`` reads it from a plan)."""
+    return [
+        work_of(t, c.sharding, sh.rows, sh.cols[1] - sh.cols[0], n, batch)
+        for sh in pl.shards_of(t, c, np.arange(c.n_shards))
+    ]
 
 
 def plan(
@@ -172,14 +168,9 @@ def plan(
     for t in tables:
         by_split: dict[int, list[_Option]] = {}
         for c in pl.candidates(t, n, profile, cost_model, batch_size, n):
-            works = _works(t, c, n, batch_size)
-            real = [w for w in works if w is not None]
-            enc = np.zeros((len(works), *predictor.encoding_shape))
-            enc[[w is not None for w in works]] = predictor.encode(
-                np.stack([shard_features(w, pad) for w in real])
-            )
-            k = c.n_shards if c.sharding in _COLUMN else 1
-            by_split.setdefault(k, []).append(_Option(c, works, enc))
+            k = c.n_shards if c.sharding in pl.COLUMN_TYPES else 1
+            opt = _Option.of(c, _works(t, c, n, batch_size), predictor, pad)
+            by_split.setdefault(k, []).append(opt)
         if not by_split:
             raise ValueError(f"table {t.name!r}: no allowed sharding type applies on {n} devices")
         options[t.name] = by_split
@@ -189,9 +180,7 @@ def plan(
         best = math.inf
         for opts in options[t.name].values():
             for o in opts:
-                kernel, _ = _Devices(n, encoding, pad).predict(
-                    predictor, np.arange(len(o.works)), o
-                )
+                kernel = _Devices(n, encoding, pad).predict(predictor, np.arange(len(o.works)), o)
                 best = min(best, float((kernel + o.cand.shard_terms[1]).sum()))
         alone[t.name] = best
     order = sorted(tables, key=lambda t: -alone[t.name])
@@ -233,7 +222,7 @@ def plan(
                 mem[devs] += o.cand.shard_memory
                 if n * limit - mem.sum() < need or limit - mem.min() < need_one:
                     continue
-                kernel, add = dev.predict(predictor, devs, o)
+                kernel = dev.predict(predictor, devs, o)
                 new = kernel + dev.comm[devs] + o.cand.shard_terms[1]
                 others = np.delete(dev.time, devs)
                 key = (
@@ -241,11 +230,11 @@ def plan(
                     float((new - dev.time[devs]).sum()),
                 )
                 if best is None or key < best[0]:
-                    best = (key, o, devs, kernel, add)
+                    best = (key, o, devs, kernel)
             if best is None:
                 return None, t
-            _, o, devs, kernel, add = best
-            dev.add(devs, o, kernel, add)
+            _, o, devs, kernel = best
+            dev.add(devs, o, kernel)
             choices[t.name] = (o, devs)
         return (float(dev.time.max()), float(dev.time.sum())), (dev, choices)
 
@@ -303,7 +292,7 @@ def _to_plan(tables, dev: _Devices, choices, n, batch, cm, limit, predictor, pad
     for t in tables:
         o, devs = choices[t.name]
         alone = _Devices(n, predictor.encoding_shape, pad)
-        kernel, _ = alone.predict(predictor, np.arange(len(devs)), o)  # each shard alone
+        kernel = alone.predict(predictor, np.arange(len(devs)), o)  # each shard alone
         c = o.cand
         comm = c.shard_terms[1]
         shards = tuple(
@@ -348,10 +337,7 @@ def side_by_side(
         else:
             p = pl.plan(tables, profile, num_devices, **kw)
         seconds = time.perf_counter() - t0
-        comm = np.zeros(num_devices)
-        for tp in p.tables:
-            for sh in tp.shards:
-                comm[sh.device] += sh.comm_s
+        comm = pl.comm_by_device(p)
         sets = shard_cost.device_work(p, tables, num_devices, batch_size)
         ana = [learned_cost.analytic_device(s, profile, cost_model.lookup) for s in sets]
         lea = [predictor.seconds(s, pad) for s in sets]

@@ -67,6 +67,8 @@ OPTIMIZER_STATE_BYTES = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8
 """(bytes per row, bytes per element) of optimizer state."""
 TERMS = ("lookup", "comm", "compute")
 """The terms of a shard's estimated time (``Shard.lookup_s``, ``comm_s``, ``compute_s``)."""
+COLUMN_TYPES = ("column_wise", "table_column_wise")
+"""Sharding types that split a table's columns."""
 MEMORY_FRACTION = 0.8
 """Share of a device's memory a plan may fill (the rest: activations, the dense model)."""
 
@@ -313,6 +315,29 @@ def hot_fraction(num_rows: int, s: float) -> float:
     return 1.0 / h
 
 
+def lookup_terms(
+    lookups: float, cols: int, bytes_per_element: int, hw: HardwareProfile, cm: CostModel
+) -> tuple[float, float]:
+    """``(lookup seconds, compute seconds)`` of a shard serving ``lookups`` ids ``cols`` wide:
+    ``3·lookups·cols`` elements read or written (pool; read the gradient rows; read-modify-write
+    the rows) over the memory bandwidth, and as many FLOPs over the peak, each term times its
+    calibration factor."""
+    elements = 3 * lookups * cols
+    return (
+        elements * bytes_per_element / hw.memory_bandwidth * cm.lookup,
+        elements / hw.flops * cm.compute,
+    )
+
+
+def comm_by_device(plan: Plan) -> np.ndarray:
+    """Each device's communication seconds: its shards' ``comm_s`` summed."""
+    out = np.zeros(plan.device_time_s.size)
+    for tp in plan.tables:
+        for sh in tp.shards:
+            out[sh.device] += sh.comm_s
+    return out
+
+
 def candidates(
     t: PlannerTable, n: int, hw: HardwareProfile, cm: CostModel, batch: int, max_col_splits: int
 ) -> list[Candidate]:
@@ -326,8 +351,7 @@ def candidates(
     def cand(kind, k, group, rows: int, cols: int, frac: float, comm: float, link: float):
         """A candidate of ``k`` shards of ``rows x cols``, the busiest serving ``frac`` of the
         table's lookups and exchanging ``comm`` bytes over ``link``."""
-        look = 3 * frac * lookups * cols * b / hw.memory_bandwidth * cm.lookup
-        flops = 3 * frac * lookups * cols / hw.flops * cm.compute
+        look, flops = lookup_terms(frac * lookups, cols, b, hw, cm)
         talk = comm / link * cm.comm
         time = look + flops + talk
         return Candidate(kind, k, group, memory(rows, cols), time, rows, cols, (look, talk, flops))

@@ -70,19 +70,13 @@ class ShardWork:
         return self.rows * self.width * 4
 
 
-@functools.lru_cache(maxsize=8192)
-def hot_share(table_rows: int, zipf: float) -> float:
-    """The hottest row's share of a table's lookups (``planner.hot_fraction``, cached)."""
-    return planner.hot_fraction(table_rows, zipf)
-
-
 def valid_share(s: ShardWork) -> float:
     """Expected share of the table's ids that land in the shard's rows: its rows' share, plus
     the hottest row's excess when it holds row 0."""
     uniform = s.rows / s.table_rows
     if s.row_start > 0 or s.rows >= s.table_rows:
         return min(1.0, uniform)
-    return min(1.0, uniform + hot_share(s.table_rows, s.zipf) * (1 - uniform))
+    return min(1.0, uniform + planner.hot_fraction(s.table_rows, s.zipf) * (1 - uniform))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -94,7 +88,7 @@ def distinct_share(table_rows: int, zipf: float, draws: int) -> float:
         return 1.0
     head = min(table_rows, 1 << 16)
     r = np.arange(1, head + 1, dtype=float)
-    h = 1.0 / hot_share(table_rows, zipf)
+    h = 1.0 / planner.hot_fraction(table_rows, zipf)
     p = r**-zipf / h
     expected = float(np.sum(-np.expm1(draws * np.log1p(-np.minimum(p, 1 - 1e-12)))))
     if table_rows > head:  # the tail: 256 blocks, each of rows with about equal probability
@@ -138,7 +132,7 @@ HEAD = 10_000
 def _head_cdf(table_rows: int, zipf: float) -> np.ndarray:
     """Cumulative probabilities of the first ``HEAD`` ranks under Zipf(``zipf``)."""
     r = np.arange(1, min(table_rows, HEAD) + 1, dtype=float)
-    return np.cumsum(r**-zipf * hot_share(table_rows, zipf))
+    return np.cumsum(r**-zipf * planner.hot_fraction(table_rows, zipf))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -241,31 +235,36 @@ KIND_OF = {
 }
 
 
+def work_of(
+    t, sharding: str, rows: tuple[int, int], width: int, num_devices: int, batch_size: int
+) -> ShardWork | None:
+    """The work of a shard of table ``t`` (a ``planner.PlannerTable``) over ``rows`` and
+    ``width`` columns: a data-parallel table pools ``B / N`` bags on every device, every other
+    shard the whole batch's; None for an empty shard (the engine makes no slot of it)."""
+    if rows[1] <= rows[0] or width <= 0:
+        return None
+    kind = KIND_OF[sharding]
+    return ShardWork(
+        table_rows=t.num_rows,
+        rows=rows[1] - rows[0],
+        row_start=rows[0],
+        width=width,
+        bags=max(1, batch_size // num_devices) if kind == "data_parallel" else batch_size,
+        hotness=max(1, math.ceil(t.pooling_factor)),
+        zipf=t.zipf_exponent,
+        kind=kind,
+    )
+
+
 def device_work(plan, tables, num_devices: int, batch_size: int) -> list[list[ShardWork]]:
-    """Per device, the :class:`ShardWork` of its shards under ``plan`` (a
-    ``planner.Plan`` of ``tables``, ``planner.PlannerTable`` s): a data-parallel table pools
-    ``B / N`` bags on every device, every other shard the whole batch's."""
+    """Per device, the :class:`ShardWork` of its shards under ``plan`` (a ``planner.Plan`` of
+    ``tables``, ``planner.PlannerTable`` s)."""
     by_name = {t.name: t for t in tables}
     out: list[list[ShardWork]] = [[] for _ in range(num_devices)]
     for tp in plan.tables:
         t = by_name[tp.table]
-        kind = KIND_OF[tp.sharding]
         for sh in tp.shards:
-            rows = sh.rows[1] - sh.rows[0]
-            if rows <= 0 or sh.cols[1] <= sh.cols[0]:
-                continue
-            out[sh.device].append(
-                ShardWork(
-                    table_rows=t.num_rows,
-                    rows=rows,
-                    row_start=sh.rows[0],
-                    width=sh.cols[1] - sh.cols[0],
-                    bags=max(1, batch_size // num_devices)
-                    if kind == "data_parallel"
-                    else batch_size,
-                    hotness=max(1, math.ceil(t.pooling_factor)),
-                    zipf=t.zipf_exponent,
-                    kind=kind,
-                )
-            )
+            w = work_of(t, tp.sharding, sh.rows, sh.cols[1] - sh.cols[0], num_devices, batch_size)
+            if w is not None:
+                out[sh.device].append(w)
     return out

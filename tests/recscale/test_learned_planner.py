@@ -24,18 +24,19 @@ def test_zipf_ids_put_the_hottest_row_first_at_its_share():
     ids = shard_cost.zipf_ids(10_000, 1.1, (200_000,), rng)
     assert ids.min() >= 0 and ids.max() < 10_000
     share = np.mean(ids == 0)
-    assert share == pytest.approx(shard_cost.hot_share(10_000, 1.1), rel=0.1)
+    assert share == pytest.approx(planner.hot_fraction(10_000, 1.1), rel=0.1)
     assert np.mean(shard_cost.zipf_ids(10_000, 0.0, (200_000,), rng) == 0) < 5e-4
 
 
 def test_device_inputs_pool_each_shard_as_its_own_table():
     """The harness's stacked buffers and keys give each slot the pooled rows of its own shard
     (a row-wise shard: only the ids in its rows), as the engine's lookup forms them."""
+    rw = dict(table_rows=90, rows=30, row_start=30, kind="row_wise")
     shards = [
         ShardWork(table_rows=50, rows=50, width=8, bags=16, hotness=3, zipf=1.0),
-        ShardWork(table_rows=90, rows=30, row_start=30, width=8, bags=16, hotness=2, kind="row_wise"),
+        ShardWork(width=8, bags=16, hotness=2, **rw),
         ShardWork(table_rows=40, rows=40, width=4, bags=16, hotness=1),
-    ]  # fmt: skip
+    ]
     parts = shard_cost.device_inputs(shards, pad_hotness=5, seed=3)
     assert [(r, k.shape, w) for r, k, w in parts] == [(40, (16, 5), 4), (80, (32, 5), 8)]
     rows8, keys8, _ = parts[1]
