@@ -19,7 +19,8 @@ same training samples (least squares through the origin, as ``CostModel.calibrat
 and prints both models' held-out error (MAPE) and rank correlation.
 
 A saved model is one ``.npz`` of float arrays and a JSON string (loaded with
-``allow_pickle=False``: nothing in it is executed). :class:`CostPredictor` evaluates it in numpy
+``allow_pickle=False``: nothing in it is executed); a missing, corrupt or changed model file is
+a ``ConfigError`` (the CLIs print one line naming it). :class:`CostPredictor` evaluates it in numpy
 (the planner's search calls it thousands of times; a jitted call's dispatch would dominate).
 """
 
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recscale.config_io import ConfigError
 from recscale.embeddings import planner
 from recscale.embeddings.shard_cost import KINDS, ShardWork, distinct_share, valid_share
 
@@ -243,12 +245,12 @@ class CostPredictor:
                 weights = {k: np.asarray(z[k]) for k in z.files if k != "meta"}
                 meta = json.loads(str(z["meta"]))
         except Exception as e:  # noqa: BLE001 (zip, pickle-refusal, JSON, EOF: all "not a model")
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: not a learned cost model ({type(e).__name__}: {e})"
             ) from None
         missing = sorted(set(WEIGHTS) - set(weights))
         if missing or meta.get("features") != SHARD_FEATURES:
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: not a learned cost model of this version (missing {missing}, "
                 f"{meta.get('features')} shard features against {SHARD_FEATURES})"
             )
@@ -260,14 +262,14 @@ class CostPredictor:
         or if ``digest`` is given and the file's differs (:func:`file_digest`)."""
         p = model_path(profile, path)
         if not p.is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"no learned cost model for profile {profile!r} ({p} does not exist): measure a "
                 "cost table on that hardware (python benchmarks/cost_table.py) and train one "
                 "(python -m recscale.embeddings.fit_cost_model TABLE --out MODEL.npz), then "
                 "pass --embeddings.cost-model-path MODEL.npz"
             )
         if digest and file_digest(p) != digest:
-            raise ValueError(
+            raise ConfigError(
                 f"{p}: the learned cost model changed since this run planned with it (digest "
                 f"{file_digest(p)}, recorded {digest}); its plan would differ: restore that "
                 "file or start a new run"

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from recscale.config_io import ConfigError
 from recscale.embeddings import learned_cost, learned_planner, planner, shard_cost
 from recscale.embeddings.learned_cost import CostPredictor, Sample
 from recscale.embeddings.shard_cost import ShardWork
@@ -158,13 +159,13 @@ def test_a_saved_model_predicts_the_same_and_bad_files_say_which(trained, tmp_pa
     for s in te[:20]:
         assert again.seconds(list(s.shards), s.pad) == model.seconds(list(s.shards), s.pad)
     (tmp_path / "bad.npz").write_bytes(b"not a model")
-    with pytest.raises(ValueError, match=r"bad\.npz: not a learned cost model"):
+    with pytest.raises(ConfigError, match=r"bad\.npz: not a learned cost model"):
         CostPredictor.load(tmp_path / "bad.npz")
     digest = learned_cost.file_digest(tmp_path / "m.npz")
     assert CostPredictor.for_profile("x", tmp_path / "m.npz", digest=digest) is not None
-    with pytest.raises(ValueError, match="changed since this run planned"):
+    with pytest.raises(ConfigError, match="changed since this run planned"):
         CostPredictor.for_profile("x", tmp_path / "m.npz", digest="0" * 16)
-    with pytest.raises(ValueError, match="no learned cost model for profile 'tpu-v9'"):
+    with pytest.raises(ConfigError, match="no learned cost model for profile 'tpu-v9'"):
         CostPredictor.for_profile("tpu-v9")
     table = tmp_path / "t.jsonl"
     table.write_text('{"version": 1}\n{"task": "a", "pad": 1, "seconds": 1, "shards": [[1]]}\n')
@@ -286,7 +287,7 @@ def test_the_engine_plans_with_the_learned_model_and_records_its_digest(trained,
     other = CostPredictor(dict(trained[0].weights), trained[0].meta)
     other.weights["out_b"] = other.weights["out_b"] + 1  # another model at the same path
     other.save(tmp_path / "m.npz")
-    with pytest.raises(ValueError, match="changed since this run planned"):
+    with pytest.raises(ConfigError, match="changed since this run planned"):
         train(resolved, build_model, tmp_path / "run2")
 
 
